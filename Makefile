@@ -1,0 +1,28 @@
+# The two set-up commands of the README. Both create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+# The main job on embedded defaults: generate a media set, preprocess it, print the report.
+run: $(STAMP)
+	$(BIN)/weir demo --out .weir/demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python tests/benchmarks/bench_preprocess.py
+
+clean:
+	rm -rf .weir .pytest_cache .mypy_cache .ruff_cache

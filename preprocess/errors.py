@@ -1,0 +1,78 @@
+"""The one exception tree of the preprocess library.
+
+Every bad-input error is a :class:`MediaError` with a stable ``code`` that services map to a
+4xx JSON body. Errors that are the library's own fault are never ``MediaError``.
+
+    MediaError                      code
+    ├── EmptyMediaError             empty_media          zero bytes
+    ├── UnsupportedMediaError       unsupported_media    no decoder recognises the bytes
+    ├── CorruptMediaError           corrupt_media        recognised but truncated / undecodable
+    ├── MissingStreamError          no_video_stream / no_audio_stream
+    ├── AspectRatioError            aspect_ratio         max(h, w) / min(h, w) > 200
+    ├── DecompressionBombError      decompression_bomb   header declares too many pixels
+    ├── MediaTooLargeError          media_too_large      more bytes than allowed
+    └── BudgetExceededError         over_budget          over a token budget with policy "refuse"
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AspectRatioError",
+    "BudgetExceededError",
+    "CorruptMediaError",
+    "DecompressionBombError",
+    "EmptyMediaError",
+    "MediaError",
+    "MediaTooLargeError",
+    "MissingStreamError",
+    "UnsupportedMediaError",
+]
+
+
+class MediaError(ValueError):
+    """Base of every bad-input error; ``code`` is stable and machine-readable."""
+
+    code = "media_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+
+class EmptyMediaError(MediaError):
+    code = "empty_media"
+
+
+class UnsupportedMediaError(MediaError):
+    code = "unsupported_media"
+
+
+class CorruptMediaError(MediaError):
+    code = "corrupt_media"
+
+
+class MissingStreamError(MediaError):
+    """A container without the stream asked for (``no_video_stream`` or ``no_audio_stream``)."""
+
+    code = "missing_stream"
+
+
+class AspectRatioError(MediaError):
+    code = "aspect_ratio"
+
+
+class DecompressionBombError(MediaError):
+    code = "decompression_bomb"
+
+
+class MediaTooLargeError(MediaError):
+    code = "media_too_large"
+
+
+class BudgetExceededError(MediaError):
+    code = "over_budget"

@@ -1,0 +1,231 @@
+"""Processor outputs as records, and their Arrow IPC form (what the cache stores and serves).
+
+Visual features are kept as the uint8 pixels of the resized frames, already in patch order;
+`pixel_values` applies the model's normalization on read through a 256-entry lookup table per
+channel. That is exact — normalization is a function of (channel, uint8 value) only — and it
+keeps the cache 4× (video) to 8× (image, whose temporal copy is a broadcast) smaller than
+float32. Audio features are float32 log-mels of the valid frames only.
+
+This module does not decode media and does not know where bytes are stored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+__all__ = [
+    "AudioFeatures",
+    "Features",
+    "ImageFeatures",
+    "Normalization",
+    "VideoFeatures",
+    "features_from_arrow",
+    "features_to_arrow",
+    "normalization_lut",
+]
+
+Normalization = Literal["pil", "fused"]
+_META_KEY = b"weir"
+FORMAT_VERSION = 1
+
+
+@lru_cache(maxsize=16)
+def normalization_lut(
+    norm: Normalization, mean: tuple[float, ...], std: tuple[float, ...]
+) -> np.ndarray:
+    """float32 (C, 256): the normalized value of each uint8 level per channel.
+
+    ``pil``: ``(float32(u8 · (1/255) in float64) − mean) / std`` in float32, as transformers'
+    PIL backend (`Qwen2VLImageProcessorPil`). ``fused``: ``(float32(u8) − 255·mean) / (255·std)``
+    as its torchvision backend and the Qwen2-VL video processor compute it. The two differ by
+    at most 2.4e-7.
+    """
+    levels = np.arange(256, dtype=np.float64)
+    if norm == "pil":
+        x = (levels * (1 / 255)).astype(np.float32)
+        m = np.asarray(mean, dtype=np.float32)[:, None]
+        s = np.asarray(std, dtype=np.float32)[:, None]
+        lut = (x[None, :] - m) / s
+    elif norm == "fused":
+        import torch
+
+        # Same tensor ops as transformers' `_fuse_mean_std_and_rescale_factor` + `normalize`.
+        mt = torch.tensor(mean) * (1.0 / (1 / 255))
+        st = torch.tensor(std) * (1.0 / (1 / 255))
+        x_t = torch.arange(256, dtype=torch.float32)[None, :].repeat(len(mean), 1)
+        lut = x_t.sub_(mt[:, None]).div_(st[:, None]).numpy()
+    else:
+        raise ValueError(f"unknown normalization {norm!r}")
+    out = np.ascontiguousarray(lut, dtype=np.float32)
+    out.setflags(write=False)
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Visual:
+    key: str
+    patches: np.ndarray  # uint8 (N, C, T_stored, P*P): rows in pixel_values order
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    temporal_patch_size: int
+    norm: Normalization
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    source_size: tuple[int, int]  # (height, width) after EXIF orientation
+    resized_size: tuple[int, int]  # (height, width)
+
+    @property
+    def num_patches(self) -> int:
+        return int(self.patches.shape[0])
+
+    @property
+    def pixel_values(self) -> np.ndarray:
+        """float32 (N, C·T·P·P), exactly the processor's ``pixel_values``."""
+        n, channels, t_stored, pp = self.patches.shape
+        lut = normalization_lut(self.norm, self.image_mean, self.image_std)
+        out = np.empty((n, channels, self.temporal_patch_size, pp), dtype=np.float32)
+        for c in range(channels):
+            values = lut[c][self.patches[:, c]]  # (N, T_stored, PP)
+            out[:, c] = values  # broadcasts T_stored=1 to T for single images
+        return out.reshape(n, channels * self.temporal_patch_size * pp)
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "grid_thw": list(self.grid_thw),
+            "num_tokens": self.num_tokens,
+            "temporal_patch_size": self.temporal_patch_size,
+            "norm": self.norm,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+            "source_size": list(self.source_size),
+            "resized_size": list(self.resized_size),
+            "patch_shape": list(self.patches.shape[1:]),
+        }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ImageFeatures(_Visual):
+    kind: Literal["image"] = "image"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VideoFeatures(_Visual):
+    frame_indices: tuple[int, ...]
+    total_frames: int
+    video_fps: float
+    sample_fps: float
+    second_per_grid_t: float
+    kind: Literal["video"] = "video"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AudioFeatures:
+    key: str
+    input_features: np.ndarray  # float32 (n_mels, L): valid frames only
+    num_tokens: int
+    num_samples: int  # at the model's sampling rate, after any truncation
+    source_seconds: float
+    truncated: bool
+    kind: Literal["audio"] = "audio"
+
+    @property
+    def num_frames(self) -> int:
+        return int(self.input_features.shape[1])
+
+
+Features = ImageFeatures | VideoFeatures | AudioFeatures
+
+
+def _fixed_rows(array: np.ndarray) -> pa.FixedSizeListArray:
+    flat = np.ascontiguousarray(array).reshape(array.shape[0], -1)
+    width = flat.shape[1]
+    return pa.FixedSizeListArray.from_arrays(pa.array(flat.reshape(-1)), width)
+
+
+def features_to_arrow(features: Features, *, materialize: bool = False) -> bytes:
+    """One item as a complete Arrow IPC stream (schema + one record batch + end marker).
+
+    ``materialize=True`` writes float32 ``pixel_values`` instead of the compact uint8 patches,
+    for consumers that do not want to apply the lookup table themselves.
+    """
+    meta: dict[str, Any] = {"format": FORMAT_VERSION, "kind": features.kind}
+    if isinstance(features, AudioFeatures):
+        column, values = "input_features", features.input_features
+        meta.update(
+            key=features.key,
+            num_tokens=features.num_tokens,
+            num_samples=features.num_samples,
+            source_seconds=features.source_seconds,
+            truncated=features.truncated,
+        )
+    else:
+        meta.update(features._meta())
+        if isinstance(features, VideoFeatures):
+            meta.update(
+                frame_indices=list(features.frame_indices),
+                total_frames=features.total_frames,
+                video_fps=features.video_fps,
+                sample_fps=features.sample_fps,
+                second_per_grid_t=features.second_per_grid_t,
+            )
+        if materialize:
+            column, values = "pixel_values", features.pixel_values
+        else:
+            column, values = "patches", features.patches
+    batch = pa.record_batch([_fixed_rows(values)], names=[column])
+    schema = batch.schema.with_metadata({_META_KEY: json.dumps(meta, separators=(",", ":"))})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+    return sink.getvalue().to_pybytes()
+
+
+def features_from_arrow(data: bytes | memoryview | pa.Buffer) -> Features:
+    """Inverse of `features_to_arrow` for the compact form; zero-copy over ``data``."""
+    buffer = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
+    reader = pa.ipc.open_stream(buffer)
+    batch = reader.read_next_batch()
+    meta = json.loads(reader.schema.metadata[_META_KEY])
+    column = batch.column(0)
+    flat = column.values.to_numpy(zero_copy_only=True)
+    rows = len(column)
+    if meta["kind"] == "audio":
+        return AudioFeatures(
+            key=meta["key"],
+            input_features=flat.reshape(rows, -1),
+            num_tokens=meta["num_tokens"],
+            num_samples=meta["num_samples"],
+            source_seconds=meta["source_seconds"],
+            truncated=meta["truncated"],
+        )
+    if batch.schema.names[0] != "patches":
+        raise ValueError("materialized pixel_values cannot be read back as compact features")
+    common: dict[str, Any] = dict(
+        key=meta["key"],
+        patches=flat.reshape(rows, *meta["patch_shape"]),
+        grid_thw=tuple(meta["grid_thw"]),
+        num_tokens=meta["num_tokens"],
+        temporal_patch_size=meta["temporal_patch_size"],
+        norm=meta["norm"],
+        image_mean=tuple(meta["image_mean"]),
+        image_std=tuple(meta["image_std"]),
+        source_size=tuple(meta["source_size"]),
+        resized_size=tuple(meta["resized_size"]),
+    )
+    if meta["kind"] == "image":
+        return ImageFeatures(**common)
+    return VideoFeatures(
+        **common,
+        frame_indices=tuple(meta["frame_indices"]),
+        total_frames=meta["total_frames"],
+        video_fps=meta["video_fps"],
+        sample_fps=meta["sample_fps"],
+        second_per_grid_t=meta["second_per_grid_t"],
+    )

@@ -1,0 +1,129 @@
+"""Integer geometry of the Qwen processors: resized sizes, frame counts, grids, token counts.
+
+Pure arithmetic, no I/O. Two `smart_resize` variants exist upstream and disagree for sides under
+14 px, so both are here under the names of the libraries they reproduce:
+`smart_resize` (transformers ≥ 4.53, images) and `smart_resize_qwen_vl_utils` (qwen-vl-utils
+0.0.14, videos). Python's `round` (half to even) is required: 70×70 → 56×56, not 84×84.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import AspectRatioError
+
+__all__ = [
+    "MAX_ASPECT_RATIO",
+    "audio_num_frames",
+    "audio_num_tokens",
+    "audio_samples_for_tokens",
+    "frame_indices",
+    "smart_nframes",
+    "smart_resize",
+    "smart_resize_qwen_vl_utils",
+    "video_frame_max_pixels",
+]
+
+MAX_ASPECT_RATIO = 200
+
+
+def _check_aspect(height: int, width: int) -> None:
+    if min(height, width) <= 0:
+        raise AspectRatioError(f"image size {width}x{height} has an empty side")
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise AspectRatioError(
+            f"absolute aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:.1f} ({width}x{height})"
+        )
+
+
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 3136, max_pixels: int = 12845056
+) -> tuple[int, int]:
+    """(h', w') as transformers' Qwen2-VL image processors compute it."""
+    _check_aspect(height, width)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def smart_resize_qwen_vl_utils(
+    height: int, width: int, factor: int, min_pixels: float, max_pixels: float
+) -> tuple[int, int]:
+    """(h', w') as qwen-vl-utils 0.0.14 computes it (used for video frames)."""
+    _check_aspect(height, width)
+    h_bar = max(factor, round(height / factor) * factor)
+    w_bar = max(factor, round(width / factor) * factor)
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def smart_nframes(
+    total_frames: int,
+    video_fps: float,
+    *,
+    fps: float = 2.0,
+    min_frames: int = 4,
+    max_frames: int = 768,
+    frame_factor: int = 2,
+) -> int:
+    """Number of sampled frames, as qwen-vl-utils `smart_nframes` with ``fps`` given.
+
+    Returns 0 when the clip is too short to give ``frame_factor`` frames (the caller refuses it).
+    """
+    min_f = math.ceil(min_frames / frame_factor) * frame_factor
+    max_f = math.floor(min(max_frames, total_frames) / frame_factor) * frame_factor
+    n = total_frames / video_fps * fps
+    n = min(min(max(n, min_f), max_f), total_frames)
+    nframes = math.floor(n / frame_factor) * frame_factor
+    if not (frame_factor <= nframes <= total_frames):
+        return 0
+    return int(nframes)
+
+
+def frame_indices(total_frames: int, nframes: int) -> list[int]:
+    """``round(linspace(0, T-1, n))`` in float32 with ties to even, as torch computes it."""
+    import torch
+
+    return [int(i) for i in torch.linspace(0, total_frames - 1, nframes).round().long().tolist()]
+
+
+def video_frame_max_pixels(
+    nframes: int, *, min_pixels: float, max_pixels: float, total_pixels: float, frame_factor: int = 2
+) -> float:
+    """Per-frame pixel cap: the total budget shared across frames, floored at 1.05 × min."""
+    cap = max(min(max_pixels, total_pixels / nframes * frame_factor), int(min_pixels * 1.05))
+    return min(max_pixels, cap)
+
+
+def audio_num_frames(num_samples: int, hop_length: int = 160) -> int:
+    """Valid mel frames L = ceil(N / hop)."""
+    return -(-num_samples // hop_length)
+
+
+def audio_num_tokens(num_frames: int) -> int:
+    """Tokens of the Qwen2-Audio / Qwen2.5-Omni audio tower for L mel frames."""
+    if num_frames <= 0:
+        return 0
+    after_cnn = (num_frames - 1) // 2 + 1
+    return max(0, (after_cnn - 2) // 2 + 1)
+
+
+def audio_samples_for_tokens(max_tokens: int, hop_length: int = 160) -> int:
+    """The most samples whose token count is at most ``max_tokens`` (L = 4k + 2 frames)."""
+    return (4 * max_tokens + 2) * hop_length

@@ -1,0 +1,60 @@
+"""Images: decode once with Pillow, resize on the model's grid, keep uint8 patches.
+
+Bit-exact with transformers 5.19 `Qwen2VLImageProcessorPil` (Pillow bicubic resize; float64
+rescale then float32 normalize) and within 0.06 of its default torchvision backend, whose CPU
+resize kernel rounds differently. Behaviour of the pinned transformers version that this
+reproduces on purpose:
+
+* EXIF orientation is applied (as `transformers.image_utils.load_image` does).
+* Alpha is **dropped**, not composited: transformers ≤ 5.20 converts RGBA / LA / P with
+  `Image.convert("RGB")`, which keeps the colour channels as they are. (5.21+ composites onto
+  white; a spec for those versions would need its own pipeline version.)
+* GIF and other animated formats: the first frame.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from PIL import Image, ImageOps
+
+from .errors import CorruptMediaError
+from .features import ImageFeatures
+from .patches import patchify_image
+from .plan import MediaPlan
+from .probe import open_image
+from .spec import ProcessorSpec
+
+__all__ = ["decode_image", "image_features"]
+
+
+def decode_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int) -> np.ndarray:
+    """uint8 (H', W', 3) pixels of the resized image the plan describes."""
+    assert plan.resized_size is not None
+    image = open_image(data, max_pixels=max_decode_pixels)
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image) or image
+        if image.mode != "RGB":
+            image = image.convert("RGB")
+        height, width = plan.resized_size
+        if image.size != (width, height):
+            image = image.resize((width, height), Image.Resampling.BICUBIC)
+        return np.asarray(image, dtype=np.uint8)
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise CorruptMediaError(f"the image could not be decoded: {exc}") from None
+
+
+def image_features(key: str, pixels: np.ndarray, plan: MediaPlan, spec: ProcessorSpec) -> ImageFeatures:
+    assert plan.grid_thw is not None and plan.resized_size is not None
+    return ImageFeatures(
+        key=key,
+        patches=patchify_image(pixels, spec.patch_size, spec.merge_size),
+        grid_thw=plan.grid_thw,
+        num_tokens=plan.num_tokens,
+        temporal_patch_size=spec.temporal_patch_size,
+        norm="pil",
+        image_mean=spec.image_mean,
+        image_std=spec.image_std,
+        source_size=(plan.header.height, plan.header.width),
+        resized_size=plan.resized_size,
+    )
