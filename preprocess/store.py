@@ -70,7 +70,7 @@ class FeatureStore:
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
         self._write_lock = threading.Lock()
-        self._maps: dict[str, pa.MemoryMappedFile] = {}
+        self._maps: dict[str, pa.Buffer] = {}
         self._maps_lock = threading.Lock()
         self._touched: dict[str, float] = {}
         self._shard: str | None = None
@@ -118,16 +118,17 @@ class FeatureStore:
     def _read(self, shard: str, offset: int, length: int) -> pa.Buffer | None:
         with self._maps_lock:
             mapped = self._maps.get(shard)
-            if mapped is None or mapped.size() < offset + length:
+            if mapped is None or mapped.size < offset + length:
                 # Open shards grow: remap when an entry lies past the current mapping.
                 try:
-                    mapped = pa.memory_map(str(self._shard_path(shard)), "r")
+                    with pa.memory_map(str(self._shard_path(shard)), "r") as source:
+                        mapped = source.read_buffer()  # the whole map, zero-copy
                 except FileNotFoundError:
                     return None  # evicted between the index read and now: a miss
                 self._maps[shard] = mapped
-        if mapped.size() < offset + length:
+        if mapped.size < offset + length:
             return None
-        return mapped.read_at(length, offset)
+        return mapped.slice(offset, length)
 
     def _touch(self, shard: str) -> None:
         now = time.time()

@@ -1,0 +1,182 @@
+"""The dataset job behind ``weir prep``: every media item of a dataset into the feature cache.
+
+Rows are processed by a pool of worker processes, each with its own `FeatureStore` on the same
+root (the store is multi-process safe). Each row is one sample: its items are planned together
+under the sample budget. A bad item is recorded with its error code and the job goes on; a
+manifest (Parquet) maps every row and item to its cache key or its error, and a report sums it up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from tqdm import tqdm
+
+from .budget import TokenBudget
+from .dataset import iter_rows, row_media
+from .errors import MediaError
+from .features import features_to_arrow
+from .pipeline import process_bytes
+from .plan import plan_sample
+from .probe import probe
+from .spec import ProcessorSpec
+from .store import FeatureStore
+
+__all__ = ["ItemOutcome", "PrepReport", "run_prep"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ItemOutcome:
+    row: int
+    item: int
+    kind: str
+    source: str
+    raw_bytes: int
+    key: str | None = None
+    num_tokens: int = 0
+    tokens_unbudgeted: int = 0
+    feature_bytes: int = 0
+    cache_hit: bool = False
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+@dataclass(slots=True, kw_only=True)
+class PrepReport:
+    rows: int = 0
+    items: int = 0
+    failed: int = 0
+    cache_hits: int = 0
+    seconds: float = 0.0
+    tokens_before: dict[str, int] = field(default_factory=dict)
+    tokens_after: dict[str, int] = field(default_factory=dict)
+    raw_bytes: dict[str, int] = field(default_factory=dict)
+    feature_bytes: dict[str, int] = field(default_factory=dict)
+    failures: dict[str, int] = field(default_factory=dict)
+    manifest: str = ""
+
+    def add(self, outcome: ItemOutcome) -> None:
+        self.items += 1
+        if outcome.error_code is not None:
+            self.failed += 1
+            self.failures[outcome.error_code] = self.failures.get(outcome.error_code, 0) + 1
+            return
+        kind = outcome.kind
+        self.cache_hits += outcome.cache_hit
+        for table, value in (
+            (self.tokens_before, outcome.tokens_unbudgeted),
+            (self.tokens_after, outcome.num_tokens),
+            (self.raw_bytes, outcome.raw_bytes),
+            (self.feature_bytes, outcome.feature_bytes),
+        ):
+            table[kind] = table.get(kind, 0) + value
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+_worker: dict[str, Any] = {}
+
+
+def _init_worker(cache_dir: str, max_bytes: int, spec: ProcessorSpec, budget: TokenBudget) -> None:
+    _worker.update(store=FeatureStore(cache_dir, max_bytes), spec=spec, budget=budget)
+
+
+def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
+    row_index, row, base = task
+    store: FeatureStore = _worker["store"]
+    spec: ProcessorSpec = _worker["spec"]
+    budget: TokenBudget = _worker["budget"]
+    try:
+        refs = row_media(row, Path(base))
+    except MediaError as error:
+        return [ItemOutcome(row=row_index, item=0, kind="unknown", source="", raw_bytes=0,
+                            error_code=error.code, error_message=str(error))]
+    outcomes: dict[int, ItemOutcome] = {}
+    loaded: list[tuple[int, bytes]] = []
+    headers = []
+    for i, ref in enumerate(refs):
+        try:
+            data = ref.read()
+            headers.append(probe(data, ref.kind, max_decode_pixels=budget.max_decode_pixels))
+            loaded.append((i, data))
+        except MediaError as error:
+            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=ref.kind, source=ref.source, raw_bytes=0,
+                                      error_code=error.code, error_message=str(error))
+    try:
+        plans = plan_sample(headers, spec, budget)
+    except MediaError as error:
+        for i, _ in loaded:
+            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=refs[i].kind, source=refs[i].source,
+                                      raw_bytes=0, error_code=error.code, error_message=str(error))
+        plans = []
+    for (i, data), plan in zip(loaded, plans, strict=False):
+        ref = refs[i]
+        try:
+            done = process_bytes(data, ref.kind, spec, budget, store=store, plan=plan)
+        except MediaError as error:
+            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=ref.kind, source=ref.source,
+                                      raw_bytes=len(data), error_code=error.code, error_message=str(error))
+            continue
+        stored = store.get_bytes(done.key)
+        outcomes[i] = ItemOutcome(
+            row=row_index,
+            item=i,
+            kind=ref.kind,
+            source=ref.source,
+            raw_bytes=len(data),
+            key=done.key,
+            num_tokens=done.features.num_tokens,
+            tokens_unbudgeted=plan.tokens_unbudgeted,
+            feature_bytes=stored.size if stored is not None else len(features_to_arrow(done.features)),
+            cache_hit=done.cache_hit,
+        )
+    return [outcomes[i] for i in sorted(outcomes)]
+
+
+def run_prep(
+    dataset: Path,
+    out: Path,
+    spec: ProcessorSpec,
+    budget: TokenBudget | None = None,
+    *,
+    workers: int = 2,
+    cache_max_bytes: int = 10 << 30,
+    progress: bool = True,
+) -> PrepReport:
+    """Preprocess every media item of ``dataset`` into ``out/cache``; write ``out/manifest.parquet``."""
+    budget = budget or TokenBudget()
+    out.mkdir(parents=True, exist_ok=True)
+    base = str(dataset.resolve().parent)
+    tasks = [(i, row, base) for i, row in enumerate(iter_rows(dataset))]
+    report = PrepReport(rows=len(tasks))
+    outcomes: list[ItemOutcome] = []
+    start = time.perf_counter()
+    init_args = (str(out / "cache"), cache_max_bytes, spec, budget)
+    bar = tqdm(total=len(tasks), unit="row", disable=not progress, dynamic_ncols=True, desc="prep")
+    tokens, hits = Counter[str](), 0
+    with ProcessPoolExecutor(max_workers=max(1, workers), initializer=_init_worker, initargs=init_args) as pool:
+        for row_outcomes in pool.map(_process_row, tasks, chunksize=1):
+            for outcome in row_outcomes:
+                report.add(outcome)
+                outcomes.append(outcome)
+                tokens[outcome.kind] += outcome.num_tokens
+                hits += outcome.cache_hit
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(items=report.items, items_s=f"{report.items / max(elapsed, 1e-9):.1f}",
+                            tokens=sum(tokens.values()), hits=hits, failed=report.failed)
+            bar.update(1)
+    bar.close()
+    report.seconds = time.perf_counter() - start
+    manifest = out / "manifest.parquet"
+    table = pa.Table.from_pylist([asdict(o) for o in outcomes]) if outcomes else pa.table({"row": pa.array([], pa.int64())})
+    pq.write_table(table, manifest)
+    report.manifest = str(manifest)
+    return report

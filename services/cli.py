@@ -1,0 +1,130 @@
+"""The ``weir`` command line: serve a role, preprocess a dataset, run the demo job.
+
+Commands::
+
+    weir serve preprocess [--host H] [--port P] [--workers N]
+    weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
+    weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["build_parser", "main"]
+
+ROLES = {"preprocess": ("services.preprocess.app:app_factory", 8101)}
+
+
+def _add_budget(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("token budget")
+    for kind in ("image", "video", "audio", "sample"):
+        group.add_argument(f"--max-{kind}-tokens", type=int, default=None, metavar="N")
+    group.add_argument("--policy", choices=("shrink", "refuse"), default="shrink")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="weir", description="Weir: multimodal data pipeline for RL post-training")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve one role over HTTP")
+    serve.add_argument("role", choices=sorted(ROLES))
+    serve.add_argument("--host", default=None, help="default: WEIR_HOST or 127.0.0.1")
+    serve.add_argument("--port", type=int, default=None, help="default: the role's port (preprocess 8101)")
+    serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    serve.add_argument("--log-level", default="info")
+
+    prep = sub.add_parser("prep", help="preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
+    prep.add_argument("dataset", type=Path)
+    prep.add_argument("--out", type=Path, required=True, help="output folder: cache/, manifest.parquet, report.json")
+    prep.add_argument("--spec", default="qwen2_5_omni", help="qwen2_5_omni, qwen2_5_vl, or a model folder")
+    prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    prep.add_argument("--cache-max-bytes", type=int, default=10 << 30)
+    _add_budget(prep)
+
+    demo = sub.add_parser("demo", help="generate a media set and preprocess it (what `make run` runs)")
+    demo.add_argument("--out", type=Path, default=Path(".weir/demo"))
+    demo.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    return parser
+
+
+def _spec(name: str):  # type: ignore[no-untyped-def]
+    import preprocess as pp
+
+    if name in ("qwen2_5_omni", "qwen2_5_vl"):
+        return getattr(pp.ProcessorSpec, name)()
+    return pp.ProcessorSpec.from_pretrained(name)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    target, default_port = ROLES[args.role]
+    if args.host is not None:
+        os.environ["WEIR_HOST"] = args.host
+    host = os.environ.get("WEIR_HOST", "127.0.0.1")
+    port = args.port or default_port
+    # Settings are validated here, before uvicorn starts, so a bad variable fails fast by name.
+    from services.preprocess.settings import PreprocessSettings
+
+    PreprocessSettings()
+    uvicorn.run(target, factory=True, host=host, port=port, workers=args.workers, log_level=args.log_level)
+    return 0
+
+
+def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-untyped-def]
+    import json
+
+    import preprocess as pp
+    from preprocess.prep import run_prep
+
+    from .console import print_report
+
+    if budget is None:
+        budget = pp.TokenBudget(
+            max_image_tokens=args.max_image_tokens,
+            max_video_tokens=args.max_video_tokens,
+            max_audio_tokens=args.max_audio_tokens,
+            max_sample_tokens=args.max_sample_tokens,
+            policy=args.policy,
+        )
+    report = run_prep(args.dataset, args.out, _spec(args.spec), budget, workers=args.workers,
+                      cache_max_bytes=args.cache_max_bytes)
+    (args.out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    print_report(report, title=f"weir prep {args.dataset}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import preprocess as pp
+    from preprocess.demo import write_demo_dataset
+
+    from .console import console
+
+    console.print(f"[bold]Generating the demo media set in {args.out}/media[/bold]")
+    dataset = write_demo_dataset(args.out)
+    budget = pp.TokenBudget(max_image_tokens=4096, max_video_tokens=8192, max_audio_tokens=750)
+    prep_args = argparse.Namespace(dataset=dataset, out=args.out, spec="qwen2_5_omni", workers=args.workers,
+                                   cache_max_bytes=2 << 30)
+    console.print("[bold]Pass 1[/bold]: cold cache (budget: image 4096, video 8192, audio 750 tokens)")
+    _prep(prep_args, budget=budget)
+    console.print("[bold]Pass 2[/bold]: the same dataset again — every good item is a cache hit")
+    _prep(prep_args, budget=budget)
+    console.print(f"Report: {args.out / 'report.json'}   manifest: {args.out / 'manifest.parquet'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "prep":
+        return _prep(args)
+    return _demo(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Wire types of the preprocess role (pydantic models, no logic)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+__all__ = ["BudgetIn", "ItemResult", "MediaItem", "PlanResponse", "PreprocessRequest", "PreprocessResponse"]
+
+
+class MediaItem(BaseModel):
+    """One item: exactly one of ``data`` (base64 or data URI), ``path`` or ``url``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image", "video", "audio"]
+    data: str | None = None
+    path: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MediaItem:
+        given = [name for name in ("data", "path", "url") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of data, path or url (got {given or 'none'})")
+        return self
+
+
+class BudgetIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_tokens: int | None = Field(None, gt=0)
+    max_video_tokens: int | None = Field(None, gt=0)
+    max_audio_tokens: int | None = Field(None, gt=0)
+    max_sample_tokens: int | None = Field(None, gt=0)
+    policy: Literal["shrink", "refuse"] | None = None
+
+
+class PreprocessRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    items: list[MediaItem] = Field(min_length=1)
+    budget: BudgetIn | None = None
+
+
+class ItemResult(BaseModel):
+    index: int
+    key: str | None = None  # absent in plans: nothing is cached by planning
+    type: Literal["image", "video", "audio"]
+    num_tokens: int
+    tokens_unbudgeted: int
+    cache_hit: bool | None = None
+    exact: bool = True
+    grid_thw: list[int] | None = None
+    resized_size: list[int] | None = None
+    frame_indices: list[int] | None = None
+    second_per_grid_t: float | None = None
+    num_frames: int | None = None
+    num_samples: int | None = None
+    truncated: bool = False
+    shrunk: bool = False
+    feature_bytes: int | None = None
+
+
+class PreprocessResponse(BaseModel):
+    items: list[ItemResult]
+    num_tokens: int
+
+
+class PlanResponse(BaseModel):
+    items: list[ItemResult]
+    num_tokens: int

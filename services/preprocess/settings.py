@@ -1,0 +1,74 @@
+"""Settings of the preprocess role, from ``WEIR_*`` environment variables; validated at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+import preprocess as pp
+
+__all__ = ["PreprocessSettings"]
+
+
+class PreprocessSettings(BaseSettings):
+    """Every field is ``WEIR_<NAME>``; defaults serve the embedded (laptop) mode."""
+
+    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8101, ge=1, le=65535)
+    cache_dir: Path = Path(".weir/cache")
+    cache_max_bytes: int = Field(10 << 30, gt=0)
+    # Processor spec: a model folder with preprocessor_config.json, or a named preset.
+    model: Path | None = None
+    spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl"] = "qwen2_5_omni"
+    # Media sources.
+    media_roots: Annotated[list[Path], NoDecode] = []
+    allow_urls: bool = False
+    allow_private_urls: bool = False
+    url_max_bytes: int = Field(64 << 20, gt=0)
+    url_timeout_s: float = Field(10.0, gt=0)
+    max_body_bytes: int = Field(256 << 20, gt=0)
+    max_item_bytes: int = Field(128 << 20, gt=0)
+    max_items: int = Field(64, gt=0)
+    api_token: SecretStr | None = None
+    # Default budget, applied when a request names none.
+    max_image_tokens: int | None = Field(None, gt=0)
+    max_video_tokens: int | None = Field(None, gt=0)
+    max_audio_tokens: int | None = Field(None, gt=0)
+    max_sample_tokens: int | None = Field(None, gt=0)
+    budget_policy: Literal["shrink", "refuse"] = "shrink"
+    max_decode_pixels: int = Field(1 << 27, gt=0)
+
+    @field_validator("media_roots", mode="before")
+    @classmethod
+    def _split_roots(cls, value: object) -> object:
+        # WEIR_MEDIA_ROOTS=/data/a:/data/b (os.pathsep-separated, like PATH).
+        if isinstance(value, str):
+            return [p for p in value.split(":") if p]
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _model_folder(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value / "preprocessor_config.json").is_file():
+            raise ValueError(f"WEIR_MODEL={value} has no preprocessor_config.json")
+        return value
+
+    def spec(self) -> pp.ProcessorSpec:
+        if self.model is not None:
+            return pp.ProcessorSpec.from_pretrained(self.model)
+        return getattr(pp.ProcessorSpec, self.spec_preset)()
+
+    def default_budget(self) -> pp.TokenBudget:
+        return pp.TokenBudget(
+            max_image_tokens=self.max_image_tokens,
+            max_video_tokens=self.max_video_tokens,
+            max_audio_tokens=self.max_audio_tokens,
+            max_sample_tokens=self.max_sample_tokens,
+            policy=self.budget_policy,
+            max_decode_pixels=self.max_decode_pixels,
+        )

@@ -1,0 +1,571 @@
+"""Weir's preprocess library against its peers, side by side in one process, decode included.
+
+Every contender gets the same encoded bytes (JPEG images, libx264 mp4 clips, wav/mp3/... audio made
+by `preprocess.samples`) and does everything from those bytes to the model's float32 inputs:
+
+1. ``images``: images/s on a mix of JPEG photos (640x480 … 4000x3000). Weir
+   (``pp.process_image(b, spec).pixel_values``) vs transformers ``Qwen2VLImageProcessor``
+   (torchvision backend) and ``Qwen2VLImageProcessorPil`` fed ``Image.open(BytesIO(b)).convert("RGB")``,
+   and the decode-only floor (Pillow open + load). Goals: weir ≥ 2× both; weir ≤ 2.5× the floor.
+2. ``video``: clips/s. Weir (``pp.process_video(b, spec).pixel_values``) vs qwen-vl-utils
+   ``fetch_video`` (decord, from a temp file) + transformers ``Qwen2VLVideoProcessor``. Goal ≥ 3×.
+3. ``audio``: audio seconds/s on clips under 30 s. Weir (``pp.process_audio``) vs PyAV decode to
+   float mono + ``torchaudio.functional.resample`` + ``WhisperFeatureExtractor`` as Qwen2.5-Omni
+   configures it (128 mels, padded to 300 s). Goal ≥ 5×.
+4. ``cache``: a cold ``process_bytes(..., store=store)`` on a fresh `FeatureStore` vs a cache hit
+   (the same call again) vs a raw fetch (``store.get_bytes`` + ``features_from_arrow``), each both
+   without and with materializing ``pixel_values``. Goal: hit ≥ 20× faster than cold.
+5. ``bytes``: encoded file bytes vs cached entry bytes vs float32 feature bytes.
+
+Each contender is warmed up once; every timing is ``time.perf_counter`` around one call, and the
+reported time of an item is the median over the repeats (contenders interleaved within a repeat).
+Rates over a group are ``items / Σ median seconds``. Parity (max |Δ| against each peer's output)
+is reported next to the rates, so the work compared is seen to be the same.
+
+Output: one JSON line per measurement on stdout, then one ``{"bench": "summary", ...}`` line;
+progress bars go to stderr. Run from the repository root::
+
+    .venv/bin/python tests/benchmarks/bench_preprocess.py --quick   # < ~2 min on 2 cores
+    .venv/bin/python tests/benchmarks/bench_preprocess.py           # the full run, < ~8 min
+
+This is a script, not a pytest module: nothing in it is named ``test_*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+import torchaudio.functional as taf
+import transformers
+from PIL import Image
+from qwen_vl_utils import vision_process
+from tqdm import tqdm
+from transformers import (
+    Qwen2VLImageProcessor,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLVideoProcessor,
+    WhisperFeatureExtractor,
+)
+
+import preprocess as pp
+from preprocess import samples
+
+MIN_PIXELS = 3136
+MAX_PIXELS = 12845056
+TARGET_RATE = 16000
+
+Call = Callable[[], Any]
+
+
+# -- output --------------------------------------------------------------------------------------
+def emit(record: dict[str, Any]) -> None:
+    """One JSON line on stdout (progress bars are on stderr, so the two never interleave)."""
+    print(json.dumps(record, separators=(", ", ": ")), flush=True)
+
+
+def rounded(value: float, digits: int = 4) -> float:
+    return float(f"{value:.{digits}g}")
+
+
+@dataclass
+class Goals:
+    """Targets checked in the summary line."""
+
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def check(self, name: str, value: float, goal: float, *, at_least: bool = True) -> None:
+        met = value >= goal if at_least else value <= goal
+        self.rows.append(
+            {"goal": name, "value": rounded(value), "target": f"{'>=' if at_least else '<='} {goal}", "met": met}
+        )
+
+
+# -- timing --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Item:
+    """One encoded input; ``group`` names the rows it is aggregated into."""
+
+    name: str
+    group: str
+    data: bytes
+    path: Path | None = None  # for peers that read files
+    seconds: float = 0.0  # audio duration
+
+
+def measure(
+    contenders: dict[str, Callable[[Item], Any]],
+    items: Sequence[Item],
+    repeats: int,
+    desc: str,
+    keep: set[int] | None = None,
+) -> tuple[dict[str, list[float]], dict[str, dict[int, Any]]]:
+    """Median seconds per (contender, item), and the outputs of the ``keep`` items' first repeat.
+
+    Each contender is warmed up once on the first item. Within a repeat the contenders take turns
+    on each item, their order rotating by repeat, so drift in the machine's speed is shared.
+    """
+    keep = keep or set()
+    names = list(contenders)
+    for name in names:
+        contenders[name](items[0])
+    times: dict[str, list[list[float]]] = {name: [[] for _ in items] for name in names}
+    kept: dict[str, dict[int, Any]] = {name: {} for name in names}
+    with tqdm(total=repeats * len(items) * len(names), desc=desc, file=sys.stderr, leave=False) as bar:
+        for rep in range(repeats):
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for index, item in enumerate(items):
+                for name in order:
+                    call = contenders[name]
+                    start = time.perf_counter()
+                    out = call(item)
+                    times[name][index].append(time.perf_counter() - start)
+                    if rep == 0 and index in keep:
+                        kept[name][index] = out
+                    del out
+                    bar.update()
+    medians = {name: [statistics.median(ts) for ts in per_item] for name, per_item in times.items()}
+    return medians, kept
+
+
+def median_of(fn: Call, repeats: int, *, bar: tqdm | None = None) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls, after one warm-up call."""
+    fn()
+    times: list[float] = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+        if bar is not None:
+            bar.update()
+    return statistics.median(times)
+
+
+def pixel_values(features: pp.Features) -> np.ndarray:
+    assert not isinstance(features, pp.AudioFeatures)
+    return features.pixel_values
+
+
+def max_abs_diff(a: Any, b: Any) -> float | None:
+    x = np.asarray(a.numpy() if isinstance(a, torch.Tensor) else a, dtype=np.float32)
+    y = np.asarray(b.numpy() if isinstance(b, torch.Tensor) else b, dtype=np.float32)
+    if x.shape != y.shape:
+        return None
+    return float(np.abs(x - y).max()) if x.size else 0.0
+
+
+def group_rates(
+    medians: dict[str, list[float]], items: Sequence[Item], weight: Callable[[Item], float]
+) -> dict[str, dict[str, tuple[float, float]]]:
+    """{group: {contender: (work, Σ median seconds)}} for each group and for ``all``."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    groups = list(dict.fromkeys(item.group for item in items)) + ["all"]
+    for group in groups:
+        chosen = [i for i, item in enumerate(items) if group in ("all", item.group)]
+        work = sum(weight(items[i]) for i in chosen)
+        out[group] = {name: (work, sum(per_item[i] for i in chosen)) for name, per_item in medians.items()}
+    return out
+
+
+# -- inputs --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Config:
+    quick: bool
+    image_mix: tuple[tuple[int, int, int], ...]  # (width, height, count)
+    image_repeats: int
+    clips: tuple[tuple[int, int, int, int], ...]  # (width, height, fps, seconds)
+    video_repeats: int
+    audio_clips: tuple[tuple[float, str], ...]  # (seconds, format); 44.1 kHz stereo
+    audio_repeats: int
+    cold_repeats: int
+    hit_repeats: int
+
+    @classmethod
+    def make(cls, quick: bool) -> Config:
+        if quick:
+            return cls(
+                quick=True,
+                image_mix=((640, 480, 3), (1280, 720, 3), (1920, 1080, 2), (4000, 3000, 1)),
+                image_repeats=3,
+                clips=((640, 360, 25, 3), (1280, 720, 30, 10)),
+                video_repeats=3,
+                audio_clips=((5, "wav"), (5, "mp3"), (20, "wav"), (20, "mp3")),
+                audio_repeats=3,
+                cold_repeats=3,
+                hit_repeats=20,
+            )
+        return cls(
+            quick=False,
+            image_mix=((640, 480, 8), (1280, 720, 8), (1920, 1080, 6), (4000, 3000, 3)),
+            image_repeats=5,
+            clips=((640, 360, 25, 3), (1280, 720, 30, 10), (1920, 1080, 30, 10)),
+            video_repeats=5,
+            audio_clips=tuple((secs, fmt) for secs in (5, 20) for fmt in ("wav", "mp3", "flac", "ipod")),
+            audio_repeats=5,
+            cold_repeats=5,
+            hit_repeats=100,
+        )
+
+
+def make_images(config: Config) -> list[Item]:
+    items: list[Item] = []
+    jobs = [(w, h, k) for w, h, count in config.image_mix for k in range(count)]
+    for w, h, k in tqdm(jobs, desc="making images", file=sys.stderr, leave=False):
+        pixels = samples.test_pattern(w, h, seed=1000 * k + w)
+        items.append(Item(f"{w}x{h}#{k}", f"{w}x{h}", samples.encode_image(pixels, "JPEG", quality=90)))
+    return items
+
+
+def make_clips(config: Config, folder: Path) -> list[Item]:
+    items: list[Item] = []
+    for w, h, fps, secs in tqdm(config.clips, desc="making clips", file=sys.stderr, leave=False):
+        name = f"{w}x{h}@{fps}x{secs}s"
+        data = samples.make_video(w, h, fps, fps * secs)
+        path = folder / f"{name}.mp4"
+        path.write_bytes(data)
+        items.append(Item(name, name, data, path=path, seconds=float(secs)))
+    return items
+
+
+def make_sounds(config: Config) -> list[Item]:
+    items: list[Item] = []
+    for secs, fmt in tqdm(config.audio_clips, desc="making audio", file=sys.stderr, leave=False):
+        data = samples.make_audio(secs, 44100, 2, fmt)
+        items.append(Item(f"{secs}s.{fmt}", f"{secs}s.{fmt}", data, seconds=float(secs)))
+    return items
+
+
+# -- contenders ------------------------------------------------------------------------------------
+def open_rgb(data: bytes) -> Image.Image:
+    return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def decode_floor(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def pyav_mono(data: bytes) -> tuple[np.ndarray, int]:
+    """float32 mono (channel average) and the native rate, decoded with PyAV."""
+    chunks: list[np.ndarray] = []
+    with av.open(io.BytesIO(data)) as container:
+        stream = container.streams.audio[0]
+        rate = int(stream.rate)
+        for frame in container.decode(stream):
+            array = frame.to_ndarray()
+            if not frame.format.is_planar:
+                array = array.reshape(-1, len(frame.layout.channels)).T
+            if array.dtype.kind == "i":
+                array = array.astype(np.float32) / float(-np.iinfo(array.dtype).min)
+            chunks.append(array.astype(np.float32, copy=False).mean(axis=0, dtype=np.float32))
+    return np.concatenate(chunks), rate
+
+
+@dataclass
+class Peers:
+    image_tv: Qwen2VLImageProcessor
+    image_pil: Qwen2VLImageProcessorPil
+    video: Qwen2VLVideoProcessor
+    audio: WhisperFeatureExtractor
+
+    @classmethod
+    def make(cls) -> Peers:
+        # qwen-vl-utils picks torchcodec over decord when it is installed: pin decord, as the brief compares.
+        vision_process.FORCE_QWENVL_VIDEO_READER = "decord"
+        vision_process.get_video_reader_backend.cache_clear()
+        return cls(
+            image_tv=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+            image_pil=Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
+            video=Qwen2VLVideoProcessor(
+                size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, cap_pixels_per_frame=False
+            ),
+            audio=WhisperFeatureExtractor(
+                feature_size=128, sampling_rate=TARGET_RATE, hop_length=160, chunk_length=300, n_fft=400
+            ),
+        )
+
+    def video_pixels(self, path: Path) -> torch.Tensor:
+        frames = vision_process.fetch_video({"video": str(path)})
+        return self.video(videos=[frames], do_sample_frames=False, return_tensors="pt")["pixel_values_videos"]
+
+    def audio_features(self, data: bytes) -> np.ndarray:
+        wave, rate = pyav_mono(data)
+        resampled = taf.resample(torch.from_numpy(wave), rate, TARGET_RATE).numpy()
+        out = self.audio(resampled, sampling_rate=TARGET_RATE, return_tensors="np", return_attention_mask=True)
+        return out["input_features"]
+
+
+# -- benches ---------------------------------------------------------------------------------------
+def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals) -> list[Item]:
+    items = make_images(config)
+    contenders: dict[str, Callable[[Item], Any]] = {
+        "weir": lambda it: pp.process_image(it.data, spec).pixel_values,
+        "hf_torchvision": lambda it: peers.image_tv(open_rgb(it.data), return_tensors="pt")["pixel_values"],
+        "hf_pil": lambda it: peers.image_pil(open_rgb(it.data), return_tensors="np")["pixel_values"],
+        "decode_floor": lambda it: decode_floor(it.data),
+    }
+    firsts = {item.group: i for i, item in reversed(list(enumerate(items)))}
+    medians, kept = measure(contenders, items, config.image_repeats, "images", keep=set(firsts.values()))
+    parity = {
+        group: {peer: max_abs_diff(kept["weir"][i], kept[peer][i]) for peer in ("hf_pil", "hf_torchvision")}
+        for group, i in firsts.items()
+    }
+    for group, per in group_rates(medians, items, lambda _: 1.0).items():
+        weir_work, weir_s = per["weir"]
+        for name, (work, secs) in per.items():
+            record: dict[str, Any] = {
+                "bench": "images",
+                "group": group,
+                "contender": name,
+                "items": int(work),
+                "items_per_s": rounded(work / secs),
+                "ms_per_item": rounded(1000 * secs / work),
+            }
+            if name == "weir":
+                record["ratio_vs_hf_torchvision"] = rounded(per["hf_torchvision"][1] / weir_s)
+                record["ratio_vs_hf_pil"] = rounded(per["hf_pil"][1] / weir_s)
+                record["weir_time_over_decode_floor"] = rounded(weir_s / per["decode_floor"][1])
+                if group in parity:
+                    record["max_abs_diff_vs"] = {k: v if v is None else rounded(v, 3) for k, v in parity[group].items()}
+            emit(record)
+        if group == "all":
+            goals.check("images: weir speedup vs hf_torchvision", per["hf_torchvision"][1] / weir_s, 2.0)
+            goals.check("images: weir speedup vs hf_pil", per["hf_pil"][1] / weir_s, 2.0)
+            goals.check("images: weir time / decode floor", weir_s / per["decode_floor"][1], 2.5, at_least=False)
+    return items
+
+
+def bench_video(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals, folder: Path) -> list[Item]:
+    items = make_clips(config, folder)
+    contenders: dict[str, Callable[[Item], Any]] = {
+        "weir": lambda it: pp.process_video(it.data, spec).pixel_values,
+        "qwen_vl_utils+hf": lambda it: peers.video_pixels(it.path),
+    }
+    medians, kept = measure(contenders, items, config.video_repeats, "video", keep=set(range(len(items))))
+    for group, per in group_rates(medians, items, lambda _: 1.0).items():
+        weir_s = per["weir"][1]
+        for name, (work, secs) in per.items():
+            record: dict[str, Any] = {
+                "bench": "video",
+                "group": group,
+                "contender": name,
+                "clips": int(work),
+                "items_per_s": rounded(work / secs),
+                "ms_per_item": rounded(1000 * secs / work),
+            }
+            if name == "weir":
+                record["ratio_vs_qwen_vl_utils+hf"] = rounded(per["qwen_vl_utils+hf"][1] / weir_s)
+                index = next((i for i, item in enumerate(items) if item.group == group), None)
+                if index is not None:
+                    diff = max_abs_diff(kept["weir"][index], kept["qwen_vl_utils+hf"][index])
+                    record["max_abs_diff"] = diff if diff is None else rounded(diff, 3)
+                    record["shape"] = list(kept["weir"][index].shape)
+            emit(record)
+        if group == "all":
+            goals.check("video: weir speedup vs qwen-vl-utils + hf", per["qwen_vl_utils+hf"][1] / weir_s, 3.0)
+    return items
+
+
+def bench_audio(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals) -> list[Item]:
+    items = make_sounds(config)
+    contenders: dict[str, Callable[[Item], Any]] = {
+        "weir": lambda it: pp.process_audio(it.data, spec).input_features,
+        "pyav+torchaudio+whisper": lambda it: peers.audio_features(it.data),
+    }
+    medians, kept = measure(contenders, items, config.audio_repeats, "audio", keep=set(range(len(items))))
+    for group, per in group_rates(medians, items, lambda it: it.seconds).items():
+        weir_s = per["weir"][1]
+        for name, (work, secs) in per.items():
+            record: dict[str, Any] = {
+                "bench": "audio",
+                "group": group,
+                "contender": name,
+                "audio_seconds": work,
+                "seconds_per_s": rounded(work / secs),
+                "ms_per_audio_second": rounded(1000 * secs / work),
+            }
+            if name == "weir":
+                record["ratio_vs_pyav+torchaudio+whisper"] = rounded(per["pyav+torchaudio+whisper"][1] / weir_s)
+                index = next((i for i, item in enumerate(items) if item.group == group), None)
+                if index is not None:
+                    ours = kept["weir"][index]
+                    theirs = kept["pyav+torchaudio+whisper"][index][0][:, : ours.shape[1]]
+                    diff = max_abs_diff(ours, theirs)
+                    record["max_abs_diff"] = diff if diff is None else rounded(diff, 3)
+                    record["frames"] = int(ours.shape[1])
+            emit(record)
+        if group == "all":
+            goals.check(
+                "audio: weir speedup vs pyav + torchaudio + whisper", per["pyav+torchaudio+whisper"][1] / weir_s, 5.0
+            )
+    return items
+
+
+@contextmanager
+def fresh_store(parent: Path) -> Iterator[pp.FeatureStore]:
+    with tempfile.TemporaryDirectory(dir=parent) as root:
+        store = pp.FeatureStore(root, 8 << 30)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def bench_cache(
+    config: Config, spec: pp.ProcessorSpec, item: Item, kind: pp.MediaKind, goals: Goals, folder: Path
+) -> None:
+    """Cold (fresh store) vs hit (same call again) vs raw fetch, without and with ``pixel_values``."""
+
+    def process(store: pp.FeatureStore) -> pp.ProcessedItem:
+        return pp.process_bytes(item.data, kind, spec, store=store)
+
+    def cold(materialize: bool) -> float:
+        """Median seconds of the first call on a fresh store (store creation untimed; one warm-up)."""
+        times: list[float] = []
+        for rep in range(config.cold_repeats + 1):
+            with fresh_store(folder) as store:
+                start = time.perf_counter()
+                out = process(store)
+                if materialize:
+                    pixel_values(out.features)
+                elapsed = time.perf_counter() - start
+                assert not out.cache_hit
+            if rep:
+                times.append(elapsed)
+            bar.update()
+        return statistics.median(times)
+
+    results: dict[str, float] = {}
+    total = 2 * (config.cold_repeats + 1) + 4 * config.hit_repeats
+    with tqdm(total=total, desc=f"cache {item.name}", file=sys.stderr, leave=False) as bar:
+        results["cold"] = cold(False)
+        results["cold+pixel_values"] = cold(True)
+        with fresh_store(folder) as store:
+            key = process(store).key
+
+            def hit() -> pp.Features:
+                out = process(store)
+                assert out.cache_hit
+                return out.features
+
+            def fetch() -> pp.Features:
+                buffer = store.get_bytes(key)
+                assert buffer is not None
+                return pp.features_from_arrow(buffer)
+
+            results["hit"] = median_of(hit, config.hit_repeats, bar=bar)
+            results["hit+pixel_values"] = median_of(lambda: pixel_values(hit()), config.hit_repeats, bar=bar)
+            results["fetch"] = median_of(fetch, config.hit_repeats, bar=bar)
+            results["fetch+pixel_values"] = median_of(lambda: pixel_values(fetch()), config.hit_repeats, bar=bar)
+    for name, secs in results.items():
+        base = results["cold+pixel_values" if name.endswith("+pixel_values") else "cold"]
+        emit(
+            {
+                "bench": "cache",
+                "item": item.name,
+                "kind": kind,
+                "contender": name,
+                "ms": rounded(1000 * secs),
+                "items_per_s": rounded(1 / secs),
+                "ratio_cold_over_this": rounded(base / secs),
+            }
+        )
+    goals.check(f"cache {item.name}: cold / hit", results["cold"] / results["hit"], 20.0)
+    goals.check(
+        f"cache {item.name}: cold / fetch, both with pixel_values",
+        results["cold+pixel_values"] / results["fetch+pixel_values"],
+        20.0,
+    )
+
+
+def bench_bytes(spec: pp.ProcessorSpec, items: Sequence[tuple[Item, pp.MediaKind]], folder: Path) -> None:
+    with fresh_store(folder) as store:
+        for item, kind in tqdm(items, desc="bytes", file=sys.stderr, leave=False):
+            processed = pp.process_bytes(item.data, kind, spec, store=store)
+            entry = store.get_bytes(processed.key)
+            assert entry is not None
+            features = processed.features
+            dense = features.input_features if isinstance(features, pp.AudioFeatures) else features.pixel_values
+            emit(
+                {
+                    "bench": "bytes",
+                    "item": item.name,
+                    "kind": kind,
+                    "encoded_bytes": len(item.data),
+                    "cache_entry_bytes": entry.size,
+                    "float32_bytes": int(dense.nbytes),
+                    "float32_over_cache_entry": rounded(dense.nbytes / entry.size),
+                    "cache_entry_over_encoded": rounded(entry.size / len(item.data)),
+                }
+            )
+
+
+# -- main ------------------------------------------------------------------------------------------
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--quick", action="store_true", help="fewer and smaller inputs, fewer repeats (< ~2 min)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = Config.make(args.quick)
+    started = time.perf_counter()
+    spec = pp.ProcessorSpec.qwen2_5_omni()
+    peers = Peers.make()
+    goals = Goals()
+    with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
+        folder = Path(tmp)
+        images = bench_images(config, spec, peers, goals)
+        clips = bench_video(config, spec, peers, goals, folder)
+        sounds = bench_audio(config, spec, peers, goals)
+        photo = next(item for item in images if item.group == "1920x1080")
+        bench_cache(config, spec, photo, "image", goals, folder)
+        bench_cache(config, spec, clips[min(1, len(clips) - 1)], "video", goals, folder)
+        per_size = list({item.group: item for item in images}.values())
+        bench_bytes(
+            spec,
+            [(it, "image") for it in per_size] + [(it, "video") for it in clips] + [(it, "audio") for it in sounds[:2]],
+            folder,
+        )
+    emit(
+        {
+            "bench": "summary",
+            "quick": config.quick,
+            "wall_s": rounded(time.perf_counter() - started),
+            "goals_met": sum(row["met"] for row in goals.rows),
+            "goals": len(goals.rows),
+            "results": goals.rows,
+            "env": {
+                "python": platform.python_version(),
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "pillow": Image.__version__,
+                "av": av.__version__,
+                "numpy": np.__version__,
+            },
+        }
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
