@@ -103,11 +103,11 @@ def row_media(row: dict[str, Any], base: Path) -> list[MediaRef]:
     for message in row.get("messages") or []:
         content = message.get("content") if isinstance(message, dict) else None
         for part in content if isinstance(content, list) else []:
-            kind = _PARTS.get(str(part.get("type")))
-            if kind is not None:
+            part_kind = _PARTS.get(str(part.get("type")))
+            if part_kind is not None:
                 value = _part_value(part, part["type"])
                 if value is not None:
-                    refs.append(_ref(kind, value, base))
+                    refs.append(_ref(part_kind, value, base))
             elif part.get("type") == "input_audio":
                 audio = part.get("input_audio") or {}
                 try:

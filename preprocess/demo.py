@@ -22,10 +22,18 @@ def write_demo_dataset(root: Path) -> Path:
     media = root / "media"
     media.mkdir(parents=True, exist_ok=True)
     files: dict[str, bytes] = {}
-    for i, (w, h, fmt) in enumerate([
-        (640, 480, "JPEG"), (1920, 1080, "JPEG"), (4000, 3000, "JPEG"), (800, 600, "PNG"),
-        (512, 512, "WEBP"), (320, 240, "GIF"), (300, 200, "BMP"), (1000, 37, "TIFF"),
-    ]):
+    for i, (w, h, fmt) in enumerate(
+        [
+            (640, 480, "JPEG"),
+            (1920, 1080, "JPEG"),
+            (4000, 3000, "JPEG"),
+            (800, 600, "PNG"),
+            (512, 512, "WEBP"),
+            (320, 240, "GIF"),
+            (300, 200, "BMP"),
+            (1000, 37, "TIFF"),
+        ]
+    ):
         files[f"photo{i}.{fmt.lower()}"] = samples.encode_image(samples.test_pattern(w, h, seed=i), fmt)
     files["rotated.jpeg"] = samples.encode_image(samples.test_pattern(600, 400, seed=9), "JPEG", exif_orientation=6)
     rgba = np.dstack([samples.test_pattern(256, 256, seed=10), np.full((256, 256), 128, np.uint8)])
@@ -53,10 +61,17 @@ def write_demo_dataset(root: Path) -> Path:
         {"video": "media/clip2.mp4", "audio": "media/clip2.mp4"},
         {"audios": ["media/speech.flac", "media/speech.mp3", "media/speech.ogg", "media/speech.m4a"]},
         {"audio": "media/long.wav"},
-        {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "media/photo0.jpeg"}},
-            {"type": "text", "text": "Describe the picture."},
-        ]}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "media/photo0.jpeg"}},
+                        {"type": "text", "text": "Describe the picture."},
+                    ],
+                }
+            ]
+        },
         {"image": "media/truncated.jpeg"},
         {"image": "media/noise.bin"},
         {"video": "media/speech.wav"},

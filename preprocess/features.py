@@ -36,9 +36,7 @@ FORMAT_VERSION = 1
 
 
 @lru_cache(maxsize=16)
-def normalization_lut(
-    norm: Normalization, mean: tuple[float, ...], std: tuple[float, ...]
-) -> np.ndarray:
+def normalization_lut(norm: Normalization, mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     """float32 (C, 256): the normalized value of each uint8 level per channel.
 
     ``pil``: ``(float32(u8 · (1/255) in float64) − mean) / std`` in float32, as transformers'

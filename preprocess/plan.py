@@ -23,7 +23,7 @@ from .grid import (
     smart_resize_qwen_vl_utils,
     video_frame_max_pixels,
 )
-from .probe import MediaHeader, MediaKind, probe, resampled_length
+from .probe import MediaHeader, MediaKind, detect_kind, probe, resampled_length
 from .source import MediaSource, read_source
 from .spec import ProcessorSpec
 
@@ -181,8 +181,7 @@ def _plan_audio(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -
     if n > spec.max_audio_samples:
         if budget.policy == "refuse":
             raise BudgetExceededError(
-                f"audio is {n / spec.sampling_rate:.2f} s, over the model's maximum of "
-                f"{spec.max_audio_seconds:g} s"
+                f"audio is {n / spec.sampling_rate:.2f} s, over the model's maximum of {spec.max_audio_seconds:g} s"
             )
         n, truncated = spec.max_audio_samples, True
     limit = budget.max_audio_tokens
@@ -226,17 +225,19 @@ def plan_media(
     spec: ProcessorSpec,
     budget: TokenBudget | None = None,
     *,
-    kind: MediaKind = "image",
+    kind: MediaKind | None = None,
 ) -> MediaPlan:
-    """Exact token count and grid of one item from its header; nothing is decoded."""
+    """Exact token count and grid of one item from its header; nothing is decoded.
+
+    ``kind`` is detected from the bytes when not given (see `detect_kind`).
+    """
     budget = budget or TokenBudget()
     data = read_source(source)
+    kind = kind or detect_kind(data)
     return plan_header(probe(data, kind, max_decode_pixels=budget.max_decode_pixels), spec, budget)
 
 
-def plan_sample(
-    headers: list[MediaHeader], spec: ProcessorSpec, budget: TokenBudget | None = None
-) -> list[MediaPlan]:
+def plan_sample(headers: list[MediaHeader], spec: ProcessorSpec, budget: TokenBudget | None = None) -> list[MediaPlan]:
     """Plans for the items of one sample, held to ``budget.max_sample_tokens`` together.
 
     Under ``shrink`` each item gets a share of the sample budget proportional to its own cost,
@@ -258,7 +259,5 @@ def plan_sample(
         shrunk.append(plan_header(plan.header, spec, budget.with_limit(plan.kind, share)))
     total = sum(p.num_tokens for p in shrunk)
     if total > limit:
-        raise BudgetExceededError(
-            f"the sample costs {total} tokens even after shrinking, over its budget of {limit}"
-        )
+        raise BudgetExceededError(f"the sample costs {total} tokens even after shrinking, over its budget of {limit}")
     return shrunk

@@ -97,8 +97,17 @@ def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
     try:
         refs = row_media(row, Path(base))
     except MediaError as error:
-        return [ItemOutcome(row=row_index, item=0, kind="unknown", source="", raw_bytes=0,
-                            error_code=error.code, error_message=str(error))]
+        return [
+            ItemOutcome(
+                row=row_index,
+                item=0,
+                kind="unknown",
+                source="",
+                raw_bytes=0,
+                error_code=error.code,
+                error_message=str(error),
+            )
+        ]
     outcomes: dict[int, ItemOutcome] = {}
     loaded: list[tuple[int, bytes]] = []
     headers = []
@@ -108,22 +117,43 @@ def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
             headers.append(probe(data, ref.kind, max_decode_pixels=budget.max_decode_pixels))
             loaded.append((i, data))
         except MediaError as error:
-            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=ref.kind, source=ref.source, raw_bytes=0,
-                                      error_code=error.code, error_message=str(error))
+            outcomes[i] = ItemOutcome(
+                row=row_index,
+                item=i,
+                kind=ref.kind,
+                source=ref.source,
+                raw_bytes=0,
+                error_code=error.code,
+                error_message=str(error),
+            )
     try:
         plans = plan_sample(headers, spec, budget)
     except MediaError as error:
         for i, _ in loaded:
-            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=refs[i].kind, source=refs[i].source,
-                                      raw_bytes=0, error_code=error.code, error_message=str(error))
+            outcomes[i] = ItemOutcome(
+                row=row_index,
+                item=i,
+                kind=refs[i].kind,
+                source=refs[i].source,
+                raw_bytes=0,
+                error_code=error.code,
+                error_message=str(error),
+            )
         plans = []
     for (i, data), plan in zip(loaded, plans, strict=False):
         ref = refs[i]
         try:
             done = process_bytes(data, ref.kind, spec, budget, store=store, plan=plan)
         except MediaError as error:
-            outcomes[i] = ItemOutcome(row=row_index, item=i, kind=ref.kind, source=ref.source,
-                                      raw_bytes=len(data), error_code=error.code, error_message=str(error))
+            outcomes[i] = ItemOutcome(
+                row=row_index,
+                item=i,
+                kind=ref.kind,
+                source=ref.source,
+                raw_bytes=len(data),
+                error_code=error.code,
+                error_message=str(error),
+            )
             continue
         stored = store.get_bytes(done.key)
         outcomes[i] = ItemOutcome(
@@ -170,13 +200,20 @@ def run_prep(
                 tokens[outcome.kind] += outcome.num_tokens
                 hits += outcome.cache_hit
             elapsed = time.perf_counter() - start
-            bar.set_postfix(items=report.items, items_s=f"{report.items / max(elapsed, 1e-9):.1f}",
-                            tokens=sum(tokens.values()), hits=hits, failed=report.failed)
+            bar.set_postfix(
+                items=report.items,
+                items_s=f"{report.items / max(elapsed, 1e-9):.1f}",
+                tokens=sum(tokens.values()),
+                hits=hits,
+                failed=report.failed,
+            )
             bar.update(1)
     bar.close()
     report.seconds = time.perf_counter() - start
     manifest = out / "manifest.parquet"
-    table = pa.Table.from_pylist([asdict(o) for o in outcomes]) if outcomes else pa.table({"row": pa.array([], pa.int64())})
+    table = (
+        pa.Table.from_pylist([asdict(o) for o in outcomes]) if outcomes else pa.table({"row": pa.array([], pa.int64())})
+    )
     pq.write_table(table, manifest)
     report.manifest = str(manifest)
     return report

@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedMediaError,
 )
 
-__all__ = ["MediaHeader", "MediaKind", "open_container", "open_image", "probe"]
+__all__ = ["MediaHeader", "MediaKind", "detect_kind", "open_container", "open_image", "probe"]
 
 MediaKind = Literal["image", "video", "audio"]
 
@@ -73,8 +73,7 @@ def open_image(data: bytes, *, max_pixels: int) -> Image.Image:
     width, height = image.size
     if width * height > max_pixels:
         raise DecompressionBombError(
-            f"image header declares {width}x{height} = {width * height} pixels, "
-            f"over the decode limit of {max_pixels}"
+            f"image header declares {width}x{height} = {width * height} pixels, over the decode limit of {max_pixels}"
         )
     return image
 
@@ -153,6 +152,23 @@ def _probe_audio(data: bytes) -> MediaHeader:
             num_samples=int(round(seconds * rate)),
             exact=codec.startswith(_EXACT_AUDIO_CODECS),
         )
+
+
+def detect_kind(data: bytes) -> MediaKind:
+    """Image if Pillow recognises the bytes, else video if FFmpeg finds a video stream, else audio."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            Image.open(io.BytesIO(data))
+        return "image"
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+        pass
+    with open_container(data) as container:
+        if container.streams.video:
+            return "video"
+        if container.streams.audio:
+            return "audio"
+    raise UnsupportedMediaError("the bytes hold no image, video or audio stream")
 
 
 def probe(data: bytes, kind: MediaKind, *, max_decode_pixels: int = 1 << 27) -> MediaHeader:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 from fractions import Fraction
+from typing import cast
 
 import av
 import numpy as np
@@ -17,8 +18,11 @@ from PIL import Image
 __all__ = ["encode_image", "make_audio", "make_video", "test_pattern"]
 
 
-def test_pattern(width: int, height: int, seed: int = 0, frame: int = 0) -> np.ndarray:
-    """uint8 (height, width, 3): gradient + sinusoid + checker, shifted by ``frame``."""
+def test_pattern(width: int, height: int, seed: int = 0, frame: int = 0, *, checker: bool = True) -> np.ndarray:
+    """uint8 (height, width, 3): gradient + sinusoid (+ a white checker band with hard edges).
+
+    ``checker=False`` gives photo-like content: smooth structure and sensor-like noise only.
+    """
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width].astype(np.float32)
     x = x + 3.0 * frame
@@ -28,8 +32,9 @@ def test_pattern(width: int, height: int, seed: int = 0, frame: int = 0) -> np.n
         grad = 255.0 * (x / max(width - 1, 1) * (c + 1) / 3 + y / max(height - 1, 1) * (3 - c) / 3) / 2
         wave = 40.0 * np.sin(x / (7.0 + 5 * c) + y / 11.0 + phase[c])
         out[..., c] = grad + wave
-    checker = ((x // 16).astype(int) + (y // 16).astype(int)) % 2 == 0
-    out[checker & (y < height / 3)] = 255.0
+    if checker:
+        squares = ((x // 16).astype(int) + (y // 16).astype(int)) % 2 == 0
+        out[squares & (y < height / 3)] = 255.0
     noise = rng.normal(0, 6.0, size=out.shape).astype(np.float32)
     return np.clip(out + noise, 0, 255).astype(np.uint8)
 
@@ -53,16 +58,22 @@ def _tone(seconds: float, rate: int, channels: int, seed: int = 0) -> np.ndarray
     return np.clip(np.stack(tracks), -1, 1).astype(np.float32)
 
 
-def _encode_audio(container: av.container.OutputContainer, codec: str, wave: np.ndarray, rate: int) -> None:
-    layout = "mono" if wave.shape[0] == 1 else "stereo"
-    stream = container.add_stream(codec, rate=rate, layout=layout)
+def _audio_stream(container: av.container.OutputContainer, codec: str, rate: int, channels: int) -> av.AudioStream:
+    layout = "mono" if channels == 1 else "stereo"
+    return cast(av.AudioStream, container.add_stream(codec, rate=rate, layout=layout))
+
+
+def _write_audio(container: av.container.OutputContainer, stream: av.AudioStream, wave: np.ndarray) -> None:
+    rate, layout = stream.codec_context.sample_rate, stream.codec_context.layout.name
     fmt = stream.codec_context.format
     planar = fmt.is_planar if fmt is not None else True
     frame_size = stream.codec_context.frame_size or 1024
     for start in range(0, wave.shape[1], frame_size):
         chunk = wave[:, start : start + frame_size]
         data = chunk if planar else chunk.T.reshape(1, -1)
-        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format="fltp" if planar else "flt", layout=layout)
+        frame = av.AudioFrame.from_ndarray(
+            np.ascontiguousarray(data), format="fltp" if planar else "flt", layout=layout
+        )
         frame.sample_rate = rate
         frame.pts = start
         frame.time_base = Fraction(1, rate)
@@ -84,7 +95,8 @@ def make_audio(seconds: float, rate: int = 16000, channels: int = 1, fmt: str = 
         rate = 48000
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as container:
-        _encode_audio(container, _AUDIO_CODECS[fmt], _tone(seconds, rate, channels, seed), rate)
+        stream = _audio_stream(container, _AUDIO_CODECS[fmt], rate, channels)
+        _write_audio(container, stream, _tone(seconds, rate, channels, seed))
     return buf.getvalue()
 
 
@@ -103,33 +115,20 @@ def make_video(
     """A clip with a moving test pattern (yuv420p, crf 18), optionally with a tone track."""
     buf = io.BytesIO()
     with av.open(buf, "w", format=fmt) as container:
-        stream = container.add_stream(codec, rate=fps)
+        stream = cast(av.VideoStream, container.add_stream(codec, rate=fps))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        options = {"crf": "18", "preset": "veryfast"}
+        options: dict[str, object] = {"crf": "18", "preset": "veryfast"}
         if gop is not None:
             options["g"] = str(gop)
         stream.options = options
-        audio = None
-        if audio_rate is not None:
-            audio = container.add_stream("aac", rate=audio_rate, layout="mono")
+        audio = None if audio_rate is None else _audio_stream(container, "aac", audio_rate, 1)
         base = test_pattern(width + 3 * frames, height, seed)
         for i in range(frames):
             image = np.ascontiguousarray(base[:, 3 * i : 3 * i + width])
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
-            for packet in stream.encode(frame):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode(None):
             container.mux(packet)
         if audio is not None and audio_rate is not None:
-            wave = _tone(frames / fps, audio_rate, 1, seed)
-            size = audio.codec_context.frame_size or 1024
-            for start in range(0, wave.shape[1], size):
-                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, start : start + size]), format="fltp", layout="mono")
-                frame.sample_rate = audio_rate
-                frame.pts = start
-                frame.time_base = Fraction(1, audio_rate)
-                for packet in audio.encode(frame):
-                    container.mux(packet)
-            for packet in audio.encode(None):
-                container.mux(packet)
+            _write_audio(container, audio, _tone(frames / fps, audio_rate, 1, seed))
     return buf.getvalue()

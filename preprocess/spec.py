@@ -116,7 +116,5 @@ class ProcessorSpec:
     @property
     def fingerprint(self) -> str:
         """Stable across processes and runs: sha256 of the canonical JSON of every field."""
-        payload = json.dumps(
-            {"pipeline": PIPELINE_VERSION, **self.to_dict()}, sort_keys=True, separators=(",", ":")
-        )
+        payload = json.dumps({"pipeline": PIPELINE_VERSION, **self.to_dict()}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -100,9 +100,7 @@ class FeatureStore:
 
     def get_bytes(self, key: str) -> pa.Buffer | None:
         """The entry's Arrow IPC stream as a zero-copy buffer over the shard's memory map."""
-        row = self._db().execute(
-            "SELECT shard, offset, length FROM entries WHERE key = ?", (key,)
-        ).fetchone()
+        row = self._db().execute("SELECT shard, offset, length FROM entries WHERE key = ?", (key,)).fetchone()
         buffer = self._read(*row) if row else None
         if buffer is None:
             self._misses += 1
@@ -235,9 +233,7 @@ class FeatureStore:
         db.execute("BEGIN IMMEDIATE")
         try:
             total = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM shards").fetchone()[0]
-            rows = db.execute(
-                "SELECT id, bytes, open, host, pid FROM shards ORDER BY last_access ASC"
-            ).fetchall()
+            rows = db.execute("SELECT id, bytes, open, host, pid FROM shards ORDER BY last_access ASC").fetchall()
             for shard, size, is_open, host, pid in rows:
                 if total <= self.max_bytes:
                     break

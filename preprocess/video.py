@@ -31,7 +31,9 @@ __all__ = ["decode_video", "resize_frames", "video_features"]
 _RESIZE_CHUNK = 8  # frames per interpolate call: bounds the float32 working set
 
 
-def _sequential(container: av.container.InputContainer, stream: av.VideoStream, wanted: list[int]) -> dict[int, np.ndarray]:
+def _sequential(
+    container: av.container.InputContainer, stream: av.VideoStream, wanted: list[int]
+) -> dict[int, np.ndarray]:
     targets, out = set(wanted), {}
     last = max(wanted)
     for index, frame in enumerate(container.decode(stream)):

@@ -91,8 +91,9 @@ def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-u
             max_sample_tokens=args.max_sample_tokens,
             policy=args.policy,
         )
-    report = run_prep(args.dataset, args.out, _spec(args.spec), budget, workers=args.workers,
-                      cache_max_bytes=args.cache_max_bytes)
+    report = run_prep(
+        args.dataset, args.out, _spec(args.spec), budget, workers=args.workers, cache_max_bytes=args.cache_max_bytes
+    )
     (args.out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
     print_report(report, title=f"weir prep {args.dataset}")
     return 0
@@ -107,8 +108,9 @@ def _demo(args: argparse.Namespace) -> int:
     console.print(f"[bold]Generating the demo media set in {args.out}/media[/bold]")
     dataset = write_demo_dataset(args.out)
     budget = pp.TokenBudget(max_image_tokens=4096, max_video_tokens=8192, max_audio_tokens=750)
-    prep_args = argparse.Namespace(dataset=dataset, out=args.out, spec="qwen2_5_omni", workers=args.workers,
-                                   cache_max_bytes=2 << 30)
+    prep_args = argparse.Namespace(
+        dataset=dataset, out=args.out, spec="qwen2_5_omni", workers=args.workers, cache_max_bytes=2 << 30
+    )
     console.print("[bold]Pass 1[/bold]: cold cache (budget: image 4096, video 8192, audio 750 tokens)")
     _prep(prep_args, budget=budget)
     console.print("[bold]Pass 2[/bold]: the same dataset again — every good item is a cache hit")

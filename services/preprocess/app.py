@@ -103,14 +103,14 @@ class PreprocessState:
             plans = pp.plan_sample(headers, self.spec, budget)
         except pp.MediaError as error:
             # Item-level refusals name their item; a whole-sample refusal names none.
-            index = None
+            culprit: int | None = None
             for i, header in enumerate(headers):
                 try:
                     pp.plan_header(header, self.spec, budget)
                 except pp.MediaError:
-                    index = i
+                    culprit = i
                     break
-            raise self._refuse(error, index) from None
+            raise self._refuse(error, culprit) from None
         for plan in plans:
             self.metrics.tokens_planned.labels(plan.kind).inc(plan.num_tokens)
         return plans
@@ -179,7 +179,9 @@ def _validation_error(error: ValidationError) -> ApiError:
     loc = list(first.get("loc", ()))
     item = loc[1] if len(loc) > 1 and loc[0] == "items" and isinstance(loc[1], int) else None
     where = ".".join(str(p) for p in loc)
-    return ApiError(400, "invalid_request", f"{where}: {first.get('msg')}" if where else str(first.get("msg")), item=item)
+    return ApiError(
+        400, "invalid_request", f"{where}: {first.get('msg')}" if where else str(first.get("msg")), item=item
+    )
 
 
 async def _parse_request(request: Request, state: PreprocessState) -> tuple[list[Item], pp.TokenBudget]:
@@ -199,7 +201,9 @@ async def _parse_request(request: Request, state: PreprocessState) -> tuple[list
                     raise _validation_error(error) from None
                 continue
             if name not in _KINDS or not isinstance(value, UploadFile):
-                raise ApiError(400, "invalid_request", f"unexpected form part {name!r}: use image, video, audio, budget")
+                raise ApiError(
+                    400, "invalid_request", f"unexpected form part {name!r}: use image, video, audio, budget"
+                )
             raw = await value.read()
             index = len(items)
             if not raw:
@@ -260,7 +264,6 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
     app = FastAPI(title="Weir preprocess", version="0.1.0")
     app.state.weir = state
     install_error_handlers(app)
-
 
     @app.middleware("http")
     async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -11,7 +11,10 @@ class PreprocessMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "weir_preprocess_requests", "Requests by endpoint and status", ["endpoint", "status"], registry=self.registry
+            "weir_preprocess_requests",
+            "Requests by endpoint and status",
+            ["endpoint", "status"],
+            registry=self.registry,
         )
         self.latency = Histogram(
             "weir_preprocess_request_seconds",
@@ -33,6 +36,4 @@ class PreprocessMetrics:
         self.cache_misses = Counter("weir_cache_misses", "Feature cache misses", registry=self.registry)
         self.cache_bytes = Gauge("weir_cache_bytes", "Bytes of published cache entries", registry=self.registry)
         self.cache_entries = Gauge("weir_cache_entries", "Published cache entries", registry=self.registry)
-        self.cache_evictions = Gauge(
-            "weir_cache_evictions", "Shards evicted by this process", registry=self.registry
-        )
+        self.cache_evictions = Gauge("weir_cache_evictions", "Shards evicted by this process", registry=self.registry)

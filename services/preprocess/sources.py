@@ -34,7 +34,9 @@ def decode_inline(data: str, index: int, max_bytes: int) -> bytes:
     if data.startswith("data:"):
         header, sep, payload = data.partition(",")
         if not sep or not header.endswith(";base64"):
-            raise ApiError(400, "bad_data_uri", "data URIs must be of the form data:<mime>;base64,<payload>", item=index)
+            raise ApiError(
+                400, "bad_data_uri", "data URIs must be of the form data:<mime>;base64,<payload>", item=index
+            )
     if len(payload) > (max_bytes * 4) // 3 + 8:
         raise ApiError(413, "media_too_large", f"the item is over the limit of {max_bytes} bytes", item=index)
     try:
@@ -71,9 +73,7 @@ def _check_host(host: str, port: int, allow_private: bool, index: int) -> None:
     for info in infos:
         address = ipaddress.ip_address(info[4][0])
         if not allow_private and not address.is_global:
-            raise ApiError(
-                403, "url_not_allowed", f"{host!r} resolves to a non-public address ({address})", item=index
-            )
+            raise ApiError(403, "url_not_allowed", f"{host!r} resolves to a non-public address ({address})", item=index)
 
 
 def fetch_url(
@@ -113,9 +113,9 @@ def fetch_url(
                         chunks.append(chunk)
                     return b"".join(chunks)
             except httpx.TimeoutException:
-                raise ApiError(422, "url_timeout", f"GET {url[:100]} timed out after {timeout_s} s", item=index) from None
+                raise ApiError(
+                    422, "url_timeout", f"GET {url[:100]} timed out after {timeout_s} s", item=index
+                ) from None
             except httpx.HTTPError as exc:
                 raise ApiError(422, "url_fetch_failed", f"GET {url[:100]} failed: {exc}", item=index) from None
     raise ApiError(422, "url_fetch_failed", f"more than {_MAX_REDIRECTS} redirects", item=index)
-
-

@@ -76,7 +76,7 @@ Call = Callable[[], Any]
 # -- output --------------------------------------------------------------------------------------
 def emit(record: dict[str, Any]) -> None:
     """One JSON line on stdout (progress bars are on stderr, so the two never interleave)."""
-    print(json.dumps(record, separators=(", ", ": ")), flush=True)
+    print(json.dumps(record), flush=True)
 
 
 def rounded(value: float, digits: int = 4) -> float:
@@ -167,6 +167,14 @@ def max_abs_diff(a: Any, b: Any) -> float | None:
     if x.shape != y.shape:
         return None
     return float(np.abs(x - y).max()) if x.size else 0.0
+
+
+def first_of_groups(items: Sequence[Item]) -> dict[str, int]:
+    """{group: index of its first item}, in order of appearance."""
+    firsts: dict[str, int] = {}
+    for index, item in enumerate(items):
+        firsts.setdefault(item.group, index)
+    return firsts
 
 
 def group_rates(
@@ -264,15 +272,15 @@ def decode_floor(data: bytes) -> Image.Image:
 def pyav_mono(data: bytes) -> tuple[np.ndarray, int]:
     """float32 mono (channel average) and the native rate, decoded with PyAV."""
     chunks: list[np.ndarray] = []
-    with av.open(io.BytesIO(data)) as container:
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         rate = int(stream.rate)
         for frame in container.decode(stream):
             array = frame.to_ndarray()
             if not frame.format.is_planar:
                 array = array.reshape(-1, len(frame.layout.channels)).T
-            if array.dtype.kind == "i":
-                array = array.astype(np.float32) / float(-np.iinfo(array.dtype).min)
+            if array.dtype.kind == "i":  # s16 / s32: full scale is 2^(bits - 1)
+                array = array.astype(np.float32) / float(2 ** (8 * array.dtype.itemsize - 1))
             chunks.append(array.astype(np.float32, copy=False).mean(axis=0, dtype=np.float32))
     return np.concatenate(chunks), rate
 
@@ -300,7 +308,8 @@ class Peers:
             ),
         )
 
-    def video_pixels(self, path: Path) -> torch.Tensor:
+    def video_pixels(self, path: Path | None) -> torch.Tensor:
+        assert path is not None, "qwen-vl-utils reads videos from files"
         frames = vision_process.fetch_video({"video": str(path)})
         return self.video(videos=[frames], do_sample_frames=False, return_tensors="pt")["pixel_values_videos"]
 
@@ -320,14 +329,14 @@ def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Go
         "hf_pil": lambda it: peers.image_pil(open_rgb(it.data), return_tensors="np")["pixel_values"],
         "decode_floor": lambda it: decode_floor(it.data),
     }
-    firsts = {item.group: i for i, item in reversed(list(enumerate(items)))}
+    firsts = first_of_groups(items)
     medians, kept = measure(contenders, items, config.image_repeats, "images", keep=set(firsts.values()))
     parity = {
         group: {peer: max_abs_diff(kept["weir"][i], kept[peer][i]) for peer in ("hf_pil", "hf_torchvision")}
         for group, i in firsts.items()
     }
     for group, per in group_rates(medians, items, lambda _: 1.0).items():
-        weir_work, weir_s = per["weir"]
+        weir_s = per["weir"][1]
         for name, (work, secs) in per.items():
             record: dict[str, Any] = {
                 "bench": "images",
@@ -371,7 +380,7 @@ def bench_video(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goa
             }
             if name == "weir":
                 record["ratio_vs_qwen_vl_utils+hf"] = rounded(per["qwen_vl_utils+hf"][1] / weir_s)
-                index = next((i for i, item in enumerate(items) if item.group == group), None)
+                index = first_of_groups(items).get(group)
                 if index is not None:
                     diff = max_abs_diff(kept["weir"][index], kept["qwen_vl_utils+hf"][index])
                     record["max_abs_diff"] = diff if diff is None else rounded(diff, 3)
@@ -402,7 +411,7 @@ def bench_audio(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goa
             }
             if name == "weir":
                 record["ratio_vs_pyav+torchaudio+whisper"] = rounded(per["pyav+torchaudio+whisper"][1] / weir_s)
-                index = next((i for i, item in enumerate(items) if item.group == group), None)
+                index = first_of_groups(items).get(group)
                 if index is not None:
                     ours = kept["weir"][index]
                     theirs = kept["pyav+torchaudio+whisper"][index][0][:, : ours.shape[1]]
@@ -538,7 +547,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         photo = next(item for item in images if item.group == "1920x1080")
         bench_cache(config, spec, photo, "image", goals, folder)
         bench_cache(config, spec, clips[min(1, len(clips) - 1)], "video", goals, folder)
-        per_size = list({item.group: item for item in images}.values())
+        per_size = [images[i] for i in first_of_groups(images).values()]
         bench_bytes(
             spec,
             [(it, "image") for it in per_size] + [(it, "video") for it in clips] + [(it, "audio") for it in sounds[:2]],
