@@ -46,8 +46,11 @@ def _as_float(frame: av.AudioFrame) -> np.ndarray:
 def decode_audio(data: bytes, plan: MediaPlan, spec: ProcessorSpec) -> np.ndarray:
     """float32 mono waveform at the spec's rate, cut to the plan's sample count."""
     rate = plan.header.sample_rate
+    # The decoded length decides, not the header (lossy codecs' headers are approximate),
+    # except where the plan cuts the clip (budget or the model's maximum).
+    cut = plan.num_samples if plan.truncated else spec.max_audio_samples
     # Resampling near the cut needs a little input past it; decode no further than that.
-    needed = int(np.ceil(plan.num_samples * rate / spec.sampling_rate)) + rate // 10 + 2048
+    needed = int(np.ceil(cut * rate / spec.sampling_rate)) + rate // 10 + 2048
     chunks: list[np.ndarray] = []
     decoded = 0
     try:
@@ -68,15 +71,43 @@ def decode_audio(data: bytes, plan: MediaPlan, spec: ProcessorSpec) -> np.ndarra
     wave = np.concatenate(chunks)
     if rate != spec.sampling_rate:
         wave = taf.resample(torch.from_numpy(wave), rate, spec.sampling_rate).numpy()
-    return np.ascontiguousarray(wave[: plan.num_samples], dtype=np.float32)
+    return np.ascontiguousarray(wave[:cut], dtype=np.float32)
+
+
+_MIN_LOG_HZ, _MIN_LOG_MEL, _LOGSTEP = 1000.0, 15.0, 27.0 / np.log(6.4)
+
+
+def _hz_to_mel(hz: np.ndarray) -> np.ndarray:
+    # Slaney's scale: linear below 1 kHz, logarithmic above.
+    mel = 3.0 * hz / 200.0
+    high = hz >= _MIN_LOG_HZ
+    mel[high] = _MIN_LOG_MEL + np.log(hz[high] / _MIN_LOG_HZ) * _LOGSTEP
+    return mel
+
+
+def _mel_to_hz(mel: np.ndarray) -> np.ndarray:
+    hz = 200.0 * mel / 3.0
+    high = mel >= _MIN_LOG_MEL
+    hz[high] = _MIN_LOG_HZ * np.exp((mel[high] - _MIN_LOG_MEL) / _LOGSTEP)
+    return hz
 
 
 @lru_cache(maxsize=8)
 def _mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
-    # Slaney-scale, Slaney-normalized triangles over 0–8 kHz: Whisper's filter bank.
-    return taf.melscale_fbanks(
-        n_fft // 2 + 1, 0.0, 8000.0, n_mels, sampling_rate, norm="slaney", mel_scale="slaney"
-    ).T.contiguous()
+    """(n_mels, n_fft/2+1) Slaney-scale, Slaney-normalized triangles over 0–8 kHz.
+
+    Built in float64 and cast once, as Whisper's extractor builds its bank: a float32 build
+    differs by an ulp here and there, which log10 turns into ~1e-4 on quiet bins.
+    """
+    edges = _mel_to_hz(np.linspace(*_hz_to_mel(np.array([0.0, 8000.0])), n_mels + 2))
+    bins = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)
+    widths = np.diff(edges)
+    slopes = edges[None, :] - bins[:, None]
+    rising = -slopes[:, :-2] / widths[:-1]
+    falling = slopes[:, 2:] / widths[1:]
+    bank = np.maximum(0.0, np.minimum(rising, falling))
+    bank *= 2.0 / (edges[2 : n_mels + 2] - edges[:n_mels])  # equal area per filter
+    return torch.from_numpy(bank.T.astype(np.float32)).contiguous()
 
 
 @lru_cache(maxsize=8)

@@ -193,6 +193,8 @@ def group_rates(
 # -- inputs --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Config:
+    """Inputs and repeats of one run (``--quick`` or full)."""
+
     quick: bool
     image_mix: tuple[tuple[int, int, int], ...]  # (width, height, count)
     image_repeats: int
@@ -294,7 +296,7 @@ class Peers:
 
     @classmethod
     def make(cls) -> Peers:
-        # qwen-vl-utils picks torchcodec over decord when it is installed: pin decord, as the brief compares.
+        # qwen-vl-utils prefers torchcodec when it is installed; this benchmark compares against decord.
         vision_process.FORCE_QWENVL_VIDEO_READER = "decord"
         vision_process.get_video_reader_backend.cache_clear()
         return cls(
