@@ -161,7 +161,9 @@ def detect_kind(data: bytes) -> MediaKind:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             Image.open(io.BytesIO(data))
         return "image"
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError):
+    except Image.DecompressionBombError:
+        return "image"  # an image, and `probe` will refuse it by name
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
         pass
     with open_container(data) as container:
         if container.streams.video:
