@@ -99,7 +99,8 @@ def _mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
     Built in float64 and cast once, as Whisper's extractor builds its bank: a float32 build
     differs by an ulp here and there, which log10 turns into ~1e-4 on quiet bins.
     """
-    edges = _mel_to_hz(np.linspace(*_hz_to_mel(np.array([0.0, 8000.0])), n_mels + 2))
+    mel_low, mel_high = _hz_to_mel(np.array([0.0, 8000.0]))
+    edges = _mel_to_hz(np.linspace(mel_low, mel_high, n_mels + 2))
     bins = np.linspace(0, sampling_rate // 2, n_fft // 2 + 1)
     widths = np.diff(edges)
     slopes = edges[None, :] - bins[:, None]

@@ -327,7 +327,7 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
         return Response(json.dumps({"status": "ready", "spec": state.spec.fingerprint}), media_type="application/json")
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    def metrics(_: Authorized) -> Response:
         state._update_cache_gauges()
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

@@ -18,7 +18,10 @@ from preprocess.audio import log_mel
 
 def _whisper(spec: pp.ProcessorSpec) -> WhisperFeatureExtractor:
     return WhisperFeatureExtractor(
-        feature_size=spec.n_mels, sampling_rate=16000, hop_length=160, n_fft=400,
+        feature_size=spec.n_mels,
+        sampling_rate=16000,
+        hop_length=160,
+        n_fft=400,
         chunk_length=int(spec.max_audio_seconds),
     )
 
@@ -41,7 +44,7 @@ def test_log_mel_matches_whisper(spec_name: str, seconds: float) -> None:
     rng = np.random.default_rng(int(seconds * 1000))
     n = int(seconds * 16000)
     t = np.arange(n) / 16000
-    wave = (0.4 * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) * np.exp(-t) + 0.05 * rng.standard_normal(n))
+    wave = 0.4 * np.sin(2 * np.pi * rng.uniform(100, 4000) * t) * np.exp(-t) + 0.05 * rng.standard_normal(n)
     wave = wave.astype(np.float32)
     ours = log_mel(wave, spec)
     ref = _whisper(spec)(wave, sampling_rate=16000, return_tensors="np", return_attention_mask=True)
@@ -122,6 +125,13 @@ def test_mel_filter_bank_is_whispers() -> None:
 
     from preprocess.audio import _mel_filters
 
-    ref = mel_filter_bank(num_frequency_bins=201, num_mel_filters=128, min_frequency=0.0, max_frequency=8000.0,
-                          sampling_rate=16000, norm="slaney", mel_scale="slaney")
+    ref = mel_filter_bank(
+        num_frequency_bins=201,
+        num_mel_filters=128,
+        min_frequency=0.0,
+        max_frequency=8000.0,
+        sampling_rate=16000,
+        norm="slaney",
+        mel_scale="slaney",
+    )
     np.testing.assert_array_equal(_mel_filters(400, 128, 16000).numpy().T, ref.astype(np.float32))

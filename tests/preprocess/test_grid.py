@@ -13,8 +13,25 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 import preprocess as pp
 from preprocess import grid
 
-EDGE_SIZES = [(70, 70), (126, 700), (700, 126), (10, 1000), (1000, 10), (37, 1000), (1000, 37), (3000, 4000),
-              (14, 2800), (1, 1), (28, 28), (5, 900), (13, 2000), (480, 640), (1080, 1920), (56, 56), (2, 399)]
+EDGE_SIZES = [
+    (70, 70),
+    (126, 700),
+    (700, 126),
+    (10, 1000),
+    (1000, 10),
+    (37, 1000),
+    (1000, 37),
+    (3000, 4000),
+    (14, 2800),
+    (1, 1),
+    (28, 28),
+    (5, 900),
+    (13, 2000),
+    (480, 640),
+    (1080, 1920),
+    (56, 56),
+    (2, 399),
+]
 
 
 def _random_sizes(n: int, seed: int) -> list[tuple[int, int]]:
@@ -85,7 +102,12 @@ def test_audio_token_count_matches_the_audio_tower() -> None:
     # The tower's formula goes to 0 (and below for L=1 with floor division); we clamp at 0.
     assert ours == [max(0, int(v)) for v in expected]
     assert [grid.audio_num_tokens(grid.audio_num_frames(s)) for s in (116800, 16000, 160000, 480000, 4800000)] == [
-        182, 25, 250, 750, 7500]
+        182,
+        25,
+        250,
+        750,
+        7500,
+    ]
 
 
 def test_audio_samples_for_tokens_is_the_largest_fit() -> None:

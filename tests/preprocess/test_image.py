@@ -11,8 +11,20 @@ from PIL import Image, ImageOps
 import preprocess as pp
 from preprocess import samples
 
-SIZES = [(640, 480), (70, 70), (126, 700), (700, 126), (1000, 10), (37, 1000), (1000, 37), (1, 1), (29, 57),
-         (333, 517), (1920, 1080), (4000, 3000)]
+SIZES = [
+    (640, 480),
+    (70, 70),
+    (126, 700),
+    (700, 126),
+    (1000, 10),
+    (37, 1000),
+    (1000, 37),
+    (1, 1),
+    (29, 57),
+    (333, 517),
+    (1920, 1080),
+    (4000, 3000),
+]
 FORMATS = ["PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF"]
 
 
@@ -65,16 +77,23 @@ def test_hard_edges_deviate_more_from_torchvision(spec: pp.ProcessorSpec, ref_to
     Measured: up to 0.24 (16 levels) on about 0.15 % of values; the rest within 0.06. Pinned so a
     change in either kernel shows up here.
     """
-    deviation = _torchvision_deviation(samples.encode_image(samples.test_pattern(640, 480, seed=3), "PNG"),
-                                       spec, ref_torchvision)
+    deviation = _torchvision_deviation(
+        samples.encode_image(samples.test_pattern(640, 480, seed=3), "PNG"), spec, ref_torchvision
+    )
     assert (deviation > 0.06).mean() < 0.005
     assert deviation.max() < 0.3
 
 
 def test_reference_table(spec: pp.ProcessorSpec) -> None:
     # Measured reference outputs (shared/reference/multimodal-processing.md §1.4, §5).
-    table = {(640, 480): ([1, 34, 46], 391), (1920, 1080): ([1, 78, 138], 2691), (37, 1000): ([1, 72, 2], 36),
-             (1000, 37): ([1, 2, 72], 36), (1000, 10): ([1, 2, 40], 20), (4000, 3000): ([1, 214, 286], 15301)}
+    table = {
+        (640, 480): ([1, 34, 46], 391),
+        (1920, 1080): ([1, 78, 138], 2691),
+        (37, 1000): ([1, 72, 2], 36),
+        (1000, 37): ([1, 2, 72], 36),
+        (1000, 10): ([1, 2, 40], 20),
+        (4000, 3000): ([1, 214, 286], 15301),
+    }
     for (w, h), (grid, tokens) in table.items():
         plan = pp.plan_media(samples.encode_image(samples.test_pattern(w, h), "PNG"), spec)
         assert (list(plan.grid_thw or ()), plan.num_tokens) == (grid, tokens)

@@ -101,9 +101,25 @@ def test_sources(tmp_path, spec: pp.ProcessorSpec) -> None:  # type: ignore[no-u
 
 
 def test_error_codes_are_stable() -> None:
-    codes = {cls.code for cls in (pp.EmptyMediaError, pp.UnsupportedMediaError, pp.CorruptMediaError,
-                                  pp.AspectRatioError, pp.DecompressionBombError, pp.MediaTooLargeError,
-                                  pp.BudgetExceededError)}
-    assert codes == {"empty_media", "unsupported_media", "corrupt_media", "aspect_ratio", "decompression_bomb",
-                     "media_too_large", "over_budget"}
+    codes = {
+        cls.code
+        for cls in (
+            pp.EmptyMediaError,
+            pp.UnsupportedMediaError,
+            pp.CorruptMediaError,
+            pp.AspectRatioError,
+            pp.DecompressionBombError,
+            pp.MediaTooLargeError,
+            pp.BudgetExceededError,
+        )
+    }
+    assert codes == {
+        "empty_media",
+        "unsupported_media",
+        "corrupt_media",
+        "aspect_ratio",
+        "decompression_bomb",
+        "media_too_large",
+        "over_budget",
+    }
     assert all(issubclass(cls, pp.MediaError) for cls in (pp.MissingStreamError, pp.AspectRatioError))

@@ -112,8 +112,14 @@ def _writer(root: str, worker: int, keys: list[str]) -> None:
 
 
 def _blob(key: str) -> bytes:
-    features = pp.AudioFeatures(key=key, input_features=np.full((128, 40), int(key[:4], 16), np.float32),
-                                num_tokens=10, num_samples=6400, source_seconds=0.4, truncated=False)
+    features = pp.AudioFeatures(
+        key=key,
+        input_features=np.full((128, 40), int(key[:4], 16), np.float32),
+        num_tokens=10,
+        num_samples=6400,
+        source_seconds=0.4,
+        truncated=False,
+    )
     return pp.features_to_arrow(features)
 
 

@@ -16,8 +16,14 @@ from preprocess.probe import MediaHeader
 
 # (width, height, fps, frames, gop): default GOP (one keyframe, sequential decode), short GOPs
 # (the seeking path), odd sizes, a clip below min_frames at 2 fps.
-CLIPS = [(640, 360, 25, 75, None), (320, 240, 30, 200, 10), (200, 100, 10, 9, None), (322, 180, 24, 130, 7),
-         (96, 64, 5, 40, 3), (64, 480, 15, 61, None)]
+CLIPS = [
+    (640, 360, 25, 75, None),
+    (320, 240, 30, 200, 10),
+    (200, 100, 10, 9, None),
+    (322, 180, 24, 130, 7),
+    (96, 64, 5, 40, 3),
+    (64, 480, 15, 61, None),
+]
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +67,9 @@ def test_reference_clip_table(spec: pp.ProcessorSpec) -> None:
 
 
 @pytest.mark.parametrize("seconds,expected", [(150, (560, 1008)), (300, (392, 728)), (400, (336, 644))])
-def test_total_pixel_budget_binds_on_long_clips(seconds: int, expected: tuple[int, int], spec: pp.ProcessorSpec) -> None:
+def test_total_pixel_budget_binds_on_long_clips(
+    seconds: int, expected: tuple[int, int], spec: pp.ProcessorSpec
+) -> None:
     """1280x720 @ 30 fps: the shared budget shrinks frames once more than 300 are sampled."""
     header = MediaHeader(kind="video", format="mp4", width=1280, height=720, total_frames=30 * seconds, video_fps=30.0)
     plan = pp.plan_header(header, spec)
@@ -71,14 +79,22 @@ def test_total_pixel_budget_binds_on_long_clips(seconds: int, expected: tuple[in
 
 @pytest.mark.parametrize("limit", [150, 400, 600])
 def test_budget_shrink_is_reproducible_with_reference_knobs(
-    limit: int, tmp_path: Path, spec: pp.ProcessorSpec, video_processor  # type: ignore[no-untyped-def]
+    limit: int,
+    tmp_path: Path,
+    spec: pp.ProcessorSpec,
+    video_processor,  # type: ignore[no-untyped-def]
 ) -> None:
     data = samples.make_video(640, 360, 25, 75)
     ours = pp.process_video(data, spec, pp.TokenBudget(max_video_tokens=limit))
     assert ours.num_tokens <= limit
     # The same result from fetch_video given the knobs the plan chose.
-    ref, meta, _ = _reference(data, tmp_path, video_processor, total_pixels=min(spec.video_total_pixels,
-                              limit * 28 * 28), max_frames=len(ours.frame_indices))
+    ref, meta, _ = _reference(
+        data,
+        tmp_path,
+        video_processor,
+        total_pixels=min(spec.video_total_pixels, limit * 28 * 28),
+        max_frames=len(ours.frame_indices),
+    )
     assert list(ours.grid_thw) == ref["video_grid_thw"][0].tolist()
     np.testing.assert_array_equal(ours.pixel_values, ref["pixel_values_videos"])
     with pytest.raises(pp.BudgetExceededError):

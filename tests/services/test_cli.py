@@ -1,0 +1,101 @@
+"""The `weir` command: the server command really starts; the dataset job writes cache and report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pyarrow.parquet as pq
+import pytest
+
+import preprocess as pp
+from preprocess import samples
+from services.cli import build_parser, main
+
+from .conftest import free_port
+
+
+@pytest.mark.integration
+def test_serve_preprocess_starts_and_answers(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**os.environ, "WEIR_CACHE_DIR": str(tmp_path / "cache"), "WEIR_MEDIA_ROOTS": str(tmp_path)}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "preprocess", "--host", "127.0.0.1", "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=2)
+                break
+            except httpx.TransportError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(proc.stdout.read().decode() if proc.stdout else "no output") from None
+                time.sleep(0.2)
+        assert ready.status_code == 200 and ready.json()["spec"] == pp.ProcessorSpec.qwen2_5_omni().fingerprint
+        (tmp_path / "a.png").write_bytes(samples.encode_image(samples.test_pattern(64, 64), "PNG"))
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/preprocess", json={"items": [{"type": "image", "path": "a.png"}]}, timeout=30
+        )
+        assert response.status_code == 200 and response.json()["num_tokens"] == 4
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_bad_settings_fail_fast_by_name(tmp_path: Path) -> None:
+    env = {**os.environ, "WEIR_CACHE_MAX_BYTES": "lots"}
+    cmd = [sys.executable, "-m", "services.cli", "serve", "preprocess", "--port", str(free_port())]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "cache_max_bytes" in done.stderr
+
+
+def test_prep_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    media = tmp_path / "data"
+    media.mkdir()
+    (media / "a.jpg").write_bytes(samples.encode_image(samples.test_pattern(1920, 1080), "JPEG"))
+    (media / "b.wav").write_bytes(samples.make_audio(3.0, 22050))
+    (media / "c.mp4").write_bytes(samples.make_video(320, 240, 25, 50))
+    (media / "bad.jpg").write_bytes(b"not an image")
+    rows = [
+        {"image": "data/a.jpg", "audio": "data/b.wav"},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "video_url", "video_url": {"url": "data/c.mp4"}},
+                        {"type": "text", "text": "what moves?"},
+                    ],
+                }
+            ]
+        },
+        {"images": ["data/a.jpg", "data/bad.jpg"]},
+        {"image": "data/missing.jpg"},
+    ]
+    dataset = tmp_path / "set.jsonl"
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    assert main(["prep", str(dataset), "--out", str(out), "--workers", "1", "--max-image-tokens", "1024"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["rows"] == 4 and report["items"] == 6 and report["failed"] == 2
+    assert report["failures"] == {"media_not_found": 1, "unsupported_media": 1}
+    assert report["tokens_before"]["image"] == 2 * 2691 and report["tokens_after"]["image"] <= 2 * 1024
+    assert report["tokens_after"]["audio"] == 75 and report["cache_hits"] == 1  # a.jpg the second time
+    manifest = pq.read_table(out / "manifest.parquet").to_pylist()
+    assert [(m["row"], m["item"]) for m in manifest] == [(0, 0), (0, 1), (1, 0), (2, 0), (2, 1), (3, 0)]
+    store = pp.FeatureStore(out / "cache", 1 << 30)
+    assert all(store.get(m["key"]) is not None for m in manifest if m["key"])
+    assert "tokens before budget" in capsys.readouterr().out
+
+
+def test_parser_accepts_the_documented_commands() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve", "preprocess", "--port", "9000"]).port == 9000
+    assert parser.parse_args(["prep", "d.jsonl", "--out", "o", "--policy", "refuse"]).policy == "refuse"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "nonsense"])
