@@ -19,9 +19,8 @@ COPY preprocess/ preprocess/
 COPY encoders/ encoders/
 COPY trainer/ trainer/
 
-# This pulls the default torch wheel from PyPI, which on Linux x86-64 carries the CUDA libraries (several GB).
-# For a much smaller CPU-only image, build with the CPU wheel index added:
-#   RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu .
+# This pulls the default torch wheel, which on Linux x86-64 carries the CUDA libraries (several GB). For a much
+# smaller CPU-only image, add PyTorch's CPU wheel index to this pip call with --extra-index-url.
 RUN pip install --no-cache-dir .
 
 # Run as an unprivileged user. /cache is created and owned by that user before it is declared a volume, so a

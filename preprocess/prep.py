@@ -8,6 +8,7 @@ manifest (Parquet) maps every row and item to its cache key or its error, and a 
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
@@ -192,7 +193,11 @@ def run_prep(
     init_args = (str(out / "cache"), cache_max_bytes, spec, budget)
     bar = tqdm(total=len(tasks), unit="row", disable=not progress, dynamic_ncols=True, desc="prep")
     tokens, hits = Counter[str](), 0
-    with ProcessPoolExecutor(max_workers=max(1, workers), initializer=_init_worker, initargs=init_args) as pool:
+    # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in OpenMP.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=init_args
+    ) as pool:
         for row_outcomes in pool.map(_process_row, tasks, chunksize=1):
             for outcome in row_outcomes:
                 report.add(outcome)
