@@ -89,8 +89,9 @@ class _Visual:
         lut = normalization_lut(self.norm, self.image_mean, self.image_std)
         out = np.empty((n, channels, self.temporal_patch_size, pp), dtype=np.float32)
         for c in range(channels):
-            values = lut[c][self.patches[:, c]]  # (N, T_stored, PP)
-            out[:, c] = values  # broadcasts T_stored=1 to T for single images
+            np.take(lut[c], self.patches[:, c], out=out[:, c, :t_stored])
+        if t_stored < self.temporal_patch_size:  # a single image: its temporal copies are equal
+            out[:, :, t_stored:] = out[:, :, :t_stored]
         return out.reshape(n, channels * self.temporal_patch_size * pp)
 
     def _meta(self) -> dict[str, Any]:

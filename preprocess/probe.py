@@ -32,6 +32,7 @@ MediaKind = Literal["image", "video", "audio"]
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 # Codecs whose header sample count is the decoded sample count.
 _EXACT_AUDIO_CODECS = ("pcm_", "flac")
+_QUICK_PROBE = str(64 << 10)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,8 +79,21 @@ def open_image(data: bytes, *, max_pixels: int) -> Image.Image:
     return image
 
 
+def _complete(container: av.container.InputContainer) -> bool:
+    """Every video stream knows its size and every audio stream its rate."""
+    video = all(s.codec_context.width for s in container.streams.video)
+    audio = all(s.codec_context.sample_rate for s in container.streams.audio)
+    return bool(container.streams.video or container.streams.audio) and video and audio
+
+
 def open_container(data: bytes) -> av.container.InputContainer:
+    """Open with a small probe first (FFmpeg otherwise reads up to 5 MB, 20+ ms for a wav), and again
+    with FFmpeg's defaults if that left a stream without its parameters (headerless streams)."""
     try:
+        container = av.open(io.BytesIO(data), mode="r", options={"probesize": _QUICK_PROBE})
+        if _complete(container):
+            return container
+        container.close()
         return av.open(io.BytesIO(data), mode="r")
     except av.error.InvalidDataError:
         raise UnsupportedMediaError("the bytes are not a container FFmpeg can read") from None

@@ -6,9 +6,9 @@ Pixels follow its resize path — torchvision's float bicubic with antialias, cl
 to uint8 — reproduced with `torch.nn.functional.interpolate`, and the normalization of
 transformers' Qwen2-VL video processor (fused rescale + normalize).
 
-Decoding: a demux pass (no decode) lists packet timestamps and keyframes; the decoder then seeks
-to the last keyframe before each sampled frame when one lies ahead of where it is, and only the
-sampled frames are converted to RGB.
+Decoding: one demux pass (no decode) keeps the compressed packets in memory; the decoder then
+jumps to the last keyframe before each sampled frame, skips frames that nothing refers to, and
+converts only the sampled frames to RGB (see `_decode_targets`).
 """
 
 from __future__ import annotations
@@ -31,44 +31,54 @@ __all__ = ["decode_video", "resize_frames", "video_features"]
 _RESIZE_CHUNK = 8  # frames per interpolate call: bounds the float32 working set
 
 
-def _sequential(
+def _decode_targets(stream: av.VideoStream, packets: list[av.Packet], targets: dict[int, int]) -> dict[int, np.ndarray]:
+    """Decode from in-memory packets only what the targets (pts → frame index) need.
+
+    Whole GOPs before a target's keyframe are skipped without decoding; inside a GOP, packets that
+    are not targets are decoded with ``skip_frame=NONREF``, so frames no other frame refers to (most
+    B-frames) are not reconstructed at all.
+    """
+    codec = stream.codec_context
+    keyframes = [i for i, p in enumerate(packets) if p.is_keyframe]
+    key_pts = [int(packets[i].pts or 0) for i in keyframes]
+    remaining, out = dict(targets), {}
+    position = 0  # next packet to decode
+    for target in sorted(targets):
+        if target not in remaining:
+            continue
+        k = bisect.bisect_right(key_pts, target) - 1
+        start = keyframes[k] if k >= 0 else 0
+        if start > position:
+            codec.flush_buffers()  # jump over whole GOPs
+            position = start
+        while target in remaining and position < len(packets):
+            packet = packets[position]
+            position += 1
+            codec.skip_frame = "DEFAULT" if packet.pts in remaining else "NONREF"
+            for frame in codec.decode(packet):
+                if frame.pts in remaining:
+                    out[remaining.pop(frame.pts)] = frame.to_ndarray(format="rgb24")
+        if target in remaining:  # end of stream: drain the frames the decoder still holds
+            codec.skip_frame = "DEFAULT"
+            for frame in codec.decode(None):
+                if frame.pts in remaining:
+                    out[remaining.pop(frame.pts)] = frame.to_ndarray(format="rgb24")
+            break
+    return out
+
+
+def _decode_by_count(
     container: av.container.InputContainer, stream: av.VideoStream, wanted: list[int]
 ) -> dict[int, np.ndarray]:
+    """Fallback when packet timestamps do not index the frames: decode in order and count."""
     targets, out = set(wanted), {}
     last = max(wanted)
+    container.seek(0)
     for index, frame in enumerate(container.decode(stream)):
         if index in targets:
             out[index] = frame.to_ndarray(format="rgb24")
         if index >= last:
             break
-    return out
-
-
-def _seeking(
-    container: av.container.InputContainer,
-    stream: av.VideoStream,
-    wanted: list[int],
-    pts_order: list[int],
-    keyframes: list[int],
-) -> dict[int, np.ndarray]:
-    out: dict[int, np.ndarray] = {}
-    decoder = None
-    position = None  # pts of the last frame decoded
-    for index in sorted(set(wanted)):
-        target = pts_order[index]
-        k = bisect.bisect_right(keyframes, target) - 1
-        keyframe = keyframes[k] if k >= 0 else pts_order[0]
-        if decoder is None or position is None or keyframe > position:
-            container.seek(keyframe, stream=stream, backward=True, any_frame=False)
-            decoder = container.decode(stream)
-        for frame in decoder:
-            if frame.pts is None:
-                continue
-            position = frame.pts
-            if frame.pts >= target:
-                # A missing timestamp takes the next frame shown, as a player would.
-                out[index] = frame.to_ndarray(format="rgb24")
-                break
     return out
 
 
@@ -79,14 +89,15 @@ def decode_video(data: bytes, plan: MediaPlan) -> np.ndarray:
         with open_container(data) as container:
             stream = container.streams.video[0]
             stream.thread_type = "AUTO"
-            packets = [(p.pts, p.is_keyframe) for p in container.demux(stream) if p.pts is not None and p.size > 0]
-            pts_order = sorted(pts for pts, _ in packets)
-            keyframes = sorted(pts for pts, key in packets if key)
-            if len(pts_order) == plan.header.total_frames and keyframes:
-                frames = _seeking(container, stream, wanted, pts_order, keyframes)
-            else:
-                container.seek(0)
-                frames = _sequential(container, stream, wanted)
+            # One demux pass (no decode): packets in decode order; their sorted pts index the frames.
+            packets = [p for p in container.demux(stream) if p.pts is not None and p.size > 0]
+            pts_order = sorted(int(p.pts or 0) for p in packets)
+            frames: dict[int, np.ndarray] = {}
+            if len(pts_order) == plan.header.total_frames and any(p.is_keyframe for p in packets):
+                frames = _decode_targets(stream, packets, {pts_order[i]: i for i in wanted})
+            if len(frames) < len(set(wanted)):  # timestamps did not identify every frame: count instead
+                stream.codec_context.flush_buffers()
+                frames = _decode_by_count(container, stream, wanted)
     except av.error.FFmpegError as exc:
         raise CorruptMediaError(f"the video could not be decoded: {exc}") from None
     missing = [i for i in wanted if i not in frames]
