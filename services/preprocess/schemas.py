@@ -60,7 +60,6 @@ class ItemResult(BaseModel):
     num_samples: int | None = None
     truncated: bool = False
     shrunk: bool = False
-    feature_bytes: int | None = None
 
 
 class PreprocessResponse(BaseModel):
