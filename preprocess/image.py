@@ -1,9 +1,11 @@
 """Images: decode once with Pillow, resize on the model's grid, keep uint8 patches.
 
-Bit-exact with transformers 5.19 `Qwen2VLImageProcessorPil` (Pillow bicubic resize; float64
-rescale then float32 normalize) and within 0.06 of its default torchvision backend, whose CPU
-resize kernel rounds differently. Behaviour of the pinned transformers version that this
-reproduces on purpose:
+By default (``image_backend="pil"``) bit-exact with transformers 5.19 `Qwen2VLImageProcessorPil`
+(Pillow bicubic resize; float64 rescale then float32 normalize) and within 0.06 of its default
+torchvision backend on photographs. With ``image_backend="torchvision"`` bit-exact with that
+default backend on CPU instead (torch's uint8 resize kernel; fused normalization), and faster.
+
+Behaviour of the pinned transformers version that this reproduces on purpose:
 
 * EXIF orientation is applied (as `transformers.image_utils.load_image` does).
 * Alpha is **dropped**, not composited: transformers ≤ 5.20 converts RGBA / LA / P with
@@ -15,19 +17,20 @@ reproduces on purpose:
 from __future__ import annotations
 
 import numpy as np
-from PIL import Image, ImageOps
+from PIL import ImageOps
 
 from .errors import CorruptMediaError
 from .features import ImageFeatures
 from .patches import patchify_image
 from .plan import MediaPlan
 from .probe import open_image
-from .spec import ProcessorSpec
+from .resize import resize_image
+from .spec import ImageBackend, ProcessorSpec
 
 __all__ = ["decode_image", "image_features"]
 
 
-def decode_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int) -> np.ndarray:
+def decode_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int, backend: ImageBackend = "pil") -> np.ndarray:
     """uint8 (H', W', 3) pixels of the resized image the plan describes."""
     assert plan.resized_size is not None
     image = open_image(data, max_pixels=max_decode_pixels)
@@ -36,10 +39,7 @@ def decode_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int) -> np.
         image = ImageOps.exif_transpose(image) or image
         if image.mode != "RGB":
             image = image.convert("RGB")
-        height, width = plan.resized_size
-        if image.size != (width, height):
-            image = image.resize((width, height), Image.Resampling.BICUBIC)
-        return np.asarray(image, dtype=np.uint8)
+        return resize_image(image, plan.resized_size, "pil" if backend == "pil" else "uint8")
     except (OSError, SyntaxError, ValueError) as exc:
         raise CorruptMediaError(f"the image could not be decoded: {exc}") from None
 
@@ -52,7 +52,7 @@ def image_features(key: str, pixels: np.ndarray, plan: MediaPlan, spec: Processo
         grid_thw=plan.grid_thw,
         num_tokens=plan.num_tokens,
         temporal_patch_size=spec.temporal_patch_size,
-        norm="pil",
+        norm="pil" if spec.image_backend == "pil" else "fused",
         image_mean=spec.image_mean,
         image_std=spec.image_std,
         source_size=(plan.header.height, plan.header.width),

@@ -11,9 +11,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-__all__ = ["PIPELINE_VERSION", "ProcessorSpec"]
+__all__ = ["PIPELINE_VERSION", "ImageBackend", "ProcessorSpec", "VideoBackend"]
+
+# Which reference implementation's pixels a spec reproduces bit for bit (see resize.py).
+ImageBackend = Literal["pil", "torchvision"]
+VideoBackend = Literal["qwen_vl_utils", "torchvision"]
 
 # Bump when the bytes a spec produces change (resize path, normalization, layout): old cache
 # entries then stop matching instead of being served stale.
@@ -51,6 +55,10 @@ class ProcessorSpec:
     n_fft: int = 400
     hop_length: int = 160
     max_audio_seconds: float = 300.0
+    # Bit-exact targets: transformers' PIL image processor / qwen-vl-utils videos by default; the
+    # "torchvision" backends match transformers' default (torchvision) processors on CPU instead.
+    image_backend: ImageBackend = "pil"
+    video_backend: VideoBackend = "qwen_vl_utils"
 
     @property
     def factor(self) -> int:

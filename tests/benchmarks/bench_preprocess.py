@@ -34,6 +34,7 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import json
 import os
@@ -325,10 +326,13 @@ class Peers:
 # -- benches ---------------------------------------------------------------------------------------
 def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals) -> list[Item]:
     items = make_images(config)
+    spec_tv = dataclasses.replace(spec, image_backend="torchvision")
     contenders: dict[str, Callable[[Item], Any]] = {
         "weir": lambda it: pp.process_image(it.data, spec).pixel_values,
         # What the cache stores and the service returns: uint8 patches, normalized later on read.
         "weir_features": lambda it: pp.process_image(it.data, spec),
+        # Bit-exact with the torchvision backend instead of the PIL one (spec.image_backend).
+        "weir_tv": lambda it: pp.process_image(it.data, spec_tv).pixel_values,
         "hf_torchvision": lambda it: peers.image_tv(open_rgb(it.data), return_tensors="pt")["pixel_values"],
         "hf_pil": lambda it: peers.image_pil(open_rgb(it.data), return_tensors="np")["pixel_values"],
         "decode_floor": lambda it: decode_floor(it.data),
@@ -366,9 +370,12 @@ def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Go
 
 def bench_video(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals, folder: Path) -> list[Item]:
     items = make_clips(config, folder)
+    spec_tv = dataclasses.replace(spec, video_backend="torchvision")
     contenders: dict[str, Callable[[Item], Any]] = {
         "weir": lambda it: pp.process_video(it.data, spec).pixel_values,
         "weir_features": lambda it: pp.process_video(it.data, spec),
+        # transformers' uint8 kernel instead of qwen-vl-utils' float one (spec.video_backend).
+        "weir_tv": lambda it: pp.process_video(it.data, spec_tv).pixel_values,
         "qwen_vl_utils+hf": lambda it: peers.video_pixels(it.path),
     }
     medians, kept = measure(contenders, items, config.video_repeats, "video", keep=set(range(len(items))))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
@@ -152,3 +153,16 @@ def test_pixel_values_follow_from_uint8_patches(spec: pp.ProcessorSpec) -> None:
     assert ours.patches.dtype == np.uint8 and ours.patches.nbytes * 8 == ours.pixel_values.nbytes
     back = pp.features_from_arrow(pp.features_to_arrow(ours))
     np.testing.assert_array_equal(back.pixel_values, ours.pixel_values)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("width,height", [(640, 480), (1000, 37), (333, 517), (1920, 1080), (70, 70), (56, 56)])
+def test_torchvision_backend_bit_exact(width: int, height: int, ref_torchvision) -> None:  # type: ignore[no-untyped-def]
+    """image_backend="torchvision": transformers' default processor on CPU, bit for bit (hard edges too)."""
+    spec = dataclasses.replace(pp.ProcessorSpec.qwen2_5_omni(), image_backend="torchvision")
+    assert spec.fingerprint != pp.ProcessorSpec.qwen2_5_omni().fingerprint
+    for fmt in ("PNG", "JPEG"):
+        data = samples.encode_image(samples.test_pattern(width, height, seed=4), fmt)
+        ours = pp.process_image(data, spec)
+        ref = ref_torchvision(_reference_input(data).convert("RGB"), return_tensors="np")
+        assert list(ours.grid_thw) == ref["image_grid_thw"][0].tolist()
+        np.testing.assert_array_equal(ours.pixel_values, ref["pixel_values"])

@@ -23,21 +23,40 @@ def test_released_checkpoint_values() -> None:
 
 def test_from_pretrained_reads_a_model_folder(tmp_path: Path) -> None:
     # The shape of Qwen2.5-Omni-7B's preprocessor_config.json (v4 keys) ...
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps({
-        "chunk_length": 300, "feature_size": 128, "hop_length": 160, "n_fft": 400, "n_samples": 4800000,
-        "sampling_rate": 16000, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711], "max_pixels": 12845056, "merge_size": 2,
-        "min_pixels": 3136, "patch_size": 14, "temporal_patch_size": 2,
-        "processor_class": "Qwen2_5OmniProcessor", "image_processor_type": "Qwen2VLImageProcessor",
-    }))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "chunk_length": 300,
+                "feature_size": 128,
+                "hop_length": 160,
+                "n_fft": 400,
+                "n_samples": 4800000,
+                "sampling_rate": 16000,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "max_pixels": 12845056,
+                "merge_size": 2,
+                "min_pixels": 3136,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "processor_class": "Qwen2_5OmniProcessor",
+                "image_processor_type": "Qwen2VLImageProcessor",
+            }
+        )
+    )
     assert pp.ProcessorSpec.from_pretrained(tmp_path) == pp.ProcessorSpec.qwen2_5_omni()
     # ... and the v5 form, with a size dict and a video config.
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(
-        {"size": {"shortest_edge": 3136, "longest_edge": 1003520}, "chunk_length": 30}))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"size": {"shortest_edge": 3136, "longest_edge": 1003520}, "chunk_length": 30})
+    )
     (tmp_path / "video_preprocessor_config.json").write_text(json.dumps({"min_frames": 8, "max_frames": 64}))
     spec = pp.ProcessorSpec.from_pretrained(tmp_path)
     assert (spec.max_pixels, spec.max_audio_seconds, spec.video_min_frames, spec.video_max_frames) == (
-        1003520, 30.0, 8, 64)
+        1003520,
+        30.0,
+        8,
+        64,
+    )
     with pytest.raises(FileNotFoundError):
         pp.ProcessorSpec.from_pretrained(tmp_path / "nowhere")
 

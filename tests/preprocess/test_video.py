@@ -113,3 +113,27 @@ def test_too_short_video(spec: pp.ProcessorSpec) -> None:
     with pytest.raises(pp.MediaError) as info:
         pp.process_video(samples.make_video(64, 64, 25, 1), spec)
     assert info.value.code == "video_too_short"
+
+
+def test_torchvision_backend_bit_exact(tmp_path: Path, video_processor) -> None:  # type: ignore[no-untyped-def]
+    """video_backend="torchvision": the uint8 kernel transformers' video processor runs on CPU."""
+    import dataclasses
+
+    import torch
+    from torchvision.transforms.v2 import functional as tvf
+
+    from preprocess.probe import probe
+    from preprocess.video import decode_video
+
+    spec = dataclasses.replace(pp.ProcessorSpec.qwen2_5_omni(), video_backend="torchvision")
+    for width, height, fps, frames in [(640, 360, 25, 75), (322, 180, 24, 130)]:
+        data = samples.make_video(width, height, fps, frames)
+        ours = pp.process_video(data, spec)
+        plan = pp.plan_header(probe(data, "video"), spec)
+        source = torch.from_numpy(decode_video(data, plan)).permute(0, 3, 1, 2).contiguous()
+        resized = tvf.resize(source, list(plan.resized_size or ()), interpolation=tvf.InterpolationMode.BICUBIC)
+        ref = video_processor(videos=[resized], do_sample_frames=False, return_tensors="np")
+        assert list(ours.grid_thw) == ref["video_grid_thw"][0].tolist()
+        np.testing.assert_array_equal(ours.pixel_values, ref["pixel_values_videos"])
+        default = pp.process_video(data, pp.ProcessorSpec.qwen2_5_omni())
+        assert np.abs(default.pixel_values - ours.pixel_values).max() < 0.3  # the kernels differ on hard edges
