@@ -90,6 +90,18 @@ def _init_worker(cache_dir: str, max_bytes: int, spec: ProcessorSpec, budget: To
     _worker.update(store=FeatureStore(cache_dir, max_bytes), spec=spec, budget=budget)
 
 
+def _failed(row: int, item: int, kind: str, source: str, error: MediaError, raw_bytes: int = 0) -> ItemOutcome:
+    return ItemOutcome(
+        row=row,
+        item=item,
+        kind=kind,
+        source=source,
+        raw_bytes=raw_bytes,
+        error_code=error.code,
+        error_message=str(error),
+    )
+
+
 def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
     row_index, row, base = task
     store: FeatureStore = _worker["store"]
@@ -98,17 +110,7 @@ def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
     try:
         refs = row_media(row, Path(base))
     except MediaError as error:
-        return [
-            ItemOutcome(
-                row=row_index,
-                item=0,
-                kind="unknown",
-                source="",
-                raw_bytes=0,
-                error_code=error.code,
-                error_message=str(error),
-            )
-        ]
+        return [_failed(row_index, 0, "unknown", "", error)]
     outcomes: dict[int, ItemOutcome] = {}
     loaded: list[tuple[int, bytes]] = []
     headers = []
@@ -118,43 +120,19 @@ def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
             headers.append(probe(data, ref.kind, max_decode_pixels=budget.max_decode_pixels))
             loaded.append((i, data))
         except MediaError as error:
-            outcomes[i] = ItemOutcome(
-                row=row_index,
-                item=i,
-                kind=ref.kind,
-                source=ref.source,
-                raw_bytes=0,
-                error_code=error.code,
-                error_message=str(error),
-            )
+            outcomes[i] = _failed(row_index, i, ref.kind, ref.source, error)
     try:
         plans = plan_sample(headers, spec, budget)
-    except MediaError as error:
+    except MediaError as error:  # the row as a whole is over the sample budget
         for i, _ in loaded:
-            outcomes[i] = ItemOutcome(
-                row=row_index,
-                item=i,
-                kind=refs[i].kind,
-                source=refs[i].source,
-                raw_bytes=0,
-                error_code=error.code,
-                error_message=str(error),
-            )
+            outcomes[i] = _failed(row_index, i, refs[i].kind, refs[i].source, error)
         plans = []
     for (i, data), plan in zip(loaded, plans, strict=False):
         ref = refs[i]
         try:
             done = process_bytes(data, ref.kind, spec, budget, store=store, plan=plan)
         except MediaError as error:
-            outcomes[i] = ItemOutcome(
-                row=row_index,
-                item=i,
-                kind=ref.kind,
-                source=ref.source,
-                raw_bytes=len(data),
-                error_code=error.code,
-                error_message=str(error),
-            )
+            outcomes[i] = _failed(row_index, i, ref.kind, ref.source, error, len(data))
             continue
         stored = store.get_bytes(done.key)
         outcomes[i] = ItemOutcome(

@@ -41,7 +41,7 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int], kernel: ResizeKerne
         return frames
     if kernel == "pil":
         return np.stack([resize_image(Image.fromarray(f), size, "pil") for f in frames])
-    out = np.empty((frames.shape[0], *size, 3), dtype=np.uint8)
+    chunks = []
     for start in range(0, frames.shape[0], _CHUNK):
         chunk = torch.from_numpy(frames[start : start + _CHUNK]).permute(0, 3, 1, 2)  # channels-last view
         if kernel == "uint8":
@@ -55,5 +55,6 @@ def resize_frames(frames: np.ndarray, size: tuple[int, int], kernel: ResizeKerne
                 planar, size=list(size), mode="bicubic", align_corners=False, antialias=True
             )
             resized = resized.clamp_(0, 255).round_().to(torch.uint8)
-        out[start : start + _CHUNK] = resized.permute(0, 2, 3, 1).numpy()
-    return out
+        chunks.append(resized.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).numpy())
+    # One chunk (every image, short clips): hand over torch's buffer as it is, no copy.
+    return chunks[0] if len(chunks) == 1 else np.concatenate(chunks)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -50,18 +51,11 @@ class PreprocessState:
 
     # -- requests -> items -------------------------------------------------------------------
     def budget(self, given: BudgetIn | None) -> pp.TokenBudget:
+        """The request's budget over the configured default, field by field."""
         default = self.settings.default_budget()
         if given is None:
             return default
-        overrides = given.model_dump(exclude_none=True)
-        return pp.TokenBudget(
-            max_image_tokens=overrides.get("max_image_tokens", default.max_image_tokens),
-            max_video_tokens=overrides.get("max_video_tokens", default.max_video_tokens),
-            max_audio_tokens=overrides.get("max_audio_tokens", default.max_audio_tokens),
-            max_sample_tokens=overrides.get("max_sample_tokens", default.max_sample_tokens),
-            policy=overrides.get("policy", default.policy),
-            max_decode_pixels=default.max_decode_pixels,
-        )
+        return dataclasses.replace(default, **given.model_dump(exclude_none=True))
 
     def resolve(self, request: PreprocessRequest) -> list[Item]:
         s, items = self.settings, []
