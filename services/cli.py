@@ -5,6 +5,7 @@ Commands::
     weir serve preprocess [--host H] [--port P] [--workers N]
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
+    weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     prep.add_argument("--cache-max-bytes", type=int, default=10 << 30)
     _add_budget(prep)
+
+    init = sub.add_parser("init-model", help="write the tiny embedded Qwen2.5-Omni model folder")
+    init.add_argument("folder", type=Path)
+    init.add_argument("--seed", type=int, default=0)
 
     demo = sub.add_parser("demo", help="generate a media set and preprocess it (what `make run` runs)")
     demo.add_argument("--out", type=Path, default=Path(".weir/demo"))
@@ -125,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "prep":
         return _prep(args)
+    if args.command == "init-model":
+        from encoders.embedded_model import init_model
+
+        print(init_model(args.folder, seed=args.seed))
+        return 0
     return _demo(args)
 
 

@@ -1,0 +1,217 @@
+"""The embedded default model: a tiny Qwen2.5-Omni "thinker", made locally, never downloaded.
+
+`init_model(folder)` writes a complete Hugging Face model folder — the real
+`Qwen2_5OmniThinkerForConditionalGeneration` architecture (vision tower, audio tower, language
+model with 3-D rotary positions) at toy dimensions with random weights from a fixed seed, a
+byte-level BPE tokenizer trained here on a small built-in corpus with Qwen's chat and media special
+tokens, a chat template, and the checkpoint's `preprocessor_config.json`. It loads with the
+ordinary `from_pretrained` calls, so everything downstream treats it exactly like a real checkpoint.
+
+This module knows nothing about serving; it only builds the folder.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+
+from preprocess.spec import ProcessorSpec
+
+__all__ = ["CHAT_TEMPLATE", "MEDIA_TOKENS", "build_tokenizer", "init_model", "tiny_config"]
+
+# Named as in the released Qwen2.5-Omni tokenizer (its tokenizer_config's model-specific tokens).
+MEDIA_TOKENS = {
+    "image_token": "<|IMAGE|>",
+    "video_token": "<|VIDEO|>",
+    "audio_token": "<|AUDIO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# Qwen-style ChatML; each media part becomes <bos><placeholder><eos>, the placeholder later
+# expanded to the item's exact token count.
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
+    "{%- elif part['type'] in ('video', 'video_url') -%}{{ '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
+    "{%- elif part['type'] in ('audio', 'audio_url', 'input_audio') -%}{{ '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+_VOCAB = 512
+
+
+def _corpus() -> list[str]:
+    """A small fixed corpus: chat roles, the demo task's words, numbers, punctuation."""
+    colours = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
+    shapes = ["circle", "square", "triangle", "star", "line", "tone", "image", "video", "audio", "picture"]
+    words = [
+        "what",
+        "which",
+        "how",
+        "many",
+        "is",
+        "the",
+        "a",
+        "in",
+        "of",
+        "colour",
+        "color",
+        "shape",
+        "answer",
+        "describe",
+        "you",
+        "see",
+        "hear",
+        "frequency",
+        "high",
+        "low",
+        "left",
+        "right",
+        "top",
+        "bottom",
+        "yes",
+        "no",
+        "user",
+        "assistant",
+        "system",
+        "helpful",
+        "The",
+        "There",
+        "are",
+        "and",
+    ]
+    lines = [f"{w} {c} {s}." for w, c, s in itertools.product(words, colours, shapes)]
+    lines += [f"{a} + {b} = {a + b}" for a in range(30) for b in range(30)]
+    return lines
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes) with Qwen's chat and media special tokens."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = CHAT_TOKENS + list(MEDIA_TOKENS.values())
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB - len(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer)
+    tokenizer.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+        extra_special_tokens=dict(MEDIA_TOKENS),
+        model_max_length=32768,
+    )
+
+
+def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniThinkerConfig:
+    """Toy dimensions; every structural feature of the real thinker kept (windowed vision
+    attention with a full-attention block, chunked audio attention, mRoPE sections)."""
+    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(token) for name, token in MEDIA_TOKENS.items()}
+    fields: dict[str, Any] = dict(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 64,
+            "fullatt_block_indexes": [1],
+            "window_size": 112,
+        },
+        audio_config={
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": 64,
+            "num_mel_bins": 128,
+            "max_source_positions": 1500,
+            "n_window": 100,
+        },
+        image_token_index=ids["image_token"],
+        video_token_index=ids["video_token"],
+        audio_token_index=ids["audio_token"],
+        audio_start_token_id=ids["audio_bos_token"],
+        audio_end_token_id=ids["audio_eos_token"],
+        # Not declared by the config class, but read by the model's rotary-position code.
+        vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"],
+    )
+    return Qwen2_5OmniThinkerConfig(**fields)
+
+
+def _preprocessor_config(spec: ProcessorSpec) -> dict[str, Any]:
+    """The keys a released Qwen2.5-Omni checkpoint's preprocessor_config.json carries."""
+    return {
+        "processor_class": "Qwen2_5OmniProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "patch_size": spec.patch_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.merge_size,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
+        "feature_size": spec.n_mels,
+        "sampling_rate": spec.sampling_rate,
+        "hop_length": spec.hop_length,
+        "n_fft": spec.n_fft,
+        "chunk_length": int(spec.max_audio_seconds),
+        "n_samples": spec.max_audio_samples,
+        "return_attention_mask": True,
+    }
+
+
+def init_model(folder: str | Path, *, seed: int = 0) -> Path:
+    """Write the tiny model folder (deterministic for a given seed); returns its path."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    config = tiny_config(tokenizer)
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2_5OmniThinkerForConditionalGeneration(config).eval()
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(root, safe_serialization=True)
+    tokenizer.save_pretrained(root)
+    spec = ProcessorSpec.qwen2_5_omni()
+    (root / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2) + "\n")
+    return root
