@@ -1,0 +1,115 @@
+"""The encoder stage with its cache: feature keys in, embedding keys out, one forward per unique item.
+
+Embeddings are cached in the same Arrow-shard store as features (`preprocess.FeatureStore`), keyed
+by feature key + tower-weights version: a frozen tower computes each unique media item once,
+however many samples and steps use it; new tower weights give a new version and fresh entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+import preprocess as pp
+
+from .towers import Towers
+
+__all__ = ["EncodedItem", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
+
+_META = b"weir"
+
+
+def embedding_key(feature_key: str, version: str) -> str:
+    return hashlib.sha256(f"{feature_key}|{version}".encode()).hexdigest()[:40]
+
+
+def embedding_to_arrow(embedding: np.ndarray, meta: dict[str, Any]) -> bytes:
+    """(tokens, hidden) float32 as one Arrow IPC stream with its metadata."""
+    rows = np.ascontiguousarray(embedding, dtype=np.float32)
+    column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
+    batch = pa.record_batch([column], names=["embedding"])
+    schema = batch.schema.with_metadata({_META: json.dumps(meta)})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, schema) as writer:
+        writer.write_batch(batch.replace_schema_metadata(schema.metadata))
+    return sink.getvalue().to_pybytes()
+
+
+def embedding_from_arrow(data: bytes | pa.Buffer) -> tuple[np.ndarray, dict[str, Any]]:
+    """Zero-copy (tokens, hidden) float32 view and the metadata."""
+    reader = pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data))
+    batch = reader.read_next_batch()
+    column = batch.column(0)
+    values = column.values.to_numpy(zero_copy_only=True).reshape(len(column), -1)
+    return values, json.loads(reader.schema.metadata[_META])
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncodedItem:
+    feature_key: str
+    embedding_key: str
+    kind: str
+    shape: tuple[int, int]
+    cache_hit: bool
+
+
+class Encoder:
+    """Towers + two stores: where features are read from, and where embeddings are kept."""
+
+    def __init__(self, towers: Towers, features: pp.FeatureStore, embeddings: pp.FeatureStore) -> None:
+        self.towers, self.features, self.embeddings = towers, features, embeddings
+
+    def encode(self, feature_keys: list[str]) -> list[EncodedItem]:
+        """Embed each key (computing only the misses, in packed batches); raises KeyError for an
+        unknown feature key."""
+        version = self.towers.version
+        results: list[EncodedItem | None] = [None] * len(feature_keys)
+        misses: dict[str, list[int]] = {}  # feature key → positions (a key may repeat)
+        loaded: dict[str, pp.Features] = {}
+        for i, key in enumerate(feature_keys):
+            emb_key = embedding_key(key, version)
+            cached = self.embeddings.get_bytes(emb_key)
+            if cached is not None:
+                _, meta = embedding_from_arrow(cached)
+                results[i] = EncodedItem(
+                    feature_key=key,
+                    embedding_key=emb_key,
+                    kind=meta["kind"],
+                    shape=tuple(meta["shape"]),
+                    cache_hit=True,
+                )  # type: ignore[arg-type]
+                continue
+            if key not in loaded:
+                features = self.features.get(key)
+                if features is None:
+                    raise KeyError(key)
+                loaded[key] = features
+            misses.setdefault(key, []).append(i)
+        keys = list(misses)
+        for key, embedding in zip(keys, self.towers.encode([loaded[k] for k in keys]), strict=True):
+            array = embedding.float().cpu().numpy()
+            meta = {"kind": loaded[key].kind, "feature_key": key, "version": version, "shape": list(array.shape)}
+            emb_key = embedding_key(key, version)
+            self.embeddings.put(emb_key, embedding_to_arrow(array, meta))
+            for i in misses[key]:
+                results[i] = EncodedItem(
+                    feature_key=key,
+                    embedding_key=emb_key,
+                    kind=loaded[key].kind,
+                    shape=(int(array.shape[0]), int(array.shape[1])),
+                    cache_hit=False,
+                )
+        return [r for r in results if r is not None]
+
+    def embedding(self, embedding_key: str) -> torch.Tensor | None:
+        data = self.embeddings.get_bytes(embedding_key)
+        if data is None:
+            return None
+        values, _ = embedding_from_arrow(data)
+        return torch.from_numpy(values.copy())

@@ -1,0 +1,148 @@
+"""The model's vision and audio towers, loaded alone from a model folder, as an encoder stage.
+
+Only the tower weights are read (`safetensors` lets us open just those tensors), so an encoder
+process holds a few hundred MB of a 7B checkpoint, not all of it. Inputs are the preprocess
+library's features; outputs are exactly the embeddings the language model splices in at the
+placeholder positions: the vision tower's merged output (``pooler_output``) for images and videos,
+the audio tower's ``last_hidden_state`` for audio.
+
+Batches are packed by patch / frame count under a budget, not by item count: one forward over
+several images costs what their patches cost. This module does not cache (see `embeddings.py`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+    Qwen2_5OmniAudioEncoder,
+    Qwen2_5OmniVisionEncoder,
+)
+
+import preprocess as pp
+
+__all__ = ["Towers", "pack_by_cost"]
+
+logger = logging.getLogger(__name__)
+
+# Where the towers live in the checkpoints we load: the thinker alone, or the full Omni model.
+_PREFIXES = {"visual": ("visual.", "thinker.visual."), "audio": ("audio_tower.", "thinker.audio_tower.")}
+
+
+def pack_by_cost(costs: Sequence[int], budget: int) -> Iterator[list[int]]:
+    """Indices grouped in input order so each group's summed cost stays within ``budget``
+    (an item costlier than the budget goes alone)."""
+    group: list[int] = []
+    total = 0
+    for index, cost in enumerate(costs):
+        if group and total + cost > budget:
+            yield group
+            group, total = [], 0
+        group.append(index)
+        total += cost
+    if group:
+        yield group
+
+
+def _weight_files(root: Path) -> list[Path]:
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [root / n for n in names]
+    return sorted(root.glob("*.safetensors"))
+
+
+class Towers:
+    """Vision and audio towers of a Qwen2.5-Omni thinker folder, in eval mode on one device."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_patches_per_batch: int = 16384,
+        max_frames_per_batch: int = 30000,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        config = getattr(config, "thinker_config", config)
+        self.device, self.dtype = torch.device(device), dtype
+        self.max_patches_per_batch = max_patches_per_batch
+        self.max_frames_per_batch = max_frames_per_batch
+        self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
+        self.audio = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
+        self.version = self.load_weights(self.model_dir)
+        self.forward_passes = 0
+
+    def load_weights(self, folder: str | Path) -> str:
+        """Load the towers' tensors from ``folder``; returns the new weights version."""
+        files = _weight_files(Path(folder))
+        if not files:
+            raise FileNotFoundError(f"no safetensors files in {folder}")
+        states: dict[str, dict[str, torch.Tensor]] = {"visual": {}, "audio": {}}
+        for path in files:
+            with safe_open(str(path), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    for tower, prefixes in _PREFIXES.items():
+                        prefix = next((p for p in prefixes if name.startswith(p)), None)
+                        if prefix is not None:
+                            states[tower][name[len(prefix) :]] = handle.get_tensor(name)
+        for tower, module in (("visual", self.visual), ("audio", self.audio)):
+            missing, unexpected = module.load_state_dict(states[tower], strict=False)
+            if missing or unexpected:
+                raise ValueError(
+                    f"{tower} tower weights in {folder} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                )
+            module.to(self.device, self.dtype)
+        # The version names the weights, not the process: same files, same version, everywhere.
+        stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        return hashlib.sha256(json.dumps([str(Path(folder).resolve()), stamp]).encode()).hexdigest()[:16]
+
+    @torch.no_grad()
+    def encode_visual(self, items: Sequence[pp.ImageFeatures | pp.VideoFeatures]) -> list[torch.Tensor]:
+        """(tokens, hidden) per item; items are packed into forwards by patch count."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for group in pack_by_cost([it.num_patches for it in items], self.max_patches_per_batch):
+            pixels = torch.cat([torch.from_numpy(items[i].pixel_values) for i in group]).to(self.device, self.dtype)
+            grids = torch.tensor([items[i].grid_thw for i in group], device=self.device)
+            merged = self.visual(pixels, grid_thw=grids).pooler_output
+            self.forward_passes += 1
+            sizes = [items[i].num_tokens for i in group]
+            for i, chunk in zip(group, torch.split(merged, sizes), strict=True):
+                out[i] = chunk
+        return out
+
+    @torch.no_grad()
+    def encode_audio(self, items: Sequence[pp.AudioFeatures]) -> list[torch.Tensor]:
+        """(tokens, hidden) per clip; clips are packed into forwards by mel-frame count."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for group in pack_by_cost([it.num_frames for it in items], self.max_frames_per_batch):
+            features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
+            lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)
+            after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)
+            hidden = self.audio(
+                features.to(self.device, self.dtype), feature_lens=lengths, aftercnn_lens=after_cnn
+            ).last_hidden_state
+            self.forward_passes += 1
+            for i, chunk in zip(group, torch.split(hidden, [items[i].num_tokens for i in group]), strict=True):
+                out[i] = chunk
+        return out
+
+    def encode(self, items: Sequence[pp.Features]) -> list[torch.Tensor]:
+        """Embeddings for a mixed list, in input order."""
+        visual = [i for i, it in enumerate(items) if not isinstance(it, pp.AudioFeatures)]
+        audio = [i for i, it in enumerate(items) if isinstance(it, pp.AudioFeatures)]
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for i, emb in zip(visual, self.encode_visual([items[i] for i in visual]), strict=True):  # type: ignore[misc]
+            out[i] = emb
+        for i, emb in zip(audio, self.encode_audio([items[i] for i in audio]), strict=True):  # type: ignore[misc]
+            out[i] = emb
+        return out
