@@ -77,10 +77,20 @@ class Towers:
         self.device, self.dtype = torch.device(device), dtype
         self.max_patches_per_batch = max_patches_per_batch
         self.max_frames_per_batch = max_frames_per_batch
-        self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
-        self.audio = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
+        self.visual: torch.nn.Module = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
+        self.audio: torch.nn.Module = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
         self.version = self.load_weights(self.model_dir)
         self.forward_passes = 0
+
+    @classmethod
+    def from_modules(cls, visual: torch.nn.Module, audio: torch.nn.Module, version: str) -> Towers:
+        """Towers over modules that already exist (a whole model's own towers, in an engine)."""
+        towers = cls.__new__(cls)
+        parameter = next(visual.parameters())
+        towers.model_dir, towers.device, towers.dtype = Path("."), parameter.device, parameter.dtype
+        towers.max_patches_per_batch, towers.max_frames_per_batch = 16384, 30000
+        towers.visual, towers.audio, towers.version, towers.forward_passes = visual, audio, version, 0
+        return towers
 
     def load_weights(self, folder: str | Path) -> str:
         """Load the towers' tensors from ``folder``; returns the new weights version."""
@@ -127,7 +137,7 @@ class Towers:
         for group in pack_by_cost([it.num_frames for it in items], self.max_frames_per_batch):
             features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
             lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)
-            after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)
+            after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)  # type: ignore[operator]
             hidden = self.audio(
                 features.to(self.device, self.dtype), feature_lens=lengths, aftercnn_lens=after_cnn
             ).last_hidden_state

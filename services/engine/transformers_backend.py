@@ -1,0 +1,327 @@
+"""`TransformersEngine`: the engine protocol on plain transformers (CPU, or a GPU without SGLang).
+
+One scheduler thread owns the model. It admits requests, prefills each (media embeddings spliced
+in at the placeholder positions; the model's own 3-D rotary positions computed from the grids, as
+the model computes them), then advances every running request one token per round, so concurrent
+requests interleave token by token and an abort lands within one step — no lock is held for a whole
+generation. Each request has its own KV cache; decode steps are not fused into one batched forward
+(a CPU reference backend; throughput is SGLang's job on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniThinkerForConditionalGeneration
+
+from encoders.towers import Towers
+
+from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
+
+__all__ = ["TransformersEngine", "sample_token"]
+
+logger = logging.getLogger(__name__)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from 1-D logits under temperature / top-k / top-p (greedy below 1e-6, as SGLang)."""
+    if params.temperature < 1e-6 or params.top_k == 1:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
+        scores[order[drop]] = float("-inf")
+    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+
+
+@dataclass(slots=True, kw_only=True)
+class _Running:
+    request: GenerateRequest
+    future: Future[GenerateResult]
+    generator: torch.Generator
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cache: DynamicCache | None = None
+    next_logits: torch.Tensor | None = None
+    length: int = 0  # tokens in the cache
+    rope_delta: int = 0
+    aborted: bool = False
+    text: str = ""
+
+
+class TransformersEngine:
+    """A Qwen2.5-Omni thinker folder served through the engine protocol."""
+
+    def __init__(
+        self, model_dir: str | Path, *, device: str = "cpu", max_running: int = 8, weight_version: str = "0"
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.device = torch.device(device)
+        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.model = model.to(self.device).eval()  # type: ignore[arg-type]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+        config = self.model.config
+        self.placeholders = {
+            "image": config.image_token_id,
+            "video": config.video_token_id,
+            "audio": config.audio_token_id,
+        }
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.max_context = int(config.get_text_config().max_position_embeddings)
+        self._banned = torch.tensor(sorted(self.placeholders.values()), device=self.device)
+        self.weight_version = weight_version
+        self.towers = Towers.from_modules(self.model.visual, self.model.audio_tower, weight_version)
+        self.max_running = max_running
+        self._inbox: queue.Queue[_Running] = queue.Queue()
+        self._running: list[_Running] = []
+        self._by_rid: dict[str, _Running] = {}
+        self._model_lock = threading.Lock()  # held per forward step, never across a generation
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="transformers-engine", daemon=True)
+        self._thread.start()
+
+    # -- the protocol --------------------------------------------------------------------------
+    def submit(self, request: GenerateRequest) -> Future[GenerateResult]:
+        rid = request.rid or uuid.uuid4().hex
+        future: Future[GenerateResult] = Future()
+        seed = request.sampling.sampling_seed
+        generator = torch.Generator().manual_seed(seed if seed is not None else int(uuid.uuid4().int % 2**63))
+        running = _Running(request=_with_rid(request, rid), future=future, generator=generator)
+        self._by_rid[rid] = running
+        self._inbox.put(running)
+        return future
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self.submit(request).result(timeout)
+
+    def abort(self, rid: str) -> bool:
+        running = self._by_rid.get(rid)
+        if running is None:
+            return False
+        running.aborted = True
+        return True
+
+    def pause(self) -> None:
+        self._unpaused.clear()
+
+    def resume(self) -> None:
+        self._unpaused.set()
+
+    def update_weights(self, path: str, version: str | None = None) -> str:
+        """Load every ``*.safetensors`` of ``path`` into the model between two decode steps."""
+        files = sorted(Path(path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no safetensors files in {path}")
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+        with self._model_lock:
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+            if unexpected:
+                raise ValueError(f"weights in {path} do not fit the model: {unexpected[:3]}")
+            self.weight_version = version or time.strftime("%Y%m%d%H%M%S")
+            self.towers.version = self.weight_version
+        return self.weight_version
+
+    def healthy(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        self._stopping = True
+        self._unpaused.set()
+        self._thread.join(10)
+
+    # -- the scheduler -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._unpaused.wait()
+            self._admit(block=not self._running)
+            for running in list(self._running):
+                if self._stopping:
+                    break
+                self._unpaused.wait()
+                try:
+                    with self._model_lock:
+                        self._step(running)
+                except Exception as error:  # noqa: BLE001 - one bad request must not stop the engine
+                    logger.exception("request %s failed", running.request.rid)
+                    self._finish(running, error=error)
+
+    def _admit(self, *, block: bool) -> None:
+        while len(self._running) < self.max_running:
+            try:
+                running = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            self._running.append(running)
+
+    def _step(self, running: _Running) -> None:
+        request = running.request
+        if running.aborted:
+            self._finish(running, reason={"type": "abort", "message": "aborted by request"})
+            return
+        if running.cache is None:
+            self._prefill(running)
+            if request.sampling.max_new_tokens == 0:
+                self._finish(running, reason={"type": "length", "length": 0})
+                return
+        else:
+            self._decode(running)
+        assert running.next_logits is not None
+        logits = running.next_logits
+        # Media placeholders are never generated: one in a response would be read as a media slot
+        # when the trainer recomputes the sequence. They keep their mass in the reported log-probs.
+        allowed = logits.index_fill(0, self._banned, float("-inf"))
+        token = sample_token(allowed, request.sampling, running.generator)
+        running.output_ids.append(token)
+        running.logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        reason = self._stop_reason(running, token)
+        if reason is not None:
+            self._finish(running, reason=reason)
+
+    def _stop_reason(self, running: _Running, token: int) -> dict[str, Any] | None:
+        params = running.request.sampling
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            text = self._decode_text(running.output_ids)
+            hits = [(text.find(s), s) for s in params.stop if s and s in text]
+            if hits:
+                position, matched = min(hits)
+                running.text = text[:position]
+                return {"type": "stop", "matched": matched}
+        if len(running.output_ids) >= params.max_new_tokens:
+            return {"type": "length", "length": params.max_new_tokens}
+        if running.length + 1 >= self.max_context:
+            return {"type": "length", "length": len(running.output_ids)}
+        return None
+
+    def _finish(
+        self, running: _Running, *, reason: dict[str, Any] | None = None, error: BaseException | None = None
+    ) -> None:
+        if running in self._running:
+            self._running.remove(running)
+        self._by_rid.pop(running.request.rid, None)
+        running.cache = None
+        if error is not None:
+            running.future.set_exception(error)
+            return
+        text = running.text or self._decode_text(running.output_ids)
+        running.future.set_result(
+            GenerateResult(
+                rid=running.request.rid,
+                output_ids=running.output_ids,
+                output_logprobs=running.logprobs,
+                finish_reason=reason or {"type": "stop"},
+                prompt_tokens=len(running.request.input_ids),
+                weight_version=self.weight_version,
+                text=text,
+            )
+        )
+
+    def _decode_text(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    @torch.no_grad()
+    def _prefill(self, running: _Running) -> None:
+        request = running.request
+        if not request.input_ids:
+            raise ValueError("input_ids is empty")
+        if len(request.input_ids) >= self.max_context:
+            raise ValueError(f"the prompt has {len(request.input_ids)} tokens; the context is {self.max_context}")
+        ids = torch.tensor([request.input_ids], device=self.device)
+        embeds = self.model.get_input_embeddings()(ids)
+        embeds = self._splice(ids, embeds, request.media)
+        mask = torch.ones_like(ids)
+        positions, deltas = self.model.get_rope_index(ids, attention_mask=mask, **_geometry(request.media, self.device))
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=DynamicCache(),
+            use_cache=True,
+        )
+        running.cache = out.past_key_values
+        running.length = ids.shape[1]
+        running.rope_delta = int(deltas.reshape(-1)[0])
+        running.next_logits = out.logits[0, -1]
+
+    @torch.no_grad()
+    def _decode(self, running: _Running) -> None:
+        token = torch.tensor([[running.output_ids[-1]]], device=self.device)
+        embeds = self.model.get_input_embeddings()(token)
+        position = torch.full((3, 1, 1), running.length + running.rope_delta, device=self.device)
+        mask = torch.ones(1, running.length + 1, dtype=torch.long, device=self.device)
+        out = self.model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=position,
+            past_key_values=running.cache,
+            use_cache=True,
+        )
+        running.cache = out.past_key_values
+        running.length += 1
+        running.next_logits = out.logits[0, -1]
+
+    def _splice(self, ids: torch.Tensor, embeds: torch.Tensor, media: tuple[MediaInput, ...]) -> torch.Tensor:
+        """Media embeddings at their placeholder positions, each kind's items in prompt order."""
+        todo = [i for i, m in enumerate(media) if m.embedding is None]
+        computed = self.towers.encode([media[i].features for i in todo])  # type: ignore[misc]
+        vectors = {i: media[i].embedding for i in range(len(media))}
+        vectors.update(dict(zip(todo, computed, strict=True)))
+        for kind, placeholder in self.placeholders.items():
+            rows = [vectors[i] for i, m in enumerate(media) if m.kind == kind]
+            where = ids == placeholder
+            count = int(where.sum())
+            supplied = sum(int(r.shape[0]) for r in rows if r is not None)
+            if count != supplied:
+                raise ValueError(f"{kind}: the prompt has {count} placeholder tokens but the media give {supplied}")
+            if rows:
+                stacked = torch.cat([r for r in rows if r is not None]).to(embeds.device, embeds.dtype)
+                embeds = embeds.masked_scatter(where.unsqueeze(-1).expand_as(embeds), stacked)
+        return embeds
+
+
+def _geometry(media: tuple[MediaInput, ...], device: torch.device) -> dict[str, Any]:
+    """The keyword arguments of the model's `get_rope_index` for these media."""
+    images = [m.grid_thw for m in media if m.kind == "image"]
+    videos = [m for m in media if m.kind == "video"]
+    audios = [m.audio_frames for m in media if m.kind == "audio"]
+    return {
+        "image_grid_thw": torch.tensor(images, device=device) if images else None,
+        "video_grid_thw": torch.tensor([m.grid_thw for m in videos], device=device) if videos else None,
+        "use_audio_in_video": False,
+        "audio_seqlens": torch.tensor(audios, device=device) if audios else None,
+        "second_per_grids": torch.tensor([m.second_per_grid_t for m in videos], device=device) if videos else None,
+    }
+
+
+def _with_rid(request: GenerateRequest, rid: str) -> GenerateRequest:
+    if request.rid == rid:
+        return request
+    return GenerateRequest(
+        input_ids=request.input_ids,
+        sampling=request.sampling,
+        media=request.media,
+        rid=rid,
+        return_logprob=request.return_logprob,
+    )
