@@ -3,6 +3,7 @@
 Commands::
 
     weir serve preprocess [--host H] [--port P] [--workers N]
+    weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
@@ -17,7 +18,10 @@ from pathlib import Path
 
 __all__ = ["build_parser", "main"]
 
-ROLES = {"preprocess": ("services.preprocess.app:app_factory", 8101)}
+ROLES = {
+    "preprocess": ("services.preprocess.app:app_factory", 8101),
+    "engine": ("services.engine.app:app_factory", 30000),
+}
 
 
 def _add_budget(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=None, help="default: the role's port (preprocess 8101)")
     serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--model", default=None, help="model folder (engine); default WEIR_MODEL")
+    serve.add_argument("--backend", choices=("transformers", "sglang"), default=None, help="engine backend")
 
     prep = sub.add_parser("prep", help="preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
     prep.add_argument("dataset", type=Path)
@@ -72,10 +78,18 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["WEIR_HOST"] = args.host
     host = os.environ.get("WEIR_HOST", "127.0.0.1")
     port = args.port or default_port
+    for flag, variable in (("model", "WEIR_MODEL"), ("backend", "WEIR_BACKEND")):
+        if getattr(args, flag) is not None:
+            os.environ[variable] = str(getattr(args, flag))
     # Settings are validated here, before uvicorn starts, so a bad variable fails fast by name.
-    from services.preprocess.settings import PreprocessSettings
+    if args.role == "preprocess":
+        from services.preprocess.settings import PreprocessSettings
 
-    PreprocessSettings()
+        PreprocessSettings()
+    else:
+        from services.engine.settings import EngineSettings
+
+        EngineSettings()
     uvicorn.run(target, factory=True, host=host, port=port, workers=args.workers, log_level=args.log_level)
     return 0
 

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +63,7 @@ class _Running:
     rope_delta: int = 0
     aborted: bool = False
     text: str = ""
+    on_token: Callable[[int, float], None] | None = None
 
 
 class TransformersEngine:
@@ -99,12 +101,15 @@ class TransformersEngine:
         self._thread.start()
 
     # -- the protocol --------------------------------------------------------------------------
-    def submit(self, request: GenerateRequest) -> Future[GenerateResult]:
+    def submit(
+        self, request: GenerateRequest, on_token: Callable[[int, float], None] | None = None
+    ) -> Future[GenerateResult]:
+        """Queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token."""
         rid = request.rid or uuid.uuid4().hex
         future: Future[GenerateResult] = Future()
         seed = request.sampling.sampling_seed
         generator = torch.Generator().manual_seed(seed if seed is not None else int(uuid.uuid4().int % 2**63))
-        running = _Running(request=_with_rid(request, rid), future=future, generator=generator)
+        running = _Running(request=_with_rid(request, rid), future=future, generator=generator, on_token=on_token)
         self._by_rid[rid] = running
         self._inbox.put(running)
         return future
@@ -194,6 +199,8 @@ class TransformersEngine:
         token = sample_token(allowed, request.sampling, running.generator)
         running.output_ids.append(token)
         running.logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        if running.on_token is not None:
+            running.on_token(token, running.logprobs[-1])
         reason = self._stop_reason(running, token)
         if reason is not None:
             self._finish(running, reason=reason)

@@ -1,4 +1,4 @@
-"""A real preprocess server on a loopback port, in a thread, per test that asks for one."""
+"""Real servers on loopback ports, in threads, for the tests that ask for one."""
 
 from __future__ import annotations
 
@@ -23,8 +23,10 @@ def free_port() -> int:
 
 
 class RunningServer:
-    def __init__(self, settings: PreprocessSettings) -> None:
-        self.app = create_app(settings)
+    """Any role's app served by uvicorn on a free loopback port, in a thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
@@ -59,7 +61,7 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., tuple[RunningServer, httpx.C
         media.mkdir(exist_ok=True)
         fields: dict[str, Any] = {"cache_dir": tmp_path / "cache", "media_roots": [media]}
         fields.update(overrides)
-        server = RunningServer(PreprocessSettings(**fields)).__enter__()
+        server = RunningServer(create_app(PreprocessSettings(**fields))).__enter__()
         client = httpx.Client(base_url=server.url, timeout=60)
         started.append((server, client))
         return server, client
