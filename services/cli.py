@@ -4,6 +4,7 @@ Commands::
 
     weir serve preprocess [--host H] [--port P] [--workers N]
     weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
+    weir serve rollout [--port 8100]   # WEIR_ENGINE_URLS, WEIR_PREPROCESS_URL, WEIR_MODEL
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
@@ -21,6 +22,7 @@ __all__ = ["build_parser", "main"]
 ROLES = {
     "preprocess": ("services.preprocess.app:app_factory", 8101),
     "engine": ("services.engine.app:app_factory", 30000),
+    "rollout": ("services.rollout.app:app_factory", 8100),
 }
 
 
@@ -86,10 +88,14 @@ def _serve(args: argparse.Namespace) -> int:
         from services.preprocess.settings import PreprocessSettings
 
         PreprocessSettings()
-    else:
+    elif args.role == "engine":
         from services.engine.settings import EngineSettings
 
         EngineSettings()
+    else:
+        from services.rollout.settings import RolloutSettings
+
+        RolloutSettings()
     uvicorn.run(target, factory=True, host=host, port=port, workers=args.workers, log_level=args.log_level)
     return 0
 

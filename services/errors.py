@@ -37,9 +37,12 @@ _HTTP_CODES = {
 class ApiError(Exception):
     """A caller's mistake: ``status`` (4xx), a stable ``code``, a message, optional item index."""
 
-    def __init__(self, status: int, code: str, message: str, *, item: int | None = None) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, item: int | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.code, self.message, self.item = status, code, message, item
+        self.headers = headers
 
 
 def media_error_status(error: MediaError) -> int:
@@ -56,7 +59,7 @@ def error_body(code: str, message: str, item: int | None = None) -> dict[str, An
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message, exc.item), status_code=exc.status)
+        return JSONResponse(error_body(exc.code, exc.message, exc.item), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(MediaError)
     async def _media_error(_: Request, exc: MediaError) -> JSONResponse:

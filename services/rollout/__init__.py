@@ -1,0 +1,1 @@
+"""The rollout role: rollout requests and OpenAI-compatible chat over preprocess + engines."""

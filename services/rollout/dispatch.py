@@ -1,0 +1,106 @@
+"""Dispatch over several engines: least outstanding requests, group affinity, one retry elsewhere.
+
+A group's samples go to the engine that took its first sample while that engine has room (its
+prefix cache holds the prompt). A call that fails for the engine's reasons — connection error,
+timeout, 5xx — is retried once on another engine, and the failing engine sits out a cool-down.
+Every call has a timeout: nothing waits forever on a hung engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from ..errors import ApiError
+
+__all__ = ["Dispatcher", "EngineEndpoint"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineEndpoint:
+    url: str
+    outstanding: int = 0
+    down_until: float = 0.0
+
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self.down_until
+
+
+class Dispatcher:
+    def __init__(self, urls: list[str], *, timeout_s: float, max_per_engine: int = 64, cooldown_s: float = 5.0) -> None:
+        if not urls:
+            raise ValueError("at least one engine URL is required")
+        self.engines = [EngineEndpoint(u.rstrip("/")) for u in urls]
+        self.timeout_s, self.max_per_engine, self.cooldown_s = timeout_s, max_per_engine, cooldown_s
+        self._affinity: dict[str, EngineEndpoint] = {}
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    def _pick(self, group: str | None, exclude: EngineEndpoint | None = None) -> EngineEndpoint:
+        candidates = [e for e in self.engines if e.available and e is not exclude] or [
+            e for e in self.engines if e is not exclude
+        ]
+        if not candidates:
+            raise ApiError(503, "engines_unavailable", "no engine is available")
+        sticky = self._affinity.get(group) if group else None
+        if sticky in candidates and sticky is not None and sticky.outstanding < self.max_per_engine:
+            return sticky
+        chosen = min(candidates, key=lambda e: e.outstanding)
+        if group:
+            self._affinity[group] = chosen
+        return chosen
+
+    async def generate(self, body: dict[str, Any], *, group: str | None = None) -> dict[str, Any]:
+        """POST /generate on one engine, retried once on another if that engine fails."""
+        engine = self._pick(group)
+        try:
+            return await self._call(engine, body)
+        except (httpx.TransportError, _EngineFailed) as error:
+            logger.warning("engine %s failed (%s); retrying on another", engine.url, error)
+            engine.down_until = time.monotonic() + self.cooldown_s
+            if group:
+                self._affinity.pop(group, None)
+            other = self._pick(group, exclude=engine)
+            try:
+                return await self._call(other, body)
+            except (httpx.TransportError, _EngineFailed) as again:
+                other.down_until = time.monotonic() + self.cooldown_s
+                raise ApiError(503, "engines_unavailable", f"two engines failed: {again}") from None
+
+    async def _call(self, engine: EngineEndpoint, body: dict[str, Any]) -> dict[str, Any]:
+        engine.outstanding += 1
+        try:
+            response = await asyncio.wait_for(self._client.post(f"{engine.url}/generate", json=body), self.timeout_s)
+        except TimeoutError:
+            # Free the engine's slot: an abandoned request would otherwise keep generating.
+            asyncio.ensure_future(self._abort(engine, body.get("rid")))
+            raise _EngineFailed(f"timed out after {self.timeout_s} s") from None
+        finally:
+            engine.outstanding -= 1
+        if response.status_code >= 500:
+            raise _EngineFailed(f"HTTP {response.status_code}")
+        if response.status_code >= 400:
+            error = response.json().get("error", {})
+            raise ApiError(400, error.get("code", "engine_refused"), error.get("message", response.text))
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def _abort(self, engine: EngineEndpoint, rid: object) -> None:
+        if rid:
+            with contextlib.suppress(httpx.HTTPError):
+                await self._client.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=5)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class _EngineFailed(Exception):
+    """The engine's own failure (5xx or timeout): worth one retry elsewhere."""

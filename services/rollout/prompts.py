@@ -1,0 +1,91 @@
+"""OpenAI-style messages → preprocess items + token ids with each placeholder expanded exactly.
+
+Content parts: ``text``; ``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
+``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
+URLs); ``input_audio`` (``{"data": base64, "format": ...}``). Errors name the offending field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer
+
+from preprocess.placeholders import expand_placeholders
+
+from ..errors import ApiError
+
+__all__ = ["PromptBuilder", "parse_messages"]
+
+_MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+_ROLES = {"system", "user", "assistant"}
+
+
+def _source(url: str) -> dict[str, str]:
+    if url.startswith("data:"):
+        return {"data": url}
+    if url.startswith(("http://", "https://")):
+        return {"url": url}
+    return {"path": url.removeprefix("file://")}
+
+
+def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """(messages for the chat template, preprocess items in prompt order)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "invalid_messages", f"{where}: a non-empty list of messages is required")
+    template: list[dict[str, Any]] = []
+    items: list[dict[str, str]] = []
+    for i, message in enumerate(messages):
+        path = f"{where}[{i}]"
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ApiError(400, "invalid_messages", f"{path}.role: one of {sorted(_ROLES)} is required")
+        content = message.get("content")
+        if isinstance(content, str):
+            template.append({"role": message["role"], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ApiError(400, "invalid_messages", f"{path}.content: a string or a list of parts is required")
+        parts: list[dict[str, Any]] = []
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            part_path = f"{path}.content[{j}]"
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in _MEDIA_PARTS:
+                url = (part.get(kind) or {}).get("url") if isinstance(part.get(kind), dict) else part.get(kind)
+                if not isinstance(url, str) or not url:
+                    raise ApiError(400, "invalid_messages", f"{part_path}.{kind}.url: a URL is required")
+                items.append({"type": _MEDIA_PARTS[kind], **_source(url)})
+                parts.append({"type": _MEDIA_PARTS[kind]})
+            elif kind == "input_audio":
+                audio = part.get("input_audio") or {}
+                if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
+                    raise ApiError(400, "invalid_messages", f"{part_path}.input_audio.data: base64 audio is required")
+                items.append({"type": "audio", "data": audio["data"]})
+                parts.append({"type": "audio"})
+            else:
+                raise ApiError(400, "unknown_part_type", f"{part_path}.type: unknown content part {kind!r}")
+        template.append({"role": message["role"], "content": parts})
+    return template, items
+
+
+class PromptBuilder:
+    """The model folder's tokenizer and chat template, and its placeholder token ids."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.placeholders: dict[str, int] = {
+            kind: int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, f"{kind}_token")))  # type: ignore[arg-type]
+            for kind in ("image", "video", "audio")
+        }
+        eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        self.eos_ids = [t for t in eos if isinstance(t, int) and t >= 0]
+
+    def build(self, template: list[dict[str, Any]], media: list[tuple[str, int]]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
+        ids = self.tokenizer.encode(str(text), add_special_tokens=False)
+        return expand_placeholders(ids, self.placeholders, media)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
