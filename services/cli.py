@@ -4,6 +4,7 @@ Commands::
 
     weir serve preprocess [--host H] [--port P] [--workers N]
     weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
+    weir serve encoder [--port 8102]   # WEIR_MODEL, WEIR_CACHE_DIR, WEIR_EMBEDDING_CACHE_DIR
     weir serve rollout [--port 8100]   # WEIR_ENGINE_URLS, WEIR_PREPROCESS_URL, WEIR_MODEL
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
@@ -23,6 +24,7 @@ ROLES = {
     "preprocess": ("services.preprocess.app:app_factory", 8101),
     "engine": ("services.engine.app:app_factory", 30000),
     "rollout": ("services.rollout.app:app_factory", 8100),
+    "encoder": ("services.encoder.app:app_factory", 8102),
 }
 
 
@@ -92,6 +94,10 @@ def _serve(args: argparse.Namespace) -> int:
         from services.engine.settings import EngineSettings
 
         EngineSettings()
+    elif args.role == "encoder":
+        from services.encoder.app import EncoderSettings
+
+        EncoderSettings()
     else:
         from services.rollout.settings import RolloutSettings
 
