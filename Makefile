@@ -12,9 +12,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-# The main job on embedded defaults: generate a media set, preprocess it, print the report.
+# The main job on embedded defaults: preprocess a generated media set (report), then start every
+# role, send a rollout request (image, video, audio; n=4) and an OpenAI chat completion, and stop.
 run: $(STAMP)
 	$(BIN)/weir demo --out .weir/demo
+	$(BIN)/weir up --demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

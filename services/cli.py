@@ -9,6 +9,7 @@ Commands::
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
+    weir up [--engines N] [--demo] # every role on localhost; --demo sends a rollout and a chat, then stops
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     prep.add_argument("--cache-max-bytes", type=int, default=10 << 30)
     _add_budget(prep)
+
+    up = sub.add_parser("up", help="start every role locally (embedded defaults); Ctrl-C stops them")
+    up.add_argument("--engines", type=int, default=1)
+    up.add_argument("--model", type=Path, default=None, help="a model folder; default: the tiny model in .weir/model")
+    up.add_argument("--home", type=Path, default=Path(".weir"))
+    up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
 
     init = sub.add_parser("init-model", help="write the tiny embedded Qwen2.5-Omni model folder")
     init.add_argument("folder", type=Path)
@@ -150,12 +157,45 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from .console import console
+    from .stack import LocalStack
+
+    stack = LocalStack(home=args.home, model=args.model, engines=args.engines)
+    console.print(f"[bold]Starting preprocess, encoder, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
+    urls = stack.start()
+    for role, url in urls.items():
+        console.print(f"  {role:<14} {url}")
+    try:
+        if args.demo:
+            from .showcase import run_showcase
+
+            run_showcase(urls, args.home / "media")
+            return 0
+        console.print("Ready. Ctrl-C stops every role.")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(c.process.poll() is None for c in stack.children):
+            time.sleep(0.5)
+        console.print("[red]a role exited; stopping the rest[/red]")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
+        console.print("stopped.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "prep":
         return _prep(args)
+    if args.command == "up":
+        return _up(args)
     if args.command == "init-model":
         from encoders.embedded_model import init_model
 

@@ -50,7 +50,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 
-@dataclass(slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True, eq=False)  # identity: requests are compared as objects
 class _Running:
     request: GenerateRequest
     future: Future[GenerateResult]
@@ -168,7 +168,8 @@ class TransformersEngine:
                         self._step(running)
                 except Exception as error:  # noqa: BLE001 - one bad request must not stop the engine
                     logger.exception("request %s failed", running.request.rid)
-                    self._finish(running, error=error)
+                    if not running.future.done():
+                        self._finish(running, error=error)
 
     def _admit(self, *, block: bool) -> None:
         while len(self._running) < self.max_running:

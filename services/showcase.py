@@ -1,0 +1,97 @@
+"""What `weir up --demo` (and so `make run`) shows: a rollout request and an OpenAI chat on the stack."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.table import Table
+
+from preprocess import samples
+
+from .console import console
+
+__all__ = ["run_showcase"]
+
+
+def _data_uri(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
+
+
+def run_showcase(urls: dict[str, str], media: Path) -> dict[str, Any]:
+    """Send image, video and audio prompts (n=4) and a chat completion; print what came back."""
+    import openai
+
+    (media / "shapes.png").write_bytes(samples.encode_image(samples.test_pattern(320, 240), "PNG"))
+    (media / "clip.mp4").write_bytes(samples.make_video(320, 180, 25, 75))
+    (media / "tone.wav").write_bytes(samples.make_audio(2.0, 44100, 2))
+
+    def ask(part: dict[str, Any], question: str, answer: str) -> dict[str, Any]:
+        return {
+            "messages": [{"role": "user", "content": [part, {"type": "text", "text": question}]}],
+            "n": 4,
+            "reward": {"type": "exact_match", "answer": answer},
+        }
+
+    prompts = [
+        ask({"type": "image_url", "image_url": {"url": "shapes.png"}}, "Which colour is the square?", "white"),
+        ask({"type": "video_url", "video_url": {"url": "clip.mp4"}}, "Which way does it move?", "left"),
+        ask({"type": "audio_url", "audio_url": {"url": "tone.wav"}}, "Is the tone high or low?", "low"),
+    ]
+    body = {"prompts": prompts, "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}
+    groups = httpx.post(f"{urls['rollout']}/v1/rollouts", json=body, timeout=300).json()["groups"]
+    table = Table(title="POST /v1/rollouts — 3 prompts × n=4 (the tiny model is untrained: expect noise)")
+    for column in (
+        "prompt",
+        "media tokens",
+        "prompt ids",
+        "sample",
+        "status",
+        "reward",
+        "tokens",
+        "mean logprob",
+        "text",
+    ):
+        table.add_column(column)
+    for group in groups:
+        media_tokens = ", ".join(f"{k} {v}" for k, v in group["token_counts"].items() if k != "text")
+        for s in group["samples"]:
+            mean = sum(s["logprobs"]) / max(1, len(s["logprobs"]))
+            table.add_row(
+                str(group["prompt_index"]),
+                media_tokens,
+                str(len(group["prompt_ids"])),
+                str(s["index"]),
+                s["status"],
+                str(s["reward"]),
+                str(len(s["response_ids"])),
+                f"{mean:.2f}",
+                repr(s["text"][:24]),
+            )
+    console.print(table)
+    client = openai.OpenAI(base_url=f"{urls['rollout']}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="weir-tiny-omni",
+        max_tokens=16,
+        seed=0,
+        messages=[
+            {
+                "role": "user",
+                "content": [  # type: ignore[list-item]
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": _data_uri("image/png", (media / "shapes.png").read_bytes())},
+                    },
+                    {"type": "text", "text": "Describe the picture."},
+                ],
+            }
+        ],
+    )
+    console.print(
+        f"[bold]openai.chat.completions.create[/bold] → {reply.choices[0].message.content!r} "
+        f"(usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens, "
+        f"{reply.usage.completion_tokens if reply.usage else '?'} completion tokens)"
+    )
+    return {"groups": groups, "chat": reply.choices[0].message.content}

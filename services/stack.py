@@ -1,0 +1,121 @@
+"""`weir up`: every role as a local process with embedded defaults, started in order, stopped together.
+
+Roles run as ``weir serve ROLE`` children on localhost (preprocess 8101, encoder 8102, engines from
+30000, rollout 8100) sharing one cache folder; the tiny model is created on first run. Ctrl-C (or
+SIGTERM) stops every child: SIGTERM first, SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+__all__ = ["LocalStack"]
+
+
+@dataclass(slots=True)
+class _Child:
+    role: str
+    url: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass(slots=True)
+class LocalStack:
+    home: Path = Path(".weir")
+    model: Path | None = None
+    engines: int = 1
+    host: str = "127.0.0.1"
+    children: list[_Child] = field(default_factory=list)
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {c.role: c.url for c in self.children}
+
+    def _env(self, model: Path, engine_urls: list[str]) -> dict[str, str]:
+        return {
+            **os.environ,
+            "WEIR_MODEL": str(model),
+            "WEIR_CACHE_DIR": str(self.home / "cache"),
+            "WEIR_EMBEDDING_CACHE_DIR": str(self.home / "embeddings"),
+            "WEIR_MEDIA_ROOTS": str((self.home / "media").resolve()),
+            "WEIR_ENGINE_URLS": ",".join(engine_urls),
+            "WEIR_PREPROCESS_URL": f"http://{self.host}:8101",
+            "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
+        }
+
+    def start(self, timeout_s: float = 180.0) -> dict[str, str]:
+        model = self.model or self.home / "model"
+        if not (model / "config.json").is_file():
+            from encoders.embedded_model import init_model
+
+            init_model(model)
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        (self.home / "media").mkdir(parents=True, exist_ok=True)
+        engine_ports = [30000 + i for i in range(self.engines)]
+        env = self._env(model, [f"http://{self.host}:{p}" for p in engine_ports])
+        plan = [("preprocess", 8101), ("encoder", 8102)] + [("engine", p) for p in engine_ports] + [("rollout", 8100)]
+        try:
+            for role, port in plan:
+                self._launch(role, port, env)
+            for child in self.children:
+                self._wait_ready(child, timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self.urls
+
+    def _launch(self, role: str, port: int, env: dict[str, str]) -> None:
+        name = role if role != "engine" else f"engine-{port}"
+        log = self.home / "logs" / f"{name}.log"
+        command = [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "serve",
+            role,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
+        with open(log, "wb") as out:
+            process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.children.append(_Child(name, f"http://{self.host}:{port}", process, log))
+
+    @staticmethod
+    def _wait_ready(child: _Child, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.role} exited ({child.process.returncode}); see {child.log}")
+            try:
+                if httpx.get(f"{child.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise TimeoutError(f"{child.role} was not ready after {timeout_s:.0f} s; see {child.log}")
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for child in self.children:
+            if child.process.poll() is None:
+                os.killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        self.children.clear()
