@@ -21,6 +21,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from transformers import AutoTokenizer
 
 import preprocess as pp
 from encoders.embeddings import embedding_from_arrow
@@ -28,6 +29,7 @@ from encoders.embeddings import embedding_from_arrow
 from ..errors import ApiError, install_error_handlers
 from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
 from .settings import EngineSettings
+from .sglang_backend import SGLangEngine
 from .transformers_backend import TransformersEngine
 
 __all__ = ["create_app"]
@@ -127,10 +129,14 @@ def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> di
 
 class EngineState:
     def __init__(self, settings: EngineSettings) -> None:
-        if settings.backend != "transformers":
-            raise ValueError("the sglang backend needs a GPU: use `weir serve engine --backend sglang` there")
         self.settings = settings
-        self.engine = TransformersEngine(settings.model, device=settings.device, max_running=settings.max_running)
+        self.engine: TransformersEngine | SGLangEngine
+        if settings.backend == "sglang":
+            self.engine = SGLangEngine(settings.model)
+        else:
+            self.engine = TransformersEngine(settings.model, device=settings.device, max_running=settings.max_running)
+        self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        self.config = json.loads((settings.model / "config.json").read_text())
         self.features = pp.FeatureStore(settings.cache_dir, settings.cache_max_bytes)
         self.embeddings = pp.FeatureStore(settings.embedding_cache_dir, settings.cache_max_bytes)
 
@@ -199,7 +205,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         body: GenerateBody = await body_of(request, GenerateBody)
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "invalid_request", "give exactly one of text, input_ids")
-        ids = body.input_ids if body.input_ids is not None else engine.tokenizer.encode(body.text or "")
+        ids = body.input_ids if body.input_ids is not None else state.tokenizer.encode(body.text or "")
         generate_request = GenerateRequest(
             input_ids=list(ids),
             sampling=sampling_from(body.sampling_params),
@@ -239,7 +245,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 finish_reason={},
                 prompt_tokens=len(request.input_ids),
                 weight_version=engine.weight_version,
-                text=engine._decode_text(ids),
+                text=str(state.tokenizer.decode(ids, skip_special_tokens=True)),
             )
             chunk = result_json(partial, logprobs=logprobs, latency=0.0)
             chunk["meta_info"]["finish_reason"] = None
@@ -279,8 +285,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     async def abort(request: Request) -> JSONResponse:
         body = json.loads(await request.body() or b"{}")
         if body.get("abort_all"):
-            for rid in list(engine._by_rid):
-                engine.abort(rid)
+            engine.abort_all()
         elif body.get("rid"):
             engine.abort(str(body["rid"]))
         return JSONResponse({})
@@ -310,7 +315,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:
-        config = engine.model.config
+        config = state.config
         return {
             "model_path": str(settings.model),
             "served_model_name": settings.model.name,
@@ -320,8 +325,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             "weight_version": engine.weight_version,
             "has_image_understanding": True,
             "has_audio_understanding": True,
-            "model_type": config.model_type,
-            "architectures": list(config.architectures or []),
+            "model_type": config.get("model_type"),
+            "architectures": list(config.get("architectures") or []),
         }
 
     @app.get("/server_info")

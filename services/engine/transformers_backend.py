@@ -124,6 +124,10 @@ class TransformersEngine:
         running.aborted = True
         return True
 
+    def abort_all(self) -> None:
+        for rid in list(self._by_rid):
+            self.abort(rid)
+
     def pause(self) -> None:
         self._unpaused.clear()
 

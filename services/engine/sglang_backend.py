@@ -1,0 +1,160 @@
+"""`SGLangEngine`: the engine protocol on SGLang's in-process `sglang.Engine` (GPU only).
+
+SGLang's HTTP API refuses tensors (0.5.22+ rejects ``format`` dicts in MediaRef), so multimodal
+inputs are passed in process: per modality **one** dict per request, either
+``{"format": "processor_output", ...}`` with the Hugging Face processor keys (Weir's features are
+exactly those tensors) or ``{"format": "precomputed_embedding", "precomputed_embeddings": ...}``
+with the encoder role's embeddings plus the grids, together with ``input_ids`` whose placeholders
+are already expanded. `build_request` is pure and unit-tested on CPU; the engine itself runs only
+where a GPU and the ``sglang`` extra exist (tests marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import preprocess as pp
+
+from .protocol import GenerateRequest, GenerateResult, MediaInput
+
+__all__ = ["SGLangEngine", "build_request"]
+
+
+def _visual(items: list[MediaInput], kind: str) -> dict[str, Any]:
+    grids = torch.tensor([m.grid_thw for m in items], dtype=torch.long)
+    prefix = "image" if kind == "image" else "video"
+    out: dict[str, Any]
+    if all(m.embedding is not None for m in items):
+        out = {"format": "precomputed_embedding", "precomputed_embeddings": torch.cat([m.embedding for m in items])}  # type: ignore[misc]
+    else:
+        values = [m.features.pixel_values for m in items]  # type: ignore[union-attr]
+        key = "pixel_values" if kind == "image" else "pixel_values_videos"
+        out = {"format": "processor_output", key: torch.from_numpy(np.concatenate(values))}
+    out[f"{prefix}_grid_thw"] = grids
+    if kind == "video":
+        out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in items])
+    return out
+
+
+def _audio(items: list[MediaInput]) -> dict[str, Any]:
+    lengths = [int(m.audio_frames or 0) for m in items]
+    if all(m.embedding is not None for m in items):
+        return {
+            "format": "precomputed_embedding",
+            "precomputed_embeddings": torch.cat([m.embedding for m in items]),  # type: ignore[misc]
+            "audio_feature_lengths": torch.tensor(lengths),
+        }
+    features = [m.features for m in items]
+    assert all(isinstance(f, pp.AudioFeatures) for f in features)
+    batch = torch.zeros(len(items), features[0].input_features.shape[0], max(lengths))  # type: ignore[union-attr]
+    mask = torch.zeros(len(items), max(lengths), dtype=torch.long)
+    for i, (f, n) in enumerate(zip(features, lengths, strict=True)):
+        batch[i, :, :n] = torch.from_numpy(np.array(f.input_features))  # type: ignore[union-attr]
+        mask[i, :n] = 1
+    # The Qwen2.5-Omni processor's padded layout: (n, mel, L_max) with a feature attention mask.
+    return {"format": "processor_output", "input_features": batch, "feature_attention_mask": mask}
+
+
+def build_request(request: GenerateRequest) -> dict[str, Any]:
+    """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded)."""
+    params = request.sampling
+    sampling: dict[str, Any] = {
+        "max_new_tokens": params.max_new_tokens,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "ignore_eos": params.ignore_eos,
+        "no_stop_trim": False,
+    }
+    if params.stop:
+        sampling["stop"] = list(params.stop)
+    if params.stop_token_ids:
+        sampling["stop_token_ids"] = list(params.stop_token_ids)
+    if params.sampling_seed is not None:
+        sampling["sampling_seed"] = params.sampling_seed
+    kwargs: dict[str, Any] = {
+        "input_ids": list(request.input_ids),
+        "sampling_params": sampling,
+        "return_logprob": request.return_logprob,
+        "rid": request.rid or uuid.uuid4().hex,
+    }
+    for kind, field in (("image", "image_data"), ("video", "video_data")):
+        items = [m for m in request.media if m.kind == kind]
+        if items:
+            kwargs[field] = [_visual(items, kind)]
+    audio = [m for m in request.media if m.kind == "audio"]
+    if audio:
+        kwargs["audio_data"] = [_audio(audio)]
+    return kwargs
+
+
+def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+    meta = output["meta_info"]
+    triples = meta.get("output_token_logprobs") or []
+    return GenerateResult(
+        rid=meta.get("id", request.rid),
+        output_ids=list(output["output_ids"]),
+        output_logprobs=[float(t[0]) for t in triples],
+        finish_reason=meta["finish_reason"],
+        prompt_tokens=int(meta["prompt_tokens"]),
+        weight_version=str(meta.get("weight_version")),
+        text=output.get("text", ""),
+    )
+
+
+class SGLangEngine:
+    """`sglang.Engine` behind the engine protocol (``pip install 'weir[sglang]'``, a CUDA GPU)."""
+
+    def __init__(self, model_dir: str | Path, **engine_args: Any) -> None:
+        import sglang  # the GPU extra; imported here so the CPU install never needs it
+
+        self.engine = sglang.Engine(model_path=str(model_dir), **engine_args)
+        self.weight_version = "0"
+
+    def submit(self, request: GenerateRequest, on_token: Any = None) -> Future[GenerateResult]:
+        future: Future[GenerateResult] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self.generate(request))
+            except Exception as error:  # noqa: BLE001 - handed to the caller through the future
+                future.set_exception(error)
+
+        threading.Thread(target=run, daemon=True).start()
+        return future
+
+    def generate(self, request: GenerateRequest) -> GenerateResult:
+        return result_from(self.engine.generate(**build_request(request)), request)
+
+    def update_weights(self, path: str, version: str | None = None) -> str:
+        ok, message = self.engine.update_weights_from_disk(model_path=path, weight_version=version)
+        if not ok:
+            raise ValueError(message)
+        self.weight_version = version or self.weight_version
+        return self.weight_version
+
+    def pause(self) -> None:
+        self.engine.pause_generation()
+
+    def resume(self) -> None:
+        self.engine.continue_generation()
+
+    def abort(self, rid: str) -> bool:
+        self.engine.abort_request(rid)
+        return True
+
+    def abort_all(self) -> None:
+        self.engine.abort_request(abort_all=True)
+
+    def healthy(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self.engine.shutdown()

@@ -1,0 +1,67 @@
+"""The SGLang backend: requests built on CPU against SGLang's Engine contract; the engine itself on GPU."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import preprocess as pp
+from preprocess import samples
+from services.engine.protocol import GenerateRequest, MediaInput, SamplingParams
+from services.engine.sglang_backend import build_request
+
+
+@pytest.fixture(scope="module")
+def media() -> list[pp.Features]:
+    spec = pp.ProcessorSpec.qwen2_5_omni()
+    return [
+        pp.process_image(samples.encode_image(samples.test_pattern(120, 90), "PNG"), spec),
+        pp.process_image(samples.encode_image(samples.test_pattern(60, 200), "PNG"), spec),
+        pp.process_video(samples.make_video(96, 64, 10, 30), spec),
+        pp.process_audio(samples.make_audio(1.0), spec),
+        pp.process_audio(samples.make_audio(0.5), spec),
+    ]
+
+
+def test_processor_output_request(media: list[pp.Features]) -> None:
+    sampling = SamplingParams(max_new_tokens=7, temperature=0.5, stop=("</s>",), sampling_seed=3)
+    request = GenerateRequest(
+        input_ids=[1, 2, 3], sampling=sampling, media=tuple(MediaInput.of(m) for m in media), rid="r"
+    )
+    kwargs = build_request(request)
+    assert kwargs["input_ids"] == [1, 2, 3] and kwargs["rid"] == "r" and kwargs["return_logprob"]
+    assert kwargs["sampling_params"]["max_new_tokens"] == 7 and kwargs["sampling_params"]["sampling_seed"] == 3
+    (images,), (videos,), (audio,) = kwargs["image_data"], kwargs["video_data"], kwargs["audio_data"]
+    assert images["format"] == "processor_output"  # exactly one dict per modality per request
+    assert images["pixel_values"].shape[0] == media[0].num_patches + media[1].num_patches  # type: ignore[union-attr]
+    assert images["image_grid_thw"].tolist() == [list(media[0].grid_thw), list(media[1].grid_thw)]  # type: ignore[union-attr]
+    assert videos["pixel_values_videos"].shape[1] == 1176 and videos["second_per_grid_ts"].tolist() == [1.0] * 1
+    assert audio["input_features"].shape == (2, 128, 100) and audio["feature_attention_mask"].sum().item() == 150
+
+
+def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
+    image = media[0]
+    item = MediaInput(kind="image", embedding=torch.zeros(image.num_tokens, 64), grid_thw=image.grid_thw)  # type: ignore[union-attr]
+    kwargs = build_request(GenerateRequest(input_ids=[5], media=(item,)))
+    (images,) = kwargs["image_data"]
+    assert images["format"] == "precomputed_embedding" and images["precomputed_embeddings"].shape == (
+        image.num_tokens,
+        64,
+    )
+    assert "video_data" not in kwargs and "audio_data" not in kwargs
+
+
+@pytest.mark.gpu
+def test_sglang_engine_generates(tmp_path: Path) -> None:
+    """Needs CUDA and `pip install 'weir[sglang]'`: the tiny model through sglang.Engine."""
+    from encoders.embedded_model import init_model
+    from services.engine.sglang_backend import SGLangEngine
+
+    engine = SGLangEngine(init_model(tmp_path / "m"), mem_fraction_static=0.3)
+    try:
+        result = engine.generate(GenerateRequest(input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4)))
+        assert len(result.output_ids) == len(result.output_logprobs) <= 4
+    finally:
+        engine.close()
