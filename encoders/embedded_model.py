@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
+import os
+import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +27,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2_5OmniThinkerConfig, Qwen
 
 from preprocess.spec import ProcessorSpec
 
-__all__ = ["CHAT_TEMPLATE", "MEDIA_TOKENS", "build_tokenizer", "init_model", "tiny_config"]
+__all__ = ["CHAT_TEMPLATE", "MEDIA_TOKENS", "build_tokenizer", "ensure_model", "init_model", "tiny_config"]
 
 # Named as in the released Qwen2.5-Omni tokenizer (its tokenizer_config's model-specific tokens).
 MEDIA_TOKENS = {
@@ -55,6 +59,7 @@ CHAT_TEMPLATE = (
 )
 
 _VOCAB = 512
+logger = logging.getLogger(__name__)
 
 
 def _corpus() -> list[str]:
@@ -214,4 +219,25 @@ def init_model(folder: str | Path, *, seed: int = 0) -> Path:
     tokenizer.save_pretrained(root)
     spec = ProcessorSpec.qwen2_5_omni()
     (root / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2) + "\n")
+    return root
+
+
+def ensure_model(folder: str | Path) -> Path:
+    """The folder if it holds a model; otherwise the tiny model is made there first.
+
+    Safe when several roles start at once on one volume: each builds in a private sibling folder
+    and renames it into place; the losers discard theirs.
+    """
+    root = Path(folder)
+    if (root / "config.json").is_file():
+        return root
+    logger.warning("no model at %s: creating the tiny embedded model there", root)
+    staging = root.parent / f".{root.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    init_model(staging)
+    try:
+        os.rename(staging, root)
+    except OSError:  # another process got there first (or the folder exists but is not a model)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (root / "config.json").is_file():
+            raise
     return root

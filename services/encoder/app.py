@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 import preprocess as pp
+from encoders.embedded_model import ensure_model
 from encoders.embeddings import Encoder
 from encoders.towers import Towers
 
@@ -55,6 +56,7 @@ class WeightsBody(BaseModel):
 
 def create_app(settings: EncoderSettings | None = None) -> FastAPI:
     settings = settings or EncoderSettings()
+    ensure_model(settings.model)
     towers = Towers(settings.model, device=settings.device, max_patches_per_batch=settings.max_patches_per_batch)
     encoder = Encoder(
         towers,

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import AutoTokenizer
 
 import preprocess as pp
+from encoders.embedded_model import ensure_model
 from encoders.embeddings import embedding_from_arrow
 
 from ..errors import ApiError, install_error_handlers
@@ -130,6 +131,7 @@ def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> di
 class EngineState:
     def __init__(self, settings: EngineSettings) -> None:
         self.settings = settings
+        ensure_model(settings.model)
         self.engine: TransformersEngine | SGLangEngine
         if settings.backend == "sglang":
             self.engine = SGLangEngine(settings.model)

@@ -24,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from encoders.embedded_model import ensure_model
+
 from ..engine.app import sampling_from
 from ..errors import ApiError, install_error_handlers
 from .dispatch import Dispatcher
@@ -94,6 +96,7 @@ def _validated(model: type[BaseModel], payload: Any) -> Any:
 class RolloutState:
     def __init__(self, settings: RolloutSettings) -> None:
         self.settings = settings
+        ensure_model(settings.model)
         self.prompts = PromptBuilder(settings.model)
         config = json.loads((Path(settings.model) / "config.json").read_text())
         text = config.get("text_config", config)
