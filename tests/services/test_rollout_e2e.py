@@ -287,18 +287,23 @@ def test_killing_one_of_two_engines_mid_request_completes_every_group(tmp_path: 
             time.sleep(0.3)
         rollout = stack.rollout([f"http://127.0.0.1:{port}", stack.engine_urls[0]])
         prompt = {"messages": [{"role": "user", "content": "count"}], "n": 6}
-        body = {"prompts": [prompt] * 3, "sampling_params": {"max_new_tokens": 40, "ignore_eos": True}}
+        body = {"prompts": [prompt] * 3, "sampling_params": {"max_new_tokens": 120, "ignore_eos": True}}
         result: dict[str, Any] = {}
         thread = threading.Thread(
             target=lambda: result.update(r=httpx.post(f"{rollout.url}/v1/rollouts", json=body, timeout=120))
         )
         thread.start()
-        time.sleep(1.0)
-        os.killpg(victim.pid, signal.SIGKILL)  # mid-request, no goodbye
+        victim_endpoint = rollout.app.state.weir.dispatcher.engines[0]
+        deadline = time.monotonic() + 30
+        while victim_endpoint.outstanding == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        assert victim_endpoint.outstanding > 0  # the victim is mid-generation
+        os.killpg(victim.pid, signal.SIGKILL)  # no goodbye
         thread.join(120)
         groups = result["r"].json()["groups"]
         assert len(groups) == 3
-        assert all(s["status"] == "ok" and len(s["response_ids"]) == 40 for g in groups for s in g["samples"])
+        assert all(s["status"] == "ok" and len(s["response_ids"]) == 120 for g in groups for s in g["samples"])
     finally:
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
