@@ -28,7 +28,7 @@ from encoders.embedded_model import ensure_model
 
 from ..engine.app import sampling_from
 from ..errors import ApiError, install_error_handlers
-from .dispatch import Dispatcher
+from .dispatch import Dispatcher, EngineEndpoint
 from .prompts import PromptBuilder, parse_messages
 from .rewards import RewardSpec, compute_reward
 from .settings import RolloutSettings
@@ -79,6 +79,7 @@ class ChatRequest(BaseModel):
 class Prepared:
     prompt_ids: list[int]
     media: list[dict[str, str]]  # engine `weir_media` refs, in prompt order
+    inline: list[dict[str, str]]  # the same media as given (for a plain SGLang engine)
     feature_keys: list[str]
     token_counts: dict[str, int]
     preprocess_s: float
@@ -134,6 +135,7 @@ class RolloutState:
         return Prepared(
             prompt_ids=ids,
             media=[{"type": r["type"], "feature_key": r["key"]} for r in results],
+            inline=items,
             feature_keys=[r["key"] for r in results],
             token_counts=counts,
             preprocess_s=time.perf_counter() - start,
@@ -168,16 +170,12 @@ class RolloutState:
             )
 
     async def sample(self, prepared: Prepared, sampling: dict[str, Any], *, group: str, index: int) -> dict[str, Any]:
-        body = {
-            "input_ids": prepared.prompt_ids,
-            "sampling_params": sampling,
-            "return_logprob": True,
-            "rid": f"{group}-{index}",
-            "weir_media": prepared.media,
-        }
         start = time.perf_counter()
+        rid = f"{group}-{index}"
         try:
-            out = await self.dispatcher.generate(body, group=group)
+            out = await self.dispatcher.generate(
+                lambda engine: engine_body(engine, prepared, sampling, rid), group=group
+            )
         except ApiError as error:
             return {
                 "index": index,
@@ -253,6 +251,25 @@ class RolloutState:
     async def close(self) -> None:
         await self.dispatcher.close()
         await self.preprocess.aclose()
+
+
+def engine_body(engine: EngineEndpoint, prepared: Prepared, sampling: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
+    server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
+    paths the server can read), which SGLang's own processor turns into the same token counts."""
+    body: dict[str, Any] = {
+        "input_ids": prepared.prompt_ids,
+        "sampling_params": sampling,
+        "return_logprob": True,
+        "rid": rid,
+    }
+    if engine.kind == "weir":
+        body["weir_media"] = prepared.media
+        return body
+    for item in prepared.inline:
+        source = item.get("data") or item.get("url") or f"file://{item['path']}"
+        body.setdefault(f"{item['type']}_data", []).append(source)
+    return body
 
 
 def _finish(reason: dict[str, Any] | None) -> str:

@@ -1,8 +1,11 @@
 """Dispatch over several engines: least outstanding requests, group affinity, one retry elsewhere.
 
 A group's samples go to the engine that took its first sample while that engine has room (its
-prefix cache holds the prompt). A call that fails for the engine's reasons — connection error,
-timeout, 5xx — is retried once on another engine, and the failing engine sits out a cool-down.
+prefix cache holds the prompt). Two kinds of engine: Weir's engine role (media by cache key), and a
+plain SGLang server given as ``sglang+http://host:port`` (media sent inline, as SGLang expects); the
+caller builds each request body for the engine it lands on. A call that fails for the engine's
+reasons — connection error, timeout, 5xx — is retried once on another engine, and the failing
+engine sits out a cool-down.
 Every call has a timeout: nothing waits forever on a hung engine.
 """
 
@@ -12,23 +15,33 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
 from ..errors import ApiError
 
-__all__ = ["Dispatcher", "EngineEndpoint"]
+__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint"]
 
 logger = logging.getLogger(__name__)
+
+BodyFor = Callable[["EngineEndpoint"], dict[str, Any]]
 
 
 @dataclass(slots=True)
 class EngineEndpoint:
     url: str
+    kind: Literal["weir", "sglang"] = "weir"
     outstanding: int = 0
     down_until: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str) -> EngineEndpoint:
+        if spec.startswith("sglang+"):
+            return cls(spec.removeprefix("sglang+").rstrip("/"), kind="sglang")
+        return cls(spec.rstrip("/"))
 
     @property
     def available(self) -> bool:
@@ -39,7 +52,7 @@ class Dispatcher:
     def __init__(self, urls: list[str], *, timeout_s: float, max_per_engine: int = 64, cooldown_s: float = 5.0) -> None:
         if not urls:
             raise ValueError("at least one engine URL is required")
-        self.engines = [EngineEndpoint(u.rstrip("/")) for u in urls]
+        self.engines = [EngineEndpoint.parse(u) for u in urls]
         self.timeout_s, self.max_per_engine, self.cooldown_s = timeout_s, max_per_engine, cooldown_s
         self._affinity: dict[str, EngineEndpoint] = {}
         self._client = httpx.AsyncClient(timeout=timeout_s)
@@ -58,11 +71,11 @@ class Dispatcher:
             self._affinity[group] = chosen
         return chosen
 
-    async def generate(self, body: dict[str, Any], *, group: str | None = None) -> dict[str, Any]:
+    async def generate(self, body: BodyFor, *, group: str | None = None) -> dict[str, Any]:
         """POST /generate on one engine, retried once on another if that engine fails."""
         engine = self._pick(group)
         try:
-            return await self._call(engine, body)
+            return await self._call(engine, body(engine))
         except (httpx.TransportError, _EngineFailed) as error:
             logger.warning("engine %s failed (%s); retrying on another", engine.url, error)
             engine.down_until = time.monotonic() + self.cooldown_s
@@ -70,7 +83,7 @@ class Dispatcher:
                 self._affinity.pop(group, None)
             other = self._pick(group, exclude=engine)
             try:
-                return await self._call(other, body)
+                return await self._call(other, body(other))
             except (httpx.TransportError, _EngineFailed) as again:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise ApiError(503, "engines_unavailable", f"two engines failed: {again}") from None

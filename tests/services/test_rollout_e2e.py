@@ -308,3 +308,67 @@ def test_killing_one_of_two_engines_mid_request_completes_every_group(tmp_path: 
         if victim.poll() is None:
             os.killpg(victim.pid, signal.SIGKILL)
         stack.close()
+
+
+def test_a_plain_sglang_server_gets_media_inline(stack) -> None:  # type: ignore[no-untyped-def]
+    """SGLang cannot run on this CPU machine: a stand-in HTTP server with SGLang's /generate response
+    shape records what the rollout role sends to an ``sglang+http://`` engine."""
+    import http.server
+
+    stack_, _ = stack
+    seen: list[dict[str, Any]] = []
+
+    class SGLangStandIn(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's handler naming
+            seen.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
+            body = json.dumps(
+                {
+                    "text": "ok",
+                    "output_ids": [5, 6],
+                    "meta_info": {
+                        "id": seen[-1]["rid"],
+                        "finish_reason": {"type": "length", "length": 2},
+                        "prompt_tokens": 3,
+                        "completion_tokens": 2,
+                        "weight_version": "default",
+                        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+                    },
+                }
+            ).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", free_port()), SGLangStandIn)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rollout = stack_.rollout([f"sglang+http://127.0.0.1:{server.server_address[1]}"])
+        uri = data_uri("image/png", IMAGE)
+        body = {
+            "prompts": [
+                {
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "image_url", "image_url": {"url": uri}},
+                                {"type": "text", "text": "Shape?"},
+                            ],
+                        }
+                    ],
+                    "n": 2,
+                }
+            ],
+            "sampling_params": {"max_new_tokens": 2},
+        }
+        group = httpx.post(f"{rollout.url}/v1/rollouts", json=body, timeout=60).json()["groups"][0]
+        assert [s["logprobs"] for s in group["samples"]] == [[-0.5, -0.25]] * 2
+        assert len(seen) == 2 and all(r["image_data"] == [uri] and "weir_media" not in r for r in seen)
+        assert seen[0]["input_ids"] == group["prompt_ids"]  # already expanded, as SGLang's processor expects
+    finally:
+        server.shutdown()
