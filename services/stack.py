@@ -49,6 +49,7 @@ class LocalStack:
             "WEIR_MEDIA_ROOTS": str((self.home / "media").resolve()),
             "WEIR_ENGINE_URLS": ",".join(engine_urls),
             "WEIR_PREPROCESS_URL": f"http://{self.host}:8101",
+            "WEIR_ENCODER_URL": f"http://{self.host}:8102",
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
         }
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,8 @@ from .settings import RolloutSettings
 from .sink import JsonlSink
 
 __all__ = ["create_app"]
+
+logger = logging.getLogger(__name__)
 
 _REWARD_TIMEOUT_S = 30.0
 
@@ -105,6 +108,11 @@ class RolloutState:
         self.dispatcher = Dispatcher(settings.engine_urls, timeout_s=settings.request_timeout_s)
         self.sink = JsonlSink(settings.experience_path)
         self.preprocess = httpx.AsyncClient(base_url=settings.preprocess_url, timeout=settings.request_timeout_s)
+        self.encoder = (
+            httpx.AsyncClient(base_url=settings.encoder_url, timeout=settings.request_timeout_s)
+            if settings.encoder_url
+            else None
+        )
         self.inflight_tokens = 0
         self.inflight_bytes = 0
 
@@ -134,12 +142,29 @@ class RolloutState:
             counts[kind] = counts.get(kind, 0) + n
         return Prepared(
             prompt_ids=ids,
-            media=[{"type": r["type"], "feature_key": r["key"]} for r in results],
+            media=await self.media_refs(results),
             inline=items,
             feature_keys=[r["key"] for r in results],
             token_counts=counts,
             preprocess_s=time.perf_counter() - start,
         )
+
+    async def media_refs(self, results: list[dict[str, Any]]) -> list[dict[str, str]]:
+        """Engine refs for the media: embedding keys from the encoder role when there is one (each
+        unique item encoded once per weights version), else feature keys (the engine encodes)."""
+        refs = [{"type": r["type"], "feature_key": r["key"]} for r in results]
+        if not results or self.encoder is None:
+            return refs
+        try:
+            response = await self.encoder.post("/v1/encode", json={"feature_keys": [r["key"] for r in results]})
+            response.raise_for_status()
+        except httpx.HTTPError as error:
+            logger.warning("encoder role unavailable (%s): engines will encode", error)
+            return refs
+        items = response.json()["items"]
+        return [
+            {"type": r["type"], "embedding_key": item["embedding_key"]} for r, item in zip(results, items, strict=True)
+        ]
 
     @contextlib.contextmanager
     def admitted(self, tokens: int, nbytes: int):  # type: ignore[no-untyped-def]
@@ -251,6 +276,8 @@ class RolloutState:
     async def close(self) -> None:
         await self.dispatcher.close()
         await self.preprocess.aclose()
+        if self.encoder is not None:
+            await self.encoder.aclose()
 
 
 def engine_body(engine: EngineEndpoint, prepared: Prepared, sampling: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -304,18 +331,21 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             if prompt.n > settings.max_n:
                 raise ApiError(400, "n_out_of_range", f"prompts[{i}].n: at most {settings.max_n}")
         sampling_from(body.sampling_params)  # validate once, before any work
-        with state.admitted(0, nbytes):
-            tasks = [asyncio.ensure_future(state.rollout_group(p, i, body)) for i, p in enumerate(body.prompts)]
-            if not body.stream:
+        admission = contextlib.ExitStack()
+        admission.enter_context(state.admitted(0, nbytes))
+        tasks = [asyncio.ensure_future(state.rollout_group(p, i, body)) for i, p in enumerate(body.prompts)]
+        if not body.stream:
+            with admission:
                 return {"groups": await asyncio.gather(*tasks)}
 
         async def lines() -> AsyncIterator[bytes]:
-            for finished in asyncio.as_completed(tasks):
-                try:
-                    group = await finished
-                except ApiError as error:
-                    group = {"error": {"code": error.code, "message": error.message}}
-                yield (json.dumps(group) + "\n").encode()
+            with admission:  # held until the last group is out, not just until the stream starts
+                for finished in asyncio.as_completed(tasks):
+                    try:
+                        group = await finished
+                    except ApiError as error:
+                        group = {"error": {"code": error.code, "message": error.message}}
+                    yield (json.dumps(group) + "\n").encode()
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 

@@ -18,6 +18,9 @@ class RolloutSettings(BaseSettings):
     served_model_name: str = "weir-tiny-omni"
     engine_urls: Annotated[list[str], NoDecode] = ["http://127.0.0.1:30000"]
     preprocess_url: str = "http://127.0.0.1:8101"
+    # The encoder role: media go to Weir engines as cached embeddings (one tower forward per unique
+    # item per weights version). Empty: engines run the towers themselves, per sample.
+    encoder_url: str = ""
     experience_path: Path = Path(".weir/experience.jsonl")
     request_timeout_s: float = Field(300.0, gt=0)
     max_n: int = Field(64, gt=0)

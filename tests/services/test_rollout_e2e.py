@@ -23,6 +23,8 @@ from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 import preprocess as pp
 from encoders.embedded_model import init_model
 from preprocess import samples
+from services.encoder.app import EncoderSettings
+from services.encoder.app import create_app as encoder_app
 from services.engine.app import create_app as engine_app
 from services.engine.settings import EngineSettings
 from services.preprocess import PreprocessSettings
@@ -53,6 +55,9 @@ class Stack:
                 preprocess_app(PreprocessSettings(cache_dir=root / "cache", media_roots=[root / "media"]))
             ).__enter__()
         ]
+        shared = {"model": self.model, "cache_dir": root / "cache", "embedding_cache_dir": root / "emb"}
+        self.encoder = RunningServer(encoder_app(EncoderSettings(**shared))).__enter__()
+        self.servers.append(self.encoder)
         self.engine_urls = []
         for _ in range(engines):
             server = RunningServer(
@@ -66,6 +71,7 @@ class Stack:
             model=self.model,
             engine_urls=engine_urls or self.engine_urls,
             preprocess_url=self.servers[0].url,
+            encoder_url=self.encoder.url,
             experience_path=self.root / "experience.jsonl",
             request_timeout_s=60,
         )
@@ -191,6 +197,9 @@ def test_rollouts_logprobs_equal_a_plain_forward(stack) -> None:  # type: ignore
             assert len(sample["response_ids"]) == 10 and sample["weight_version"] == "0"
             expected = _plain_logprobs(model, store, group, sample["response_ids"])
             torch.testing.assert_close(torch.tensor(sample["logprobs"]), expected, rtol=0, atol=1e-4)
+    # Media reached the engines as embeddings: one tower forward per unique item, not one per sample.
+    metrics = httpx.get(f"{stack_.encoder.url}/metrics").text
+    assert 'weir_encoder_items_total{outcome="miss"} 3.0' in metrics
     lines = (stack_.root / "experience.jsonl").read_text().splitlines()
     assert {json.loads(line)["group_id"] for line in lines} >= {g["group_id"] for g in groups}
 
