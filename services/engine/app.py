@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
@@ -87,6 +88,7 @@ class GenerateBody(BaseModel):
     input_ids: list[int] | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     return_logprob: bool = False
+    return_routed_experts: bool = False
     rid: str | None = None
     stream: bool = False
     weir_media: list[MediaRef] = Field(default_factory=list)
@@ -121,6 +123,8 @@ def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> di
         "weight_version": result.weight_version,
         "e2e_latency": latency,
     }
+    if result.routed_experts is not None:
+        meta["routed_experts"] = result.routed_experts
     if logprobs:
         meta["output_token_logprobs"] = [
             [lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids, strict=True)
@@ -212,7 +216,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             input_ids=list(ids),
             sampling=sampling_from(body.sampling_params),
             media=state.media(body.weir_media),
-            rid=body.rid or "",
+            rid=body.rid or uuid.uuid4().hex,
+            return_routed_experts=body.return_routed_experts,
         )
         start = time.perf_counter()
         if not body.stream:

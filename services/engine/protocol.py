@@ -71,6 +71,7 @@ class GenerateRequest:
     media: tuple[MediaInput, ...] = ()
     rid: str = ""
     return_logprob: bool = True
+    return_routed_experts: bool = False  # MoE models on backends that capture routing (SGLang)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -82,6 +83,8 @@ class GenerateResult:
     prompt_tokens: int
     weight_version: str
     text: str = ""
+    # base64 int32 [seqlen-1, layers, top_k] as SGLang returns it; None for dense models / backends
+    routed_experts: str | None = None
 
     @property
     def completion_tokens(self) -> int:

@@ -85,6 +85,8 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         "return_logprob": request.return_logprob,
         "rid": request.rid or uuid.uuid4().hex,
     }
+    if request.return_routed_experts:
+        kwargs["return_routed_experts"] = True
     for kind, field in (("image", "image_data"), ("video", "video_data")):
         items = [m for m in request.media if m.kind == kind]
         if items:
@@ -106,6 +108,7 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
         prompt_tokens=int(meta["prompt_tokens"]),
         weight_version=str(meta.get("weight_version")),
         text=output.get("text", ""),
+        routed_experts=meta.get("routed_experts"),
     )
 
 

@@ -83,6 +83,7 @@ class Prepared:
     prompt_ids: list[int]
     media: list[dict[str, str]]  # engine `weir_media` refs, in prompt order
     inline: list[dict[str, str]]  # the same media as given (for a plain SGLang engine)
+    routed_experts: bool  # ask MoE engines for routing (R3: rollout routing replay)
     feature_keys: list[str]
     token_counts: dict[str, int]
     preprocess_s: float
@@ -144,6 +145,7 @@ class RolloutState:
             prompt_ids=ids,
             media=await self.media_refs(results),
             inline=items,
+            routed_experts=self.settings.return_routed_experts,
             feature_keys=[r["key"] for r in results],
             token_counts=counts,
             preprocess_s=time.perf_counter() - start,
@@ -221,6 +223,7 @@ class RolloutState:
             "error": None,
             "response_ids": out["output_ids"],
             "logprobs": [lp for lp, _, _ in meta.get("output_token_logprobs", [])],
+            "routed_experts": meta.get("routed_experts"),
             "text": out["text"],
             "reward": None,
             "finish_reason": meta["finish_reason"],
@@ -289,6 +292,7 @@ def engine_body(engine: EngineEndpoint, prepared: Prepared, sampling: dict[str, 
         "sampling_params": sampling,
         "return_logprob": True,
         "rid": rid,
+        "return_routed_experts": prepared.routed_experts,
     }
     if engine.kind == "weir":
         body["weir_media"] = prepared.media

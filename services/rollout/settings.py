@@ -21,6 +21,8 @@ class RolloutSettings(BaseSettings):
     # The encoder role: media go to Weir engines as cached embeddings (one tower forward per unique
     # item per weights version). Empty: engines run the towers themselves, per sample.
     encoder_url: str = ""
+    # Ask engines for the experts each token was routed to (MoE models; SGLang's R3 capture).
+    return_routed_experts: bool = False
     experience_path: Path = Path(".weir/experience.jsonl")
     request_timeout_s: float = Field(300.0, gt=0)
     max_n: int = Field(64, gt=0)

@@ -53,6 +53,28 @@ def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
     assert "video_data" not in kwargs and "audio_data" not in kwargs
 
 
+def test_routed_experts_are_requested_and_returned() -> None:
+    from services.engine.sglang_backend import result_from
+
+    request = GenerateRequest(input_ids=[1], rid="x", return_routed_experts=True)
+    assert build_request(request)["return_routed_experts"] is True
+    assert "return_routed_experts" not in build_request(GenerateRequest(input_ids=[1]))
+    output = {
+        "text": "a",
+        "output_ids": [7],
+        "meta_info": {
+            "id": "x",
+            "finish_reason": {"type": "length"},
+            "prompt_tokens": 1,
+            "weight_version": "3",
+            "output_token_logprobs": [[-0.1, 7, None]],
+            "routed_experts": "AAAAAA==",
+        },
+    }
+    result = result_from(output, request)
+    assert (result.routed_experts, result.output_logprobs, result.weight_version) == ("AAAAAA==", [-0.1], "3")
+
+
 @pytest.mark.gpu
 def test_sglang_engine_generates(tmp_path: Path) -> None:
     """Needs CUDA and `pip install 'weir[sglang]'`: the tiny model through sglang.Engine."""
