@@ -42,34 +42,25 @@ def run_showcase(urls: dict[str, str], media: Path) -> dict[str, Any]:
     ]
     body = {"prompts": prompts, "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}
     groups = httpx.post(f"{urls['rollout']}/v1/rollouts", json=body, timeout=300).json()["groups"]
-    table = Table(title="POST /v1/rollouts — 3 prompts × n=4 (the tiny model is untrained: expect noise)")
-    for column in (
-        "prompt",
-        "media tokens",
-        "prompt ids",
-        "sample",
-        "status",
-        "reward",
-        "tokens",
-        "mean logprob",
-        "text",
-    ):
-        table.add_column(column)
+    table = Table(title="POST /v1/rollouts: 3 prompts x n=4 (the tiny model is untrained: expect noise)")
+    columns = ("prompt", "media tokens", "ids", "n", "status", "reward", "new", "logprob")
+    for column in columns:
+        table.add_column(column, no_wrap=True)
     for group in groups:
         media_tokens = ", ".join(f"{k} {v}" for k, v in group["token_counts"].items() if k != "text")
         for s in group["samples"]:
             mean = sum(s["logprobs"]) / max(1, len(s["logprobs"]))
-            table.add_row(
-                str(group["prompt_index"]),
+            cells = (
+                group["prompt_index"],
                 media_tokens,
-                str(len(group["prompt_ids"])),
-                str(s["index"]),
+                len(group["prompt_ids"]),
+                s["index"],
                 s["status"],
-                str(s["reward"]),
-                str(len(s["response_ids"])),
+                s["reward"],
+                len(s["response_ids"]),
                 f"{mean:.2f}",
-                repr(s["text"][:24]),
             )
+            table.add_row(*(str(c) for c in cells))
     console.print(table)
     client = openai.OpenAI(base_url=f"{urls['rollout']}/v1", api_key="unused")
     reply = client.chat.completions.create(
@@ -89,8 +80,9 @@ def run_showcase(urls: dict[str, str], media: Path) -> dict[str, Any]:
             }
         ],
     )
+    answer = (reply.choices[0].message.content or "")[:40]
     console.print(
-        f"[bold]openai.chat.completions.create[/bold] → {reply.choices[0].message.content!r} "
+        f"[bold]openai.chat.completions.create[/bold] → {answer!r} "
         f"(usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens, "
         f"{reply.usage.completion_tokens if reply.usage else '?'} completion tokens)"
     )
