@@ -101,9 +101,9 @@ def test_staleness_bound(tmp_path: Path) -> None:
 
 _WRITER = """
 import json, os, sys
-from services.data.store import ExperienceStore
+from services.data.store import DataConfig, ExperienceStore
 root, progress = sys.argv[1], sys.argv[2]
-store = ExperienceStore(root)
+store = ExperienceStore(root, DataConfig(lease_s=0.5))
 log = open(progress, "a")
 def note(record):
     log.write(json.dumps(record) + "\\n"); log.flush(); os.fsync(log.fileno())
@@ -136,7 +136,8 @@ def test_kill_9_loses_no_acknowledged_group_and_trains_nothing_twice(tmp_path: P
     appended = {r["appended"] for r in records if "appended" in r}
     acked = [s for r in records if "acked" in r for s in r["acked"]]
     assert len(appended) >= 5 and acked
-    store = ExperienceStore(tmp_path / "data")  # restart after the crash
+    time.sleep(0.6)  # a batch leased but not acknowledged when the trainer side died comes back after its lease
+    store = ExperienceStore(tmp_path / "data", DataConfig(lease_s=0.5))  # restart after the crash
     stored = {g for (g,) in store._db.execute("SELECT group_id FROM groups").fetchall()}
     assert appended <= stored  # every group whose append returned survived
     trained = list(acked)
