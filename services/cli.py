@@ -5,6 +5,7 @@ Commands::
     weir serve preprocess [--host H] [--port P] [--workers N]
     weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
     weir serve encoder [--port 8102]   # WEIR_MODEL, WEIR_CACHE_DIR, WEIR_EMBEDDING_CACHE_DIR
+    weir serve data [--port 8103]      # WEIR_DATA_DIR, WEIR_MAX_STALENESS, WEIR_LEASE_S
     weir serve rollout [--port 8100]   # WEIR_ENGINE_URLS, WEIR_PREPROCESS_URL, WEIR_MODEL
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
@@ -26,6 +27,7 @@ ROLES = {
     "engine": ("services.engine.app:app_factory", 30000),
     "rollout": ("services.rollout.app:app_factory", 8100),
     "encoder": ("services.encoder.app:app_factory", 8102),
+    "data": ("services.data.app:app_factory", 8103),
 }
 
 
@@ -105,6 +107,10 @@ def _serve(args: argparse.Namespace) -> int:
         from services.encoder.app import EncoderSettings
 
         EncoderSettings()
+    elif args.role == "data":
+        from services.data.app import DataSettings
+
+        DataSettings()
     else:
         from services.rollout.settings import RolloutSettings
 

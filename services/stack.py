@@ -1,7 +1,7 @@
 """`weir up`: every role as a local process with embedded defaults, started in order, stopped together.
 
-Roles run as ``weir serve ROLE`` children on localhost (preprocess 8101, encoder 8102, engines from
-30000, rollout 8100) sharing one cache folder; the tiny model is created on first run. Ctrl-C (or
+Roles run as ``weir serve ROLE`` children on localhost (preprocess 8101, encoder 8102, data 8103,
+engines from 30000, rollout 8100) sharing one cache folder; the tiny model is created on first run. Ctrl-C (or
 SIGTERM) stops every child: SIGTERM first, SIGKILL after a grace period.
 """
 
@@ -50,6 +50,8 @@ class LocalStack:
             "WEIR_ENGINE_URLS": ",".join(engine_urls),
             "WEIR_PREPROCESS_URL": f"http://{self.host}:8101",
             "WEIR_ENCODER_URL": f"http://{self.host}:8102",
+            "WEIR_DATA_URL": f"http://{self.host}:8103",
+            "WEIR_DATA_DIR": str(self.home / "data"),
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
         }
 
@@ -63,7 +65,8 @@ class LocalStack:
         (self.home / "media").mkdir(parents=True, exist_ok=True)
         engine_ports = [30000 + i for i in range(self.engines)]
         env = self._env(model, [f"http://{self.host}:{p}" for p in engine_ports])
-        plan = [("preprocess", 8101), ("encoder", 8102)] + [("engine", p) for p in engine_ports] + [("rollout", 8100)]
+        plan = [("preprocess", 8101), ("encoder", 8102), ("data", 8103)]
+        plan += [("engine", p) for p in engine_ports] + [("rollout", 8100)]
         try:
             for role, port in plan:
                 self._launch(role, port, env)

@@ -33,7 +33,7 @@ from .dispatch import Dispatcher, EngineEndpoint
 from .prompts import PromptBuilder, parse_messages
 from .rewards import RewardSpec, compute_reward
 from .settings import RolloutSettings
-from .sink import JsonlSink
+from .sink import HttpSink, JsonlSink
 
 __all__ = ["create_app"]
 
@@ -107,7 +107,9 @@ class RolloutState:
         text = config.get("text_config", config)
         self.context = int(text.get("max_position_embeddings", 32768))
         self.dispatcher = Dispatcher(settings.engine_urls, timeout_s=settings.request_timeout_s)
-        self.sink = JsonlSink(settings.experience_path)
+        self.sink: JsonlSink | HttpSink = (
+            HttpSink(settings.data_url) if settings.data_url else JsonlSink(settings.experience_path)
+        )
         self.preprocess = httpx.AsyncClient(base_url=settings.preprocess_url, timeout=settings.request_timeout_s)
         self.encoder = (
             httpx.AsyncClient(base_url=settings.encoder_url, timeout=settings.request_timeout_s)

@@ -23,7 +23,8 @@ class RolloutSettings(BaseSettings):
     encoder_url: str = ""
     # Ask engines for the experts each token was routed to (MoE models; SGLang's R3 capture).
     return_routed_experts: bool = False
-    experience_path: Path = Path(".weir/experience.jsonl")
+    experience_path: Path = Path(".weir/experience.jsonl")  # used when there is no data role
+    data_url: str = ""  # the data role: finished groups are appended there
     request_timeout_s: float = Field(300.0, gt=0)
     max_n: int = Field(64, gt=0)
     max_inflight_media_tokens: int = Field(1_000_000, gt=0)

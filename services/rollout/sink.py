@@ -1,6 +1,6 @@
-"""Where finished groups go: an append-only JSONL file, each line fsync'd before the call returns.
+"""Where finished groups go: the data role over HTTP, or (standalone) an append-only JSONL file.
 
-The data role (next issue) implements the same `append` over HTTP.
+Both return only once the group is durable (the data role fsyncs before it answers).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JsonlSink"]
+__all__ = ["HttpSink", "JsonlSink"]
 
 
 class JsonlSink:
@@ -26,3 +26,23 @@ class JsonlSink:
             fh.write(line)
             fh.flush()
             os.fsync(fh.fileno())
+
+
+class HttpSink:
+    """The data role's `POST /v1/experience` (idempotent by group id, so a retry is safe)."""
+
+    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+        import httpx
+
+        self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+
+    def append(self, group: dict[str, Any]) -> None:
+        import httpx
+
+        for attempt in range(2):
+            try:
+                self._client.post("/v1/experience", json=group).raise_for_status()
+                return
+            except (httpx.TransportError, httpx.HTTPStatusError):
+                if attempt:
+                    raise

@@ -1,0 +1,71 @@
+"""The data role over HTTP, consumed through `MicroBatchFeed`, and the loss applied to a fed batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import torch
+
+from services.data.app import DataSettings, create_app
+from tests.services.conftest import RunningServer
+from tests.services.test_experience_store import group
+from trainer.feed import MicroBatchFeed, pack
+from trainer.losses import policy_loss
+
+
+def test_feed_end_to_end(tmp_path: Path) -> None:
+    server = RunningServer(create_app(DataSettings(data_dir=tmp_path, lease_s=60))).__enter__()
+    try:
+        url = server.url
+        posted = httpx.post(f"{url}/v1/experience", json={"groups": [group("a", [0.0, 1.0]), group("b", [1.0, 0.0])]})
+        assert posted.json() == {"stored": ["a", "b"], "duplicates": []}
+        assert httpx.post(f"{url}/v1/experience", json=group("a", [0.0, 1.0])).json()["duplicates"] == ["a"]
+        assert httpx.post(f"{url}/v1/experience", json={"groups": [{"group_id": "x"}]}).status_code == 400
+        feed = MicroBatchFeed(url, max_tokens=14, wait_s=0.5, max_batches=2)
+        seen = []
+        for batch in feed:
+            t = batch.tensors
+            assert t["input_ids"].shape == t["loss_mask"].shape == t["advantages"].shape
+            assert int(t["cu_seqlens"][-1]) == t["input_ids"].numel() <= 14
+            logprobs = torch.full_like(t["rollout_logprobs"], -0.5, requires_grad=True)
+            out = policy_loss(
+                logprobs,
+                logprobs.detach(),
+                t["advantages"],
+                t["loss_mask"],
+                rollout_logprobs=t["rollout_logprobs"],
+                sequence_ids=t["sequence_ids"],
+            )
+            out.loss.backward()
+            assert feed.ack(batch)
+            seen.extend(batch.sample_ids)
+        feed.close()
+        assert sorted(seen) == ["a/0", "a/1", "b/0", "b/1"]
+        empty = httpx.get(f"{url}/v1/microbatches", params={"wait_s": 0.2})
+        assert empty.status_code == 204  # everything acknowledged: nothing comes back
+        assert httpx.post(f"{url}/v1/microbatches/nope/ack").status_code == 404
+        assert httpx.post(f"{url}/v1/policy", json={"version": 3}).json() == {"policy_version": 3}
+        assert httpx.get(f"{url}/v1/admission").json()["groups"] == 256
+        stats = httpx.get(f"{url}/v1/stats").json()
+        assert stats["consumed"] == 4 and stats["queue_samples"] == 0
+    finally:
+        server.__exit__()
+
+
+def test_pack_layout() -> None:
+    table = pa.table(
+        {
+            "input_ids": [[1, 2, 3], [4, 5]],
+            "loss_mask": [[0, 1, 1], [0, 1]],
+            "rollout_logprobs": [[0, -1, -2], [0, -3]],
+            "advantage": [0.5, -0.5],
+            "reward": [1.0, 0.0],
+            "policy_version": [2, 3],
+        }
+    )
+    t = pack(table)
+    assert t["input_ids"].tolist() == [1, 2, 3, 4, 5] and t["cu_seqlens"].tolist() == [0, 3, 5]
+    assert t["position_ids"].tolist() == [0, 1, 2, 0, 1] and t["sequence_ids"].tolist() == [0, 0, 0, 1, 1]
+    assert t["advantages"].tolist() == [0.5, 0.5, 0.5, -0.5, -0.5] and t["policy_versions"].tolist() == [2, 2, 2, 3, 3]

@@ -1,0 +1,142 @@
+"""`MicroBatchFeed`: the data role's micro-batches as ready-to-use torch tensors, prefetched.
+
+Each batch is packed: the sequences concatenated into one row (``input_ids`` (T,)), with
+``cu_seqlens`` boundaries and per-token ``position_ids``, ``loss_mask``, ``rollout_logprobs``,
+``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``. Call ``ack(batch)``
+after the optimizer step that used it; an unacknowledged batch comes back after its lease.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pyarrow as pa
+import torch
+from torch.utils.data import IterableDataset
+
+__all__ = ["FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FeedBatch:
+    batch_id: str
+    tensors: dict[str, torch.Tensor]
+    sample_ids: list[str]
+    feature_keys: list[list[str]]
+    meta: dict[str, Any]
+
+
+def pack(table: pa.Table) -> dict[str, torch.Tensor]:
+    """Packed tensors from a micro-batch table (one row per sequence)."""
+    ids = [torch.tensor(x, dtype=torch.long) for x in table.column("input_ids").to_pylist()]
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.int32)
+    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+
+    def per_token(values: list[float], dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([torch.full((int(n),), v, dtype=dtype) for v, n in zip(values, lengths, strict=True)])
+
+    return {
+        "input_ids": torch.cat(ids) if ids else torch.empty(0, dtype=torch.long),
+        "cu_seqlens": cu,
+        "position_ids": torch.cat([torch.arange(int(n)) for n in lengths]) if ids else torch.empty(0, dtype=torch.long),
+        "loss_mask": torch.cat([torch.tensor(x, dtype=torch.float32) for x in table.column("loss_mask").to_pylist()]),
+        "rollout_logprobs": torch.cat(
+            [torch.tensor(x, dtype=torch.float32) for x in table.column("rollout_logprobs").to_pylist()]
+        ),
+        "advantages": per_token(table.column("advantage").to_pylist(), torch.float32),
+        "rewards": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
+        "policy_versions": per_token(table.column("policy_version").to_pylist(), torch.long),
+        "sequence_ids": torch.repeat_interleave(torch.arange(len(ids)), lengths.long()),
+    }
+
+
+class MicroBatchFeed:
+    """An iterator over micro-batches for one rank, fetched ahead by a background thread."""
+
+    def __init__(
+        self,
+        url: str,
+        consumer: str = "trainer",
+        rank: int = 0,
+        world_size: int = 1,
+        max_tokens: int = 8192,
+        *,
+        prefetch: int = 2,
+        wait_s: float = 10.0,
+        max_batches: int | None = None,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.params: dict[str, str | int | float] = {
+            "consumer": consumer,
+            "rank": rank,
+            "world_size": world_size,
+            "max_tokens": max_tokens,
+            "wait_s": wait_s,
+        }
+        self.max_batches = max_batches
+        self._client = httpx.Client(timeout=wait_s + 30)
+        self._queue: queue.Queue[FeedBatch | BaseException | None] = queue.Queue(maxsize=max(1, prefetch))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fetch, daemon=True)
+        self._thread.start()
+
+    def _fetch(self) -> None:
+        fetched = 0
+        try:
+            while not self._stop.is_set() and (self.max_batches is None or fetched < self.max_batches):
+                response = self._client.get(f"{self.url}/v1/microbatches", params=self.params)
+                if response.status_code == 204:
+                    continue
+                response.raise_for_status()
+                reader = pa.ipc.open_stream(response.content)
+                table = reader.read_all()
+                meta = json.loads(table.schema.metadata[b"weir"])
+                self._queue.put(
+                    FeedBatch(
+                        batch_id=response.headers["X-Weir-Batch-Id"],
+                        tensors=pack(table),
+                        sample_ids=table.column("sample_id").to_pylist(),
+                        feature_keys=table.column("feature_keys").to_pylist(),
+                        meta=meta,
+                    )
+                )
+                fetched += 1
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
+            self._queue.put(error)
+            return
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[FeedBatch]:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def ack(self, batch: FeedBatch) -> bool:
+        """True if the data role recorded the batch as trained (False: its lease had expired)."""
+        response = self._client.post(f"{self.url}/v1/microbatches/{batch.batch_id}/ack")
+        return response.status_code == 200
+
+    def close(self) -> None:
+        self._stop.set()
+        self._client.close()
+
+
+class MicroBatchDataset(IterableDataset):  # type: ignore[type-arg]
+    """The feed as an IterableDataset, for trainers built around a DataLoader (use batch_size=None)."""
+
+    def __init__(self, **feed_args: Any) -> None:
+        self.feed_args = feed_args
+
+    def __iter__(self) -> Iterator[FeedBatch]:
+        return iter(MicroBatchFeed(**self.feed_args))
