@@ -1,0 +1,153 @@
+"""A plain PyTorch trainer for the embedded model (CPU): log-probs, the RL loss, AdamW, checkpoints.
+
+`ReferenceTrainer.step(batch)` recomputes the policy's log-probs for every sequence of a fed
+micro-batch (media from the feature cache by key, through the model's own towers), applies
+`trainer.losses.policy_loss` with the rollout log-probs as the importance reference, clips the
+gradient norm and takes an AdamW step. Checkpoints hold the model, the optimizer, the policy
+version and whatever feed state the caller passes (the acknowledged batch ids), written to a
+temporary folder and renamed into place so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+import preprocess as pp
+
+from .feed import FeedBatch
+from .losses import LossConfig, policy_loss
+
+__all__ = ["ReferenceTrainer", "StepResult", "media_inputs"]
+
+
+def media_inputs(features: list[pp.Features]) -> dict[str, torch.Tensor]:
+    """The thinker's keyword inputs for one sequence's media, in prompt order."""
+    images = [f for f in features if isinstance(f, pp.ImageFeatures)]
+    videos = [f for f in features if isinstance(f, pp.VideoFeatures)]
+    audios = [f for f in features if isinstance(f, pp.AudioFeatures)]
+    out: dict[str, torch.Tensor] = {}
+    if images:
+        out["pixel_values"] = torch.cat([torch.from_numpy(f.pixel_values) for f in images])
+        out["image_grid_thw"] = torch.tensor([f.grid_thw for f in images])
+    if videos:
+        out["pixel_values_videos"] = torch.cat([torch.from_numpy(f.pixel_values) for f in videos])
+        out["video_grid_thw"] = torch.tensor([f.grid_thw for f in videos])
+        out["video_second_per_grid"] = torch.tensor([f.second_per_grid_t for f in videos])
+    if audios:
+        longest = max(f.num_frames for f in audios)
+        batch = torch.zeros(len(audios), audios[0].input_features.shape[0], longest)
+        mask = torch.zeros(len(audios), longest, dtype=torch.long)
+        for i, f in enumerate(audios):
+            batch[i, :, : f.num_frames] = torch.tensor(f.input_features)
+            mask[i, : f.num_frames] = 1
+        out["input_features"], out["feature_attention_mask"] = batch, mask
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]
+
+
+class ReferenceTrainer:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        features: pp.FeatureStore | None = None,
+        lr: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        loss: LossConfig | None = None,
+        seed: int = 0,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        self.model.train()
+        self.features = features
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.max_grad_norm = max_grad_norm
+        self.loss_config = loss or LossConfig()
+        self.policy_version = 0
+
+    def sequence_logprobs(self, input_ids: torch.Tensor, feature_keys: list[str]) -> torch.Tensor:
+        """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it)."""
+        media: list[pp.Features] = []
+        for key in feature_keys:
+            item = self.features.get(key) if self.features is not None else None
+            if item is None:
+                raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
+            media.append(item)
+        ids = input_ids[None]
+        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **media_inputs(media)).logits[0]
+        picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, input_ids[1:, None])[:, 0]
+        return torch.cat([torch.zeros(1), picked])
+
+    def step(self, batch: FeedBatch) -> StepResult:
+        t = batch.tensors
+        cu = t["cu_seqlens"].tolist()
+        logprobs = torch.cat(
+            [
+                self.sequence_logprobs(t["input_ids"][cu[i] : cu[i + 1]], batch.feature_keys[i])
+                for i in range(len(cu) - 1)
+            ]
+        )
+        out = policy_loss(
+            logprobs,
+            logprobs.detach(),
+            t["advantages"],
+            t["loss_mask"],
+            self.loss_config,
+            rollout_logprobs=t["rollout_logprobs"],
+            sequence_ids=t["sequence_ids"],
+        )
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        return StepResult(loss=float(out.loss.detach()), grad_norm=float(norm), metrics=out.metrics)
+
+    # -- checkpoints and export -----------------------------------------------------------------
+    def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:
+        final = Path(folder)
+        staging = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        self.model.save_pretrained(staging, safe_serialization=True)
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "rng": torch.random.get_rng_state()},
+            staging / "trainer_state.pt",
+        )
+        (staging / "trainer.json").write_text(
+            json.dumps({"policy_version": self.policy_version, "feed": feed_state or {}})
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(staging, final)
+        return final
+
+    def load(self, folder: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by `save`; returns the feed state stored with it."""
+        root = Path(folder)
+        state = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(root, dtype=torch.float32).state_dict()
+        self.model.load_state_dict(state)
+        saved = torch.load(root / "trainer_state.pt", weights_only=False)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        torch.random.set_rng_state(saved["rng"])
+        meta = json.loads((root / "trainer.json").read_text())
+        self.policy_version = int(meta["policy_version"])
+        return dict(meta["feed"])
+
+    def export(self, folder: str | Path) -> Path:
+        """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk."""
+        root = Path(folder)
+        self.model.save_pretrained(root, safe_serialization=True)
+        return root
