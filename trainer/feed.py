@@ -122,6 +122,16 @@ class MicroBatchFeed:
                 raise item
             yield item
 
+    def next(self, timeout: float) -> FeedBatch | None:
+        """The next batch, or None when none arrived within ``timeout`` seconds (or the feed ended)."""
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def ack(self, batch: FeedBatch) -> bool:
         """True if the data role recorded the batch as trained (False: its lease had expired)."""
         response = self._client.post(f"{self.url}/v1/microbatches/{batch.batch_id}/ack")
