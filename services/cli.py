@@ -11,6 +11,7 @@ Commands::
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
     weir up [--engines N] [--demo] # every role on localhost; --demo sends a rollout and a chat, then stops
+    weir train --dataset F [--mode async|colocate] [--steps N] [--max-staleness K]
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -64,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", type=Path, default=None, help="a model folder; default: the tiny model in .weir/model")
     up.add_argument("--home", type=Path, default=Path(".weir"))
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
+
+    train = sub.add_parser("train", help="start the stack and run the RL loop on a dataset (JSONL of prompts)")
+    train.add_argument("--dataset", type=Path, required=True, help='JSONL rows: {"messages": [...], "reward": {...}}')
+    train.add_argument("--mode", choices=("async", "colocate"), default="async")
+    train.add_argument("--steps", type=int, default=20)
+    train.add_argument("--max-staleness", type=int, default=None)
+    train.add_argument("--n", type=int, default=4)
+    train.add_argument("--groups-per-step", type=int, default=4)
+    train.add_argument("--max-new-tokens", type=int, default=16)
+    train.add_argument("--lr", type=float, default=1e-5)
+    train.add_argument("--engines", type=int, default=1)
+    train.add_argument("--home", type=Path, default=Path(".weir"))
 
     init = sub.add_parser("init-model", help="write the tiny embedded Qwen2.5-Omni model folder")
     init.add_argument("folder", type=Path)
@@ -194,6 +208,52 @@ def _up(args: argparse.Namespace) -> int:
         console.print("stopped.")
 
 
+def _train(args: argparse.Namespace) -> int:
+    import json
+
+    import preprocess as pp
+    from trainer.loop import LoopConfig, run_loop
+    from trainer.reference import ReferenceTrainer
+
+    from .console import console
+    from .stack import LocalStack
+
+    rows = [json.loads(line) for line in args.dataset.read_text().splitlines() if line.strip()]
+    if args.max_staleness is not None:
+        os.environ["WEIR_MAX_STALENESS"] = str(args.max_staleness)
+    stack = LocalStack(home=args.home, engines=args.engines)
+    urls = stack.start()
+    try:
+        trainer = ReferenceTrainer(
+            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
+        )
+        config = LoopConfig(
+            mode=args.mode,
+            steps=args.steps,
+            n=args.n,
+            groups_per_step=args.groups_per_step,
+            max_new_tokens=args.max_new_tokens,
+            urls=urls,
+            out=args.home / "train" / args.mode,
+        )
+
+        def show(r: dict[str, Any]) -> None:
+            rate = r["tokens"] * r["step"] / max(1e-9, r["time_s"])
+            console.print(
+                f"step {r['step']:>4}  reward {r['mean_reward']:.3f}  loss {r['loss']:+.4f}  tokens/s {rate:7.0f}  "
+                f"staleness {r['staleness']}  queue {r['queue_samples']}  trainer idle {r['trainer_idle_share']:.0%}"
+            )
+
+        records = run_loop(trainer, rows, config, on_step=show)
+        console.print(
+            f"[bold]{args.mode}[/bold]: {len(records)} steps in {records[-1]['time_s']:.1f} s; "
+            f"metrics in {config.out / 'metrics.jsonl'}"
+        )
+        return 0
+    finally:
+        stack.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
@@ -202,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         return _prep(args)
     if args.command == "up":
         return _up(args)
+    if args.command == "train":
+        return _train(args)
     if args.command == "init-model":
         from encoders.embedded_model import init_model
 
