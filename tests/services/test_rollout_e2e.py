@@ -131,6 +131,7 @@ def test_openai_client_chat_with_an_image(stack) -> None:  # type: ignore[no-unt
 def _plain_logprobs(model: Any, store: pp.FeatureStore, group: dict[str, Any], response: list[int]) -> torch.Tensor:
     """A plain transformers forward over prompt + response, media from the feature cache."""
     features = [store.get(k) for k in group["feature_keys"]]
+    assert all(f is not None for f in features), (group["feature_keys"], store.stats())
     kwargs: dict[str, Any] = {}
     for f in features:
         if isinstance(f, pp.ImageFeatures):
