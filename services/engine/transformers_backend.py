@@ -86,7 +86,15 @@ class TransformersEngine:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = int(config.get_text_config().max_position_embeddings)
-        self._banned = torch.tensor(sorted(self.placeholders.values()), device=self.device)
+        # Media structure tokens are never generated: a placeholder or a media bos/eos in a response is
+        # read as a media slot when the trainer recomputes the sequence (the model's 3-D positions
+        # count them). They keep their probability mass in the reported log-probs.
+        structural = set(self.placeholders.values()) | {
+            getattr(config, name)
+            for name in ("vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")
+            if isinstance(getattr(config, name, None), int)
+        }
+        self._banned = torch.tensor(sorted(structural), device=self.device)
         self.weight_version = weight_version
         self.towers = Towers.from_modules(self.model.visual, self.model.audio_tower, weight_version)
         self.max_running = max_running
@@ -198,8 +206,6 @@ class TransformersEngine:
             self._decode(running)
         assert running.next_logits is not None
         logits = running.next_logits
-        # Media placeholders are never generated: one in a response would be read as a media slot
-        # when the trainer recomputes the sequence. They keep their mass in the reported log-probs.
         allowed = logits.index_fill(0, self._banned, float("-inf"))
         token = sample_token(allowed, request.sampling, running.generator)
         running.output_ids.append(token)

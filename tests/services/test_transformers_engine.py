@@ -173,3 +173,14 @@ def test_pause_and_weight_update(engine: TransformersEngine, model_dir: Path, tm
     assert after.weight_version == "v2" and after.output_logprobs != before.output_logprobs
     engine.update_weights(str(model_dir), "0")
     assert threading.active_count() >= 1 and engine.healthy()
+
+
+def test_media_structure_tokens_are_never_generated(engine: TransformersEngine) -> None:
+    """A placeholder or media bos/eos in a response would break the trainer's recompute (the
+    model's 3-D positions count them); near-uniform sampling would otherwise hit them."""
+    structural = {engine.tokenizer.convert_tokens_to_ids(t) for t in MEDIA_TOKENS.values()}
+    assert set(engine._banned.tolist()) == structural
+    ids = engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    wild = SamplingParams(max_new_tokens=400, temperature=50.0, ignore_eos=True, sampling_seed=0)
+    out = engine.generate(GenerateRequest(input_ids=ids, sampling=wild), timeout=120)
+    assert len(out.output_ids) == 400 and not structural & set(out.output_ids)
