@@ -21,11 +21,13 @@ State lives in one SQLite database (WAL, ``synchronous=FULL``) next to Arrow IPC
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -122,6 +124,16 @@ class ExperienceStore:
         self._db.executescript(_SCHEMA)
         self._lock = threading.RLock()
 
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
     # -- producer side -------------------------------------------------------------------------
     def append(self, group: dict[str, Any]) -> bool:
         """Store a finished group durably; False if that group id was already stored."""
@@ -159,8 +171,7 @@ class ExperienceStore:
                     }
                 )
             self.blobs.put(group_id, json.dumps(rows).encode())  # written and fsync'd before indexing
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 seq = self._db.execute(
                     "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",
                     (
@@ -178,10 +189,6 @@ class ExperienceStore:
                         for i, r in enumerate(rows)
                     ],
                 )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             return True
 
     def set_policy(self, version: int) -> None:
@@ -343,17 +350,12 @@ class ExperienceStore:
                     out_again.update(json.loads(other))
                 if taken or out_again & set(sample_ids):
                     return False
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 self._db.executemany(
                     "INSERT OR IGNORE INTO consumed(consumer, sample_id, batch_id) VALUES (?, ?, ?)",
                     [(consumer, s, batch_id) for s in sample_ids],
                 )
                 self._db.execute("UPDATE deliveries SET acked = 1 WHERE batch_id = ?", (batch_id,))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
             return True
 
     def _expire(self, consumer: str) -> None:
