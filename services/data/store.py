@@ -246,18 +246,10 @@ class ExperienceStore:
         with self._lock:
             now = time.time()
             self._expire(consumer)
-            pending = self._db.execute(
-                "SELECT batch_id, samples FROM deliveries WHERE consumer = ? AND rank = ? AND acked = 0 "
-                "AND fetched = 0 ORDER BY rowid LIMIT 1",
-                (consumer, rank),
-            ).fetchone()
+            pending = self._waiting(consumer, rank)
             if pending is None:
                 self._cut(consumer, world_size, max_tokens, now)
-                pending = self._db.execute(
-                    "SELECT batch_id, samples FROM deliveries WHERE consumer = ? AND rank = ? AND acked = 0 "
-                    "AND fetched = 0 ORDER BY rowid LIMIT 1",
-                    (consumer, rank),
-                ).fetchone()
+                pending = self._waiting(consumer, rank)
             if pending is None:
                 return None
             batch_id, ids = pending
@@ -266,6 +258,15 @@ class ExperienceStore:
                 (now + self.config.lease_s, batch_id),
             )
             return MicroBatch(batch_id=batch_id, rank=rank, samples=self._load(json.loads(ids)))
+
+    def _waiting(self, consumer: str, rank: int) -> tuple[str, str] | None:
+        """The oldest share cut for this rank that it has not fetched yet."""
+        row = self._db.execute(
+            "SELECT batch_id, samples FROM deliveries WHERE consumer = ? AND rank = ? AND acked = 0 "
+            "AND fetched = 0 ORDER BY rowid LIMIT 1",
+            (consumer, rank),
+        ).fetchone()
+        return None if row is None else (str(row[0]), str(row[1]))
 
     def _cut(self, consumer: str, world_size: int, max_tokens: int, now: float) -> None:
         """Cut one batch per rank from the oldest available samples, balanced by tokens (largest
