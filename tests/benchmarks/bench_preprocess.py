@@ -36,16 +36,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +50,9 @@ import av
 import numpy as np
 import torch
 import torchaudio.functional as taf
-import transformers
 from PIL import Image
 from qwen_vl_utils import vision_process
+from report import Goals, emit, environment, rounded
 from tqdm import tqdm
 from transformers import (
     Qwen2VLImageProcessor,
@@ -75,28 +72,6 @@ Call = Callable[[], Any]
 
 
 # -- output --------------------------------------------------------------------------------------
-def emit(record: dict[str, Any]) -> None:
-    """One JSON line on stdout (progress bars are on stderr, so the two never interleave)."""
-    print(json.dumps(record), flush=True)
-
-
-def rounded(value: float, digits: int = 4) -> float:
-    return float(f"{value:.{digits}g}")
-
-
-@dataclass
-class Goals:
-    """Targets checked in the summary line."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    def check(self, name: str, value: float, goal: float, *, at_least: bool = True) -> None:
-        met = value >= goal if at_least else value <= goal
-        self.rows.append(
-            {"goal": name, "value": rounded(value), "target": f"{'>=' if at_least else '<='} {goal}", "met": met}
-        )
-
-
 # -- timing --------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Item:
@@ -574,16 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "goals_met": sum(row["met"] for row in goals.rows),
             "goals": len(goals.rows),
             "results": goals.rows,
-            "env": {
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "pillow": Image.__version__,
-                "av": av.__version__,
-                "numpy": np.__version__,
-            },
+            "env": environment(pillow=Image.__version__, av=av.__version__),
         }
     )
     return 0

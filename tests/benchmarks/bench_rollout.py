@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -52,14 +50,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import numpy as np
 import torch
-import transformers
+from report import Goals, emit, environment, rounded
 from tqdm import tqdm
 
 import preprocess as pp
@@ -91,30 +89,8 @@ TEXT_QUESTIONS = [
 
 
 # -- output --------------------------------------------------------------------------------------
-def emit(record: dict[str, Any]) -> None:
-    """One JSON line on stdout (progress bars are on stderr, so the two never interleave)."""
-    print(json.dumps(record), flush=True)
-
-
-def rounded(value: float, digits: int = 4) -> float:
-    return float(f"{value:.{digits}g}")
-
-
 def note(message: str) -> None:
     tqdm.write(message, file=sys.stderr)
-
-
-@dataclass
-class Goals:
-    """Targets checked in the summary line."""
-
-    rows: list[dict[str, Any]] = field(default_factory=list)
-
-    def check(self, name: str, value: float, goal: float, *, at_least: bool = True) -> None:
-        met = value >= goal if at_least else value <= goal
-        self.rows.append(
-            {"goal": name, "value": rounded(value), "target": f"{'>=' if at_least else '<='} {goal}", "met": met}
-        )
 
 
 def percentiles_ms(seconds: Sequence[float]) -> dict[str, float]:
@@ -654,15 +630,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "overhead_chat_completions": overhead["contenders"]["rollout_chat_completions"]["overhead_vs_engine"],
                 "overhead_rollouts": overhead["contenders"]["rollout_rollouts"]["overhead_vs_engine"],
             },
-            "env": {
-                "python": platform.python_version(),
-                "cpus": os.cpu_count(),
-                "torch_threads": torch.get_num_threads(),
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "httpx": httpx.__version__,
-                "numpy": np.__version__,
-            },
+            "env": environment(httpx=httpx.__version__),
         }
     )
     return 0
