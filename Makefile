@@ -13,10 +13,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The main job on embedded defaults: preprocess a generated media set (report), then start every
-# role, send a rollout request (image, video, audio; n=4) and an OpenAI chat completion, and stop.
+# role and train the embedded model on the generated demo task in async mode (summary and plot).
 run: $(STAMP)
 	$(BIN)/weir demo --out .weir/demo
-	$(BIN)/weir up --demo
+	$(BIN)/weir train --demo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -20,7 +20,6 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 __all__ = ["build_parser", "main"]
 
@@ -67,15 +66,23 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--home", type=Path, default=Path(".weir"))
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
 
-    train = sub.add_parser("train", help="start the stack and run the RL loop on a dataset (JSONL of prompts)")
-    train.add_argument("--dataset", type=Path, required=True, help='JSONL rows: {"messages": [...], "reward": {...}}')
+    train = sub.add_parser("train", help="start the stack and run the RL loop on a dataset, or on the demo task")
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", type=Path, help='JSONL / Parquet rows: {"messages": [...], "reward": {...}}')
+    source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
+    # Unset options take the demo's settings with --demo, the generic ones otherwise (services/training.py).
     train.add_argument("--mode", choices=("async", "colocate"), default="async")
-    train.add_argument("--steps", type=int, default=20)
+    train.add_argument("--steps", type=int, default=None)
     train.add_argument("--max-staleness", type=int, default=None)
-    train.add_argument("--n", type=int, default=4)
-    train.add_argument("--groups-per-step", type=int, default=4)
-    train.add_argument("--max-new-tokens", type=int, default=16)
-    train.add_argument("--lr", type=float, default=1e-5)
+    train.add_argument("--staleness-policy", choices=("drop", "regenerate"), default="drop")
+    train.add_argument("--n", type=int, default=None)
+    train.add_argument("--groups-per-step", type=int, default=None)
+    train.add_argument("--max-new-tokens", type=int, default=None)
+    train.add_argument("--max-tokens-per-batch", type=int, default=None)
+    train.add_argument("--lr", type=float, default=None)
+    train.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (the demo's format)")
+    train.add_argument("--checkpoint-every", type=int, default=0)
+    train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument("--engines", type=int, default=1)
     train.add_argument("--home", type=Path, default=Path(".weir"))
 
@@ -209,49 +216,9 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import json
+    from .training import run_training
 
-    import preprocess as pp
-    from trainer.loop import LoopConfig, run_loop
-    from trainer.reference import ReferenceTrainer
-
-    from .console import console
-    from .stack import LocalStack
-
-    rows = [json.loads(line) for line in args.dataset.read_text().splitlines() if line.strip()]
-    if args.max_staleness is not None:
-        os.environ["WEIR_MAX_STALENESS"] = str(args.max_staleness)
-    stack = LocalStack(home=args.home, engines=args.engines)
-    urls = stack.start()
-    try:
-        trainer = ReferenceTrainer(
-            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
-        )
-        config = LoopConfig(
-            mode=args.mode,
-            steps=args.steps,
-            n=args.n,
-            groups_per_step=args.groups_per_step,
-            max_new_tokens=args.max_new_tokens,
-            urls=urls,
-            out=args.home / "train" / args.mode,
-        )
-
-        def show(r: dict[str, Any]) -> None:
-            rate = r["tokens"] * r["step"] / max(1e-9, r["time_s"])
-            console.print(
-                f"step {r['step']:>4}  reward {r['mean_reward']:.3f}  loss {r['loss']:+.4f}  tokens/s {rate:7.0f}  "
-                f"staleness {r['staleness']}  queue {r['queue_samples']}  trainer idle {r['trainer_idle_share']:.0%}"
-            )
-
-        records = run_loop(trainer, rows, config, on_step=show)
-        console.print(
-            f"[bold]{args.mode}[/bold]: {len(records)} steps in {records[-1]['time_s']:.1f} s; "
-            f"metrics in {config.out / 'metrics.jsonl'}"
-        )
-        return 0
-    finally:
-        stack.stop()
+    return run_training(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,30 +85,42 @@ class MicroBatchFeed:
         self._client = httpx.Client(timeout=wait_s + 30)
         self._queue: queue.Queue[FeedBatch | BaseException | None] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fetch, daemon=True)
-        self._thread.start()
+        # prefetch=0: fetched on demand, so a batch is leased (and its staleness checked) just before
+        # it is trained; prefetch>0 overlaps the fetch with training at the price of one more version.
+        self._thread = threading.Thread(target=self._fetch, daemon=True) if prefetch > 0 else None
+        self._fetched = 0
+        if self._thread is not None:
+            self._thread.start()
+
+    def _fetch_one(self, wait_s: float) -> FeedBatch | None:
+        """One long-poll; None when nothing was ready (or the data role is restarting)."""
+        try:
+            response = self._client.get(f"{self.url}/v1/microbatches", params={**self.params, "wait_s": wait_s})
+        except httpx.TransportError:  # the data role restarting: its state is durable, wait for it
+            self._stop.wait(min(wait_s, 1.0))
+            return None
+        if response.status_code == 204:
+            return None
+        response.raise_for_status()
+        table = pa.ipc.open_stream(response.content).read_all()
+        self._fetched += 1
+        return FeedBatch(
+            batch_id=response.headers["X-Weir-Batch-Id"],
+            tensors=pack(table),
+            sample_ids=table.column("sample_id").to_pylist(),
+            feature_keys=table.column("feature_keys").to_pylist(),
+            meta=json.loads(table.schema.metadata[b"weir"]),
+        )
+
+    def _exhausted(self) -> bool:
+        return self.max_batches is not None and self._fetched >= self.max_batches
 
     def _fetch(self) -> None:
-        fetched = 0
         try:
-            while not self._stop.is_set() and (self.max_batches is None or fetched < self.max_batches):
-                response = self._client.get(f"{self.url}/v1/microbatches", params=self.params)
-                if response.status_code == 204:
-                    continue
-                response.raise_for_status()
-                reader = pa.ipc.open_stream(response.content)
-                table = reader.read_all()
-                meta = json.loads(table.schema.metadata[b"weir"])
-                self._queue.put(
-                    FeedBatch(
-                        batch_id=response.headers["X-Weir-Batch-Id"],
-                        tensors=pack(table),
-                        sample_ids=table.column("sample_id").to_pylist(),
-                        feature_keys=table.column("feature_keys").to_pylist(),
-                        meta=meta,
-                    )
-                )
-                fetched += 1
+            while not self._stop.is_set() and not self._exhausted():
+                batch = self._fetch_one(float(self.params["wait_s"]))
+                if batch is not None:
+                    self._queue.put(batch)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
             self._queue.put(error)
             return
@@ -115,6 +128,13 @@ class MicroBatchFeed:
 
     def __iter__(self) -> Iterator[FeedBatch]:
         while True:
+            if self._thread is None:
+                if self._exhausted():
+                    return
+                batch = self._fetch_one(float(self.params["wait_s"]))
+                if batch is not None:
+                    yield batch
+                continue
             item = self._queue.get()
             if item is None:
                 return
@@ -124,6 +144,8 @@ class MicroBatchFeed:
 
     def next(self, timeout: float) -> FeedBatch | None:
         """The next batch, or None when none arrived within ``timeout`` seconds (or the feed ended)."""
+        if self._thread is None:
+            return None if self._exhausted() else self._fetch_one(timeout)
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:
@@ -132,10 +154,29 @@ class MicroBatchFeed:
             raise item
         return item
 
-    def ack(self, batch: FeedBatch) -> bool:
-        """True if the data role recorded the batch as trained (False: its lease had expired)."""
-        response = self._client.post(f"{self.url}/v1/microbatches/{batch.batch_id}/ack")
-        return response.status_code == 200
+    def ack(self, batch: FeedBatch | str, *, retry_s: float = 120.0) -> bool:
+        """True if the data role recorded the batch as trained (False: its lease had expired).
+
+        Retried while the data role is unreachable (acks are idempotent), up to ``retry_s``.
+        """
+        batch_id = batch if isinstance(batch, str) else batch.batch_id
+        deadline = time.monotonic() + retry_s
+        while True:
+            try:
+                response = self._client.post(f"{self.url}/v1/microbatches/{batch_id}/ack")
+                return response.status_code == 200
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
+    def release(self) -> int:
+        """Return this rank's unacknowledged leases now (a restarted trainer reclaims its own batches
+        instead of waiting for their leases to run out); the number released."""
+        params = {"consumer": self.params["consumer"], "rank": self.params["rank"]}
+        response = self._client.post(f"{self.url}/v1/microbatches/release", params=params)
+        response.raise_for_status()
+        return int(response.json()["released"])
 
     def close(self) -> None:
         self._stop.set()

@@ -4,8 +4,15 @@ micro-batches and publishing weights — overlapped (``async``) or one after the
 ``async``: the driver keeps up to ``admission`` groups in flight against the rollout role (whose
 finished groups stream into the data role), while the trainer trains on micro-batches as soon as
 they fill, publishing new weights every ``publish_every`` steps; samples older than the data role's
-``max_staleness`` are never trained. ``colocate`` reproduces the baseline: generate a whole batch of
-groups, then train on all of it, then publish — and only then generate again.
+``max_staleness`` are never trained (under its ``regenerate`` policy the driver sends their prompts
+again first). ``colocate`` reproduces the baseline: generate a whole batch of groups, then train on
+all of it, then publish — and only then generate again.
+
+Crash safety: with ``checkpoint_every = C`` a step's batch is acknowledged only after the checkpoint
+that contains its update is on disk (the checkpoint lists the batch ids it commits, acknowledged
+again on resume — acks are idempotent). A trainer killed at any point and restarted with
+``resume=True`` therefore continues from the committed offset: batches it had not committed come
+back to it, batches it had are never trained again.
 
 Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI prints it live).
 """
@@ -14,28 +21,34 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
-from .feed import MicroBatchFeed
+from .feed import FeedBatch, MicroBatchFeed
 from .publish import publish_weights
 from .reference import ReferenceTrainer
 
-__all__ = ["LoopConfig", "run_loop"]
+__all__ = ["LoopConfig", "evaluate", "run_loop"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoopConfig:
     mode: Literal["async", "colocate"] = "async"
     steps: int = 10
-    groups_per_step: int = 4  # colocate: groups generated per step; async: the in-flight target
+    groups_per_step: int = 4  # groups per rollout request; colocate: the batch generated before each step
     n: int = 4
+    samples_per_step: int | None = None  # one optimizer step per this many samples (default groups × n)
     max_new_tokens: int = 16
     max_tokens_per_batch: int = 4096
     publish_every: int = 1
@@ -43,11 +56,19 @@ class LoopConfig:
     urls: dict[str, str] = field(default_factory=dict)  # rollout, data, engine-*, encoder
     out: Path = Path(".weir/train")
     batch_timeout_s: float = 300.0
+    checkpoint_every: int = 0  # 0: no checkpoints; batches are acknowledged right after their step
+    resume: bool = False  # continue from out/checkpoint when it exists
+    consumer: str = "trainer"
 
 
-def _prompts(rows: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    for row in itertools.cycle(rows):
-        yield {"messages": row["messages"], "n": 0, "reward": row.get("reward", {"type": "none"})}
+def _group_id(row: int) -> str:
+    """Group ids carry their dataset row, so a stale group's prompt can be sent again."""
+    return f"r{row}-{uuid.uuid4().hex[:12]}"
+
+
+def _row_of(group_id: str) -> int | None:
+    head = group_id.split("-", 1)[0]
+    return int(head[1:]) if head.startswith("r") and head[1:].isdigit() else None
 
 
 def _rollout(client: httpx.Client, url: str, prompts: list[dict[str, Any]], config: LoopConfig) -> int:
@@ -60,6 +81,47 @@ def _rollout(client: httpx.Client, url: str, prompts: list[dict[str, Any]], conf
     return len(response.json()["groups"])
 
 
+def evaluate(rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int = 8) -> float:
+    """Mean reward of greedy answers to ``rows`` (not recorded as experience)."""
+    body = {
+        "prompts": [{"messages": r["messages"], "reward": r["reward"], "n": 1} for r in rows],
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "record": False,
+    }
+    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600)
+    response.raise_for_status()
+    rewards = [s["reward"] or 0.0 for g in response.json()["groups"] for s in g["samples"]]
+    return sum(rewards) / max(1, len(rewards))
+
+
+class _EngineClock:
+    """The engines' idle share since the loop started, from their ``busy_seconds`` (Weir's engines)."""
+
+    def __init__(self, client: httpx.Client, urls: list[str]) -> None:
+        self.client, self.urls = client, urls
+        self.start = self._read()
+
+    def _read(self) -> dict[str, tuple[float, float]]:
+        out = {}
+        for url in self.urls:
+            try:
+                info = self.client.get(f"{url}/server_info", timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            if info.get("busy_seconds") is not None:
+                out[url] = (float(info["busy_seconds"]), float(info["uptime_seconds"]))
+        return out
+
+    def idle_share(self) -> float | None:
+        now = self._read()
+        shares = [
+            1 - (busy - self.start[u][0]) / max(1e-9, up - self.start[u][1])
+            for u, (busy, up) in now.items()
+            if u in self.start
+        ]
+        return sum(shares) / len(shares) if shares else None
+
+
 def run_loop(
     trainer: ReferenceTrainer,
     rows: list[dict[str, Any]],
@@ -70,35 +132,99 @@ def run_loop(
     engines = [u for k, u in urls.items() if k.startswith("engine")]
     config.out.mkdir(parents=True, exist_ok=True)
     metrics_path = config.out / "metrics.jsonl"
+    checkpoint = config.out / "checkpoint"
     records: list[dict[str, Any]] = []
-    prompts = _prompts(rows)
+    order: Iterator[int] = itertools.cycle(range(len(rows)))
     stop = threading.Event()
     client = httpx.Client(timeout=600)
-    start = time.perf_counter()
-    idle = {"trainer_wait_s": 0.0}
-
+    counts = {"regenerated": 0, "samples": 0, "tokens": 0}
     failures: list[BaseException] = []
+    # Fetched on demand (prefetch=0): each batch is leased, and its staleness checked, right before
+    # it is trained, so max_staleness holds exactly. Loopback fetches cost milliseconds.
+    feed = MicroBatchFeed(
+        urls["data"], consumer=config.consumer, max_tokens=config.max_tokens_per_batch, wait_s=2.0, prefetch=0
+    )
+    per_step = config.samples_per_step or config.groups_per_step * config.n
 
-    def producer() -> None:  # async mode: keep the rollout role busy within admission
-        try:
+    def publish() -> None:
+        trainer.policy_version += 1
+        folder = trainer.export(config.out / "weights" / f"v{trainer.policy_version}")
+        result = publish_weights(
+            folder,
+            trainer.policy_version,
+            engine_urls=engines,
+            data_url=urls.get("data"),
+            encoder_url=urls.get("encoder"),
+        )
+        for dead in result["unreachable"]:
+            engines.remove(dead)
+
+    first_step = 1
+    if config.resume and (checkpoint / "trainer.json").is_file():
+        state = trainer.load(checkpoint)
+        for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
+            feed.ack(batch_id)
+        feed.release()  # what the previous run fetched but never committed comes back now
+        first_step = int(state.get("step", 0)) + 1
+        policy = int(client.get(f"{urls['data']}/v1/stats").json()["policy_version"])
+        trainer.policy_version = max(trainer.policy_version, policy)
+        publish()  # the engines may hold weights from steps that were lost: bring them back to this one
+        logger.info("resumed from %s at step %d", checkpoint, first_step)
+
+    def prompts(k: int) -> list[dict[str, Any]]:
+        """The next ``k`` prompts: first those whose samples went stale (regenerate policy)."""
+        picked: list[int] = []
+        response = client.post(f"{urls['data']}/v1/regenerations")
+        if response.status_code == 200:
+            again = [r for g in response.json()["groups"] if (r := _row_of(g)) is not None and r < len(rows)]
+            counts["regenerated"] += len(again)
+            picked += again
+        while len(picked) < k:
+            picked.append(next(order))
+        return [
+            {
+                "messages": rows[i]["messages"],
+                "reward": rows[i].get("reward", {"type": "none"}),
+                "id": _group_id(i),
+                **({"sampling_params": rows[i]["sampling_params"]} if "sampling_params" in rows[i] else {}),
+            }
+            for i in picked
+        ]
+
+    def producer() -> None:
+        """async mode: one request per group, up to ``groups_per_step`` in flight within admission —
+        a long response holds back only its own group, never the next ones."""
+        in_flight: set[Future[int]] = set()
+        with ThreadPoolExecutor(max_workers=config.groups_per_step, thread_name_prefix="rollout") as pool:
             while not stop.is_set():
-                allowed = client.get(f"{urls['data']}/v1/admission").json()["groups"]
-                if allowed <= 0:
-                    time.sleep(0.1)
-                    continue
-                _rollout(
-                    client,
-                    urls["rollout"],
-                    [next(prompts) for _ in range(min(allowed, config.groups_per_step))],
-                    config,
-                )
-        except BaseException as error:  # noqa: BLE001 - reported to the training loop, which stops
-            failures.append(error)
+                try:
+                    for done in [f for f in in_flight if f.done()]:
+                        in_flight.discard(done)
+                        error = done.exception()
+                        if error is not None and not isinstance(error, httpx.TransportError):
+                            raise error
+                    allowed = client.get(f"{urls['data']}/v1/admission").json()["groups"] - len(in_flight)
+                    room = min(allowed, config.groups_per_step - len(in_flight))
+                    if room <= 0:
+                        time.sleep(0.05)
+                        continue
+                    for prompt in prompts(room):
+                        in_flight.add(pool.submit(_rollout, client, urls["rollout"], [prompt], config))
+                except httpx.TransportError:  # a role restarting (the data role's state is durable): retry
+                    time.sleep(0.5)
+                except BaseException as error:  # noqa: BLE001 - reported to the training loop, which stops
+                    failures.append(error)
+                    return
 
-    def queued() -> int:
-        return int(client.get(f"{urls['data']}/v1/stats").json()["queue_samples"])
+    def stats() -> dict[str, Any]:
+        for _ in range(240):
+            try:
+                return dict(client.get(f"{urls['data']}/v1/stats").json())
+            except httpx.TransportError:
+                time.sleep(0.5)
+        raise RuntimeError("the data role stayed unreachable for 2 minutes")
 
-    def next_batch() -> Any:
+    def next_batch() -> FeedBatch:
         deadline = time.monotonic() + config.batch_timeout_s
         while time.monotonic() < deadline:
             if failures:
@@ -108,39 +234,71 @@ def run_loop(
                 return batch
         raise TimeoutError(f"no micro-batch within {config.batch_timeout_s} s")
 
-    feed = MicroBatchFeed(urls["data"], max_tokens=config.max_tokens_per_batch, wait_s=2.0)
+    clock = _EngineClock(client, engines)
+    start = time.perf_counter()
+    trainer_wait = 0.0
+    uncommitted: list[str] = []
+    first_forward: float | None = None
     thread = threading.Thread(target=producer, daemon=True) if config.mode == "async" else None
     if thread is not None:
         thread.start()
     try:
-        for step in range(1, config.steps + 1):
-            if config.mode == "colocate" and queued() == 0:
-                # The barrier: the whole batch is generated before anything trains on it.
-                _rollout(client, urls["rollout"], [next(prompts) for _ in range(config.groups_per_step)], config)
-            waited = time.perf_counter()
-            batch = next_batch()
-            idle["trainer_wait_s"] += time.perf_counter() - waited
-            result = trainer.step(batch)
-            feed.ack(batch)
-            drained = config.mode == "colocate" and queued() == 0
-            if (config.mode == "async" and step % config.publish_every == 0) or drained:
-                trainer.policy_version += 1
-                folder = trainer.export(config.out / "weights" / f"v{trainer.policy_version}")
-                publish_weights(folder, trainer.policy_version, engine_urls=engines, data_url=urls.get("data"))
-            rewards = batch.tensors["rewards"]
-            stats = client.get(f"{urls['data']}/v1/stats").json()
+        for step in range(first_step, config.steps + 1):
+            target = per_step
+            if config.mode == "colocate":
+                waited = time.perf_counter()
+                if stats()["queue_samples"] == 0:
+                    # The barrier: the whole batch is generated before anything trains on it.
+                    _rollout(client, urls["rollout"], prompts(config.groups_per_step), config)
+                trainer_wait += time.perf_counter() - waited
+                target = max(1, stats()["queue_samples"])
+            rewards: list[float] = []
+            versions: list[int] = []
+            tokens = 0
+            while len(rewards) < target:  # stream: train on each micro-batch as soon as it is cut
+                waited = time.perf_counter()
+                batch = next_batch()
+                trainer_wait += time.perf_counter() - waited
+                if first_forward is None:
+                    first_forward = time.perf_counter() - start
+                trainer.accumulate(batch)
+                uncommitted.append(batch.batch_id)
+                rewards += batch.tensors["rewards"].tolist()
+                versions.append(int(batch.tensors["policy_versions"].min()))
+                tokens += int(batch.tensors["input_ids"].numel())
+            result = trainer.apply()
+            staleness = trainer.policy_version - min(versions)  # versions behind the weights it trained
+            if config.checkpoint_every and step % config.checkpoint_every == 0:
+                trainer.save(checkpoint, {"step": step, "commit": uncommitted})
+            if not config.checkpoint_every or step % config.checkpoint_every == 0:
+                for batch_id in uncommitted:
+                    feed.ack(batch_id)
+                uncommitted = []
+            if config.mode == "colocate" or step % config.publish_every == 0:
+                publish()
+            counts["samples"] += len(rewards)
+            counts["tokens"] += tokens
+            elapsed = time.perf_counter() - start
+            current = stats()
             record = {
                 "step": step,
-                "time_s": time.perf_counter() - start,
+                "time_s": elapsed,
                 "mode": config.mode,
-                "mean_reward": float(rewards.mean()) if rewards.numel() else 0.0,
-                "samples": int(rewards.numel()),
-                "tokens": int(batch.tensors["input_ids"].numel()),
+                "mean_reward": sum(rewards) / max(1, len(rewards)),
+                "samples": len(rewards),
+                "tokens": tokens,
+                "samples_per_s": counts["samples"] / max(1e-9, elapsed),
+                "tokens_per_s": counts["tokens"] / max(1e-9, elapsed),
                 "loss": result.loss,
+                "grad_norm": result.grad_norm,
                 "policy_version": trainer.policy_version,
-                "staleness": trainer.policy_version - int(batch.tensors["policy_versions"].min()),
-                "queue_samples": stats["queue_samples"],
-                "trainer_idle_share": idle["trainer_wait_s"] / max(1e-9, time.perf_counter() - start),
+                "staleness": staleness,
+                "queue_samples": current["queue_samples"],
+                "dropped_stale": int(current["drops"].get("dropped_stale", 0)),
+                "regenerated": counts["regenerated"],
+                "first_forward_s": first_forward,
+                "trainer_idle_share": trainer_wait / max(1e-9, elapsed),
+                "engine_idle_share": clock.idle_share(),
                 **{k: v for k, v in result.metrics.items()},
             }
             records.append(record)
@@ -151,5 +309,7 @@ def run_loop(
     finally:
         stop.set()
         feed.close()
+        if thread is not None:
+            thread.join(timeout=30)
         client.close()
     return records

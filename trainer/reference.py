@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 
 import preprocess as pp
 
@@ -73,11 +73,14 @@ class ReferenceTrainer:
         torch.manual_seed(seed)
         self.model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
         self.model.train()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss or LossConfig()
         self.policy_version = 0
+        self._units, self._loss = 0.0, 0.0
+        self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
 
     def sequence_logprobs(self, input_ids: torch.Tensor, feature_keys: list[str]) -> torch.Tensor:
         """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it)."""
@@ -92,7 +95,13 @@ class ReferenceTrainer:
         picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, input_ids[1:, None])[:, 0]
         return torch.cat([torch.zeros(1), picked])
 
-    def step(self, batch: FeedBatch) -> StepResult:
+    def accumulate(self, batch: FeedBatch) -> dict[str, float]:
+        """Forward and backward one micro-batch, adding to the gradients of the current step.
+
+        Each micro-batch's loss is weighted by its share of the step's normalisation units (loss
+        tokens for ``token_mean``, sequences for ``sequence_mean``), so a step over micro-batches
+        streamed in any split equals one loss over all of them (`apply` divides by the total).
+        """
         t = batch.tensors
         cu = t["cu_seqlens"].tolist()
         logprobs = torch.cat(
@@ -110,11 +119,67 @@ class ReferenceTrainer:
             rollout_logprobs=t["rollout_logprobs"],
             sequence_ids=t["sequence_ids"],
         )
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
+        units = {"token_mean": float(t["loss_mask"].sum()), "sequence_mean": float(len(cu) - 1), "sum": 1.0}
+        weight = units[self.loss_config.aggregation]
+        (out.loss * weight).backward()
+        self._units += weight
+        self._loss += float(out.loss.detach()) * weight
+        for name, value in out.metrics.items():
+            self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
+        return out.metrics
+
+    def apply(self) -> StepResult:
+        """The optimizer step over everything accumulated since the last one."""
+        units = max(self._units, 1e-9)
+        for parameter in self.model.parameters():
+            if parameter.grad is not None:
+                parameter.grad.div_(units)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         self.optimizer.step()
-        return StepResult(loss=float(out.loss.detach()), grad_norm=float(norm), metrics=out.metrics)
+        self.optimizer.zero_grad(set_to_none=True)
+        result = StepResult(
+            loss=self._loss / units,
+            grad_norm=float(norm),
+            metrics={name: value / units for name, value in self._metrics.items()},
+        )
+        self._units, self._loss, self._metrics = 0.0, 0.0, {}
+        return result
+
+    def step(self, batch: FeedBatch) -> StepResult:
+        """One optimizer step on one micro-batch."""
+        self.accumulate(batch)
+        return self.apply()
+
+    def answer_ids(self, answer: str) -> list[int]:
+        """A response as an engine would produce it: the answer's tokens, then end-of-turn."""
+        return self.tokenizer.encode(answer, add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
+
+    def chat_pair(self, messages: list[dict[str, Any]], answer: str) -> tuple[list[int], list[int], list[str]]:
+        """A text-only supervised example: (prompt ids, response ids, no media)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
+
+    def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
+        """One cross-entropy step on (prompt ids, response ids, feature keys) — the warm-up before RL."""
+        losses = []
+        for prompt, response, keys in pairs:
+            logprobs = self.sequence_logprobs(torch.tensor(prompt + response), keys)
+            losses.append(-logprobs[len(prompt) :].mean())
+        loss = torch.stack(losses).mean()
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for group, value in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = value
+        return float(loss.detach())
 
     # -- checkpoints and export -----------------------------------------------------------------
     def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:

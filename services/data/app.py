@@ -104,6 +104,15 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
             raise ApiError(409, "lease_expired", "the batch's lease expired and its samples were delivered again")
         return {"acked": batch_id}
 
+    @app.post("/v1/microbatches/release")
+    async def release(consumer: str = "trainer", rank: Annotated[int | None, Query(ge=0)] = None) -> dict[str, Any]:
+        return {"released": await asyncio.to_thread(store.release, consumer, rank)}
+
+    @app.post("/v1/regenerations")
+    async def regenerations() -> dict[str, Any]:
+        """Claims the prompts to send again (their samples went stale); each group id is handed out once."""
+        return {"groups": await asyncio.to_thread(store.take_regenerations)}
+
     @app.post("/v1/policy")
     async def policy(request: Request) -> dict[str, Any]:
         body = json.loads(await request.body() or b"{}")

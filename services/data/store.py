@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -192,8 +193,25 @@ class ExperienceStore:
             return True
 
     def set_policy(self, version: int) -> None:
+        """Announce a new policy version; also measures how many groups the trainer used for it."""
         with self._lock:
+            trained = self._trained_groups()
+            row = self._db.execute("SELECT value FROM state WHERE key = 'trained_at_policy'").fetchone()
+            if row is not None and version > self.policy:
+                used = max(0, trained - int(row[0])) / (version - self.policy)
+                previous = self._db.execute("SELECT value FROM state WHERE key = 'groups_per_version'").fetchone()
+                rate = used if previous is None else 0.5 * float(previous[0]) + 0.5 * used
+                self._db.execute("INSERT OR REPLACE INTO state(key, value) VALUES ('groups_per_version', ?)", (rate,))
+            self._db.execute("INSERT OR REPLACE INTO state(key, value) VALUES ('trained_at_policy', ?)", (trained,))
             self._db.execute("INSERT OR REPLACE INTO state(key, value) VALUES ('policy', ?)", (str(int(version)),))
+
+    def _trained_groups(self) -> int:
+        return int(
+            self._db.execute(
+                "SELECT COUNT(DISTINCT s.group_id) FROM consumed c JOIN samples s ON s.sample_id = c.sample_id "
+                "WHERE c.batch_id NOT IN ('stale', 'too_long')"
+            ).fetchone()[0]
+        )
 
     @property
     def policy(self) -> int:
@@ -201,8 +219,19 @@ class ExperienceStore:
         return int(row[0]) if row else 0
 
     def admission(self, consumer: str = "trainer") -> int:
-        """How many more groups the producer may start now."""
-        return max(0, self.config.max_queued_groups - self._available_groups(consumer))
+        """How many more groups the producer may start now.
+
+        Without a staleness bound: up to ``max_queued_groups`` waiting. With ``max_staleness = K``:
+        a group queued behind Q others is trained about Q / (groups the trainer uses per version)
+        versions after it was generated, so the queue is held to ``max(1, K - 1)`` versions' worth
+        (the version being generated adds the last one) — measured from the trainer's own pace.
+        """
+        limit = self.config.max_queued_groups
+        row = self._db.execute("SELECT value FROM state WHERE key = 'groups_per_version'").fetchone()
+        if self.config.max_staleness is not None and row is not None:
+            per_version = float(row[0])
+            limit = min(limit, max(1, math.ceil(max(1, self.config.max_staleness - 1) * per_version)))
+        return max(0, limit - self._available_groups(consumer))
 
     # -- consumer side -------------------------------------------------------------------------
     def _available(self, consumer: str) -> list[tuple[str, str, int, int]]:
@@ -358,6 +387,23 @@ class ExperienceStore:
                 )
                 self._db.execute("UPDATE deliveries SET acked = 1 WHERE batch_id = ?", (batch_id,))
             return True
+
+    def release(self, consumer: str, rank: int | None = None) -> int:
+        """Expire the consumer's (or one rank's) fetched, unacknowledged deliveries now: a restarted
+        trainer gets its batches back at once. Their late acks are refused if the samples went out again."""
+        with self._lock:
+            clause, args = ("", (consumer,)) if rank is None else (" AND rank = ?", (consumer, rank))
+            cursor = self._db.execute(
+                f"UPDATE deliveries SET acked = -1 WHERE consumer = ? AND acked = 0 AND fetched = 1{clause}", args
+            )
+            return int(cursor.rowcount)
+
+    def take_regenerations(self) -> list[str]:
+        """The group ids whose samples went stale under ``staleness_policy="regenerate"``, once each."""
+        with self._lock, self._transaction():
+            keys = [k for (k,) in self._db.execute("SELECT key FROM state WHERE key LIKE 'regenerate:%'")]
+            self._db.execute("DELETE FROM state WHERE key LIKE 'regenerate:%'")
+        return [k.removeprefix("regenerate:") for k in keys]
 
     def _expire(self, consumer: str) -> None:
         """Deliveries past their lease release their samples (the row stays, marked expired: -1)."""

@@ -345,6 +345,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             "device": settings.device,
             "max_running_requests": settings.max_running,
             "weight_version": engine.weight_version,
+            # Weir's addition: how much of its life the engine spent generating (the loop's engine-idle share).
+            "busy_seconds": getattr(engine, "busy_s", None),
+            "uptime_seconds": time.monotonic() - engine.started if hasattr(engine, "started") else None,
         }
 
     return app

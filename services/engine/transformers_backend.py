@@ -105,6 +105,8 @@ class TransformersEngine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._stopping = False
+        self.started = time.monotonic()
+        self.busy_s = 0.0  # wall time spent in forward steps: the engine-idle share is 1 - busy / uptime
         self._thread = threading.Thread(target=self._loop, name="transformers-engine", daemon=True)
         self._thread.start()
 
@@ -175,6 +177,7 @@ class TransformersEngine:
                 if self._stopping:
                     break
                 self._unpaused.wait()
+                began = time.monotonic()
                 try:
                     with self._model_lock:
                         self._step(running)
@@ -182,6 +185,7 @@ class TransformersEngine:
                     logger.exception("request %s failed", running.request.rid)
                     if not running.future.done():
                         self._finish(running, error=error)
+                self.busy_s += time.monotonic() - began
 
     def _admit(self, *, block: bool) -> None:
         while len(self._running) < self.max_running:

@@ -49,6 +49,7 @@ class RolloutPrompt(BaseModel):
     n: int = Field(1, ge=1)
     reward: RewardSpec = Field(default_factory=RewardSpec)
     id: str | None = None
+    sampling_params: dict[str, Any] | None = None  # overrides the request's, for this prompt only
 
 
 class RolloutRequest(BaseModel):
@@ -58,6 +59,7 @@ class RolloutRequest(BaseModel):
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     budget: dict[str, Any] | None = None
     stream: bool = False
+    record: bool = True  # False: an evaluation, not experience (nothing goes to the sink or the data role)
 
 
 class ChatRequest(BaseModel):
@@ -236,7 +238,7 @@ class RolloutState:
     async def rollout_group(self, prompt: RolloutPrompt, index: int, request: RolloutRequest) -> dict[str, Any]:
         start = time.perf_counter()
         where = f"prompts[{index}].messages"
-        sampling = dict(request.sampling_params)
+        sampling = {**request.sampling_params, **(prompt.sampling_params or {})}
         sampling.setdefault("max_new_tokens", self.settings.default_max_tokens)
         prepared = await self.prepare(prompt.messages, where, request.budget)
         self.check_context(prepared, int(sampling["max_new_tokens"]), f"prompts[{index}]")
@@ -275,7 +277,8 @@ class RolloutState:
                 "total_s": time.perf_counter() - start,
             },
         }
-        await asyncio.to_thread(self.sink.append, result)
+        if request.record:
+            await asyncio.to_thread(self.sink.append, result)
         return result
 
     async def close(self) -> None:
@@ -336,7 +339,8 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         for i, prompt in enumerate(body.prompts):
             if prompt.n > settings.max_n:
                 raise ApiError(400, "n_out_of_range", f"prompts[{i}].n: at most {settings.max_n}")
-        sampling_from(body.sampling_params)  # validate once, before any work
+        for prompt in body.prompts:  # validate once, before any work
+            sampling_from({**body.sampling_params, **(prompt.sampling_params or {})})
         admission = contextlib.ExitStack()
         admission.enter_context(state.admitted(0, nbytes))
         tasks = [asyncio.ensure_future(state.rollout_group(p, i, body)) for i, p in enumerate(body.prompts)]

@@ -1,0 +1,165 @@
+"""`weir train`: start the stack, (warm up), run the RL loop, check, plot and summarise.
+
+With ``--demo`` the task is generated locally (`trainer.demo_task`): pictures of four colours and
+"What colour is the picture?", rewarded by exact match. The random-weight model first gets a short
+supervised warm-up on text-only prompts that teaches the answer format (a colour name), never the
+picture → name mapping; greedy accuracy on held-out pictures is measured before and after RL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+import preprocess as pp
+from preprocess.dataset import iter_rows
+from trainer.loop import LoopConfig, evaluate, run_loop
+from trainer.plot import plot_runs
+from trainer.publish import publish_weights
+from trainer.reference import ReferenceTrainer
+
+from .console import console
+from .stack import LocalStack
+
+__all__ = ["run_training"]
+
+# Options left unset on the command line: generic defaults, and the demo's (chosen on a 2-core machine).
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "steps": 20,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_new_tokens": 16,
+    "max_tokens_per_batch": 4096,
+    "lr": 1e-5,
+    "warmup_steps": 0,
+    "max_staleness": None,
+}
+DEMO_DEFAULTS: dict[str, Any] = {
+    "steps": 150,
+    "n": 8,
+    "groups_per_step": 8,
+    "max_new_tokens": 4,
+    "max_tokens_per_batch": 2048,
+    "lr": 1e-3,
+    "warmup_steps": 30,
+    "max_staleness": 2,
+}
+_WARMUP_LR = 3e-3
+
+
+def _show(record: dict[str, Any]) -> None:
+    idle = record["engine_idle_share"]
+    console.print(
+        f"step {record['step']:>4}  reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
+        f"{record['samples_per_s']:5.1f} samples/s  {record['tokens_per_s']:5.0f} tok/s  "
+        f"stale {record['staleness']}  queue {record['queue_samples']:>3}  "
+        f"idle: trainer {record['trainer_idle_share']:.0%} engines {'-' if idle is None else f'{idle:.0%}'}",
+        soft_wrap=True,  # one line per step, however narrow the terminal
+    )
+
+
+def _summary(records: list[dict[str, Any]], before: float | None, after: float | None, plot: Path) -> None:
+    k = max(1, len(records) // 10)
+    first = sum(r["mean_reward"] for r in records[:k]) / k
+    last = sum(r["mean_reward"] for r in records[-k:]) / k
+    end = records[-1]
+    table = Table(title="Training summary", title_justify="left")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    table.add_row("steps / samples trained", f"{end['step']} / {sum(r['samples'] for r in records)}")
+    table.add_row("wall time", f"{end['time_s']:.0f} s")
+    table.add_row(f"mean reward, first {k} steps → last {k}", f"{first:.3f} → {last:.3f}")
+    if before is not None and after is not None:
+        table.add_row("greedy accuracy on held-out pictures", f"{before:.0%} → {after:.0%}")
+    table.add_row("samples / s, tokens / s", f"{end['samples_per_s']:.1f}, {end['tokens_per_s']:.0f}")
+    idle = end["engine_idle_share"]
+    table.add_row(
+        "idle share: trainer, engines", f"{end['trainer_idle_share']:.0%}, {'-' if idle is None else f'{idle:.0%}'}"
+    )
+    table.add_row(
+        "policy version, dropped stale, regenerated",
+        f"{end['policy_version']}, {end['dropped_stale']}, {end['regenerated']}",
+    )
+    table.add_row("plot", str(plot))
+    console.print(table)
+
+
+def _warm_up(trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str, str], out: Path) -> None:
+    """Text-only steps that teach the answer format; then the engines and the encoder get the weights."""
+    from trainer.demo_task import warmup_prompts
+
+    text = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
+    for _ in range(args.warmup_steps):
+        loss = trainer.supervised_step(text, lr=_WARMUP_LR)
+    console.print(
+        f"Warm-up: {args.warmup_steps} supervised steps on text-only prompts (answer format), loss {loss:.3f}"
+    )
+    trainer.policy_version += 1
+    folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")
+    engines = [u for k, u in urls.items() if k.startswith("engine")]
+    publish_weights(
+        folder, trainer.policy_version, engine_urls=engines, data_url=urls["data"], encoder_url=urls.get("encoder")
+    )
+
+
+def run_training(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
+    for name, value in (DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    out = args.home / "train" / args.mode
+    if not args.resume:  # a new run: no experience or metrics of an earlier one
+        shutil.rmtree(args.home / "data", ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    if args.max_staleness is not None:
+        os.environ["WEIR_MAX_STALENESS"] = str(args.max_staleness)
+    os.environ["WEIR_STALENESS_POLICY"] = args.staleness_policy
+    held_out: list[dict[str, Any]] = []
+    if args.demo:
+        from trainer.demo_task import write_demo_task
+
+        rows, held_out = write_demo_task(args.home / "media")
+    else:
+        rows = list(iter_rows(args.dataset))
+    stack = LocalStack(home=args.home, engines=args.engines)
+    console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
+    urls = stack.start()
+    try:
+        trainer = ReferenceTrainer(
+            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
+        )
+        if args.warmup_steps and not args.resume:
+            _warm_up(trainer, args, urls, out)
+        before = evaluate(urls["rollout"], held_out) if held_out else None
+        if before is not None:
+            console.print(f"Greedy accuracy on {len(held_out)} held-out pictures before RL: {before:.0%}")
+        config = LoopConfig(
+            mode=args.mode,
+            steps=args.steps,
+            n=args.n,
+            groups_per_step=args.groups_per_step,
+            max_new_tokens=args.max_new_tokens,
+            max_tokens_per_batch=args.max_tokens_per_batch,
+            urls=urls,
+            out=out,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+        )
+        console.print(f"[bold]RL ({args.mode})[/bold]: {args.steps} steps, n={args.n}, lr={args.lr}")
+        records = run_loop(trainer, rows, config, on_step=_show)
+        after = evaluate(urls["rollout"], held_out) if held_out else None
+        plot = plot_runs({args.mode: records}, out / "reward.png")
+        if records:
+            _summary(records, before, after, plot)
+        console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
+        console.print(f"plot: {plot}", soft_wrap=True)
+        return 0
+    finally:
+        stack.stop()

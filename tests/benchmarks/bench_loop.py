@@ -1,0 +1,220 @@
+"""The RL loop's scheduling and the feed: async vs colocate, streaming vs a barrier, feed throughput.
+
+Measurements:
+
+1. ``async_vs_colocate``: wall time to train the same number of samples (``--steps`` optimizer steps
+   of ``groups × n`` samples) with ``trainer.loop.run_loop`` in ``colocate`` mode (generate the whole
+   batch, then train, then publish) and in ``async`` mode (``max_staleness`` 2), each on a fresh
+   ``LocalStack`` (one engine) with the tiny model. The workload has long-tailed response lengths:
+   each prompt row fixes its own ``max_new_tokens`` with ``ignore_eos`` — most 4 tokens, one in
+   eight 64 and one in sixteen 128. Goal: colocate / async ≥ 1.5.
+2. ``first_forward``: seconds from the first finished group (its ``created`` time in the data role)
+   to the trainer's first forward pass, in the same two runs: streaming (async) vs the global-batch
+   barrier (colocate).
+3. ``feed_throughput``: an `ExperienceStore` holding 96 groups × 8 samples × 1,024 tokens, served by
+   the data role over loopback; `MicroBatchFeed` (prefetch 2) reads and acknowledges micro-batches of
+   16,384 tokens into packed tensors, vs a bare TCP socket on loopback sending the very same Arrow IPC
+   bytes length-prefixed, read and packed by the same `pack`. MB/s and micro-batches/s.
+
+Output: one JSON line per measurement, then a ``{"bench": "summary"}`` line. Run from the repo root
+with ports 8100-8103 and 30000 free::
+
+    .venv/bin/python tests/benchmarks/bench_loop.py --quick   # about 4 min on 2 cores
+    .venv/bin/python tests/benchmarks/bench_loop.py           # about 8 min
+
+This is a script, not a pytest module: nothing in it is named ``test_*``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sqlite3
+import struct
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from report import Goals, emit, environment, rounded
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import preprocess as pp  # noqa: E402
+from services.data.app import DataSettings  # noqa: E402
+from services.data.app import create_app as data_app  # noqa: E402
+from services.data.store import ExperienceStore, samples_to_arrow  # noqa: E402
+from services.stack import LocalStack  # noqa: E402
+from tests.services.conftest import RunningServer  # noqa: E402
+from trainer.feed import MicroBatchFeed, pack  # noqa: E402
+from trainer.loop import LoopConfig, run_loop  # noqa: E402
+from trainer.reference import ReferenceTrainer  # noqa: E402
+
+
+def _long_tailed_rows() -> list[dict[str, Any]]:
+    lengths = [4] * 13 + [64, 64, 128]  # 16 rows: 1/8 at 64 tokens, 1/16 at 128
+    order = [0, 13, 1, 2, 3, 15, 4, 5, 6, 14, 7, 8, 9, 10, 11, 12]
+    return [
+        {
+            "messages": [{"role": "user", "content": f"Question {i}: say yes."}],
+            "reward": {"type": "exact_match", "answer": "yes"},
+            "sampling_params": {"max_new_tokens": lengths[i], "ignore_eos": True},
+        }
+        for i in order
+    ]
+
+
+def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str, Any]:
+    import os
+
+    os.environ["WEIR_MAX_STALENESS"] = "2"
+    stack = LocalStack(home=home, engines=1)
+    urls = stack.start()
+    try:
+        trainer = ReferenceTrainer(home / "model", features=pp.FeatureStore(home / "cache", 1 << 30), lr=1e-5)
+        config = LoopConfig(
+            mode=mode,  # type: ignore[arg-type]
+            steps=steps,
+            groups_per_step=groups,
+            n=n,
+            max_new_tokens=128,
+            max_tokens_per_batch=1024,
+            urls=urls,
+            out=home / "train",
+        )
+        started = time.time()
+        records = run_loop(trainer, _long_tailed_rows(), config)
+    finally:
+        stack.stop()
+    with sqlite3.connect(home / "data" / "state.sqlite") as db:
+        first_group = db.execute("SELECT MIN(created) FROM groups").fetchone()[0]
+    last = records[-1]
+    return {
+        "mode": mode,
+        "seconds": last["time_s"],
+        "samples": sum(r["samples"] for r in records),
+        "first_forward_after_first_group_s": started + last["first_forward_s"] - first_group,
+        "trainer_idle_share": last["trainer_idle_share"],
+        "engine_idle_share": last["engine_idle_share"],
+        "max_staleness_seen": max(r["staleness"] for r in records),
+    }
+
+
+def bench_async_vs_colocate(goals: Goals, steps: int) -> None:
+    groups, n = 4, 4
+    runs = {}
+    for mode in ("colocate", "async"):
+        with tempfile.TemporaryDirectory() as home:
+            runs[mode] = _one_run(mode, Path(home), steps, groups, n)
+        emit({"bench": "loop_run", **{k: rounded(v) if isinstance(v, float) else v for k, v in runs[mode].items()}})
+    ratio = runs["colocate"]["seconds"] / runs["async"]["seconds"]
+    emit({"bench": "async_vs_colocate", "steps": steps, "samples_per_step": groups * n, "speedup": rounded(ratio)})
+    goals.check("async_vs_colocate_speedup", ratio, 1.5)
+    emit(
+        {
+            "bench": "first_forward",
+            "streaming_s": rounded(runs["async"]["first_forward_after_first_group_s"]),
+            "barrier_s": rounded(runs["colocate"]["first_forward_after_first_group_s"]),
+        }
+    )
+
+
+def _filled_store(root: Path, groups: int) -> ExperienceStore:
+    store = ExperienceStore(root)
+    for g in range(groups):
+        store.append(
+            {
+                "group_id": f"g{g}",
+                "prompt_ids": list(range(512)),
+                "samples": [
+                    {
+                        "index": i,
+                        "response_ids": list(range(512)),
+                        "logprobs": [-0.5] * 512,
+                        "reward": float(i % 2),
+                        "weight_version": "0",
+                        "status": "ok",
+                    }
+                    for i in range(8)
+                ],
+            }
+        )
+    return store
+
+
+def _socket_peer(payloads: list[bytes]) -> tuple[float, int]:
+    """Seconds to send and unpack every payload over a bare loopback TCP socket, and the bytes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def serve() -> None:
+        connection, _ = server.accept()
+        with connection:
+            for payload in payloads:
+                connection.sendall(struct.pack("!Q", len(payload)) + payload)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        reader = client.makefile("rb")
+        for _ in payloads:
+            (size,) = struct.unpack("!Q", reader.read(8))
+            pack(pa.ipc.open_stream(reader.read(size)).read_all())
+    seconds = time.perf_counter() - start
+    thread.join()
+    server.close()
+    return seconds, sum(len(p) for p in payloads)
+
+
+def bench_feed(groups: int) -> None:
+    max_tokens = 16384
+    with tempfile.TemporaryDirectory() as root:
+        store = _filled_store(Path(root) / "peer", groups)
+        payloads = []
+        while (batch := store.lease("peer", max_tokens=max_tokens)) is not None:
+            payloads.append(samples_to_arrow(batch, {"consumer": "peer"}))
+            store.ack(batch.batch_id)
+        peer_s, peer_bytes = _socket_peer(payloads)
+        _filled_store(Path(root) / "served", groups)
+        with RunningServer(data_app(DataSettings(data_dir=Path(root) / "served"))) as server:
+            feed = MicroBatchFeed(server.url, max_tokens=max_tokens, wait_s=0.5, max_batches=len(payloads))
+            start = time.perf_counter()
+            count, nbytes = 0, 0
+            for batch in feed:
+                feed.ack(batch)
+                count += 1
+                nbytes += int(batch.tensors["input_ids"].numel())
+            weir_s = time.perf_counter() - start
+            feed.close()
+    mb = peer_bytes / 1e6
+    emit(
+        {
+            "bench": "feed_throughput",
+            "micro_batches": count,
+            "mb": rounded(mb),
+            "weir_mb_s": rounded(mb / weir_s),
+            "weir_batches_s": rounded(count / weir_s),
+            "socket_mb_s": rounded(mb / peer_s),
+            "socket_batches_s": rounded(len(payloads) / peer_s),
+            "weir_vs_socket": rounded(peer_s / weir_s),
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    goals = Goals()
+    bench_feed(groups=48 if args.quick else 96)
+    bench_async_vs_colocate(goals, steps=6 if args.quick else 12)
+    emit({"bench": "summary", "goals": goals.rows, "environment": environment(pyarrow=pa.__version__)})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Reliability of the loop against the real stack: a trainer killed mid-step resumes from its
+checkpoint with each sample trained exactly once; a dying engine or a failing reward does not stall it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import preprocess as pp
+from services.data.store import ExperienceStore
+from services.stack import LocalStack
+from trainer.loop import LoopConfig, run_loop
+from trainer.reference import ReferenceTrainer
+
+ROWS = [
+    {"messages": [{"role": "user", "content": "Say yes."}], "reward": {"type": "exact_match", "answer": "yes"}},
+    {"messages": [{"role": "user", "content": "Name a colour."}], "reward": {"type": "exact_match", "answer": "red"}},
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _events(log: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
+
+
+def _child(tmp_path: Path, name: str, urls: dict[str, str], **spec: Any) -> subprocess.Popen[bytes]:
+    config = {
+        "mode": "async",
+        "n": 2,
+        "groups_per_step": 2,
+        "max_new_tokens": 4,
+        "max_tokens_per_batch": 64,  # several micro-batches per step
+        "urls": urls,
+        "out": str(tmp_path / "train"),
+        "checkpoint_every": 1,
+        **spec.pop("config", {}),
+    }
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"home": str(tmp_path / "weir"), "rows": ROWS, "config": config, **spec}))
+    return subprocess.Popen([sys.executable, "-m", "tests.trainer.loop_child", str(path)], cwd=REPO)
+
+
+@pytest.mark.integration
+def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Path) -> None:
+    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    urls = stack.start()
+    try:
+        first_log = tmp_path / "first.log"
+        first = _child(
+            tmp_path,
+            "first",
+            urls,
+            log=str(first_log),
+            result=str(tmp_path / "r1"),
+            hang_in_step=3,
+            config={"steps": 10},
+        )
+        deadline = time.monotonic() + 240
+        while not any(e["event"] == "hanging" for e in _events(first_log)):
+            assert first.poll() is None, "the first trainer exited before reaching step 3"
+            assert time.monotonic() < deadline, "the first trainer never reached step 3"
+            time.sleep(0.2)
+        first.send_signal(signal.SIGKILL)  # mid-step: step 3's micro-batches are fetched, not committed
+        first.wait()
+        checkpoint = json.loads((tmp_path / "train" / "checkpoint" / "trainer.json").read_text())
+        assert checkpoint["feed"]["step"] == 2
+
+        second_log = tmp_path / "second.log"
+        second = _child(
+            tmp_path,
+            "second",
+            urls,
+            log=str(second_log),
+            result=str(tmp_path / "r2"),
+            config={"steps": 5, "resume": True},
+        )
+        assert second.wait(timeout=300) == 0
+        records = json.loads((tmp_path / "r2").read_text())
+        assert [r["step"] for r in records] == [3, 4, 5]  # resumed right after the committed step
+        assert records[0]["policy_version"] > checkpoint["policy_version"]
+    finally:
+        stack.stop()
+
+    # What was trained and committed: steps 1-2 of the first run, then every batch of the second.
+    first_events, second_events = _events(first_log), _events(second_log)
+    committed: dict[str, list[str]] = {}
+    applied = 0
+    for event in first_events:
+        if event["event"] == "apply":
+            applied += 1
+        elif event["event"] == "batch" and applied < 2:
+            committed[event["batch_id"]] = event["sample_ids"]
+    lost = {e["batch_id"]: e["sample_ids"] for e in first_events if e["event"] == "batch"}.keys() - committed.keys()
+    assert lost, "the killed step had fetched micro-batches"
+    committed.update({e["batch_id"]: e["sample_ids"] for e in second_events if e["event"] == "batch"})
+    store = ExperienceStore(tmp_path / "weir" / "data")
+    consumed = store._db.execute(
+        "SELECT sample_id, batch_id FROM consumed WHERE consumer = 'trainer' AND batch_id NOT IN ('stale', 'too_long')"
+    ).fetchall()
+    trained = [s for ids in committed.values() for s in ids]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert sorted(trained) == sorted(s for s, _ in consumed)  # exactly the acknowledged samples
+    assert not lost & {b for _, b in consumed}  # the killed step's batches were never acknowledged...
+    lost_samples = {s for b in lost for s in next(e["sample_ids"] for e in first_events if e.get("batch_id") == b)}
+    assert lost_samples <= set(trained)  # ...and their samples were trained after the restart instead
+
+
+@pytest.mark.integration
+def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Path) -> None:
+    stack = LocalStack(home=tmp_path / "weir", engines=2)
+    urls = stack.start()
+    try:
+        trainer = ReferenceTrainer(
+            tmp_path / "weir" / "model", features=pp.FeatureStore(tmp_path / "weir" / "cache", 1 << 30), lr=1e-4
+        )
+        rows = [
+            *ROWS,
+            {
+                "messages": [{"role": "user", "content": "Say no."}],
+                "reward": {"type": "custom", "function": "tests.services.rewards_for_tests:flaky"},
+            },
+        ]
+        victim = next(c for c in stack.children if c.role == "engine-30001")
+
+        def kill_an_engine(record: dict[str, Any]) -> None:
+            if record["step"] == 1:
+                os.killpg(victim.process.pid, signal.SIGKILL)
+
+        config = LoopConfig(
+            mode="async",
+            steps=5,
+            n=2,
+            groups_per_step=3,
+            max_new_tokens=4,
+            max_tokens_per_batch=256,
+            urls=urls,
+            out=tmp_path / "train",
+            batch_timeout_s=120,
+        )
+        records = run_loop(trainer, rows, config, on_step=kill_an_engine)
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+        assert victim.process.poll() is not None
+        assert trainer.policy_version == 5  # published every step to the engine that is left
+    finally:
+        stack.stop()
+    store = ExperienceStore(tmp_path / "weir" / "data")
+    failed = store._db.execute(
+        "SELECT COUNT(*) FROM samples WHERE sample_id LIKE '%/1' AND group_id IN "
+        "(SELECT group_id FROM groups WHERE samples = 1)"
+    ).fetchone()[0]
+    assert failed == 0  # the sample whose reward failed was never stored for training
+    flaky_groups = store._db.execute("SELECT COUNT(*) FROM groups WHERE samples = 1").fetchone()[0]
+    assert flaky_groups > 0  # the flaky prompt's groups went through with their good sample
