@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset
 
@@ -33,28 +34,35 @@ class FeedBatch:
     meta: dict[str, Any]
 
 
-def pack(table: pa.Table) -> dict[str, torch.Tensor]:
-    """Packed tensors from a micro-batch table (one row per sequence)."""
-    ids = [torch.tensor(x, dtype=torch.long) for x in table.column("input_ids").to_pylist()]
-    lengths = torch.tensor([len(x) for x in ids], dtype=torch.int32)
-    cu = torch.zeros(len(ids) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lengths, 0)
+def _flat(table: pa.Table, name: str, dtype: torch.dtype) -> torch.Tensor:
+    values = table.column(name).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    return torch.from_numpy(values.copy()).to(dtype)
 
-    def per_token(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([torch.full((int(n),), v, dtype=dtype) for v, n in zip(values, lengths, strict=True)])
+
+def pack(table: pa.Table) -> dict[str, torch.Tensor]:
+    """Packed tensors from a micro-batch table (one row per sequence), straight from Arrow buffers."""
+    lengths = torch.from_numpy(
+        pc.list_value_length(table.column("input_ids")).combine_chunks().to_numpy(zero_copy_only=False).copy()
+    ).long()
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(lengths, 0)
+    total = int(cu[-1])
+    starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+
+    def per_sequence(name: str, dtype: torch.dtype) -> torch.Tensor:
+        values = torch.tensor(table.column(name).to_pylist(), dtype=dtype)
+        return torch.repeat_interleave(values, lengths)
 
     return {
-        "input_ids": torch.cat(ids) if ids else torch.empty(0, dtype=torch.long),
+        "input_ids": _flat(table, "input_ids", torch.long),
         "cu_seqlens": cu,
-        "position_ids": torch.cat([torch.arange(int(n)) for n in lengths]) if ids else torch.empty(0, dtype=torch.long),
-        "loss_mask": torch.cat([torch.tensor(x, dtype=torch.float32) for x in table.column("loss_mask").to_pylist()]),
-        "rollout_logprobs": torch.cat(
-            [torch.tensor(x, dtype=torch.float32) for x in table.column("rollout_logprobs").to_pylist()]
-        ),
-        "advantages": per_token(table.column("advantage").to_pylist(), torch.float32),
+        "position_ids": torch.arange(total) - starts,
+        "loss_mask": _flat(table, "loss_mask", torch.float32),
+        "rollout_logprobs": _flat(table, "rollout_logprobs", torch.float32),
+        "advantages": per_sequence("advantage", torch.float32),
         "rewards": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
-        "policy_versions": per_token(table.column("policy_version").to_pylist(), torch.long),
-        "sequence_ids": torch.repeat_interleave(torch.arange(len(ids)), lengths.long()),
+        "policy_versions": per_sequence("policy_version", torch.long),
+        "sequence_ids": torch.repeat_interleave(torch.arange(len(lengths)), lengths),
     }
 
 
@@ -92,10 +100,13 @@ class MicroBatchFeed:
         if self._thread is not None:
             self._thread.start()
 
-    def _fetch_one(self, wait_s: float) -> FeedBatch | None:
+    def _fetch_one(self, wait_s: float, max_samples: int | None = None) -> FeedBatch | None:
         """One long-poll; None when nothing was ready (or the data role is restarting)."""
+        params = {**self.params, "wait_s": wait_s}
+        if max_samples is not None:
+            params["max_samples"] = max_samples
         try:
-            response = self._client.get(f"{self.url}/v1/microbatches", params={**self.params, "wait_s": wait_s})
+            response = self._client.get(f"{self.url}/v1/microbatches", params=params)
         except httpx.TransportError:  # the data role restarting: its state is durable, wait for it
             self._stop.wait(min(wait_s, 1.0))
             return None
@@ -142,10 +153,13 @@ class MicroBatchFeed:
                 raise item
             yield item
 
-    def next(self, timeout: float) -> FeedBatch | None:
-        """The next batch, or None when none arrived within ``timeout`` seconds (or the feed ended)."""
+    def next(self, timeout: float, *, max_samples: int | None = None) -> FeedBatch | None:
+        """The next batch, or None when none arrived within ``timeout`` seconds (or the feed ended).
+
+        ``max_samples`` caps the batch's sequences (on-demand feeds only: ``prefetch=0``).
+        """
         if self._thread is None:
-            return None if self._exhausted() else self._fetch_one(timeout)
+            return None if self._exhausted() else self._fetch_one(timeout, max_samples)
         try:
             item = self._queue.get(timeout=timeout)
         except queue.Empty:

@@ -224,12 +224,12 @@ def run_loop(
                 time.sleep(0.5)
         raise RuntimeError("the data role stayed unreachable for 2 minutes")
 
-    def next_batch() -> FeedBatch:
+    def next_batch(max_samples: int) -> FeedBatch:
         deadline = time.monotonic() + config.batch_timeout_s
         while time.monotonic() < deadline:
             if failures:
                 raise RuntimeError(f"the rollout driver failed: {failures[0]}") from failures[0]
-            batch = feed.next(timeout=0.5)
+            batch = feed.next(timeout=0.5, max_samples=max_samples)
             if batch is not None:
                 return batch
         raise TimeoutError(f"no micro-batch within {config.batch_timeout_s} s")
@@ -239,6 +239,7 @@ def run_loop(
     trainer_wait = 0.0
     uncommitted: list[str] = []
     first_forward: float | None = None
+    first_forward_at: float | None = None
     thread = threading.Thread(target=producer, daemon=True) if config.mode == "async" else None
     if thread is not None:
         thread.start()
@@ -257,10 +258,11 @@ def run_loop(
             tokens = 0
             while len(rewards) < target:  # stream: train on each micro-batch as soon as it is cut
                 waited = time.perf_counter()
-                batch = next_batch()
+                batch = next_batch(target - len(rewards))  # steps of exactly `target` samples
                 trainer_wait += time.perf_counter() - waited
                 if first_forward is None:
                     first_forward = time.perf_counter() - start
+                    first_forward_at = time.time()
                 trainer.accumulate(batch)
                 uncommitted.append(batch.batch_id)
                 rewards += batch.tensors["rewards"].tolist()
@@ -297,6 +299,7 @@ def run_loop(
                 "dropped_stale": int(current["drops"].get("dropped_stale", 0)),
                 "regenerated": counts["regenerated"],
                 "first_forward_s": first_forward,
+                "first_forward_at": first_forward_at,
                 "trainer_idle_share": trainer_wait / max(1e-9, elapsed),
                 "engine_idle_share": clock.idle_share(),
                 **{k: v for k, v in result.metrics.items()},

@@ -81,13 +81,14 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
         rank: Annotated[int, Query(ge=0)] = 0,
         world_size: Annotated[int, Query(ge=1)] = 1,
         max_tokens: Annotated[int, Query(ge=1)] = 8192,
+        max_samples: Annotated[int | None, Query(ge=1)] = None,
         wait_s: Annotated[float, Query(ge=0)] = 10.0,
     ) -> Response:
         if rank >= world_size:
             raise ApiError(400, "invalid_request", "rank must be below world_size")
         deadline = time.monotonic() + min(wait_s, settings.max_wait_s)
         while True:
-            batch = await asyncio.to_thread(store.lease, consumer, rank, world_size, max_tokens)
+            batch = await asyncio.to_thread(store.lease, consumer, rank, world_size, max_tokens, max_samples)
             if batch is not None:
                 body = samples_to_arrow(batch, {"consumer": consumer, "policy_version": store.policy})
                 return Response(body, media_type=ARROW_STREAM, headers={"X-Weir-Batch-Id": batch.batch_id})

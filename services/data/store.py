@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 import preprocess as pp
 from trainer.advantages import group_advantages
@@ -68,36 +69,50 @@ class DataConfig:
     max_queued_groups: int = 256
 
 
+_ROW_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("group_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("advantage", pa.float32()),
+        ("reward", pa.float32()),
+        ("policy_version", pa.int64()),
+        ("feature_keys", pa.list_(pa.string())),
+    ]
+)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MicroBatch:
     batch_id: str
     rank: int
-    samples: list[dict[str, Any]]
+    table: pa.Table  # one row per sequence, `_ROW_SCHEMA`
+
+    @property
+    def samples(self) -> list[dict[str, Any]]:
+        return self.table.to_pylist()
 
     @property
     def tokens(self) -> int:
-        return sum(len(s["input_ids"]) for s in self.samples)
+        return int(pc.sum(pc.list_value_length(self.table.column("input_ids"))).as_py() or 0)
 
 
 def samples_to_arrow(batch: MicroBatch, meta: dict[str, Any]) -> bytes:
     """One micro-batch as an Arrow IPC stream: a row per sequence, packed boundaries from lengths."""
-    rows = batch.samples
-    table = pa.table(
-        {
-            "sample_id": pa.array([s["sample_id"] for s in rows], pa.string()),
-            "group_id": pa.array([s["group_id"] for s in rows], pa.string()),
-            "input_ids": pa.array([s["input_ids"] for s in rows], pa.list_(pa.int32())),
-            "loss_mask": pa.array([s["loss_mask"] for s in rows], pa.list_(pa.int8())),
-            "rollout_logprobs": pa.array([s["rollout_logprobs"] for s in rows], pa.list_(pa.float32())),
-            "advantage": pa.array([s["advantage"] for s in rows], pa.float32()),
-            "reward": pa.array([s["reward"] for s in rows], pa.float32()),
-            "policy_version": pa.array([s["policy_version"] for s in rows], pa.int64()),
-            "feature_keys": pa.array([s["feature_keys"] for s in rows], pa.list_(pa.string())),
-        }
-    )
-    table = table.replace_schema_metadata(
+    table = batch.table.replace_schema_metadata(
         {b"weir": json.dumps({"batch_id": batch.batch_id, "rank": batch.rank, **meta})}
     )
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def _group_table(rows: list[dict[str, Any]]) -> bytes:
+    """A group's samples as one Arrow IPC stream (what the shard store keeps)."""
+    table = pa.Table.from_pylist(rows, schema=_ROW_SCHEMA)
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -171,7 +186,7 @@ class ExperienceStore:
                         "feature_keys": list(group.get("feature_keys", [])),
                     }
                 )
-            self.blobs.put(group_id, json.dumps(rows).encode())  # written and fsync'd before indexing
+            self.blobs.put(group_id, _group_table(rows))  # an Arrow IPC entry, fsync'd before indexing
             with self._transaction():
                 seq = self._db.execute(
                     "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",
@@ -268,8 +283,16 @@ class ExperienceStore:
                     )
         return [r for r in rows if r[3] >= floor]
 
-    def lease(self, consumer: str, rank: int = 0, world_size: int = 1, max_tokens: int = 8192) -> MicroBatch | None:
-        """The next micro-batch for ``rank`` (None when nothing is ready)."""
+    def lease(
+        self,
+        consumer: str,
+        rank: int = 0,
+        world_size: int = 1,
+        max_tokens: int = 8192,
+        max_samples: int | None = None,
+    ) -> MicroBatch | None:
+        """The next micro-batch for ``rank`` (None when nothing is ready); at most ``max_tokens`` tokens
+        and, when given, ``max_samples`` sequences per rank (a trainer completing a fixed-size step)."""
         if not 0 <= rank < world_size:
             raise ValueError("rank must be in [0, world_size)")
         with self._lock:
@@ -277,7 +300,7 @@ class ExperienceStore:
             self._expire(consumer)
             pending = self._waiting(consumer, rank)
             if pending is None:
-                self._cut(consumer, world_size, max_tokens, now)
+                self._cut(consumer, world_size, max_tokens, now, max_samples)
                 pending = self._waiting(consumer, rank)
             if pending is None:
                 return None
@@ -286,7 +309,7 @@ class ExperienceStore:
                 "UPDATE deliveries SET fetched = 1, lease_until = ? WHERE batch_id = ?",
                 (now + self.config.lease_s, batch_id),
             )
-            return MicroBatch(batch_id=batch_id, rank=rank, samples=self._load(json.loads(ids)))
+            return MicroBatch(batch_id=batch_id, rank=rank, table=self._load(json.loads(ids)))
 
     def _waiting(self, consumer: str, rank: int) -> tuple[str, str] | None:
         """The oldest share cut for this rank that it has not fetched yet."""
@@ -297,7 +320,7 @@ class ExperienceStore:
         ).fetchone()
         return None if row is None else (str(row[0]), str(row[1]))
 
-    def _cut(self, consumer: str, world_size: int, max_tokens: int, now: float) -> None:
+    def _cut(self, consumer: str, world_size: int, max_tokens: int, now: float, max_samples: int | None) -> None:
         """Cut one batch per rank from the oldest available samples, balanced by tokens (largest
         first onto the lightest rank, each rank within ``max_tokens``)."""
         rows = self._fresh(self._available(consumer), consumer)
@@ -311,7 +334,7 @@ class ExperienceStore:
                     (consumer, row[0], "too_long"),
                 )
                 continue
-            if total + row[2] > budget:
+            if total + row[2] > budget or (max_samples is not None and len(chosen) >= max_samples * world_size):
                 break
             chosen.append(row)
             total += row[2]
@@ -321,7 +344,13 @@ class ExperienceStore:
         loads = [0] * world_size
         for row in sorted(chosen, key=lambda r: -r[2]):
             rank = min(
-                (r for r in range(world_size) if loads[r] + row[2] <= max_tokens), key=lambda r: loads[r], default=None
+                (
+                    r
+                    for r in range(world_size)
+                    if loads[r] + row[2] <= max_tokens and (max_samples is None or len(shares[r]) < max_samples)
+                ),
+                key=lambda r: loads[r],
+                default=None,
             )
             if rank is None:
                 continue
@@ -342,16 +371,21 @@ class ExperienceStore:
                     ),
                 )
 
-    def _load(self, sample_ids: list[str]) -> list[dict[str, Any]]:
-        by_group: dict[str, list[dict[str, Any]]] = {}
-        out: list[dict[str, Any]] = []
+    def _load(self, sample_ids: list[str]) -> pa.Table:
+        """The samples' rows, in the given order, read from their groups' Arrow entries (zero-copy maps)."""
+        groups: dict[str, pa.Table] = {}
         for sample_id in sample_ids:
             group_id = sample_id.rsplit("/", 1)[0]
-            if group_id not in by_group:
+            if group_id not in groups:
                 data = self.blobs.get_bytes(group_id)
-                by_group[group_id] = json.loads(data.to_pybytes()) if data is not None else []
-            out.extend(r for r in by_group[group_id] if r["sample_id"] == sample_id)
-        return out
+                groups[group_id] = (
+                    pa.ipc.open_stream(data).read_all() if data is not None else _ROW_SCHEMA.empty_table()
+                )
+        if not groups:
+            return _ROW_SCHEMA.empty_table()
+        table = pa.concat_tables(groups.values())
+        position = {sid: i for i, sid in enumerate(table.column("sample_id").to_pylist())}
+        return table.take(pa.array([position[s] for s in sample_ids if s in position], pa.int64()))
 
     def ack(self, batch_id: str) -> bool:
         """Mark a delivered batch trained; idempotent; False for an unknown batch."""

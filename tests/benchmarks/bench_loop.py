@@ -5,9 +5,11 @@ Measurements:
 1. ``async_vs_colocate``: wall time to train the same number of samples (``--steps`` optimizer steps
    of ``groups × n`` samples) with ``trainer.loop.run_loop`` in ``colocate`` mode (generate the whole
    batch, then train, then publish) and in ``async`` mode (``max_staleness`` 2), each on a fresh
-   ``LocalStack`` (one engine) with the tiny model. The workload has long-tailed response lengths:
-   each prompt row fixes its own ``max_new_tokens`` with ``ignore_eos`` — most 4 tokens, one in
-   eight 64 and one in sixteen 128. Goal: colocate / async ≥ 1.5.
+   ``LocalStack`` (one engine) with the tiny model. Resources as each design uses them: colocate
+   time-slices the machine (engine and trainer 2 torch threads each, one after the other); async
+   gives rollout and training one core each (1 thread each), running at once. The workload has
+   long-tailed response lengths: each prompt row fixes its own ``max_new_tokens`` with
+   ``ignore_eos`` — most 4 tokens, one in eight 64 and one in sixteen 128. Goal: colocate / async ≥ 1.5.
 2. ``first_forward``: seconds from the first finished group (its ``created`` time in the data role)
    to the trainer's first forward pass, in the same two runs: streaming (async) vs the global-batch
    barrier (colocate).
@@ -28,6 +30,7 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sqlite3
 import struct
@@ -39,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-
+import torch
 from report import Goals, emit, environment, rounded
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -69,9 +72,12 @@ def _long_tailed_rows() -> list[dict[str, Any]]:
 
 
 def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str, Any]:
-    import os
-
+    # Resources as each design uses them: colocate time-slices the whole machine (2 threads for the
+    # engine while it generates, then 2 for the trainer); async gives each side its own core.
+    threads = 1 if mode == "async" else 2
     os.environ["WEIR_MAX_STALENESS"] = "2"
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine process (and every role) started below
+    torch.set_num_threads(threads)  # this process: the trainer
     stack = LocalStack(home=home, engines=1)
     urls = stack.start()
     try:
@@ -86,10 +92,11 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
             urls=urls,
             out=home / "train",
         )
-        started = time.time()
         records = run_loop(trainer, _long_tailed_rows(), config)
     finally:
         stack.stop()
+        os.environ.pop("OMP_NUM_THREADS", None)
+        torch.set_num_threads(2)
     with sqlite3.connect(home / "data" / "state.sqlite") as db:
         first_group = db.execute("SELECT MIN(created) FROM groups").fetchone()[0]
     last = records[-1]
@@ -97,10 +104,11 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
         "mode": mode,
         "seconds": last["time_s"],
         "samples": sum(r["samples"] for r in records),
-        "first_forward_after_first_group_s": started + last["first_forward_s"] - first_group,
+        "first_forward_after_first_group_s": last["first_forward_at"] - first_group,
         "trainer_idle_share": last["trainer_idle_share"],
         "engine_idle_share": last["engine_idle_share"],
         "max_staleness_seen": max(r["staleness"] for r in records),
+        "torch_threads_each": threads,
     }
 
 
@@ -209,10 +217,13 @@ def bench_feed(groups: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", choices=("feed", "loop"), default=None)
     args = parser.parse_args()
     goals = Goals()
-    bench_feed(groups=48 if args.quick else 96)
-    bench_async_vs_colocate(goals, steps=6 if args.quick else 12)
+    if args.only in (None, "feed"):
+        bench_feed(groups=48 if args.quick else 96)
+    if args.only in (None, "loop"):
+        bench_async_vs_colocate(goals, steps=8 if args.quick else 16)
     emit({"bench": "summary", "goals": goals.rows, "environment": environment(pyarrow=pa.__version__)})
 
 

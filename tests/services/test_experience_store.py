@@ -99,6 +99,35 @@ def test_staleness_bound(tmp_path: Path) -> None:
     assert store.admission() == 3
 
 
+def test_admission_follows_the_trainers_pace_within_the_staleness_bound(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path, DataConfig(max_staleness=3, max_queued_groups=100))
+    for i in range(12):
+        store.append(group(f"g{i}", [0.0, 1.0]))
+    assert store.admission() == 88  # no pace measured yet: only max_queued_groups holds it back
+    store.set_policy(1)
+    for _ in range(2):  # the trainer uses 4 groups (8 samples × 7 tokens) per version
+        batch = store.lease("trainer", max_tokens=56)
+        assert batch is not None and store.ack(batch.batch_id)
+        store.set_policy(store.policy + 1)
+    # 4 groups per version, K - 1 = 2 versions of queue: 8 groups; 4 are waiting.
+    assert store.admission() == 4
+
+
+def test_release_and_regenerations(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path, DataConfig(max_staleness=0, staleness_policy="regenerate"))
+    store.append(group("fresh", [0.0, 1.0], version=1))
+    batch = store.lease("trainer", max_tokens=1000)
+    assert batch is not None
+    assert store.release("trainer", rank=1) == 0 and store.release("trainer") == 1  # a restarted trainer
+    again = store.lease("trainer", max_tokens=1000)
+    assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in batch.samples]
+    assert not store.ack(batch.batch_id) and store.ack(again.batch_id)
+    store.append(group("old", [0.0, 1.0], version=0))
+    store.set_policy(1)
+    assert store.lease("trainer", max_tokens=1000) is None  # version 0 is one behind: stale
+    assert store.take_regenerations() == ["old"] and store.take_regenerations() == []
+
+
 _WRITER = """
 import json, os, sys
 from services.data.store import DataConfig, ExperienceStore

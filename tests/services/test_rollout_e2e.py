@@ -215,6 +215,27 @@ def test_groups_stream_as_they_finish(stack) -> None:  # type: ignore[no-untyped
     assert sorted(g["prompt_index"] for g in groups) == [0, 1]
 
 
+def test_per_prompt_sampling_and_unrecorded_evaluations(stack) -> None:  # type: ignore[no-untyped-def]
+    test_stack, rollout = stack
+    journal = test_stack.root / "experience.jsonl"
+    before = journal.read_text().count("\n") if journal.exists() else 0
+    body = {
+        "prompts": [
+            {"messages": [{"role": "user", "content": "hi"}], "n": 1, "sampling_params": {"max_new_tokens": 5}},
+            {"messages": [{"role": "user", "content": "hi"}], "n": 1},
+        ],
+        "sampling_params": {"max_new_tokens": 2, "ignore_eos": True, "temperature": 0},
+        "record": False,
+    }
+    groups = httpx.post(f"{rollout.url}/v1/rollouts", json=body, timeout=60).json()["groups"]
+    lengths = {g["prompt_index"]: len(g["samples"][0]["response_ids"]) for g in groups}
+    assert lengths == {0: 5, 1: 2}  # the prompt's own sampling_params override the request's
+    after = journal.read_text().count("\n") if journal.exists() else 0
+    assert after == before  # an evaluation is not experience
+    bad = {**body, "prompts": [{**body["prompts"][0], "sampling_params": {"temperature": -1}}]}
+    assert httpx.post(f"{rollout.url}/v1/rollouts", json=bad, timeout=60).status_code == 400
+
+
 def test_a_failing_reward_fails_only_its_sample(stack) -> None:  # type: ignore[no-untyped-def]
     _, rollout = stack
     body = {

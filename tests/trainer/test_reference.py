@@ -96,12 +96,15 @@ def test_publish_reaches_engines_and_the_data_role(model: Path, tmp_path: Path) 
             for p in trainer.model.parameters():
                 p.add_(0.01 * torch.randn_like(p))  # stands in for a training step
         folder = trainer.export(tmp_path / "v1")
-        timings = publish_weights(folder, 1, engine_urls=[engine.url], data_url=data.url)
-        assert timings["engines_s"] > 0
+        dead = "http://127.0.0.1:9"  # nothing listens there: an engine that died
+        timings = publish_weights(folder, 1, engine_urls=[dead, engine.url], data_url=data.url)
+        assert timings["engines_s"] > 0 and timings["unreachable"] == [dead]
         after = httpx.post(f"{engine.url}/generate", json=body).json()
         assert after["meta_info"]["weight_version"] == "1"
         assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
         assert httpx.get(f"{data.url}/v1/admission").json()["policy_version"] == 1
+        info = httpx.get(f"{engine.url}/server_info").json()
+        assert 0 < info["busy_seconds"] <= info["uptime_seconds"]  # what the loop's engine-idle share reads
     finally:
         data.__exit__()
         engine.__exit__()

@@ -1,0 +1,57 @@
+"""The demo task, the warm-up, the plot, and `weir train --demo` end to end (a few steps)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from encoders.embedded_model import init_model
+from services.cli import main
+from trainer.demo_task import COLOURS, colour_picture, warmup_prompts, write_demo_task
+from trainer.plot import plot_runs
+from trainer.reference import ReferenceTrainer
+
+
+def test_pictures_are_the_colour_they_are_named_and_all_different(tmp_path: Path) -> None:
+    train, held_out = write_demo_task(tmp_path)
+    assert len(train) == 64 and len(held_out) == 16
+    assert [r["reward"]["answer"] for r in train[:4]] == list(COLOURS)  # balanced from the first rows
+    for row in train[:4] + held_out[:4]:
+        path = Path(row["messages"][0]["content"][0]["image_url"]["url"])
+        pixels = np.asarray(Image.open(path).convert("RGB")).reshape(-1, 3).astype(int)
+        target = np.array(COLOURS[row["reward"]["answer"]])
+        assert np.median(np.abs(pixels - target).sum(1)) < 60 and Image.open(path).size == (56, 56)
+    paths = {r["messages"][0]["content"][0]["image_url"]["url"] for r in train + held_out}
+    assert len(paths) == 80 and len({Path(p).read_bytes() for p in paths}) == 80
+    assert Image.open(io.BytesIO(colour_picture("red", 1))).format == "PNG"
+
+
+def test_the_text_only_warm_up_teaches_the_answer_format(tmp_path: Path) -> None:
+    trainer = ReferenceTrainer(init_model(tmp_path / "model"), lr=1e-3)
+    pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
+    assert all(response[-1] == trainer.tokenizer.convert_tokens_to_ids("<|im_end|>") for _, response, _ in pairs)
+    losses = [trainer.supervised_step(pairs, lr=3e-3) for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_the_plot_overlays_runs(tmp_path: Path) -> None:
+    records = [{"time_s": t, "mean_reward": t / 10, "samples_per_s": 5.0} for t in range(10)]
+    path = plot_runs({"async": records, "colocate": records[:5]}, tmp_path / "p" / "reward.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.integration
+def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "weir"
+    assert main(["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "Greedy accuracy on 16 held-out pictures before RL" in out and "Training summary" in out
+    lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert json.loads(lines[0])["samples"] == 64  # 8 groups × n=8: one optimizer step
+    assert (home / "train" / "async" / "reward.png").is_file()
