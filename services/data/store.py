@@ -325,7 +325,8 @@ class ExperienceStore:
         first onto the lightest rank, each rank within ``max_tokens``)."""
         rows = self._fresh(self._available(consumer), consumer)
         budget = world_size * max_tokens
-        chosen, total = [], 0
+        chosen: list[tuple[str, str, int, int]] = []
+        total = 0
         for row in rows:
             if row[2] > max_tokens:
                 self._count("too_long", 1)
