@@ -34,6 +34,7 @@ class LocalStack:
     model: Path | None = None
     engines: int = 1
     host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role (e.g. WEIR_MAX_STALENESS)
     children: list[_Child] = field(default_factory=list)
 
     @property
@@ -53,6 +54,7 @@ class LocalStack:
             "WEIR_DATA_URL": f"http://{self.host}:8103",
             "WEIR_DATA_DIR": str(self.home / "data"),
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
+            **self.env,
         }
 
     def start(self, timeout_s: float = 180.0) -> dict[str, str]:

@@ -9,7 +9,6 @@ picture → name mapping; greedy accuracy on held-out pictures is measured befor
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -118,9 +117,9 @@ def run_training(args: argparse.Namespace) -> int:
     if not args.resume:  # a new run: no experience or metrics of an earlier one
         shutil.rmtree(args.home / "data", ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+    settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
     if args.max_staleness is not None:
-        os.environ["WEIR_MAX_STALENESS"] = str(args.max_staleness)
-    os.environ["WEIR_STALENESS_POLICY"] = args.staleness_policy
+        settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
     held_out: list[dict[str, Any]] = []
     if args.demo:
         from trainer.demo_task import write_demo_task
@@ -128,7 +127,7 @@ def run_training(args: argparse.Namespace) -> int:
         rows, held_out = write_demo_task(args.home / "media")
     else:
         rows = list(iter_rows(args.dataset))
-    stack = LocalStack(home=args.home, engines=args.engines)
+    stack = LocalStack(home=args.home, engines=args.engines, env=settings)
     console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
     urls = stack.start()
     try:

@@ -30,7 +30,6 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import sqlite3
 import struct
@@ -75,10 +74,8 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
     # Resources as each design uses them: colocate time-slices the whole machine (2 threads for the
     # engine while it generates, then 2 for the trainer); async gives each side its own core.
     threads = 1 if mode == "async" else 2
-    os.environ["WEIR_MAX_STALENESS"] = "2"
-    os.environ["OMP_NUM_THREADS"] = str(threads)  # the engine process (and every role) started below
-    torch.set_num_threads(threads)  # this process: the trainer
-    stack = LocalStack(home=home, engines=1)
+    torch.set_num_threads(threads)  # this process: the trainer; below, the engine (and every role)
+    stack = LocalStack(home=home, engines=1, env={"WEIR_MAX_STALENESS": "2", "OMP_NUM_THREADS": str(threads)})
     urls = stack.start()
     try:
         trainer = ReferenceTrainer(home / "model", features=pp.FeatureStore(home / "cache", 1 << 30), lr=1e-5)
@@ -95,7 +92,6 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
         records = run_loop(trainer, _long_tailed_rows(), config)
     finally:
         stack.stop()
-        os.environ.pop("OMP_NUM_THREADS", None)
         torch.set_num_threads(2)
     with sqlite3.connect(home / "data" / "state.sqlite") as db:
         first_group = db.execute("SELECT MIN(created) FROM groups").fetchone()[0]
