@@ -2,8 +2,8 @@
 new policy version to the data role (and new tower weights to the encoder role, when towers train).
 
 Engines are told through SGLang's own endpoints, so the same call updates Weir's engine role and a
-plain SGLang server. The NCCL path (``init_weights_update_group`` / ``update_weights_from_distributed``)
-needs GPUs and is not built here.
+plain SGLang server. `NcclWeightSync` is the GPU path (``init_weights_update_group`` /
+``update_weights_from_distributed``): tensors broadcast from the trainer, no files.
 """
 
 from __future__ import annotations
@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 
-__all__ = ["publish_weights"]
+__all__ = ["NcclWeightSync", "publish_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +67,140 @@ def publish_weights(
         if data_url:
             client.post(f"{data_url}/v1/policy", json={"version": version}).raise_for_status()
     return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")  # SGLang reads "bfloat16", "float32", ...
+
+
+def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named:
+        if bucket and size + tensor.numel() * tensor.element_size() > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+    if bucket:
+        yield bucket
+
+
+class NcclWeightSync:
+    """The fast path on GPUs: the trainer (rank 0) broadcasts its tensors straight into every SGLang
+    engine's TP ranks over NCCL — no files.
+
+    ``connect()`` asks each engine to join a process group (SGLang's ``/init_weights_update_group``;
+    engine i's TP ranks are ``1 + i * tp_size + tp_rank``) while the trainer joins as rank 0.
+    ``publish(named_tensors, version)`` pauses the engines, then per bucket posts
+    ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine *while* broadcasting
+    the bucket's tensors from rank 0 — the engines block in that call until they have received them —
+    and continues the engines. Needs CUDA and SGLang engines; its test is marked ``gpu``.
+    """
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        *,
+        master_address: str,
+        master_port: int,
+        tp_size: int = 1,
+        group_name: str = "weight_update_group",
+        bucket_bytes: int = 512 << 20,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.engine_urls, self.tp_size, self.group_name = list(engine_urls), tp_size, group_name
+        self.master_address, self.master_port = master_address, master_port
+        self.world_size = 1 + len(self.engine_urls) * tp_size
+        self.bucket_bytes = bucket_bytes
+        self.client = httpx.Client(timeout=timeout_s)
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
+        self.group: Any = None
+
+    def _post_all(self, path: str, bodies: list[dict[str, Any]]) -> list[Future[httpx.Response]]:
+        return [
+            self.pool.submit(self.client.post, f"{url}/{path}", json=body)
+            for url, body in zip(self.engine_urls, bodies, strict=True)
+        ]
+
+    @staticmethod
+    def _check(futures: list[Future[httpx.Response]]) -> None:
+        for future in futures:
+            response = future.result()
+            if response.status_code != 200 or not response.json().get("success", False):
+                raise RuntimeError(f"{response.request.url} failed: {response.text}")
+
+    def connect(self) -> None:
+        bodies = [
+            {
+                "master_address": self.master_address,
+                "master_port": self.master_port,
+                "rank_offset": 1 + i * self.tp_size,
+                "world_size": self.world_size,
+                "group_name": self.group_name,
+                "backend": "nccl",
+            }
+            for i in range(len(self.engine_urls))
+        ]
+        pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
+        self.group = _join_group(self.master_address, self.master_port, self.world_size, self.group_name)
+        self._check(pending)
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        if self.group is None:
+            raise RuntimeError("connect() first")
+        import torch.distributed as dist
+
+        for url in self.engine_urls:
+            self.client.post(f"{url}/pause_generation", json={}).raise_for_status()
+        try:
+            buckets = list(_buckets(named_tensors, self.bucket_bytes))
+            for i, bucket in enumerate(buckets):
+                body = {
+                    "names": [name for name, _ in bucket],
+                    "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": self.group_name,
+                    "flush_cache": i == len(buckets) - 1,
+                    "weight_version": str(version),
+                }
+                pending = self._post_all("update_weights_from_distributed", [body] * len(self.engine_urls))
+                for _, tensor in bucket:
+                    dist.broadcast(tensor.detach().contiguous(), src=0, group=self.group)
+                self._check(pending)
+        finally:
+            for url in self.engine_urls:
+                self.client.post(f"{url}/continue_generation", json={})
+
+    def close(self) -> None:
+        for url in self.engine_urls:
+            with contextlib.suppress(httpx.HTTPError):
+                self.client.post(f"{url}/destroy_weights_update_group", json={"group_name": self.group_name})
+        if self.group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self.group)
+        self.pool.shutdown(wait=False)
+        self.client.close()
+
+
+def _join_group(address: str, port: int, world_size: int, group_name: str) -> Any:
+    """Rank 0 of a NCCL group rendezvoused over ``tcp://address:port`` under ``group_name`` — the
+    same rendezvous SGLang's engines use for ``init_weights_update_group`` — without touching the
+    trainer's own default process group."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, size = next(c10d.rendezvous(f"tcp://{address}:{port}", 0, world_size))
+    store.set_timeout(c10d.default_pg_timeout)
+    group, _ = c10d._new_process_group_helper(
+        size,
+        rank,
+        [],
+        "nccl",
+        dist.PrefixStore(group_name, store),
+        group_name=c10d.GroupName(group_name),
+        timeout=c10d.default_pg_timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(size)}
+    return group

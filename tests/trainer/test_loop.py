@@ -43,3 +43,9 @@ def test_async_and_colocate_loops(tmp_path: Path) -> None:
         assert trainer.policy_version >= 4
     finally:
         stack.stop()
+
+
+def test_group_ids_carry_their_row_for_regeneration() -> None:
+    from trainer.loop import _group_id, _row_of
+
+    assert _row_of(_group_id(17)) == 17 and _row_of("someone-else's-id") is None and _row_of("r-x") is None

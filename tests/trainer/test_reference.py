@@ -108,3 +108,69 @@ def test_publish_reaches_engines_and_the_data_role(model: Path, tmp_path: Path) 
     finally:
         data.__exit__()
         engine.__exit__()
+
+
+def test_nccl_weight_sync_buckets_by_bytes() -> None:
+    from trainer.publish import _buckets
+
+    named = [(f"w{i}", torch.zeros(256)) for i in range(5)]  # 1 KiB each
+    assert [[n for n, _ in b] for b in _buckets(named, 2048)] == [["w0", "w1"], ["w2", "w3"], ["w4"]]
+
+
+@pytest.mark.gpu
+def test_nccl_weight_sync_into_an_sglang_engine(tmp_path: Path) -> None:  # pragma: no cover - needs CUDA + SGLang
+    """An SGLang engine launched on the tiny model receives new weights over NCCL; its log-probs change
+    and its weight version is the published one."""
+    import subprocess
+    import sys
+    import time
+
+    from trainer.publish import NcclWeightSync
+
+    model = init_model(tmp_path / "model")
+    port = 31000
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            str(model),
+            "--port",
+            str(port),
+            "--mem-fraction-static",
+            "0.2",
+            "--disable-cuda-graph",
+        ]
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and server.poll() is None
+            time.sleep(2)
+        body = {
+            "input_ids": [1, 2, 3],
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+        }
+        before = httpx.post(f"{url}/generate", json=body).json()["meta_info"]["output_token_logprobs"]
+        trainer = ReferenceTrainer(model)
+        with torch.no_grad():
+            for p in trainer.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        sync = NcclWeightSync([url], master_address="127.0.0.1", master_port=29555)
+        sync.connect()
+        lm = [(k, v.cuda()) for k, v in trainer.model.state_dict().items() if k.startswith(("model.", "lm_head"))]
+        sync.publish(lm, version=7)
+        after = httpx.post(f"{url}/generate", json=body).json()
+        assert after["meta_info"]["output_token_logprobs"] != before
+        assert after["meta_info"]["weight_version"] == "7"
+        sync.close()
+    finally:
+        server.kill()
