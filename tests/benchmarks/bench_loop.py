@@ -15,7 +15,7 @@ Measurements:
    barrier (colocate).
 3. ``feed_throughput``: an `ExperienceStore` holding 96 groups × 8 samples × 1,024 tokens, served by
    the data role over loopback; `MicroBatchFeed` (prefetch 2) reads and acknowledges micro-batches of
-   16,384 tokens into packed tensors, vs a bare TCP socket on loopback sending the very same Arrow IPC
+   16,384 and of 65,536 tokens into packed tensors, vs a bare TCP socket on loopback sending the very same Arrow IPC
    bytes length-prefixed, read and packed by the same `pack`. MB/s and micro-batches/s.
 
 Output: one JSON line per measurement, then a ``{"bench": "summary"}`` line. Run from the repo root
@@ -175,8 +175,7 @@ def _socket_peer(payloads: list[bytes]) -> tuple[float, int]:
     return seconds, sum(len(p) for p in payloads)
 
 
-def bench_feed(groups: int) -> None:
-    max_tokens = 16384
+def bench_feed(groups: int, max_tokens: int) -> None:
     with tempfile.TemporaryDirectory() as root:
         store = _filled_store(Path(root) / "peer", groups)
         payloads = []
@@ -199,6 +198,7 @@ def bench_feed(groups: int) -> None:
     emit(
         {
             "bench": "feed_throughput",
+            "max_tokens": max_tokens,
             "micro_batches": count,
             "mb": rounded(mb),
             "weir_mb_s": rounded(mb / weir_s),
@@ -217,7 +217,8 @@ def main() -> None:
     args = parser.parse_args()
     goals = Goals()
     if args.only in (None, "feed"):
-        bench_feed(groups=48 if args.quick else 96)
+        for max_tokens in (16384, 65536):
+            bench_feed(groups=48 if args.quick else 96, max_tokens=max_tokens)
     if args.only in (None, "loop"):
         bench_async_vs_colocate(goals, steps=8 if args.quick else 16)
     emit({"bench": "summary", "goals": goals.rows, "environment": environment(pyarrow=pa.__version__)})
