@@ -22,6 +22,8 @@ import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset
 
+import preprocess as pp
+
 __all__ = ["FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
 
 
@@ -32,6 +34,7 @@ class FeedBatch:
     sample_ids: list[str]
     feature_keys: list[list[str]]
     meta: dict[str, Any]
+    media: list[list[pp.Features]] | None = None  # each sequence's features, when fetched inline
 
 
 def _flat(table: pa.Table, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -80,6 +83,7 @@ class MicroBatchFeed:
         prefetch: int = 2,
         wait_s: float = 10.0,
         max_batches: int | None = None,
+        inline_media: bool = False,
     ) -> None:
         self.url = url.rstrip("/")
         self.params: dict[str, str | int | float] = {
@@ -89,6 +93,8 @@ class MicroBatchFeed:
             "max_tokens": max_tokens,
             "wait_s": wait_s,
         }
+        if inline_media:  # the features travel with the batch: no feature cache needed on this host
+            self.params["inline_media"] = "true"
         self.max_batches = max_batches
         self._client = httpx.Client(timeout=wait_s + 30)
         self._queue: queue.Queue[FeedBatch | BaseException | None] = queue.Queue(maxsize=max(1, prefetch))
@@ -121,6 +127,11 @@ class MicroBatchFeed:
             sample_ids=table.column("sample_id").to_pylist(),
             feature_keys=table.column("feature_keys").to_pylist(),
             meta=json.loads(table.schema.metadata[b"weir"]),
+            media=(
+                [[pp.features_from_arrow(entry) for entry in row] for row in table.column("media").to_pylist()]
+                if "media" in table.column_names
+                else None
+            ),
         )
 
     def _exhausted(self) -> bool:

@@ -17,9 +17,12 @@ Only the pure-tensor parts run without CUDA (tested on CPU); megatron-core's sch
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +33,7 @@ from .losses import LossConfig, policy_loss
 __all__ = [
     "MegatronBatchIterator",
     "QwenLayout",
+    "export_hf",
     "forward_step",
     "hf_to_megatron",
     "loss_func",
@@ -261,3 +265,32 @@ def hf_to_megatron(state: Mapping[str, torch.Tensor], layout: QwenLayout) -> dic
     if "lm_head.weight" in state:
         out["output_layer.weight"] = state["lm_head.weight"]
     return {k: v.contiguous() for k, v in out.items()}
+
+
+def export_hf(
+    state: Mapping[str, torch.Tensor], layout: QwenLayout, folder: str | Path, *, base_model: str | Path
+) -> Path:
+    """Write a megatron-core state dict (TP-gathered) as a Hugging Face folder an engine can load:
+    the language model's tensors converted, every other tensor (towers) and the config, tokenizer and
+    preprocessor files taken from ``base_model``. Written beside ``folder`` and renamed into place."""
+    from safetensors.torch import load_file, save_file
+
+    base, final = Path(base_model), Path(folder)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(base.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    converted = megatron_to_hf(state, layout)
+    unknown = converted.keys() - tensors.keys()
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[:3]} are not weights of {base}: a different architecture?")
+    tensors.update({name: value.detach().to("cpu", tensors[name].dtype) for name, value in converted.items()})
+    staging = final.parent / f".{final.name}.tmp"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
+    for file in base.iterdir():
+        if file.is_file() and file.suffix != ".safetensors" and not file.name.endswith(".index.json"):
+            shutil.copy2(file, staging / file.name)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(staging, final)
+    return final

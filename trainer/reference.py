@@ -82,10 +82,17 @@ class ReferenceTrainer:
         self._units, self._loss = 0.0, 0.0
         self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
 
-    def sequence_logprobs(self, input_ids: torch.Tensor, feature_keys: list[str]) -> torch.Tensor:
-        """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it)."""
-        media: list[pp.Features] = []
-        for key in feature_keys:
+    def sequence_logprobs(
+        self, input_ids: torch.Tensor, feature_keys: list[str], media: list[pp.Features] | None = None
+    ) -> torch.Tensor:
+        """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it).
+
+        The media are ``media`` when given (fetched inline with the batch), else read by key from the
+        feature cache.
+        """
+        keys = feature_keys if media is None else []
+        media = list(media or [])
+        for key in keys:
             item = self.features.get(key) if self.features is not None else None
             if item is None:
                 raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
@@ -106,7 +113,11 @@ class ReferenceTrainer:
         cu = t["cu_seqlens"].tolist()
         logprobs = torch.cat(
             [
-                self.sequence_logprobs(t["input_ids"][cu[i] : cu[i + 1]], batch.feature_keys[i])
+                self.sequence_logprobs(
+                    t["input_ids"][cu[i] : cu[i + 1]],
+                    batch.feature_keys[i],
+                    None if batch.media is None else batch.media[i],
+                )
                 for i in range(len(cu) - 1)
             ]
         )

@@ -13,12 +13,15 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import pyarrow as pa
 from fastapi import FastAPI, Query, Request, Response
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+import preprocess as pp
+
 from ..errors import ApiError, install_error_handlers
-from .store import DataConfig, ExperienceStore, samples_to_arrow
+from .store import DataConfig, ExperienceStore, MicroBatch, samples_to_arrow
 
 __all__ = ["DataSettings", "create_app"]
 
@@ -35,6 +38,7 @@ class DataSettings(BaseSettings):
     lease_s: float = Field(300.0, gt=0)
     max_queued_groups: int = Field(256, gt=0)
     max_wait_s: float = Field(30.0, ge=0)
+    cache_dir: Path | None = None  # the feature cache, for micro-batches with their media inline
 
 
 def create_app(settings: DataSettings | None = None) -> FastAPI:
@@ -49,6 +53,24 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
             max_queued_groups=settings.max_queued_groups,
         ),
     )
+    features = pp.FeatureStore(settings.cache_dir, 1 << 62) if settings.cache_dir is not None else None
+
+    def with_media(batch: MicroBatch) -> MicroBatch:
+        """The batch plus a ``media`` column: each sequence's features as Arrow IPC entries, in order
+        (for trainers on hosts without the feature cache)."""
+        assert features is not None
+        media = []
+        for keys in batch.table.column("feature_keys").to_pylist():
+            entries = []
+            for key in keys:
+                data = features.get_bytes(key)
+                if data is None:
+                    raise ApiError(409, "feature_missing", f"feature {key} is no longer in the cache")
+                entries.append(data.to_pybytes())
+            media.append(entries)
+        table = batch.table.append_column("media", pa.array(media, pa.list_(pa.binary())))
+        return MicroBatch(batch_id=batch.batch_id, rank=batch.rank, table=table)
+
     app = FastAPI(title="Weir data", version="0.1.0")
     app.state.weir = store
     install_error_handlers(app)
@@ -83,13 +105,18 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
         max_tokens: Annotated[int, Query(ge=1)] = 8192,
         max_samples: Annotated[int | None, Query(ge=1)] = None,
         wait_s: Annotated[float, Query(ge=0)] = 10.0,
+        inline_media: bool = False,
     ) -> Response:
         if rank >= world_size:
             raise ApiError(400, "invalid_request", "rank must be below world_size")
+        if inline_media and features is None:
+            raise ApiError(400, "inline_unavailable", "this data role has no feature cache (set WEIR_CACHE_DIR)")
         deadline = time.monotonic() + min(wait_s, settings.max_wait_s)
         while True:
             batch = await asyncio.to_thread(store.lease, consumer, rank, world_size, max_tokens, max_samples)
             if batch is not None:
+                if inline_media:
+                    batch = await asyncio.to_thread(with_media, batch)
                 body = samples_to_arrow(batch, {"consumer": consumer, "policy_version": store.policy})
                 return Response(body, media_type=ARROW_STREAM, headers={"X-Weir-Batch-Id": batch.batch_id})
             if time.monotonic() >= deadline:

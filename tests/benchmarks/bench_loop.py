@@ -18,7 +18,8 @@ Measurements:
    16,384 and of 65,536 tokens into packed tensors, vs a bare TCP socket on loopback sending the very same Arrow IPC
    bytes length-prefixed, read and packed by the same `pack`. MB/s and micro-batches/s.
 
-Output: one JSON line per measurement, then a ``{"bench": "summary"}`` line. Run from the repo root
+Output: one JSON line per measurement (and the path of a plot of both runs overlaid,
+``.weir/bench/async_vs_colocate.png``), then a ``{"bench": "summary"}`` line. Run from the repo root
 with ports 8100-8103 and 30000 free::
 
     .venv/bin/python tests/benchmarks/bench_loop.py --quick   # about 4 min on 2 cores
@@ -54,6 +55,7 @@ from services.stack import LocalStack  # noqa: E402
 from tests.services.conftest import RunningServer  # noqa: E402
 from trainer.feed import MicroBatchFeed, pack  # noqa: E402
 from trainer.loop import LoopConfig, run_loop  # noqa: E402
+from trainer.plot import plot_runs  # noqa: E402
 from trainer.reference import ReferenceTrainer  # noqa: E402
 
 
@@ -105,6 +107,7 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
         "engine_idle_share": last["engine_idle_share"],
         "max_staleness_seen": max(r["staleness"] for r in records),
         "torch_threads_each": threads,
+        "records": records,
     }
 
 
@@ -114,10 +117,13 @@ def bench_async_vs_colocate(goals: Goals, steps: int) -> None:
     for mode in ("colocate", "async"):
         with tempfile.TemporaryDirectory() as home:
             runs[mode] = _one_run(mode, Path(home), steps, groups, n)
-        emit({"bench": "loop_run", **{k: rounded(v) if isinstance(v, float) else v for k, v in runs[mode].items()}})
+        shown = {k: rounded(v) if isinstance(v, float) else v for k, v in runs[mode].items() if k != "records"}
+        emit({"bench": "loop_run", **shown})
     ratio = runs["colocate"]["seconds"] / runs["async"]["seconds"]
     emit({"bench": "async_vs_colocate", "steps": steps, "samples_per_step": groups * n, "speedup": rounded(ratio)})
     goals.check("async_vs_colocate_speedup", ratio, 1.5)
+    plot = plot_runs({mode: run["records"] for mode, run in runs.items()}, Path(".weir/bench/async_vs_colocate.png"))
+    emit({"bench": "plot", "path": str(plot)})
     emit(
         {
             "bench": "first_forward",

@@ -69,3 +69,29 @@ def test_pack_layout() -> None:
     assert t["input_ids"].tolist() == [1, 2, 3, 4, 5] and t["cu_seqlens"].tolist() == [0, 3, 5]
     assert t["position_ids"].tolist() == [0, 1, 2, 0, 1] and t["sequence_ids"].tolist() == [0, 0, 0, 1, 1]
     assert t["advantages"].tolist() == [0.5, 0.5, 0.5, -0.5, -0.5] and t["policy_versions"].tolist() == [2, 2, 2, 3, 3]
+
+
+def test_media_inline_for_trainers_without_the_feature_cache(tmp_path: Path) -> None:
+    import numpy as np
+
+    import preprocess as pp
+    from preprocess import samples
+
+    cache = pp.FeatureStore(tmp_path / "cache", 1 << 30)
+    item = pp.process_bytes(
+        samples.encode_image(samples.test_pattern(56, 56), "PNG"), "image", pp.ProcessorSpec.qwen2_5_omni(), store=cache
+    )
+    with_media = {**group("m", [0.0, 1.0]), "feature_keys": [item.key]}
+    served = RunningServer(create_app(DataSettings(data_dir=tmp_path / "d1", cache_dir=tmp_path / "cache")))
+    bare = RunningServer(create_app(DataSettings(data_dir=tmp_path / "d2")))
+    with served, bare:
+        httpx.post(f"{served.url}/v1/experience", json=with_media).raise_for_status()
+        feed = MicroBatchFeed(served.url, wait_s=0.5, prefetch=0, inline_media=True)
+        batch = feed.next(timeout=2)
+        assert batch is not None and batch.media is not None and len(batch.media) == 2
+        got = batch.media[0][0]
+        assert isinstance(got, pp.ImageFeatures) and got.grid_thw == item.features.grid_thw
+        assert np.array_equal(got.pixel_values, item.features.pixel_values)
+        feed.close()
+        refused = httpx.get(f"{bare.url}/v1/microbatches", params={"inline_media": "true", "wait_s": 0})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "inline_unavailable"
