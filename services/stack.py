@@ -36,6 +36,7 @@ class LocalStack:
     host: str = "127.0.0.1"
     env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role (e.g. WEIR_MAX_STALENESS)
     children: list[_Child] = field(default_factory=list)
+    launched_env: dict[str, str] = field(default_factory=dict)  # what the roles were started with
 
     @property
     def urls(self) -> dict[str, str]:
@@ -67,6 +68,7 @@ class LocalStack:
         (self.home / "media").mkdir(parents=True, exist_ok=True)
         engine_ports = [30000 + i for i in range(self.engines)]
         env = self._env(model, [f"http://{self.host}:{p}" for p in engine_ports])
+        self.launched_env = env
         plan = [("preprocess", 8101), ("encoder", 8102), ("data", 8103)]
         plan += [("engine", p) for p in engine_ports] + [("rollout", 8100)]
         try:
@@ -98,6 +100,16 @@ class LocalStack:
         with open(log, "wb") as out:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.children.append(_Child(name, f"http://{self.host}:{port}", process, log))
+
+    def restart(self, role: str, timeout_s: float = 180.0) -> None:
+        """Start a role again on its port (after it died or was killed), and wait until it is ready."""
+        child = next(c for c in self.children if c.role == role)
+        if child.process.poll() is None:
+            raise RuntimeError(f"{role} is still running")
+        self.children.remove(child)
+        port = int(child.url.rsplit(":", 1)[1])
+        self._launch(role.split("-", 1)[0], port, self.launched_env)
+        self._wait_ready(self.children[-1], timeout_s)
 
     @staticmethod
     def _wait_ready(child: _Child, timeout_s: float) -> None:

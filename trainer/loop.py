@@ -201,7 +201,11 @@ def run_loop(
                     for done in [f for f in in_flight if f.done()]:
                         in_flight.discard(done)
                         error = done.exception()
-                        if error is not None and not isinstance(error, httpx.TransportError):
+                        if isinstance(error, httpx.TransportError) or (
+                            isinstance(error, httpx.HTTPStatusError) and error.response.status_code >= 500
+                        ):
+                            logger.warning("a rollout request failed (%s); its prompt is dropped", error)
+                        elif error is not None:
                             raise error
                     allowed = client.get(f"{urls['data']}/v1/admission").json()["groups"] - len(in_flight)
                     room = min(allowed, config.groups_per_step - len(in_flight))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,20 +30,32 @@ class JsonlSink:
 
 
 class HttpSink:
-    """The data role's `POST /v1/experience` (idempotent by group id, so a retry is safe)."""
+    """The data role's `POST /v1/experience` (idempotent by group id, so a retry is safe).
 
-    def __init__(self, url: str, timeout_s: float = 60.0) -> None:
+    Retried with backoff for up to ``retry_s``: a data role restarting after a crash (its state is
+    durable) costs a pause, not the group.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 60.0, retry_s: float = 60.0) -> None:
         import httpx
 
         self._client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.retry_s = retry_s
 
     def append(self, group: dict[str, Any]) -> None:
         import httpx
 
-        for attempt in range(2):
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.2
+        while True:
             try:
-                self._client.post("/v1/experience", json=group).raise_for_status()
-                return
-            except (httpx.TransportError, httpx.HTTPStatusError):
-                if attempt:
-                    raise
+                response = self._client.post("/v1/experience", json=group)
+                if response.status_code < 500:
+                    response.raise_for_status()  # a 4xx is a bad group: retrying will not help
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(f"the data role did not take group {group.get('group_id')} within {self.retry_s} s")
+            time.sleep(delay)
+            delay = min(2.0, delay * 2)

@@ -159,3 +159,48 @@ def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Pat
     assert failed == 0  # the sample whose reward failed was never stored for training
     flaky_groups = store._db.execute("SELECT COUNT(*) FROM groups WHERE samples = 1").fetchone()[0]
     assert flaky_groups > 0  # the flaky prompt's groups went through with their good sample
+
+
+@pytest.mark.integration
+def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: Path) -> None:
+    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    urls = stack.start()
+    try:
+        trainer = ReferenceTrainer(
+            tmp_path / "weir" / "model", features=pp.FeatureStore(tmp_path / "weir" / "cache", 1 << 30), lr=1e-4
+        )
+        data = next(c for c in stack.children if c.role == "data")
+
+        def kill_and_restart_the_data_role(record: dict[str, Any]) -> None:
+            if record["step"] == 2:
+                os.killpg(data.process.pid, signal.SIGKILL)
+                data.process.wait()
+                stack.restart("data")
+
+        config = LoopConfig(
+            mode="async",
+            steps=5,
+            n=2,
+            groups_per_step=2,
+            max_new_tokens=4,
+            max_tokens_per_batch=256,
+            urls=urls,
+            out=tmp_path / "train",
+            batch_timeout_s=120,
+        )
+        trained: list[str] = []
+        original_accumulate = trainer.accumulate
+
+        def accumulate(batch):  # type: ignore[no-untyped-def]
+            trained.extend(batch.sample_ids)
+            return original_accumulate(batch)
+
+        trainer.accumulate = accumulate  # type: ignore[method-assign]
+        records = run_loop(trainer, ROWS, config, on_step=kill_and_restart_the_data_role)
+        assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    finally:
+        stack.stop()
+    assert len(trained) == len(set(trained))  # nothing trained twice across the crash
+    store = ExperienceStore(tmp_path / "weir" / "data")
+    consumed = {s for (s,) in store._db.execute("SELECT sample_id FROM consumed WHERE consumer = 'trainer'")}
+    assert consumed == set(trained)  # every acknowledged sample survived the kill, and only those
