@@ -21,6 +21,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 import preprocess as pp
 
 from ..errors import ApiError, install_error_handlers
+from ..metrics import scrape_route
 from .store import DataConfig, ExperienceStore, MicroBatch, samples_to_arrow
 
 __all__ = ["DataSettings", "create_app"]
@@ -156,6 +157,25 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
     @app.get("/v1/stats")
     def stats(consumer: str = "trainer") -> dict[str, Any]:
         return store.stats(consumer)
+
+    def figures() -> dict[str, tuple[Any, ...]]:
+        stats = store.stats()
+        return {
+            "weir_data_queue_samples": ("Samples waiting for the trainer", stats["queue_samples"]),
+            "weir_data_groups": ("Groups stored", stats["groups"]),
+            "weir_data_samples": ("Samples stored", stats["samples"]),
+            "weir_data_consumed_samples": ("Samples acknowledged by the trainer", stats["consumed"]),
+            "weir_data_bytes": ("Bytes of stored experience", stats["bytes"]),
+            "weir_data_policy_version": ("The trainer's policy version", stats["policy_version"]),
+            "weir_data_dropped": ("Samples or groups dropped, by reason", stats["drops"], "reason"),
+            "weir_data_staleness_samples": (
+                "Stored samples by versions behind the policy",
+                stats["staleness_histogram"],
+                "versions_behind",
+            ),
+        }
+
+    scrape_route(app, figures)
 
     @app.get("/healthz")
     def healthz() -> dict[str, str]:

@@ -29,6 +29,7 @@ from encoders.embedded_model import ensure_model
 from encoders.embeddings import embedding_from_arrow
 
 from ..errors import ApiError, install_error_handlers
+from ..metrics import scrape_route
 from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
 from .settings import EngineSettings
 from .sglang_backend import SGLangEngine
@@ -335,6 +336,18 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             "model_type": config.get("model_type"),
             "architectures": list(config.get("architectures") or []),
         }
+
+    def figures() -> dict[str, tuple[Any, ...]]:
+        out: dict[str, tuple[Any, ...]] = {}
+        if isinstance(engine, TransformersEngine):  # SGLang keeps its own metrics (--enable-metrics)
+            out["weir_engine_busy_seconds"] = ("Seconds spent in forward steps", engine.busy_s)
+            out["weir_engine_uptime_seconds"] = ("Seconds since the engine started", time.monotonic() - engine.started)
+            out["weir_engine_running_requests"] = ("Requests being generated", engine.running)
+        if str(engine.weight_version).isdigit():
+            out["weir_engine_weight_version"] = ("The weight version served", int(engine.weight_version))
+        return out
+
+    scrape_route(app, figures)
 
     @app.get("/server_info")
     async def server_info() -> dict[str, Any]:

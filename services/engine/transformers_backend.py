@@ -160,6 +160,10 @@ class TransformersEngine:
             self.towers.version = self.weight_version
         return self.weight_version
 
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
     def healthy(self) -> bool:
         return self._thread.is_alive()
 

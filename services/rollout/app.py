@@ -29,6 +29,7 @@ from encoders.embedded_model import ensure_model
 
 from ..engine.app import sampling_from
 from ..errors import ApiError, install_error_handlers
+from ..metrics import scrape_route
 from .dispatch import Dispatcher, EngineEndpoint
 from .prompts import PromptBuilder, parse_messages
 from .rewards import RewardSpec, compute_reward
@@ -120,6 +121,9 @@ class RolloutState:
         )
         self.inflight_tokens = 0
         self.inflight_bytes = 0
+        self.groups_done = 0
+        self.samples_by_status: dict[str, int] = {"ok": 0, "failed": 0, "aborted": 0}
+        self.reward_sum = 0.0
 
     async def prepare(self, messages: list[Any], where: str, budget: dict[str, Any] | None) -> Prepared:
         template, items = parse_messages(messages, where)
@@ -277,6 +281,10 @@ class RolloutState:
                 "total_s": time.perf_counter() - start,
             },
         }
+        self.groups_done += 1
+        for sample in samples:
+            self.samples_by_status[sample["status"]] = self.samples_by_status.get(sample["status"], 0) + 1
+            self.reward_sum += float(sample["reward"] or 0.0) if sample["status"] == "ok" else 0.0
         if request.record:
             await asyncio.to_thread(self.sink.append, result)
         return result
@@ -447,6 +455,16 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             "object": "list",
             "data": [{"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "weir"}],
         }
+
+    scrape_route(
+        app,
+        lambda: {
+            "weir_rollout_groups": ("Groups finished", state.groups_done),
+            "weir_rollout_samples": ("Samples finished, by status", state.samples_by_status, "status"),
+            "weir_rollout_reward_sum": ("Sum of the rewards of ok samples", state.reward_sum),
+            "weir_rollout_inflight_media_tokens": ("Media tokens admitted and not finished", state.inflight_tokens),
+        },
+    )
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -236,6 +236,24 @@ def test_per_prompt_sampling_and_unrecorded_evaluations(stack) -> None:  # type:
     assert httpx.post(f"{rollout.url}/v1/rollouts", json=bad, timeout=60).status_code == 400
 
 
+def test_every_role_serves_prometheus_metrics(stack) -> None:  # type: ignore[no-untyped-def]
+    test_stack, rollout = stack
+    httpx.post(
+        f"{rollout.url}/v1/rollouts",
+        json={
+            "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 2}],
+            "sampling_params": {"max_new_tokens": 2},
+        },
+        timeout=60,
+    ).raise_for_status()
+    text = httpx.get(f"{rollout.url}/metrics").text
+    assert "weir_rollout_groups " in text and 'weir_rollout_samples{status="ok"}' in text
+    engine = httpx.get(f"{test_stack.engine_urls[0]}/metrics").text
+    assert "weir_engine_busy_seconds" in engine and "weir_engine_running_requests" in engine
+    for server in test_stack.servers:
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
 def test_a_failing_reward_fails_only_its_sample(stack) -> None:  # type: ignore[no-untyped-def]
     _, rollout = stack
     body = {

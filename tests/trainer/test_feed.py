@@ -50,6 +50,8 @@ def test_feed_end_to_end(tmp_path: Path) -> None:
         assert httpx.get(f"{url}/v1/admission").json()["groups"] == 256
         stats = httpx.get(f"{url}/v1/stats").json()
         assert stats["consumed"] == 4 and stats["queue_samples"] == 0
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "weir_data_consumed_samples 4.0" in metrics and "weir_data_queue_samples 0.0" in metrics
     finally:
         server.__exit__()
 
