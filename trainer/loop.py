@@ -1,12 +1,13 @@
-"""The RL loop: a rollout driver feeding prompts under admission control, and the trainer consuming
-micro-batches and publishing weights — overlapped (``async``) or one after the other (``colocate``).
+"""The RL loop: the rollout driver (`trainer.driver`) feeding prompts under admission control, and
+the trainer consuming micro-batches and publishing weights — overlapped (``async``) or one after the
+other (``colocate``).
 
-``async``: the driver keeps up to ``admission`` groups in flight against the rollout role (whose
-finished groups stream into the data role), while the trainer trains on micro-batches as soon as
-they fill, publishing new weights every ``publish_every`` steps; samples older than the data role's
-``max_staleness`` are never trained (under its ``regenerate`` policy the driver sends their prompts
-again first). ``colocate`` reproduces the baseline: generate a whole batch of groups, then train on
-all of it, then publish — and only then generate again.
+``async``: the driver keeps groups in flight against the rollout role (whose finished groups stream
+into the data role) while the trainer accumulates micro-batches as soon as they are cut — an
+optimizer step per ``samples_per_step`` samples — and publishes new weights every ``publish_every``
+steps; samples older than the data role's ``max_staleness`` are never trained. ``colocate``
+reproduces the baseline: generate a whole batch of groups, then train on all of it, then publish —
+and only then generate again.
 
 Crash safety: with ``checkpoint_every = C`` a step's batch is acknowledged only after the checkpoint
 that contains its update is on disk (the checkpoint lists the batch ids it commits, acknowledged
@@ -19,20 +20,17 @@ Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI p
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
+from .driver import RolloutDriver
 from .feed import FeedBatch, MicroBatchFeed
 from .publish import publish_weights
 from .reference import ReferenceTrainer
@@ -59,26 +57,6 @@ class LoopConfig:
     checkpoint_every: int = 0  # 0: no checkpoints; batches are acknowledged right after their step
     resume: bool = False  # continue from out/checkpoint when it exists
     consumer: str = "trainer"
-
-
-def _group_id(row: int) -> str:
-    """Group ids carry their dataset row, so a stale group's prompt can be sent again."""
-    return f"r{row}-{uuid.uuid4().hex[:12]}"
-
-
-def _row_of(group_id: str) -> int | None:
-    head = group_id.split("-", 1)[0]
-    return int(head[1:]) if head.startswith("r") and head[1:].isdigit() else None
-
-
-def _rollout(client: httpx.Client, url: str, prompts: list[dict[str, Any]], config: LoopConfig) -> int:
-    body = {
-        "prompts": [{**p, "n": config.n} for p in prompts],
-        "sampling_params": {"max_new_tokens": config.max_new_tokens, "temperature": config.temperature},
-    }
-    response = client.post(f"{url}/v1/rollouts", json=body)
-    response.raise_for_status()
-    return len(response.json()["groups"])
 
 
 def evaluate(rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int = 8) -> float:
@@ -134,11 +112,16 @@ def run_loop(
     metrics_path = config.out / "metrics.jsonl"
     checkpoint = config.out / "checkpoint"
     records: list[dict[str, Any]] = []
-    order: Iterator[int] = itertools.cycle(range(len(rows)))
-    stop = threading.Event()
     client = httpx.Client(timeout=600)
-    counts = {"regenerated": 0, "samples": 0, "tokens": 0}
-    failures: list[BaseException] = []
+    counts = {"samples": 0, "tokens": 0}
+    driver = RolloutDriver(
+        rows,
+        rollout_url=urls["rollout"],
+        data_url=urls["data"],
+        n=config.n,
+        sampling_params={"max_new_tokens": config.max_new_tokens, "temperature": config.temperature},
+        in_flight=config.groups_per_step,
+    )
     # Fetched on demand (prefetch=0): each batch is leased, and its staleness checked, right before
     # it is trained, so max_staleness holds exactly. Loopback fetches cost milliseconds.
     feed = MicroBatchFeed(
@@ -171,55 +154,6 @@ def run_loop(
         publish()  # the engines may hold weights from steps that were lost: bring them back to this one
         logger.info("resumed from %s at step %d", checkpoint, first_step)
 
-    def prompts(k: int) -> list[dict[str, Any]]:
-        """The next ``k`` prompts: first those whose samples went stale (regenerate policy)."""
-        picked: list[int] = []
-        response = client.post(f"{urls['data']}/v1/regenerations")
-        if response.status_code == 200:
-            again = [r for g in response.json()["groups"] if (r := _row_of(g)) is not None and r < len(rows)]
-            counts["regenerated"] += len(again)
-            picked += again
-        while len(picked) < k:
-            picked.append(next(order))
-        return [
-            {
-                "messages": rows[i]["messages"],
-                "reward": rows[i].get("reward", {"type": "none"}),
-                "id": _group_id(i),
-                **({"sampling_params": rows[i]["sampling_params"]} if "sampling_params" in rows[i] else {}),
-            }
-            for i in picked
-        ]
-
-    def producer() -> None:
-        """async mode: one request per group, up to ``groups_per_step`` in flight within admission —
-        a long response holds back only its own group, never the next ones."""
-        in_flight: set[Future[int]] = set()
-        with ThreadPoolExecutor(max_workers=config.groups_per_step, thread_name_prefix="rollout") as pool:
-            while not stop.is_set():
-                try:
-                    for done in [f for f in in_flight if f.done()]:
-                        in_flight.discard(done)
-                        error = done.exception()
-                        if isinstance(error, httpx.TransportError) or (
-                            isinstance(error, httpx.HTTPStatusError) and error.response.status_code >= 500
-                        ):
-                            logger.warning("a rollout request failed (%s); its prompt is dropped", error)
-                        elif error is not None:
-                            raise error
-                    allowed = client.get(f"{urls['data']}/v1/admission").json()["groups"] - len(in_flight)
-                    room = min(allowed, config.groups_per_step - len(in_flight))
-                    if room <= 0:
-                        time.sleep(0.05)
-                        continue
-                    for prompt in prompts(room):
-                        in_flight.add(pool.submit(_rollout, client, urls["rollout"], [prompt], config))
-                except httpx.TransportError:  # a role restarting (the data role's state is durable): retry
-                    time.sleep(0.5)
-                except BaseException as error:  # noqa: BLE001 - reported to the training loop, which stops
-                    failures.append(error)
-                    return
-
     def stats() -> dict[str, Any]:
         for _ in range(240):
             try:
@@ -231,8 +165,7 @@ def run_loop(
     def next_batch(max_samples: int) -> FeedBatch:
         deadline = time.monotonic() + config.batch_timeout_s
         while time.monotonic() < deadline:
-            if failures:
-                raise RuntimeError(f"the rollout driver failed: {failures[0]}") from failures[0]
+            driver.check()
             batch = feed.next(timeout=0.5, max_samples=max_samples)
             if batch is not None:
                 return batch
@@ -244,9 +177,8 @@ def run_loop(
     uncommitted: list[str] = []
     first_forward: float | None = None
     first_forward_at: float | None = None
-    thread = threading.Thread(target=producer, daemon=True) if config.mode == "async" else None
-    if thread is not None:
-        thread.start()
+    if config.mode == "async":
+        driver.start()
     try:
         for step in range(first_step, config.steps + 1):
             target = per_step
@@ -254,7 +186,7 @@ def run_loop(
                 waited = time.perf_counter()
                 if stats()["queue_samples"] == 0:
                     # The barrier: the whole batch is generated before anything trains on it.
-                    _rollout(client, urls["rollout"], prompts(config.groups_per_step), config)
+                    driver.generate(config.groups_per_step)
                 trainer_wait += time.perf_counter() - waited
                 target = max(1, stats()["queue_samples"])
             rewards: list[float] = []
@@ -301,7 +233,7 @@ def run_loop(
                 "staleness": staleness,
                 "queue_samples": current["queue_samples"],
                 "dropped_stale": int(current["drops"].get("dropped_stale", 0)),
-                "regenerated": counts["regenerated"],
+                "regenerated": driver.regenerated,
                 "first_forward_s": first_forward,
                 "first_forward_at": first_forward_at,
                 "trainer_idle_share": trainer_wait / max(1e-9, elapsed),
@@ -314,9 +246,7 @@ def run_loop(
             if on_step is not None:
                 on_step(record)
     finally:
-        stop.set()
+        driver.close()
         feed.close()
-        if thread is not None:
-            thread.join(timeout=30)
         client.close()
     return records

@@ -46,6 +46,7 @@ def test_async_and_colocate_loops(tmp_path: Path) -> None:
 
 
 def test_group_ids_carry_their_row_for_regeneration() -> None:
-    from trainer.loop import _group_id, _row_of
+    from trainer.driver import group_id as _group_id
+    from trainer.driver import row_of as _row_of
 
     assert _row_of(_group_id(17)) == 17 and _row_of("someone-else's-id") is None and _row_of("r-x") is None
