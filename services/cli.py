@@ -5,13 +5,14 @@ Commands::
     weir serve preprocess [--host H] [--port P] [--workers N]
     weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
     weir serve encoder [--port 8102]   # WEIR_MODEL, WEIR_CACHE_DIR, WEIR_EMBEDDING_CACHE_DIR
-    weir serve data [--port 8103]      # WEIR_DATA_DIR, WEIR_MAX_STALENESS, WEIR_LEASE_S
+    weir serve data [--port 8103]      # WEIR_DATA_DIR, WEIR_MAX_STALENESS, WEIR_LEASE_S, WEIR_CACHE_DIR
     weir serve rollout [--port 8100]   # WEIR_ENGINE_URLS, WEIR_PREPROCESS_URL, WEIR_MODEL
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
     weir up [--engines N] [--demo] # every role on localhost; --demo sends a rollout and a chat, then stops
-    weir train --dataset F [--mode async|colocate] [--steps N] [--max-staleness K]
+    weir train --demo | --dataset F [--mode async|colocate] [--steps N] [--max-staleness K]
+               [--checkpoint-every C] [--resume]   # the RL loop against a stack it starts
 """
 
 from __future__ import annotations
@@ -80,7 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-new-tokens", type=int, default=None)
     train.add_argument("--max-tokens-per-batch", type=int, default=None)
     train.add_argument("--lr", type=float, default=None)
-    train.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up steps (the demo's format)")
+    train.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="with --demo: text-only supervised steps teaching the answer format",
+    )
     train.add_argument("--checkpoint-every", type=int, default=0)
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument("--engines", type=int, default=1)

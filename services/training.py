@@ -71,7 +71,7 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
     table.add_column("measure")
     table.add_column("value", justify="right")
     table.add_row("steps / samples trained", f"{end['step']} / {sum(r['samples'] for r in records)}")
-    table.add_row("wall time", f"{end['time_s']:.0f} s")
+    table.add_row("RL wall time", f"{end['time_s']:.0f} s")
     table.add_row(f"mean reward, first {k} steps → last {k}", f"{first:.3f} → {last:.3f}")
     if before is not None and after is not None:
         table.add_row("greedy accuracy on held-out pictures", f"{before:.0%} → {after:.0%}")
@@ -113,6 +113,9 @@ def run_training(args: argparse.Namespace) -> int:
     for name, value in (DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS).items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.warmup_steps and not args.demo:
+        console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
+        return 2
     out = args.home / "train" / args.mode
     if not args.resume:  # a new run: no experience or metrics of an earlier one
         shutil.rmtree(args.home / "data", ignore_errors=True)

@@ -99,3 +99,9 @@ def test_parser_accepts_the_documented_commands() -> None:
     assert parser.parse_args(["prep", "d.jsonl", "--out", "o", "--policy", "refuse"]).policy == "refuse"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "nonsense"])
+
+
+def test_train_refuses_the_demo_warm_up_on_another_dataset(tmp_path: Path) -> None:
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["train", "--dataset", str(dataset), "--warmup-steps", "3", "--home", str(tmp_path / "w")]) == 2
