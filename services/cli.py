@@ -91,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument("--engines", type=int, default=1)
     train.add_argument("--home", type=Path, default=Path(".weir"))
+    train.add_argument("--attach", action="store_true", help="use the stack `weir up` runs (same --home) instead")
 
     init = sub.add_parser("init-model", help="write the tiny embedded Qwen2.5-Omni model folder")
     init.add_argument("folder", type=Path)

@@ -101,6 +101,29 @@ class LocalStack:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.children.append(_Child(name, f"http://{self.host}:{port}", process, log))
 
+    def attach(self, timeout_s: float = 10.0) -> dict[str, str]:
+        """The URLs of a stack already running on this host's default ports (`weir up`), once each
+        role answers ``/readyz``; nothing is started or stopped."""
+        urls = {
+            "preprocess": f"http://{self.host}:8101",
+            "encoder": f"http://{self.host}:8102",
+            "data": f"http://{self.host}:8103",
+            **{f"engine-{30000 + i}": f"http://{self.host}:{30000 + i}" for i in range(self.engines)},
+            "rollout": f"http://{self.host}:8100",
+        }
+        deadline = time.monotonic() + timeout_s
+        for role, url in urls.items():
+            while True:
+                try:
+                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no ready {role} at {url}: start the stack with `weir up` first")
+                time.sleep(0.3)
+        return urls
+
     def restart(self, role: str, timeout_s: float = 180.0) -> None:
         """Start a role again on its port (after it died or was killed), and wait until it is ready."""
         child = next(c for c in self.children if c.role == role)

@@ -9,6 +9,7 @@ picture → name mapping; greedy accuracy on held-out pictures is measured befor
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,14 @@ def _warm_up(trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str
     )
 
 
+def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every mode's metrics under ``root`` (``root/MODE/metrics.jsonl``)."""
+    return {
+        path.parent.name: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        for path in sorted(root.glob("*/metrics.jsonl"))
+    }
+
+
 def run_training(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
@@ -118,7 +127,8 @@ def run_training(args: argparse.Namespace) -> int:
         return 2
     out = args.home / "train" / args.mode
     if not args.resume:  # a new run: no experience or metrics of an earlier one
-        shutil.rmtree(args.home / "data", ignore_errors=True)
+        if not args.attach:
+            shutil.rmtree(args.home / "data", ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
     settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
     if args.max_staleness is not None:
@@ -131,8 +141,11 @@ def run_training(args: argparse.Namespace) -> int:
     else:
         rows = list(iter_rows(args.dataset))
     stack = LocalStack(home=args.home, engines=args.engines, env=settings)
-    console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
-    urls = stack.start()
+    if args.attach:  # its data role keeps its own settings (staleness) and experience
+        urls = stack.attach()
+    else:
+        console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
+        urls = stack.start()
     try:
         trainer = ReferenceTrainer(
             args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
@@ -162,6 +175,9 @@ def run_training(args: argparse.Namespace) -> int:
             _summary(records, before, after, plot)
         console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
         console.print(f"plot: {plot}", soft_wrap=True)
+        runs = _runs(args.home / "train")
+        if len(runs) > 1:  # the other mode ran here before: compare them on one plot
+            console.print(f"compared ({', '.join(runs)}): {plot_runs(runs, args.home / 'train' / 'compare.png')}")
         return 0
     finally:
-        stack.stop()
+        stack.stop()  # an attached stack has no children here: nothing is stopped

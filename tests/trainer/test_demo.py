@@ -55,3 +55,27 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert json.loads(lines[0])["samples"] == 64  # 8 groups × n=8: one optimizer step
     assert (home / "train" / "async" / "reward.png").is_file()
+
+
+@pytest.mark.integration
+def test_weir_train_attaches_to_a_running_stack_and_compares_modes(tmp_path: Path) -> None:
+    from services.stack import LocalStack
+
+    home = tmp_path / "weir"
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text(
+        json.dumps(
+            {"messages": [{"role": "user", "content": "Say yes."}], "reward": {"type": "exact_match", "answer": "yes"}}
+        )
+        + "\n"
+    )
+    stack = LocalStack(home=home)
+    stack.start()
+    try:
+        common = ["--dataset", str(dataset), "--attach", "--home", str(home), "--steps", "1", "--max-new-tokens", "3"]
+        assert main(["train", *common, "--mode", "async"]) == 0
+        assert main(["train", *common, "--mode", "colocate"]) == 0
+        assert all(c.process.poll() is None for c in stack.children)  # attached: nothing was stopped
+    finally:
+        stack.stop()
+    assert (home / "train" / "compare.png").read_bytes()[:4] == b"\x89PNG"
