@@ -12,12 +12,27 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 __all__ = ["LocalStack"]
+
+
+def _poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
+    """True once ``url/readyz`` answers 200; False at the deadline or when ``alive()`` turns false."""
+    while alive():
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.3)
+    return False
 
 
 @dataclass(slots=True)
@@ -113,15 +128,8 @@ class LocalStack:
         }
         deadline = time.monotonic() + timeout_s
         for role, url in urls.items():
-            while True:
-                try:
-                    if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"no ready {role} at {url}: start the stack with `weir up` first")
-                time.sleep(0.3)
+            if not _poll_ready(url, deadline):
+                raise RuntimeError(f"no ready {role} at {url}: start the stack with `weir up` first")
         return urls
 
     def restart(self, role: str, timeout_s: float = 180.0) -> None:
@@ -136,17 +144,10 @@ class LocalStack:
 
     @staticmethod
     def _wait_ready(child: _Child, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        if not _poll_ready(child.url, time.monotonic() + timeout_s, alive=lambda: child.process.poll() is None):
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.role} exited ({child.process.returncode}); see {child.log}")
-            try:
-                if httpx.get(f"{child.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise TimeoutError(f"{child.role} was not ready after {timeout_s:.0f} s; see {child.log}")
+            raise TimeoutError(f"{child.role} was not ready after {timeout_s:.0f} s; see {child.log}")
 
     def stop(self, grace_s: float = 10.0) -> None:
         for child in self.children:

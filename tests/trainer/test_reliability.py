@@ -27,6 +27,10 @@ ROWS = [
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _trainer(home: Path) -> ReferenceTrainer:
+    return ReferenceTrainer(home / "model", features=pp.FeatureStore(home / "cache", 1 << 30), lr=1e-4)
+
+
 def _events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
@@ -118,9 +122,7 @@ def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Pat
     stack = LocalStack(home=tmp_path / "weir", engines=2)
     urls = stack.start()
     try:
-        trainer = ReferenceTrainer(
-            tmp_path / "weir" / "model", features=pp.FeatureStore(tmp_path / "weir" / "cache", 1 << 30), lr=1e-4
-        )
+        trainer = _trainer(tmp_path / "weir")
         rows = [
             *ROWS,
             {
@@ -166,9 +168,7 @@ def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: P
     stack = LocalStack(home=tmp_path / "weir", engines=1)
     urls = stack.start()
     try:
-        trainer = ReferenceTrainer(
-            tmp_path / "weir" / "model", features=pp.FeatureStore(tmp_path / "weir" / "cache", 1 << 30), lr=1e-4
-        )
+        trainer = _trainer(tmp_path / "weir")
         data = next(c for c in stack.children if c.role == "data")
 
         def kill_and_restart_the_data_role(record: dict[str, Any]) -> None:
