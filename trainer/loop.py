@@ -184,11 +184,15 @@ def run_loop(
             target = per_step
             if config.mode == "colocate":
                 waited = time.perf_counter()
-                if stats()["queue_samples"] == 0:
+                for _ in range(5):  # a batch can come back with nothing trainable (every sample failed)
+                    if stats()["queue_samples"] > 0:
+                        break
                     # The barrier: the whole batch is generated before anything trains on it.
                     driver.generate(config.groups_per_step)
                 trainer_wait += time.perf_counter() - waited
-                target = max(1, stats()["queue_samples"])
+                target = stats()["queue_samples"]
+                if target == 0:
+                    raise RuntimeError("five generated batches in a row held no trainable sample")
             rewards: list[float] = []
             versions: list[int] = []
             tokens = 0
