@@ -1,4 +1,6 @@
-"""The trainer side: micro-batch feed client, RL losses, Megatron adapter, weight publishing.
+"""The trainer side: the micro-batch feed client (`feed`), RL losses and advantages, a reference
+PyTorch trainer (`reference`), the Megatron-LM adapter (`megatron`), weight publishing (`publish`), the
+rollout driver and the RL loop (`driver`, `loop`), the demo task and plots.
 
-Not built yet: see the micro-batch feed issue. This package never imports FastAPI.
+This package never imports FastAPI: it talks to the roles over HTTP as any client would.
 """

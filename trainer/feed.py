@@ -1,9 +1,10 @@
-"""`MicroBatchFeed`: the data role's micro-batches as ready-to-use torch tensors, prefetched.
+"""`MicroBatchFeed`: the data role's micro-batches as ready-to-use torch tensors.
 
 Each batch is packed: the sequences concatenated into one row (``input_ids`` (T,)), with
 ``cu_seqlens`` boundaries and per-token ``position_ids``, ``loss_mask``, ``rollout_logprobs``,
 ``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``. Call ``ack(batch)``
 after the optimizer step that used it; an unacknowledged batch comes back after its lease.
+With ``inline_media=True`` each sequence's features come with the batch (``FeedBatch.media``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def pack(table: pa.Table) -> dict[str, torch.Tensor]:
 
 
 class MicroBatchFeed:
-    """An iterator over micro-batches for one rank, fetched ahead by a background thread."""
+    """An iterator over micro-batches for one rank: fetched ahead by a background thread
+    (``prefetch`` > 0), or on demand (``prefetch=0``, what the RL loop uses to keep staleness exact)."""
 
     def __init__(
         self,
