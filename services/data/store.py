@@ -101,18 +101,14 @@ class MicroBatch:
 
 def samples_to_arrow(batch: MicroBatch, meta: dict[str, Any]) -> bytes:
     """One micro-batch as an Arrow IPC stream: a row per sequence, packed boundaries from lengths."""
-    table = batch.table.replace_schema_metadata(
-        {b"weir": json.dumps({"batch_id": batch.batch_id, "rank": batch.rank, **meta})}
+    return _ipc(
+        batch.table.replace_schema_metadata(
+            {b"weir": json.dumps({"batch_id": batch.batch_id, "rank": batch.rank, **meta})}
+        )
     )
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
 
 
-def _group_table(rows: list[dict[str, Any]]) -> bytes:
-    """A group's samples as one Arrow IPC stream (what the shard store keeps)."""
-    table = pa.Table.from_pylist(rows, schema=_ROW_SCHEMA)
+def _ipc(table: pa.Table) -> bytes:
     sink = pa.BufferOutputStream()
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
@@ -186,7 +182,8 @@ class ExperienceStore:
                         "feature_keys": list(group.get("feature_keys", [])),
                     }
                 )
-            self.blobs.put(group_id, _group_table(rows))  # an Arrow IPC entry, fsync'd before indexing
+            # One Arrow IPC entry per group, written and fsync'd before the transaction that indexes it.
+            self.blobs.put(group_id, _ipc(pa.Table.from_pylist(rows, schema=_ROW_SCHEMA)))
             with self._transaction():
                 seq = self._db.execute(
                     "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",

@@ -59,7 +59,7 @@ def test_failed_samples_and_uniform_groups(tmp_path: Path) -> None:
 
 
 def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
-    store = ExperienceStore(tmp_path, DataConfig(lease_s=0.3))
+    store = ExperienceStore(tmp_path, DataConfig(lease_s=1.5))  # wide: a loaded machine must not expire it early
     for i in range(5):
         store.append(group(f"g{i}", [0.0, 1.0]))  # 2 samples × 7 tokens per group
     batch = store.lease("trainer", max_tokens=30)
@@ -67,7 +67,7 @@ def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
     assert store.ack(batch.batch_id) and store.ack(batch.batch_id)  # idempotent
     other = store.lease("trainer", max_tokens=30)
     assert other is not None and not {s["sample_id"] for s in other.samples} & {s["sample_id"] for s in batch.samples}
-    time.sleep(0.4)  # not acknowledged within its lease: delivered again
+    time.sleep(1.6)  # not acknowledged within its lease: delivered again
     again = store.lease("trainer", max_tokens=30)
     assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in other.samples]
     assert not store.ack(other.batch_id)  # too late: its samples went out again
