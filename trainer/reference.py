@@ -130,6 +130,7 @@ class ReferenceTrainer:
             rollout_logprobs=t["rollout_logprobs"],
             sequence_ids=t["sequence_ids"],
         )
+        # A mean over the step is a weighted mean of the micro-batches' means; a sum is a plain sum.
         units = {"token_mean": float(t["loss_mask"].sum()), "sequence_mean": float(len(cu) - 1), "sum": 1.0}
         weight = units[self.loss_config.aggregation]
         (out.loss * weight).backward()
@@ -142,19 +143,32 @@ class ReferenceTrainer:
     def apply(self) -> StepResult:
         """The optimizer step over everything accumulated since the last one."""
         units = max(self._units, 1e-9)
-        for parameter in self.model.parameters():
-            if parameter.grad is not None:
-                parameter.grad.div_(units)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        divisor = 1.0 if self.loss_config.aggregation == "sum" else units
+        norm = self._optimizer_step(grad_scale=1.0 / divisor)
         result = StepResult(
-            loss=self._loss / units,
-            grad_norm=float(norm),
-            metrics={name: value / units for name, value in self._metrics.items()},
+            loss=self._loss / divisor,
+            grad_norm=norm,
+            metrics={name: value / units for name, value in self._metrics.items()},  # per-unit means
         )
         self._units, self._loss, self._metrics = 0.0, 0.0, {}
         return result
+
+    def _optimizer_step(self, grad_scale: float = 1.0, lr: float | None = None) -> float:
+        """Scale the gradients, clip their norm, step (at ``lr`` if given, just this once), clear them."""
+        if grad_scale != 1.0:
+            for parameter in self.model.parameters():
+                if parameter.grad is not None:
+                    parameter.grad.mul_(grad_scale)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        self.optimizer.step()
+        for group, value in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = value
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
 
     def step(self, batch: FeedBatch) -> StepResult:
         """One optimizer step on one micro-batch."""
@@ -179,17 +193,9 @@ class ReferenceTrainer:
             logprobs = self.sequence_logprobs(torch.tensor(prompt + response), keys)
             losses.append(-logprobs[len(prompt) :].mean())
         loss = torch.stack(losses).mean()
-        saved = [group["lr"] for group in self.optimizer.param_groups]
-        if lr is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        for group, value in zip(self.optimizer.param_groups, saved, strict=True):
-            group["lr"] = value
+        self._optimizer_step(lr=lr)
         return float(loss.detach())
 
     # -- checkpoints and export -----------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pyarrow as pa
@@ -174,3 +175,36 @@ def test_nccl_weight_sync_into_an_sglang_engine(tmp_path: Path) -> None:  # prag
         sync.close()
     finally:
         server.kill()
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "sum"])
+def test_a_step_over_streamed_micro_batches_equals_one_over_all_of_them(model: Path, aggregation: Any) -> None:
+    def table(rows: list[tuple[list[int], int, float]]) -> pa.Table:
+        return pa.table(
+            {
+                "input_ids": [ids for ids, _, _ in rows],
+                "loss_mask": [[0] * prompt + [1] * (len(ids) - prompt) for ids, prompt, _ in rows],
+                "rollout_logprobs": [[-1.0] * len(ids) for ids, _, _ in rows],
+                "advantage": [a for _, _, a in rows],
+                "reward": [0.0] * len(rows),
+                "policy_version": [0] * len(rows),
+            }
+        )
+
+    def fed(rows: list[tuple[list[int], int, float]]) -> FeedBatch:
+        return FeedBatch(batch_id="b", tensors=pack(table(rows)), sample_ids=[], feature_keys=[[]] * len(rows), meta={})
+
+    rows = [([1, 2, 3, 10, 11], 3, 1.0), ([1, 2, 20], 2, -1.0), ([4, 5, 30, 31, 32, 33], 2, 0.5), ([6, 40], 1, -0.5)]
+    config = LossConfig(aggregation=aggregation, tis_cap=None)
+    whole = ReferenceTrainer(model, lr=1e-2, max_grad_norm=1e9, loss=config)
+    split = ReferenceTrainer(model, lr=1e-2, max_grad_norm=1e9, loss=config)
+    whole.accumulate(fed(rows))
+    one = whole.apply()
+    split.accumulate(fed(rows[:1]))
+    split.accumulate(fed(rows[1:]))  # unequal micro-batches, as the feed cuts them
+    other = split.apply()
+    assert one.loss == pytest.approx(other.loss, rel=1e-5, abs=1e-6) and one.grad_norm == pytest.approx(
+        other.grad_norm, rel=1e-4
+    )
+    for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
