@@ -142,18 +142,6 @@ def run_loop(
         for dead in result["unreachable"]:
             engines.remove(dead)
 
-    first_step = 1
-    if config.resume and (checkpoint / "trainer.json").is_file():
-        state = trainer.load(checkpoint)
-        for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
-            feed.ack(batch_id)
-        feed.release()  # what the previous run fetched but never committed comes back now
-        first_step = int(state.get("step", 0)) + 1
-        policy = int(client.get(f"{urls['data']}/v1/stats").json()["policy_version"])
-        trainer.policy_version = max(trainer.policy_version, policy)
-        publish()  # the engines may hold weights from steps that were lost: bring them back to this one
-        logger.info("resumed from %s at step %d", checkpoint, first_step)
-
     def stats() -> dict[str, Any]:
         for _ in range(240):
             try:
@@ -161,6 +149,17 @@ def run_loop(
             except httpx.TransportError:
                 time.sleep(0.5)
         raise RuntimeError("the data role stayed unreachable for 2 minutes")
+
+    first_step = 1
+    if config.resume and (checkpoint / "trainer.json").is_file():
+        state = trainer.load(checkpoint)
+        for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
+            feed.ack(batch_id)
+        feed.release()  # what the previous run fetched but never committed comes back now
+        first_step = int(state.get("step", 0)) + 1
+        trainer.policy_version = max(trainer.policy_version, int(stats()["policy_version"]))
+        publish()  # the engines may hold weights from steps that were lost: bring them back to this one
+        logger.info("resumed from %s at step %d", checkpoint, first_step)
 
     def next_batch(max_samples: int) -> FeedBatch:
         deadline = time.monotonic() + config.batch_timeout_s
@@ -175,8 +174,8 @@ def run_loop(
     start = time.perf_counter()
     trainer_wait = 0.0
     uncommitted: list[str] = []
-    first_forward: float | None = None
-    first_forward_at: float | None = None
+    started_at = time.time()
+    first_forward_at = 0.0  # wall clock (comparable with the data role's group times); 0: not yet
     if config.mode == "async":
         driver.start()
     try:
@@ -184,13 +183,14 @@ def run_loop(
             target = per_step
             if config.mode == "colocate":
                 waited = time.perf_counter()
+                target = stats()["queue_samples"]
                 for _ in range(5):  # a batch can come back with nothing trainable (every sample failed)
-                    if stats()["queue_samples"] > 0:
+                    if target > 0:
                         break
                     # The barrier: the whole batch is generated before anything trains on it.
                     driver.generate(config.groups_per_step)
+                    target = stats()["queue_samples"]
                 trainer_wait += time.perf_counter() - waited
-                target = stats()["queue_samples"]
                 if target == 0:
                     raise RuntimeError("five generated batches in a row held no trainable sample")
             rewards: list[float] = []
@@ -200,8 +200,7 @@ def run_loop(
                 waited = time.perf_counter()
                 batch = next_batch(target - len(rewards))  # steps of exactly `target` samples
                 trainer_wait += time.perf_counter() - waited
-                if first_forward is None:
-                    first_forward = time.perf_counter() - start
+                if not first_forward_at:
                     first_forward_at = time.time()
                 trainer.accumulate(batch)
                 uncommitted.append(batch.batch_id)
@@ -238,7 +237,7 @@ def run_loop(
                 "queue_samples": current["queue_samples"],
                 "dropped_stale": int(current["drops"].get("dropped_stale", 0)),
                 "regenerated": driver.regenerated,
-                "first_forward_s": first_forward,
+                "first_forward_s": first_forward_at - started_at,
                 "first_forward_at": first_forward_at,
                 "trainer_idle_share": trainer_wait / max(1e-9, elapsed),
                 "engine_idle_share": clock.idle_share(),

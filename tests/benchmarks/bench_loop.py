@@ -32,7 +32,6 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 
 from __future__ import annotations
 
-import argparse
 import socket
 import sqlite3
 import struct
@@ -45,7 +44,7 @@ from typing import Any
 
 import pyarrow as pa
 import torch
-from report import Goals, emit, environment, rounded
+from report import Goals, arguments, emit, environment, rounded
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -229,8 +228,7 @@ def bench_feed(groups: int, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
+    parser = arguments(__doc__, "fewer groups and steps (about 4 min)")
     parser.add_argument("--only", choices=("feed", "loop"), default=None)
     args = parser.parse_args()
     goals = Goals()

@@ -33,7 +33,6 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import statistics
@@ -52,7 +51,7 @@ import torch
 import torchaudio.functional as taf
 from PIL import Image
 from qwen_vl_utils import vision_process
-from report import Goals, emit, environment, rounded
+from report import Goals, arguments, emit, environment, rounded
 from tqdm import tqdm
 from transformers import (
     Qwen2VLImageProcessor,
@@ -514,14 +513,8 @@ def bench_bytes(spec: pp.ProcessorSpec, items: Sequence[tuple[Item, pp.MediaKind
 
 
 # -- main ------------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer and smaller inputs, fewer repeats (< ~2 min)")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = arguments(__doc__, "fewer and smaller inputs, fewer repeats (< ~2 min)").parse_args(argv)
     config = Config.make(args.quick)
     started = time.perf_counter()
     spec = pp.ProcessorSpec.qwen2_5_omni()

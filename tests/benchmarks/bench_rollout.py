@@ -36,7 +36,6 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import os
 import shutil
@@ -57,7 +56,7 @@ from typing import Any
 import httpx
 import numpy as np
 import torch
-from report import Goals, emit, environment, rounded
+from report import Goals, arguments, emit, environment, rounded
 from tqdm import tqdm
 
 import preprocess as pp
@@ -579,14 +578,8 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
 
 
 # -- main ------------------------------------------------------------------------------------------
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="fewer prompts, requests and repeats (< ~3 min)")
-    return parser.parse_args(argv)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = arguments(__doc__, "fewer prompts, requests and repeats (< ~3 min)").parse_args(argv)
     config = Config.make(args.quick)
     started = time.perf_counter()
     goals = Goals()

@@ -6,6 +6,7 @@ Imported by the `bench_*.py` scripts, which run from anywhere as
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,7 +17,14 @@ import numpy as np
 import torch
 import transformers
 
-__all__ = ["Goals", "emit", "environment", "rounded"]
+__all__ = ["Goals", "arguments", "emit", "environment", "rounded"]
+
+
+def arguments(doc: str | None, quick_help: str) -> argparse.ArgumentParser:
+    """Every benchmark's command line: its docstring's first paragraph, and ``--quick``."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0] if doc else None)
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
 
 
 def emit(record: dict[str, Any]) -> None:
