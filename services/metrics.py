@@ -1,46 +1,103 @@
-"""Prometheus `/metrics` for roles whose figures are read at scrape time (no counters to keep in step).
+"""Prometheus metrics, one way for every role: a registry per app with the standard process
+collectors, instruments the role updates as things happen, and figures read at scrape time.
 
-`scrape_route(app, read)` adds ``GET /metrics``: ``read()`` returns ``{name: (help, value)}`` or
-``{name: (help, {label_value: value}, label_name)}`` and is called per scrape, so the numbers are always the
-role's own (the data role's durable counts, the engine's busy time).
+Names follow Prometheus conventions: counters end in ``_total`` (prometheus_client adds it),
+durations in ``_seconds``, sizes in ``_bytes``. `RoleMetrics.scraped` adds figures a role reads
+from its own state when scraped (the data role's durable counts, the engine's busy time), each
+declared as a counter or a gauge — never a counter exported as a gauge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Literal
 
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-__all__ = ["scrape_route"]
+__all__ = ["CONTENT_TYPE_LATEST", "Figure", "RoleMetrics"]
 
-Reading = Mapping[str, tuple[Any, ...]]
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 120)
 
 
-class _Scrape(Collector):
-    def __init__(self, read: Callable[[], Reading]) -> None:
+@dataclass(frozen=True, slots=True)
+class Figure:
+    """One figure read at scrape time: a value, or values by one label."""
+
+    kind: Literal["counter", "gauge"]
+    help: str
+    value: float | Mapping[str, float]
+    label: str = ""
+
+
+class _Scraped(Collector):
+    def __init__(self, read: Callable[[], Mapping[str, Figure]]) -> None:
         self.read = read
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        for name, entry in self.read().items():
-            if len(entry) == 2:
-                help_text, value = entry
-                yield GaugeMetricFamily(name, help_text, value=float(value))
+    def collect(self) -> Iterator[Metric]:
+        for name, figure in self.read().items():
+            family: CounterMetricFamily | GaugeMetricFamily
+            labels = [figure.label] if figure.label else None
+            if figure.kind == "counter":
+                family = CounterMetricFamily(name.removesuffix("_total"), figure.help, labels=labels)
             else:
-                help_text, values, label = entry
-                family = GaugeMetricFamily(name, help_text, labels=[label])
-                for key, value in values.items():
+                family = GaugeMetricFamily(name, figure.help, labels=labels)
+            if isinstance(figure.value, Mapping):
+                for key, value in figure.value.items():
                     family.add_metric([str(key)], float(value))
-                yield family
+            else:
+                family.add_metric([], float(figure.value))
+            yield family
 
 
-def scrape_route(app: FastAPI, read: Callable[[], Reading]) -> None:
-    registry = CollectorRegistry()
-    registry.register(_Scrape(read))
+class RoleMetrics:
+    """The registry of one role's app (tests build many apps in one process, so never the global one)."""
 
-    @app.get("/metrics")
-    def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        for standard in (PLATFORM_COLLECTOR, GC_COLLECTOR):
+            self.registry.register(_Reuse(standard))
+        self.requests = self.counter("weir_http_requests", "HTTP requests by route and status", ["route", "status"])
+        self.latency = self.histogram("weir_http_request_seconds", "HTTP request latency by route", ["route"])
+
+    def counter(self, name: str, help_text: str, labels: Iterable[str] = ()) -> Counter:
+        return Counter(name, help_text, list(labels), registry=self.registry)
+
+    def gauge(self, name: str, help_text: str, labels: Iterable[str] = ()) -> Gauge:
+        return Gauge(name, help_text, list(labels), registry=self.registry)
+
+    def histogram(
+        self, name: str, help_text: str, labels: Iterable[str] = (), buckets: tuple[float, ...] = _LATENCY_BUCKETS
+    ) -> Histogram:
+        return Histogram(name, help_text, list(labels), buckets=buckets, registry=self.registry)
+
+    def scraped(self, read: Callable[[], Mapping[str, Figure]]) -> None:
+        """Figures ``read()`` returns at each scrape, named in full (``..._total`` for counters)."""
+        self.registry.register(_Scraped(read))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _Reuse(Collector):
+    """A process-wide standard collector, also exported through a per-app registry."""
+
+    def __init__(self, collector: Collector) -> None:
+        self.collector = collector
+
+    def collect(self) -> Iterable[Metric]:
+        return self.collector.collect()

@@ -1,0 +1,42 @@
+"""Clients one role uses to call another: the API token and the request id go with every call.
+
+Libraries take these clients (or plain headers) from the service that builds them, so no library
+reads a secret from the environment and the request id set by `services.logs` follows the call.
+"""
+
+from __future__ import annotations
+
+import httpx
+
+from .logs import current_request_id
+
+__all__ = ["async_client", "auth_headers", "sync_client"]
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+async def _async_request_id(request: httpx.Request) -> None:
+    _add_request_id(request)
+
+
+def _add_request_id(request: httpx.Request) -> None:
+    request_id = current_request_id()
+    if request_id and "x-request-id" not in request.headers:
+        request.headers["X-Request-Id"] = request_id
+
+
+def async_client(base_url: str = "", *, token: str | None, timeout: float) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=base_url,
+        timeout=timeout,
+        headers=auth_headers(token),
+        event_hooks={"request": [_async_request_id]},
+    )
+
+
+def sync_client(base_url: str = "", *, token: str | None, timeout: float) -> httpx.Client:
+    return httpx.Client(
+        base_url=base_url, timeout=timeout, headers=auth_headers(token), event_hooks={"request": [_add_request_id]}
+    )

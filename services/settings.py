@@ -1,0 +1,79 @@
+"""What every role's settings share: ``WEIR_*`` variables read by pydantic-settings, checked at start-up.
+
+`RoleSettings` is the base of each role's ``settings.py``; `ModelFolder` is a model folder that must
+exist (a mistyped ``WEIR_MODEL`` is an error, never a quietly created random model). Settings are
+built in a function (`load_settings`), never at import; a bad value raises `SettingsError` naming
+the variable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["ModelFolder", "RoleSettings", "SettingsError", "load_settings"]
+
+
+def _model_folder(value: Path) -> Path:
+    if not (value / "config.json").is_file():
+        raise ValueError(
+            f"{value} is not a model folder (no config.json); give a Qwen model folder, "
+            "or create the embedded one with `weir init-model DIR`"
+        )
+    return value
+
+
+ModelFolder = Annotated[Path, AfterValidator(_model_folder)]
+
+
+class RoleSettings(BaseSettings):
+    """Settings every role has. Defaults serve the embedded (laptop) mode."""
+
+    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore", validate_default=True)
+
+    api_token: SecretStr | None = Field(
+        None, description="when set, every request but the health checks needs 'Authorization: Bearer <token>'"
+    )
+    api_token_file: Path | None = Field(None, description="a file holding the token (compose's shared secret)")
+    log_level: str = Field("info", pattern=r"^(?i:debug|info|warning|error|critical)$")
+    max_body_bytes: int = Field(256 << 20, gt=0, description="larger request bodies get 413")
+
+    @model_validator(mode="after")
+    def _token_from_file(self) -> RoleSettings:
+        if self.api_token is None and self.api_token_file is not None:
+            try:
+                token = self.api_token_file.read_text().strip()
+            except OSError as error:
+                raise ValueError(f"WEIR_API_TOKEN_FILE={self.api_token_file} cannot be read: {error}") from None
+            if not token:
+                raise ValueError(f"WEIR_API_TOKEN_FILE={self.api_token_file} is empty")
+            self.api_token = SecretStr(token)
+        return self
+
+    @property
+    def token(self) -> str | None:
+        """The token as a string, for the clients this role calls other roles with."""
+        return self.api_token.get_secret_value() if self.api_token is not None else None
+
+
+class SettingsError(ValueError):
+    """A ``WEIR_*`` variable has a bad value; the message names it."""
+
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+def load_settings(cls: type[S], **overrides: Any) -> S:
+    """``cls`` from the environment (and ``overrides``), or a `SettingsError` that names each variable."""
+    try:
+        return cls(**overrides)
+    except ValidationError as error:
+        prefix = str(cls.model_config.get("env_prefix", ""))
+        lines = []
+        for problem in error.errors():
+            name = "_".join(str(p) for p in problem["loc"]).upper()
+            lines.append(f"{prefix}{name}: {problem['msg']}" if name else problem["msg"])
+        raise SettingsError(f"bad {cls.__name__}: " + "; ".join(lines)) from None

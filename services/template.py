@@ -1,0 +1,114 @@
+"""The one shape of every role's app: `build_app` gives each role the same middle and edges.
+
+What every role gets from here, so its own ``app.py`` holds only its routes:
+
+* the JSON error shape (`services.errors`), with the role's library errors mapped to statuses;
+* ``Authorization: Bearer`` when a token is set (`services.auth`), a body-size limit, a request id
+  on every response and log line (`services.logs`);
+* ``GET /healthz`` (the process answers), ``GET /readyz`` (the role's own check, 503 with the
+  reason when it fails), ``GET /metrics`` (`services.metrics`: process collectors, request counts
+  and latency by route, the role's figures);
+* a lifespan that closes what the role opened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+
+from . import __version__
+from .auth import BearerAuth, BodyLimit
+from .errors import error_body, install_error_handlers
+from .logs import RequestIdMiddleware
+from .metrics import CONTENT_TYPE_LATEST, RoleMetrics
+from .settings import RoleSettings
+
+__all__ = ["Readiness", "build_app"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    ready: bool
+    detail: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+ReadyCheck = Callable[[], Awaitable[Readiness]]
+Closer = Callable[[], Awaitable[None]]
+
+
+def build_app(
+    role: str,
+    settings: RoleSettings,
+    *,
+    ready: ReadyCheck,
+    metrics: RoleMetrics | None = None,
+    library_errors: Mapping[type[Exception], int] | None = None,
+    on_close: Closer | None = None,
+    state: Any = None,
+    description: str = "",
+) -> FastAPI:
+    """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it."""
+    metrics = metrics or RoleMetrics(role)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        if on_close is not None:
+            await on_close()
+
+    app = FastAPI(title=f"Weir {role}", version=__version__, description=description, lifespan=lifespan)
+    app.state.weir = state
+    app.state.metrics = metrics
+    app.state.settings = settings
+    install_error_handlers(app, library_errors)
+
+    @app.middleware("http")
+    async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.perf_counter()
+        response = await call_next(request)
+        route = getattr(request.scope.get("route"), "path", "unmatched")
+        metrics.requests.labels(route, str(response.status_code)).inc()
+        metrics.latency.labels(route).observe(time.perf_counter() - start)
+        return response
+
+    # Outermost last: the request id is set before anything logs; auth and the size limit hold
+    # before any route or body parsing runs.
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
+    app.add_middleware(BearerAuth, token=settings.token)
+    app.add_middleware(RequestIdMiddleware)
+
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """The process answers (liveness). Never needs the token."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> JSONResponse:
+        """The role can do its work now (readiness); 503 with the reason when not. Never needs the token."""
+        try:
+            check = await ready()
+        except Exception as error:  # noqa: BLE001 - any failure of the check means "not ready", with why
+            logger.warning("readiness check failed: %s", error)
+            check = Readiness(False, reason=f"{type(error).__name__}: {error}")
+        if not check.ready:
+            return JSONResponse(
+                {**error_body("not_ready", check.reason or "not ready"), **check.detail}, status_code=503
+            )
+        return JSONResponse({"status": "ready", **check.detail})
+
+    @app.get("/metrics", tags=["health"], response_class=Response)
+    async def metrics_route() -> Response:
+        """Prometheus text exposition."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
