@@ -18,16 +18,19 @@ COPY services/ services/
 COPY preprocess/ preprocess/
 COPY encoders/ encoders/
 COPY trainer/ trainer/
+COPY experience/ experience/
+COPY engines/ engines/
+COPY rollout/ rollout/
 
 # This pulls the default torch wheel, which on Linux x86-64 carries the CUDA libraries (several GB). For a much
 # smaller CPU-only image, add PyTorch's CPU wheel index to this pip call with --extra-index-url.
 RUN pip install --no-cache-dir .
 
-# Run as an unprivileged user. /cache is created and owned by that user before it is declared a volume, so a
-# fresh named volume mounted there inherits the ownership and is writable.
+# Run as an unprivileged user. /cache, /models, /experience and /secrets are created and owned by that user
+# before volumes are mounted there, so a fresh named volume inherits the ownership and is writable.
 RUN useradd --create-home --uid 10001 weir \
-    && mkdir -p /cache \
-    && chown weir:weir /cache
+    && mkdir -p /cache /models /experience /secrets \
+    && chown weir:weir /cache /models /experience /secrets
 USER weir
 
 ENV WEIR_CACHE_DIR=/cache

@@ -1,18 +1,22 @@
-"""The ``weir`` command line: serve a role, preprocess a dataset, run the demo job.
+"""The ``weir`` command line, built from the role table (`services.roles`).
 
 Commands::
 
-    weir serve preprocess [--host H] [--port P] [--workers N]
-    weir serve engine --model DIR [--backend transformers|sglang] [--port 30000]
-    weir serve encoder [--port 8102]   # WEIR_MODEL, WEIR_CACHE_DIR, WEIR_EMBEDDING_CACHE_DIR
-    weir serve data [--port 8103]      # WEIR_DATA_DIR, WEIR_MAX_STALENESS, WEIR_LEASE_S, WEIR_CACHE_DIR
-    weir serve rollout [--port 8100]   # WEIR_ENGINE_URLS, WEIR_PREPROCESS_URL, WEIR_MODEL
+    weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR] [--backend B]
+                                   # one role: preprocess | encoder | data | engine | rollout, at the
+                                   # table's port; its settings are WEIR_* variables, checked first
+    weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--demo]
+                                   # every role on localhost behind a generated API token
+    weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] …
+                                   # the RL loop against a stack it starts (or attaches to)
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
-    weir init-model DIR            # write the tiny embedded Qwen2.5-Omni model folder
-    weir up [--engines N] [--demo] # every role on localhost; --demo sends a rollout and a chat, then stops
-    weir train --demo | --dataset F [--mode async|colocate] [--steps N] [--max-staleness K]
-               [--checkpoint-every C] [--resume]   # the RL loop against a stack it starts
+    weir init-model DIR [--if-missing]   # write the tiny embedded Qwen2.5-Omni model folder
+    weir token --out FILE [--uid UID]    # the API token file the roles share (compose's `token` service)
+    weir --version
+
+Every option's default is shown by ``--help``. This module parses and dispatches; the roles live in
+``services/<role>``, the local stack in `services.stack`, the training run in `services.training`.
 """
 
 from __future__ import annotations
@@ -21,85 +25,171 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["build_parser", "main"]
+from . import __version__
+from .roles import BASE_PORT, ROLES
 
-ROLES = {
-    "preprocess": ("services.preprocess.app:app_factory", 8101),
-    "engine": ("services.engine.app:app_factory", 30000),
-    "rollout": ("services.rollout.app:app_factory", 8100),
-    "encoder": ("services.encoder.app:app_factory", 8102),
-    "data": ("services.data.app:app_factory", 8103),
-}
+__all__ = ["build_parser", "main", "preprocess_app"]
+
+# Roles that may run as several uvicorn worker processes: their state is on disk (the feature cache
+# is safe for several processes). The others hold state in their process — an engine's weights, the
+# data role's leases, the encoder's weights version, the rollout role's in-flight budget — so one
+# process each; more capacity comes from more instances (engines behind the rollout role).
+WORKER_APPS = {"preprocess": "services.cli:preprocess_app"}  # role → uvicorn factory import string
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends each option's default, unless the help already says it, or the option is a flag or required."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.nargs == 0 or action.required or not action.option_strings:
+            return text
+        return super()._get_help_string(action) or text
+
+
+def _roles_help() -> str:
+    return "; ".join(f"{r.name} (:{r.port}): {r.summary}" for r in ROLES.values())
 
 
 def _add_budget(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("token budget")
     for kind in ("image", "video", "audio", "sample"):
-        group.add_argument(f"--max-{kind}-tokens", type=int, default=None, metavar="N")
-    group.add_argument("--policy", choices=("shrink", "refuse"), default="shrink")
+        group.add_argument(
+            f"--max-{kind}-tokens", type=int, default=None, metavar="N", help=f"{kind} token cap (default: no cap)"
+        )
+    group.add_argument(
+        "--policy", choices=("shrink", "refuse"), default="shrink", help="what to do with an item over its cap"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="weir", description="Weir: multimodal data pipeline for RL post-training")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="weir", description="Weir: multimodal data pipeline for RL post-training", formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"weir {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="serve one role over HTTP")
-    serve.add_argument("role", choices=sorted(ROLES))
-    serve.add_argument("--host", default=None, help="default: WEIR_HOST or 127.0.0.1")
-    serve.add_argument("--port", type=int, default=None, help="default: the role's port (preprocess 8101)")
-    serve.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
-    serve.add_argument("--log-level", default="info")
-    serve.add_argument("--model", default=None, help="model folder (engine); default WEIR_MODEL")
-    serve.add_argument("--backend", choices=("transformers", "sglang"), default=None, help="engine backend")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_HelpFormatter)
 
-    prep = sub.add_parser("prep", help="preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
-    prep.add_argument("dataset", type=Path)
+    serve = command("serve", "serve one role over HTTP (its settings: WEIR_* variables, checked before it starts)")
+    serve.add_argument("role", choices=list(ROLES), metavar="ROLE", help=_roles_help())
+    serve.add_argument("--host", default=None, help="interface to bind (default: WEIR_HOST, else 127.0.0.1)")
+    serve.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port to bind (default: the role's port in the role table: "
+        + ", ".join(f"{r.name} {r.port}" for r in ROLES.values())
+        + ")",
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help=f"uvicorn worker processes; more than 1 only for {', '.join(WORKER_APPS)}",
+    )
+    serve.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error", "critical"),
+        default=None,
+        help="sets WEIR_LOG_LEVEL (default: WEIR_LOG_LEVEL, else info)",
+    )
+    serve.add_argument("--model", default=None, help="sets WEIR_MODEL, a model folder (default: WEIR_MODEL)")
+    serve.add_argument(
+        "--backend",
+        choices=("transformers", "sglang"),
+        default=None,
+        help="sets WEIR_BACKEND, the engine's backend (default: WEIR_BACKEND, else transformers)",
+    )
+
+    prep = command("prep", "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
+    prep.add_argument("dataset", type=Path, help="JSONL or Parquet rows referencing media")
     prep.add_argument("--out", type=Path, required=True, help="output folder: cache/, manifest.parquet, report.json")
     prep.add_argument("--spec", default="qwen2_5_omni", help="qwen2_5_omni, qwen2_5_vl, or a model folder")
-    prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    prep.add_argument("--cache-max-bytes", type=int, default=10 << 30)
+    prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="decoding processes")
+    prep.add_argument("--cache-max-bytes", type=int, default=10 << 30, help="the feature cache's byte budget")
     _add_budget(prep)
 
-    up = sub.add_parser("up", help="start every role locally (embedded defaults); Ctrl-C stops them")
-    up.add_argument("--engines", type=int, default=1)
-    up.add_argument("--model", type=Path, default=None, help="a model folder; default: the tiny model in .weir/model")
-    up.add_argument("--home", type=Path, default=Path(".weir"))
+    up = command("up", "start every role locally (embedded defaults, a generated API token); Ctrl-C stops them")
+    up.add_argument("--engines", type=int, default=1, help="generation engines (ports from the engine's port up)")
+    up.add_argument("--model", type=Path, default=None, help="a model folder (default: the tiny model in HOME/model)")
+    up.add_argument("--home", type=Path, default=Path(".weir"), help="state: model, cache, data, logs, api-token")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        default=BASE_PORT,
+        help="the rollout role's port; every other port moves with it (a second stack: 9100 and another --home)",
+    )
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
 
-    train = sub.add_parser("train", help="start the stack and run the RL loop on a dataset, or on the demo task")
+    train = command("train", "start the stack and run the RL loop on a dataset, or on the demo task")
     source = train.add_mutually_exclusive_group(required=True)
-    source.add_argument("--dataset", type=Path, help='JSONL / Parquet rows: {"messages": [...], "reward": {...}}')
+    source.add_argument(
+        "--dataset",
+        type=Path,
+        help='JSONL / Parquet rows: {"messages": [...], "reward": {...}} (no default: give --dataset or --demo)',
+    )
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     # Unset options take the demo's settings with --demo, the generic ones otherwise (services/training.py).
-    train.add_argument("--mode", choices=("async", "colocate"), default="async")
-    train.add_argument("--steps", type=int, default=None)
-    train.add_argument("--max-staleness", type=int, default=None)
-    train.add_argument("--staleness-policy", choices=("drop", "regenerate"), default="drop")
-    train.add_argument("--n", type=int, default=None)
-    train.add_argument("--groups-per-step", type=int, default=None)
-    train.add_argument("--max-new-tokens", type=int, default=None)
-    train.add_argument("--max-tokens-per-batch", type=int, default=None)
-    train.add_argument("--lr", type=float, default=None)
+    unset = "(default: the demo's with --demo, else the generic one; see services/training.py)"
+    train.add_argument(
+        "--mode", choices=("async", "colocate"), default="async", help="overlap generation and training, or alternate"
+    )
+    train.add_argument("--steps", type=int, default=None, help=f"optimizer steps {unset}")
+    train.add_argument("--max-staleness", type=int, default=None, help=f"policy versions a sample may lag {unset}")
+    train.add_argument(
+        "--staleness-policy",
+        choices=("drop", "regenerate"),
+        default="drop",
+        help="what the data role does with a sample past --max-staleness",
+    )
+    train.add_argument("--n", type=int, default=None, help=f"samples per prompt {unset}")
+    train.add_argument("--groups-per-step", type=int, default=None, help=f"prompts per step {unset}")
+    train.add_argument("--max-new-tokens", type=int, default=None, help=f"response length cap {unset}")
+    train.add_argument("--max-tokens-per-batch", type=int, default=None, help=f"micro-batch token budget {unset}")
+    train.add_argument("--lr", type=float, default=None, help=f"learning rate {unset}")
     train.add_argument(
         "--warmup-steps",
         type=int,
         default=None,
-        help="with --demo: text-only supervised steps teaching the answer format",
+        help=f"with --demo: text-only supervised steps teaching the answer format {unset}",
     )
-    train.add_argument("--checkpoint-every", type=int, default=0)
+    train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
-    train.add_argument("--engines", type=int, default=1)
-    train.add_argument("--home", type=Path, default=Path(".weir"))
-    train.add_argument("--attach", action="store_true", help="use the stack `weir up` runs (same --home) instead")
+    train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
+    train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home (see `weir up --home`)")
+    train.add_argument(
+        "--base-port", type=int, default=BASE_PORT, help="the stack's base port (see `weir up --base-port`)"
+    )
+    train.add_argument(
+        "--attach", action="store_true", help="use the stack `weir up` runs (same --home and --base-port) instead"
+    )
 
-    init = sub.add_parser("init-model", help="write the tiny embedded Qwen2.5-Omni model folder")
-    init.add_argument("folder", type=Path)
-    init.add_argument("--seed", type=int, default=0)
+    init = command("init-model", "write the tiny embedded Qwen2.5-Omni model folder")
+    init.add_argument("folder", type=Path, help="where to write it")
+    init.add_argument("--seed", type=int, default=0, help="weights seed (the same seed, the same model)")
+    init.add_argument(
+        "--if-missing", action="store_true", help="keep a model already in FOLDER (one with a config.json)"
+    )
 
-    demo = sub.add_parser("demo", help="generate a media set and preprocess it (what `make run` runs)")
-    demo.add_argument("--out", type=Path, default=Path(".weir/demo"))
-    demo.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    demo = command("demo", "generate a media set and preprocess it (what `make run` runs)")
+    demo.add_argument("--out", type=Path, default=Path(".weir/demo"), help="output folder")
+    demo.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="decoding processes")
+
+    token = command("token", "write the API token file the roles share (WEIR_API_TOKEN_FILE); an existing one is kept")
+    token.add_argument(
+        "--out", type=Path, required=True, help="the token file, mode 0600 (WEIR_API_TOKEN, when set, is written)"
+    )
+    token.add_argument(
+        "--uid",
+        type=int,
+        default=None,
+        help="give the file to this user id, when run as root for roles running as that user "
+        "(default: the owner stays who wrote it)",
+    )
     return parser
 
 
@@ -111,39 +201,55 @@ def _spec(name: str):  # type: ignore[no-untyped-def]
     return pp.ProcessorSpec.from_pretrained(name)
 
 
+def _role_app(name: str) -> Any:
+    """The role's app from the environment's settings, with logging configured (what each worker runs)."""
+    from .logs import configure_logging
+    from .settings import RoleSettings, load_settings
+
+    role = ROLES[name]
+    settings = load_settings(role.settings_class())
+    configure_logging(settings.log_level if isinstance(settings, RoleSettings) else "info")
+    return role.create_app(settings)
+
+
+def preprocess_app() -> Any:
+    """The preprocess role's app, for uvicorn's worker processes (``--workers N``)."""
+    return _role_app("preprocess")
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    target, default_port = ROLES[args.role]
-    if args.host is not None:
-        os.environ["WEIR_HOST"] = args.host
-    host = os.environ.get("WEIR_HOST", "127.0.0.1")
-    port = args.port or default_port
-    for flag, variable in (("model", "WEIR_MODEL"), ("backend", "WEIR_BACKEND")):
-        if getattr(args, flag) is not None:
-            os.environ[variable] = str(getattr(args, flag))
-    # Settings are validated here, before uvicorn starts, so a bad variable fails fast by name.
-    if args.role == "preprocess":
-        from services.preprocess.settings import PreprocessSettings
+    from .logs import configure_logging
+    from .settings import RoleSettings, load_settings
 
-        PreprocessSettings()
-    elif args.role == "engine":
-        from services.engine.settings import EngineSettings
-
-        EngineSettings()
-    elif args.role == "encoder":
-        from services.encoder.app import EncoderSettings
-
-        EncoderSettings()
-    elif args.role == "data":
-        from services.data.app import DataSettings
-
-        DataSettings()
+    role = ROLES[args.role]
+    if args.workers > 1 and role.name not in WORKER_APPS:
+        print(
+            f"weir serve {role.name}: --workers {args.workers}: the {role.name} role keeps its state in its process, "
+            f"so it runs as one process (--workers is for {', '.join(WORKER_APPS)}); for more engines: "
+            "`weir up --engines N`",
+            file=sys.stderr,
+        )
+        return 2
+    for value, variable in (
+        (args.model, "WEIR_MODEL"),
+        (args.backend, "WEIR_BACKEND"),
+        (args.log_level, "WEIR_LOG_LEVEL"),
+    ):
+        if value is not None:
+            os.environ[variable] = str(value)  # the environment, so worker processes read the same settings
+    host = args.host or os.environ.get("WEIR_HOST", "127.0.0.1")
+    port = args.port or role.port
+    # Checked here, before uvicorn starts, so a bad variable fails at once, by name (SettingsError).
+    settings = load_settings(role.settings_class())
+    level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
+    configure_logging(level)
+    common: dict[str, Any] = {"host": host, "port": port, "log_level": level.lower(), "log_config": None}
+    if args.workers > 1:
+        uvicorn.run(WORKER_APPS[role.name], factory=True, workers=args.workers, **common)
     else:
-        from services.rollout.settings import RolloutSettings
-
-        RolloutSettings()
-    uvicorn.run(target, factory=True, host=host, port=port, workers=args.workers, log_level=args.log_level)
+        uvicorn.run(role.create_app(settings), **common)
     return 0
 
 
@@ -198,16 +304,21 @@ def _up(args: argparse.Namespace) -> int:
     from .console import console
     from .stack import LocalStack
 
-    stack = LocalStack(home=args.home, model=args.model, engines=args.engines)
-    console.print(f"[bold]Starting preprocess, encoder, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
+    stack = LocalStack(home=args.home, model=args.model, engines=args.engines, base_port=args.base_port)
+    console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
     urls = stack.start()
     for role, url in urls.items():
         console.print(f"  {role:<14} {url}")
+    console.print(
+        f"API token: in {stack.token_path} (mode 0600); send 'Authorization: Bearer <token>' "
+        "(OpenAI clients: api_key=<token>)",
+        soft_wrap=True,
+    )
     try:
         if args.demo:
             from .showcase import run_showcase
 
-            run_showcase(urls, args.home / "media")
+            run_showcase(urls, args.home / "media", token=stack.token)
             return 0
         console.print("Ready. Ctrl-C stops every role.")
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -228,22 +339,44 @@ def _train(args: argparse.Namespace) -> int:
     return run_training(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "prep":
-        return _prep(args)
-    if args.command == "up":
-        return _up(args)
-    if args.command == "train":
-        return _train(args)
-    if args.command == "init-model":
-        from encoders.embedded_model import init_model
-
-        print(init_model(args.folder, seed=args.seed))
+def _init_model(args: argparse.Namespace) -> int:
+    if args.if_missing and (args.folder / "config.json").is_file():
+        print(f"{args.folder}: a model is there already; kept")
         return 0
-    return _demo(args)
+    from encoders.embedded_model import init_model
+
+    print(init_model(args.folder, seed=args.seed))
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from .stack import ensure_token
+
+    _, written = ensure_token(args.out, os.environ.get("WEIR_API_TOKEN") or None)
+    if args.uid is not None:
+        os.chown(args.out, args.uid, -1)
+    print(f"API token {'written to' if written else 'kept in'} {args.out}")  # never the token itself
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .settings import SettingsError
+
+    args = build_parser().parse_args(argv)
+    handlers = {
+        "serve": _serve,
+        "prep": _prep,
+        "up": _up,
+        "train": _train,
+        "init-model": _init_model,
+        "demo": _demo,
+        "token": _token,
+    }
+    try:
+        return handlers[args.command](args)
+    except SettingsError as error:  # a bad WEIR_* variable: its name and why, no traceback
+        print(f"weir {args.command} {getattr(args, 'role', '')}".rstrip() + f": {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -11,10 +11,17 @@ import contextvars
 import logging
 import re
 import uuid
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["REQUEST_ID", "RequestIdMiddleware", "configure_logging", "current_request_id"]
+__all__ = [
+    "REQUEST_ID",
+    "RequestIdMiddleware",
+    "configure_logging",
+    "current_request_id",
+    "install_request_id_records",
+]
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("weir_request_id", default=None)
 _VALID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -25,14 +32,24 @@ def current_request_id() -> str | None:
     return REQUEST_ID.get()
 
 
-class _RequestIdFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
+def install_request_id_records() -> None:
+    """Every log record carries ``request_id`` (the current request's, or "-"), whoever handles it."""
+    factory = logging.getLogRecordFactory()
+    if getattr(factory, "_weir", False):
+        return
+
+    def with_request_id(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = factory(*args, **kwargs)
         record.request_id = REQUEST_ID.get() or "-"
-        return True
+        return record
+
+    with_request_id._weir = True  # type: ignore[attr-defined]
+    logging.setLogRecordFactory(with_request_id)
 
 
 def configure_logging(level: str = "info") -> None:
     """Timestamps, level, logger and request id on every line; idempotent (the last level wins)."""
+    install_request_id_records()
     root = logging.getLogger()
     root.setLevel(level.upper())
     for handler in root.handlers:
@@ -41,7 +58,6 @@ def configure_logging(level: str = "info") -> None:
     handler = logging.StreamHandler()
     handler._weir = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter(_FORMAT))
-    handler.addFilter(_RequestIdFilter())
     root.addHandler(handler)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()

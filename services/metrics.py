@@ -22,6 +22,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -66,6 +67,9 @@ class RoleMetrics:
     """The registry of one role's app (tests build many apps in one process, so never the global one)."""
 
     def __init__(self, role: str) -> None:
+        # `_created` timestamps double every series and read as gauges named like counters; scrapers
+        # know a counter's reset from its value going down.
+        disable_created_metrics()
         self.role = role
         self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)

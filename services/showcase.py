@@ -1,4 +1,5 @@
-"""What `weir up --demo` (and so `make run`) shows: a rollout request and an OpenAI chat on the stack."""
+"""What `weir up --demo` (and so `make run`) shows: a rollout request and an OpenAI chat on the stack,
+both sent with the stack's API token."""
 
 from __future__ import annotations
 
@@ -6,12 +7,13 @@ import base64
 from pathlib import Path
 from typing import Any
 
-import httpx
 from rich.table import Table
 
+from experience.records import Group
 from preprocess import samples
 
 from .console import console
+from .http import sync_client
 
 __all__ = ["run_showcase"]
 
@@ -20,7 +22,7 @@ def _data_uri(mime: str, data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def run_showcase(urls: dict[str, str], media: Path) -> dict[str, Any]:
+def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None) -> dict[str, Any]:
     """Send image, video and audio prompts (n=4) and a chat completion; print what came back."""
     import openai
 
@@ -41,29 +43,32 @@ def run_showcase(urls: dict[str, str], media: Path) -> dict[str, Any]:
         ask({"type": "audio_url", "audio_url": {"url": "tone.wav"}}, "Is the tone high or low?", "low"),
     ]
     body = {"prompts": prompts, "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}
-    groups = httpx.post(f"{urls['rollout']}/v1/rollouts", json=body, timeout=300).json()["groups"]
+    with sync_client(urls["rollout"], token=token, timeout=300) as client:
+        response = client.post("/v1/rollouts", json=body)
+    response.raise_for_status()
+    groups = [Group.from_json(g) for g in response.json()["groups"]]
     table = Table(title="POST /v1/rollouts: 3 prompts x n=4 (the tiny model is untrained: expect noise)")
     columns = ("prompt", "media tokens", "ids", "n", "status", "reward", "new", "logprob")
     for column in columns:
         table.add_column(column, no_wrap=True)
     for group in groups:
-        media_tokens = ", ".join(f"{k} {v}" for k, v in group["token_counts"].items() if k != "text")
-        for s in group["samples"]:
-            mean = sum(s["logprobs"]) / max(1, len(s["logprobs"]))
+        media_tokens = ", ".join(f"{k} {v}" for k, v in group.token_counts.items() if k != "text")
+        for s in group.samples:
+            mean = sum(s.logprobs) / max(1, len(s.logprobs))
             cells = (
-                group["prompt_index"],
+                group.prompt_index,
                 media_tokens,
-                len(group["prompt_ids"]),
-                s["index"],
-                s["status"],
-                s["reward"],
-                len(s["response_ids"]),
+                len(group.prompt_ids),
+                s.index,
+                s.status.value,
+                s.reward,
+                len(s.response_ids),
                 f"{mean:.2f}",
             )
             table.add_row(*(str(c) for c in cells))
     console.print(table)
-    client = openai.OpenAI(base_url=f"{urls['rollout']}/v1", api_key="unused")
-    reply = client.chat.completions.create(
+    chat = openai.OpenAI(base_url=f"{urls['rollout']}/v1", api_key=token or "unused")  # sent as the Bearer token
+    reply = chat.chat.completions.create(
         model="weir-tiny-omni",
         max_tokens=16,
         seed=0,

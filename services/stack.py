@@ -1,14 +1,23 @@
 """`weir up`: every role as a local process with embedded defaults, started in order, stopped together.
 
-Roles run as ``weir serve ROLE`` children on localhost (preprocess 8101, encoder 8102, data 8103,
-engines from 30000, rollout 8100) sharing one cache folder; the tiny model is created on first run. Ctrl-C (or
-SIGTERM) stops every child: SIGTERM first, SIGKILL after a grace period.
+Roles run as ``weir serve ROLE`` children on localhost at the ports of the role table
+(`services.roles`: rollout 8100, preprocess 8101, encoder 8102, data 8103, engines from 30000),
+shifted together by ``base_port`` so two stacks can share a host; they share one cache folder, and
+the tiny model is created on first run (roles never create a model themselves). Every role requires
+the stack's API token (`ensure_token`: the one given, or the one kept in ``home/api-token``, or a new
+one written there, mode 0600); callers send `LocalStack.token`. Ctrl-C (or SIGTERM) stops every
+child: SIGTERM first, SIGKILL after a grace period.
+
+Not here: the roles themselves (``services/<role>``), the clients that call them (`services.http`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,11 +27,75 @@ from pathlib import Path
 
 import httpx
 
-__all__ = ["LocalStack"]
+from .roles import BASE_PORT, ROLES
+
+__all__ = ["LocalStack", "ensure_token", "stack_ports"]
+
+TOKEN_FILE = "api-token"  # under the stack's home
+
+
+def _read_token(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def ensure_token(path: Path, given: str | None = None) -> tuple[str, bool]:
+    """The API token kept in ``path`` (mode 0600), and whether this call wrote it.
+
+    ``given`` (a token chosen by the caller) is written there unless it is already what the file
+    holds; without one the token already there is kept, or a new ``secrets.token_urlsafe(32)`` is
+    written. The file is created complete or not at all (written aside, then linked into place), so
+    two processes racing to create it agree on the token.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existing = _read_token(path)
+    if existing is not None and (not given or given == existing):
+        if path.stat().st_mode & 0o077:
+            with contextlib.suppress(PermissionError):  # not ours to tighten: still usable
+                path.chmod(0o600)
+        return existing, False
+    token = given or secrets.token_urlsafe(32)
+    aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    descriptor = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(descriptor, "w") as out:
+            out.write(token + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        if given or path.exists():  # replace what is there (an empty file, or another token)
+            os.replace(aside, path)
+        else:
+            try:
+                os.link(aside, path)  # fails if another process created it meanwhile: use theirs
+            except FileExistsError:
+                return ensure_token(path, given)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(aside)
+    return token, True
+
+
+def stack_ports(base_port: int = BASE_PORT, engines: int = 1) -> list[tuple[str, str, int]]:
+    """``(name, role, port)`` of every process of a stack, in start-up order (the role table's).
+
+    Engines are named by port (``engine-30000``, ``engine-30001``, …); every other process by its role.
+    """
+    plan: list[tuple[str, str, int]] = []
+    for role in ROLES.values():
+        if role.name == "engine":
+            for i in range(engines):
+                port = role.port_at(base_port, i)
+                plan.append((f"engine-{port}", "engine", port))
+        else:
+            plan.append((role.name, role.name, role.port_at(base_port)))
+    return plan
 
 
 def _poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
-    """True once ``url/readyz`` answers 200; False at the deadline or when ``alive()`` turns false."""
+    """True once ``url/readyz`` (open: no token needed) answers 200; False at the deadline or when
+    ``alive()`` turns false."""
     while alive():
         try:
             if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
@@ -32,6 +105,16 @@ def _poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: T
         if time.monotonic() > deadline:
             return False
         time.sleep(0.3)
+    return False
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
     return False
 
 
@@ -49,7 +132,9 @@ class LocalStack:
     model: Path | None = None
     engines: int = 1
     host: str = "127.0.0.1"
+    base_port: int = BASE_PORT  # the rollout role's port; every other port moves with it (`services.roles`)
     env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role (e.g. WEIR_MAX_STALENESS)
+    token: str | None = None  # the API token; set by start() / attach() when not given
     children: list[_Child] = field(default_factory=list)
     launched_env: dict[str, str] = field(default_factory=dict)  # what the roles were started with
 
@@ -57,23 +142,56 @@ class LocalStack:
     def urls(self) -> dict[str, str]:
         return {c.role: c.url for c in self.children}
 
-    def _env(self, model: Path, engine_urls: list[str]) -> dict[str, str]:
+    @property
+    def token_path(self) -> Path:
+        """Where the stack's API token is kept (mode 0600)."""
+        return self.home / TOKEN_FILE
+
+    def _given_token(self) -> str | None:
+        """A token chosen by the caller: the ``token`` field, else ``WEIR_API_TOKEN`` (or the file
+        ``WEIR_API_TOKEN_FILE`` names) in ``env`` or the environment."""
+        if self.token:
+            return self.token
+        variables = {**os.environ, **self.env}
+        if variables.get("WEIR_API_TOKEN"):
+            return variables["WEIR_API_TOKEN"]
+        if variables.get("WEIR_API_TOKEN_FILE"):
+            return _read_token(Path(variables["WEIR_API_TOKEN_FILE"]))
+        return None
+
+    def _url(self, port: int) -> str:
+        return f"http://{self.host}:{port}"
+
+    def _env(self, model: Path, plan: list[tuple[str, str, int]]) -> dict[str, str]:
+        port = {name: p for name, _, p in plan}
         return {
             **os.environ,
             "WEIR_MODEL": str(model),
             "WEIR_CACHE_DIR": str(self.home / "cache"),
             "WEIR_EMBEDDING_CACHE_DIR": str(self.home / "embeddings"),
             "WEIR_MEDIA_ROOTS": str((self.home / "media").resolve()),
-            "WEIR_ENGINE_URLS": ",".join(engine_urls),
-            "WEIR_PREPROCESS_URL": f"http://{self.host}:8101",
-            "WEIR_ENCODER_URL": f"http://{self.host}:8102",
-            "WEIR_DATA_URL": f"http://{self.host}:8103",
+            "WEIR_ENGINE_URLS": ",".join(self._url(p) for _, role, p in plan if role == "engine"),
+            "WEIR_PREPROCESS_URL": self._url(port["preprocess"]),
+            "WEIR_ENCODER_URL": self._url(port["encoder"]),
+            "WEIR_DATA_URL": self._url(port["data"]),
             "WEIR_DATA_DIR": str(self.home / "data"),
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
             **self.env,
+            "WEIR_API_TOKEN": self.token or "",
         }
 
     def start(self, timeout_s: float = 180.0) -> dict[str, str]:
+        """Start every role (creating the tiny model and the token first when missing); their URLs."""
+        plan = stack_ports(self.base_port, self.engines)
+        outside = [f"{name} :{port}" for name, _, port in plan if not 0 < port <= 65535]
+        if outside:
+            raise ValueError(f"base port {self.base_port} puts {', '.join(outside)} outside 1-65535")
+        busy = [f"{name} :{port}" for name, _, port in plan if _port_in_use(self.host, port)]
+        if busy:
+            raise RuntimeError(
+                f"ports already in use on {self.host}: {', '.join(busy)} — another stack? "
+                "Stop it, or start this one elsewhere (--base-port 9100 --home .weir-2)"
+            )
         model = self.model or self.home / "model"
         if not (model / "config.json").is_file():
             from encoders.embedded_model import init_model
@@ -81,14 +199,12 @@ class LocalStack:
             init_model(model)
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         (self.home / "media").mkdir(parents=True, exist_ok=True)
-        engine_ports = [30000 + i for i in range(self.engines)]
-        env = self._env(model, [f"http://{self.host}:{p}" for p in engine_ports])
+        self.token, _ = ensure_token(self.token_path, self._given_token())
+        env = self._env(model, plan)
         self.launched_env = env
-        plan = [("preprocess", 8101), ("encoder", 8102), ("data", 8103)]
-        plan += [("engine", p) for p in engine_ports] + [("rollout", 8100)]
         try:
-            for role, port in plan:
-                self._launch(role, port, env)
+            for name, role, port in plan:
+                self._launch(name, role, port, env)
             for child in self.children:
                 self._wait_ready(child, timeout_s)
         except BaseException:
@@ -96,40 +212,29 @@ class LocalStack:
             raise
         return self.urls
 
-    def _launch(self, role: str, port: int, env: dict[str, str]) -> None:
-        name = role if role != "engine" else f"engine-{port}"
+    def _launch(self, name: str, role: str, port: int, env: dict[str, str]) -> None:
         log = self.home / "logs" / f"{name}.log"
-        command = [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "serve",
-            role,
-            "--host",
-            self.host,
-            "--port",
-            str(port),
-            "--log-level",
-            "warning",
-        ]
+        command = [sys.executable, "-m", "services.cli", "serve", role, "--host", self.host, "--port", str(port)]
+        command += ["--log-level", "warning"]
         with open(log, "wb") as out:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.children.append(_Child(name, f"http://{self.host}:{port}", process, log))
+        self.children.append(_Child(name, self._url(port), process, log))
 
     def attach(self, timeout_s: float = 10.0) -> dict[str, str]:
-        """The URLs of a stack already running on this host's default ports (`weir up`), once each
-        role answers ``/readyz``; nothing is started or stopped."""
-        urls = {
-            "preprocess": f"http://{self.host}:8101",
-            "encoder": f"http://{self.host}:8102",
-            "data": f"http://{self.host}:8103",
-            **{f"engine-{30000 + i}": f"http://{self.host}:{30000 + i}" for i in range(self.engines)},
-            "rollout": f"http://{self.host}:8100",
-        }
+        """The URLs of a stack already running on this host at ``base_port`` (`weir up`, same
+        ``home``), once each role answers ``/readyz``; its token is read from ``home/api-token``.
+        Nothing is started or stopped."""
+        self.token = self._given_token() or _read_token(self.token_path)
+        urls = {name: self._url(port) for name, _, port in stack_ports(self.base_port, self.engines)}
         deadline = time.monotonic() + timeout_s
         for role, url in urls.items():
             if not _poll_ready(url, deadline):
-                raise RuntimeError(f"no ready {role} at {url}: start the stack with `weir up` first")
+                raise RuntimeError(
+                    f"no ready {role} at {url}: start the stack with `weir up` first (same --home and --base-port)"
+                )
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        if httpx.get(f"{urls['rollout']}/metrics", headers=headers, timeout=5).status_code == 401:
+            raise RuntimeError(f"the stack at {urls['rollout']} refused the token in {self.token_path}")
         return urls
 
     def restart(self, role: str, timeout_s: float = 180.0) -> None:
@@ -139,7 +244,7 @@ class LocalStack:
             raise RuntimeError(f"{role} is still running")
         self.children.remove(child)
         port = int(child.url.rsplit(":", 1)[1])
-        self._launch(role.split("-", 1)[0], port, self.launched_env)
+        self._launch(role, role.split("-", 1)[0], port, self.launched_env)
         self._wait_ready(self.children[-1], timeout_s)
 
     @staticmethod

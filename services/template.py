@@ -26,13 +26,16 @@ from fastapi.responses import JSONResponse
 from . import __version__
 from .auth import BearerAuth, BodyLimit
 from .errors import error_body, install_error_handlers
-from .logs import RequestIdMiddleware
+from .logs import RequestIdMiddleware, install_request_id_records
 from .metrics import CONTENT_TYPE_LATEST, RoleMetrics
 from .settings import RoleSettings
 
-__all__ = ["Readiness", "build_app"]
+__all__ = ["ARROW_STREAM", "FEATURE_KEY_PATTERN", "Readiness", "build_app"]
 
 logger = logging.getLogger(__name__)
+
+ARROW_STREAM = "application/vnd.apache.arrow.stream"  # features, embeddings and micro-batches
+FEATURE_KEY_PATTERN = r"^[0-9a-f]{40}$"  # feature and embedding cache keys (sha256 prefixes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +62,8 @@ def build_app(
 ) -> FastAPI:
     """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it."""
     metrics = metrics or RoleMetrics(role)
+    install_request_id_records()
+    access = logging.getLogger(f"services.{role}.access")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,8 +82,10 @@ def build_app(
         start = time.perf_counter()
         response = await call_next(request)
         route = getattr(request.scope.get("route"), "path", "unmatched")
+        elapsed = time.perf_counter() - start
         metrics.requests.labels(route, str(response.status_code)).inc()
-        metrics.latency.labels(route).observe(time.perf_counter() - start)
+        metrics.latency.labels(route).observe(elapsed)
+        access.debug("%s %s → %d in %.3f s", request.method, route, response.status_code, elapsed)
         return response
 
     # Outermost last: the request id is set before anything logs; auth and the size limit hold

@@ -89,7 +89,9 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
     console.print(table)
 
 
-def _warm_up(trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str, str], out: Path) -> None:
+def _warm_up(
+    trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str, str], out: Path, token: str | None
+) -> None:
     """Text-only steps that teach the answer format; then the engines and the encoder get the weights."""
     from trainer.demo_task import warmup_prompts
 
@@ -103,7 +105,12 @@ def _warm_up(trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str
     folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")
     engines = [u for k, u in urls.items() if k.startswith("engine")]
     publish_weights(
-        folder, trainer.policy_version, engine_urls=engines, data_url=urls["data"], encoder_url=urls.get("encoder")
+        folder,
+        trainer.policy_version,
+        engine_urls=engines,
+        data_url=urls["data"],
+        encoder_url=urls.get("encoder"),
+        token=token,
     )
 
 
@@ -140,7 +147,7 @@ def run_training(args: argparse.Namespace) -> int:
         rows, held_out = write_demo_task(args.home / "media")
     else:
         rows = list(iter_rows(args.dataset))
-    stack = LocalStack(home=args.home, engines=args.engines, env=settings)
+    stack = LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
     if args.attach:  # its data role keeps its own settings (staleness) and experience
         urls = stack.attach()
     else:
@@ -151,8 +158,8 @@ def run_training(args: argparse.Namespace) -> int:
             args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
         )
         if args.warmup_steps and not args.resume:
-            _warm_up(trainer, args, urls, out)
-        before = evaluate(urls["rollout"], held_out) if held_out else None
+            _warm_up(trainer, args, urls, out, stack.token)
+        before = evaluate(urls["rollout"], held_out, token=stack.token) if held_out else None
         if before is not None:
             console.print(f"Greedy accuracy on {len(held_out)} held-out pictures before RL: {before:.0%}")
         config = LoopConfig(
@@ -163,13 +170,14 @@ def run_training(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             max_tokens_per_batch=args.max_tokens_per_batch,
             urls=urls,
+            token=stack.token,
             out=out,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
         )
         console.print(f"[bold]RL ({args.mode})[/bold]: {args.steps} steps, n={args.n}, lr={args.lr}")
         records = run_loop(trainer, rows, config, on_step=_show)
-        after = evaluate(urls["rollout"], held_out) if held_out else None
+        after = evaluate(urls["rollout"], held_out, token=stack.token) if held_out else None
         plot = plot_runs({args.mode: records}, out / "reward.png")
         if records:
             _summary(records, before, after, plot)

@@ -7,7 +7,8 @@ what the trainer can use within the staleness bound). ``colocate`` (`RolloutDriv
 one request with the whole batch, returning when its slowest sample has finished.
 
 Prompts whose samples went stale under the data role's ``regenerate`` policy are sent again
-first: group ids carry their dataset row (``r{row}-{random}``) for that.
+first: group ids carry their dataset row (``r{row}-{random}``) for that. Requests carry the
+stack's API token (``token``; None sends none); responses are read as `experience.records.Group`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
+
+from experience.records import Group
 
 __all__ = ["RolloutDriver", "group_id", "row_of"]
 
@@ -53,13 +56,14 @@ class RolloutDriver:
         n: int,
         sampling_params: dict[str, Any],
         in_flight: int,
+        token: str | None = None,
     ) -> None:
         self.rows, self.rollout_url, self.data_url = rows, rollout_url, data_url
         self.n, self.sampling_params, self.in_flight = n, sampling_params, in_flight
         self.regenerated = 0
         self.failures: list[BaseException] = []
         self._order = itertools.cycle(range(len(rows)))
-        self._client = httpx.Client(timeout=600)
+        self._client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -90,7 +94,8 @@ class RolloutDriver:
         body = {"prompts": [{**p, "n": self.n} for p in prompts], "sampling_params": self.sampling_params}
         response = self._client.post(f"{self.rollout_url}/v1/rollouts", json=body)
         response.raise_for_status()
-        return len(response.json()["groups"])
+        groups = [Group.from_json(g) for g in response.json()["groups"]]  # the rollout role's contract, checked
+        return len(groups)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rollout-driver", daemon=True)

@@ -5,6 +5,7 @@ Each batch is packed: the sequences concatenated into one row (``input_ids`` (T,
 ``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``. Call ``ack(batch)``
 after the optimizer step that used it; an unacknowledged batch comes back after its lease.
 With ``inline_media=True`` each sequence's features come with the batch (``FeedBatch.media``).
+``token``: the stack's API token, sent as ``Authorization: Bearer`` (None: nothing is sent).
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class MicroBatchFeed:
         wait_s: float = 10.0,
         max_batches: int | None = None,
         inline_media: bool = False,
+        token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.params: dict[str, str | int | float] = {
@@ -98,7 +100,9 @@ class MicroBatchFeed:
         if inline_media:  # the features travel with the batch: no feature cache needed on this host
             self.params["inline_media"] = "true"
         self.max_batches = max_batches
-        self._client = httpx.Client(timeout=wait_s + 30)
+        self._client = httpx.Client(
+            timeout=wait_s + 30, headers={"Authorization": f"Bearer {token}"} if token else None
+        )
         self._queue: queue.Queue[FeedBatch | BaseException | None] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         # prefetch=0: fetched on demand, so a batch is leased (and its staleness checked) just before

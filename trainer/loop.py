@@ -16,6 +16,7 @@ again on resume — acks are idempotent). A trainer killed at any point and rest
 back to it, batches it had are never trained again.
 
 Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI prints it live).
+Every request carries the stack's API token (``LoopConfig.token``; None sends none).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+
+from experience.records import Group
 
 from .driver import RolloutDriver
 from .feed import FeedBatch, MicroBatchFeed
@@ -52,6 +55,7 @@ class LoopConfig:
     publish_every: int = 1
     temperature: float = 1.0
     urls: dict[str, str] = field(default_factory=dict)  # rollout, data, engine-*, encoder
+    token: str | None = field(default=None, repr=False)  # the stack's API token (`LocalStack.token`)
     out: Path = Path(".weir/train")
     batch_timeout_s: float = 300.0
     checkpoint_every: int = 0  # 0: no checkpoints; batches are acknowledged right after their step
@@ -59,16 +63,21 @@ class LoopConfig:
     consumer: str = "trainer"
 
 
-def evaluate(rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int = 8) -> float:
-    """Mean reward of greedy answers to ``rows`` (not recorded as experience)."""
+def evaluate(
+    rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int = 8, token: str | None = None
+) -> float:
+    """Mean reward of greedy answers to ``rows`` (not recorded as experience); a sample without a
+    reward (it failed) counts as 0."""
     body = {
         "prompts": [{"messages": r["messages"], "reward": r["reward"], "n": 1} for r in rows],
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
         "record": False,
     }
-    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
     response.raise_for_status()
-    rewards = [s["reward"] or 0.0 for g in response.json()["groups"] for s in g["samples"]]
+    groups = [Group.from_json(g) for g in response.json()["groups"]]
+    rewards = [s.reward if s.reward is not None else 0.0 for g in groups for s in g.samples]
     return sum(rewards) / max(1, len(rewards))
 
 
@@ -112,7 +121,8 @@ def run_loop(
     metrics_path = config.out / "metrics.jsonl"
     checkpoint = config.out / "checkpoint"
     records: list[dict[str, Any]] = []
-    client = httpx.Client(timeout=600)
+    token = config.token
+    client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
     counts = {"samples": 0, "tokens": 0}
     driver = RolloutDriver(
         rows,
@@ -121,11 +131,17 @@ def run_loop(
         n=config.n,
         sampling_params={"max_new_tokens": config.max_new_tokens, "temperature": config.temperature},
         in_flight=config.groups_per_step,
+        token=token,
     )
     # Fetched on demand (prefetch=0): each batch is leased, and its staleness checked, right before
     # it is trained, so max_staleness holds exactly. Loopback fetches cost milliseconds.
     feed = MicroBatchFeed(
-        urls["data"], consumer=config.consumer, max_tokens=config.max_tokens_per_batch, wait_s=2.0, prefetch=0
+        urls["data"],
+        consumer=config.consumer,
+        max_tokens=config.max_tokens_per_batch,
+        wait_s=2.0,
+        prefetch=0,
+        token=token,
     )
     per_step = config.samples_per_step or config.groups_per_step * config.n
 
@@ -138,6 +154,7 @@ def run_loop(
             engine_urls=engines,
             data_url=urls.get("data"),
             encoder_url=urls.get("encoder"),
+            token=token,
         )
         for dead in result["unreachable"]:
             engines.remove(dead)

@@ -3,7 +3,8 @@ new policy version to the data role (and new tower weights to the encoder role, 
 
 Engines are told through SGLang's own endpoints, so the same call updates Weir's engine role and a
 plain SGLang server. `NcclWeightSync` is the GPU path (``init_weights_update_group`` /
-``update_weights_from_distributed``): tensors broadcast from the trainer, no files.
+``update_weights_from_distributed``): tensors broadcast from the trainer, no files. Both send the
+stack's API token (``token``) to every role they call; None sends none.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def publish_weights(
     data_url: str | None = None,
     encoder_url: str | None = None,
     timeout_s: float = 300.0,
+    token: str | None = None,
 ) -> dict[str, Any]:
     """Point every reachable engine at ``folder`` as weight version ``version``.
 
@@ -41,7 +43,7 @@ def publish_weights(
     """
     out: dict[str, Any] = {"unreachable": []}
     live: list[str] = []
-    with httpx.Client(timeout=timeout_s) as client:
+    with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None) as client:
         start = time.perf_counter()
         for url in engine_urls:
             try:
@@ -108,12 +110,13 @@ class NcclWeightSync:
         group_name: str = "weight_update_group",
         bucket_bytes: int = 512 << 20,
         timeout_s: float = 600.0,
+        token: str | None = None,
     ) -> None:
         self.engine_urls, self.tp_size, self.group_name = list(engine_urls), tp_size, group_name
         self.master_address, self.master_port = master_address, master_port
         self.world_size = 1 + len(self.engine_urls) * tp_size
         self.bucket_bytes = bucket_bytes
-        self.client = httpx.Client(timeout=timeout_s)
+        self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
 

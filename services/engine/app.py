@@ -1,120 +1,104 @@
-"""The engine role over HTTP: the subset of SGLang 0.5.23's native API that RL systems use.
+"""The engine role over HTTP: the subset of SGLang 0.5's native API that RL systems use.
 
 Same paths, field names and response shapes as SGLang (`POST /generate`, weight updates,
 pause/continue, abort, health, model and server info), so a client written for SGLang works
 unchanged. One documented extension: ``weir_media`` on `/generate` passes the prompt's media by
-key — ``{"type": "image", "feature_key": ...}`` (features from the shared feature cache) or
-``{"type": ..., "embedding_key": ...}`` (embeddings from the encoder role's cache) — in prompt
-order, for ``input_ids`` whose placeholders are already expanded.
+key (`schemas.MediaRef`). Routes only: the engine, sampling, media and their errors are the
+`engines` library's; the shared middle (auth, errors, ``/healthz``, ``/readyz``, ``/metrics``)
+is `services.template`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
+import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any
 
-import torch
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from transformers import AutoTokenizer
 
-import preprocess as pp
-from encoders.embedded_model import ensure_model
-from encoders.embeddings import embedding_from_arrow
+import engines
+from engines import Engine, GenerateRequest, GenerateResult, MediaResolver, SamplingParams, sampling_from
+from experience.records import policy_version_of
 
-from ..errors import ApiError, install_error_handlers
-from ..metrics import scrape_route
-from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
-from .settings import EngineSettings
-from .sglang_backend import SGLangEngine
-from .transformers_backend import TransformersEngine
-
-__all__ = ["create_app"]
-
-# SGLang sampling keys that do not change what is sampled here; accepted and ignored.
-_IGNORED_SAMPLING = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "n"}
-_SUPPORTED_SAMPLING = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "stop",
-    "stop_token_ids",
-    "sampling_seed",
-    "ignore_eos",
-}
-_SGLANG_SAMPLING = (
-    _SUPPORTED_SAMPLING
-    | _IGNORED_SAMPLING
-    | {
-        "stop_regex",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_new_tokens",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "logit_bias",
-        "custom_params",
-        "beam_width",
-        "watermark",
-        "choice",
-    }
+from .. import __version__
+from ..errors import ApiError
+from ..metrics import Figure, RoleMetrics
+from ..settings import load_settings
+from ..template import Readiness, build_app
+from .schemas import (
+    AbortBody,
+    AbortResponse,
+    ContinueBody,
+    ControlResponse,
+    ErrorResponse,
+    GenerateBody,
+    GenerateResponse,
+    ModelInfo,
+    PauseBody,
+    ServerInfo,
+    UpdateWeightsBody,
+    UpdateWeightsResponse,
 )
+from .settings import EngineSettings
+
+__all__ = ["app_factory", "create_app"]
+
+logger = logging.getLogger(__name__)
+
+LIBRARY_ERRORS: Mapping[type[Exception], int] = {
+    engines.EngineError: 400,  # InvalidSampling, InvalidPrompt, InvalidMedia, WeightsError
+    engines.MediaNotFound: 404,
+}
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "malformed JSON; bad sampling params, prompt or media"},
+    404: {"model": ErrorResponse, "description": "a weir_media key is not in its cache"},
+    422: {"model": ErrorResponse, "description": "the body does not match its schema"},
+}
+_BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorResponse, "description": "malformed JSON"},
+    422: _ERRORS[422],
+}
+_WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {
+        "description": "SGLang's refusal (success: false), or malformed JSON",
+        "content": {
+            "application/json": {
+                "schema": {
+                    "anyOf": [
+                        {"$ref": "#/components/schemas/UpdateWeightsResponse"},
+                        {"$ref": "#/components/schemas/ErrorResponse"},
+                    ]
+                }
+            }
+        },
+    },
+    422: _ERRORS[422],
+}
+PROBE_TIMEOUT_S = 10.0  # /readyz: the 1-token probe must finish by then
+PROBE_TTL_S = 5.0  # /readyz: a probe's answer is reused this long, so probing does not load the engine
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-class MediaRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRole:
+    """What the routes share (``app.state.weir``)."""
 
-    type: Literal["image", "video", "audio"]
-    feature_key: str | None = None
-    embedding_key: str | None = None
-
-
-class GenerateBody(BaseModel):
-    """SGLang's `GenerateReqInput`, the single-request form (other SGLang fields are ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    text: str | None = None
-    input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    return_logprob: bool = False
-    return_routed_experts: bool = False
-    rid: str | None = None
-    stream: bool = False
-    weir_media: list[MediaRef] = Field(default_factory=list)
-
-
-def sampling_from(params: dict[str, Any]) -> SamplingParams:
-    unknown = sorted(set(params) - _SGLANG_SAMPLING)
-    if unknown:
-        raise ApiError(400, "unknown_sampling_param", f"unknown sampling_params keys: {unknown}")
-    unsupported = sorted(k for k in set(params) - _SUPPORTED_SAMPLING - _IGNORED_SAMPLING if params[k] is not None)
-    if unsupported:
-        raise ApiError(400, "unsupported_sampling_param", f"this engine does not implement {unsupported}")
-    fields = {k: v for k, v in params.items() if k in _SUPPORTED_SAMPLING and v is not None}
-    if isinstance(fields.get("stop"), str):
-        fields["stop"] = (fields["stop"],)
-    for key in ("stop", "stop_token_ids"):
-        if key in fields:
-            fields[key] = tuple(fields[key])
-    try:
-        return SamplingParams(**fields)
-    except (TypeError, ValueError) as error:
-        raise ApiError(400, "bad_sampling_params", str(error)) from None
+    settings: EngineSettings
+    engine: Engine
+    tokenizer: Any
+    config: dict[str, Any]
+    media: MediaResolver
 
 
 def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> dict[str, Any]:
+    """SGLang's response to one generate request."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -133,106 +117,167 @@ def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> di
     return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
 
 
-class EngineState:
-    def __init__(self, settings: EngineSettings) -> None:
-        self.settings = settings
-        ensure_model(settings.model)
-        self.engine: TransformersEngine | SGLangEngine
-        if settings.backend == "sglang":
-            self.engine = SGLangEngine(settings.model)
-        else:
-            self.engine = TransformersEngine(settings.model, device=settings.device, max_running=settings.max_running)
-        self.tokenizer = AutoTokenizer.from_pretrained(settings.model)
-        self.config = json.loads((settings.model / "config.json").read_text())
-        self.features = pp.FeatureStore(settings.cache_dir, settings.cache_max_bytes)
-        self.embeddings = pp.FeatureStore(settings.embedding_cache_dir, settings.cache_max_bytes)
-
-    def media(self, refs: list[MediaRef]) -> tuple[MediaInput, ...]:
-        out = []
-        for index, ref in enumerate(refs):
-            where = f"weir_media.{index}"
-            if (ref.feature_key is None) == (ref.embedding_key is None):
-                raise ApiError(400, "invalid_request", f"{where}: give exactly one of feature_key, embedding_key")
-            embedding = None
-            feature_key = ref.feature_key
-            if ref.embedding_key is not None:
-                data = self.embeddings.get_bytes(ref.embedding_key)
-                if data is None:
-                    raise ApiError(404, "embedding_not_found", f"{where}: no embedding {ref.embedding_key}")
-                values, meta = embedding_from_arrow(data)
-                embedding, feature_key = torch.from_numpy(values.copy()), meta["feature_key"]
-            features = self.features.get(str(feature_key))
-            if features is None:
-                raise ApiError(404, "features_not_found", f"{where}: no cached features {feature_key}")
-            if features.kind != ref.type:
-                raise ApiError(400, "invalid_request", f"{where}: {feature_key} is {features.kind}, not {ref.type}")
-            item = MediaInput.of(features)
-            if embedding is not None:
-                item = MediaInput(
-                    kind=item.kind,
-                    embedding=embedding,
-                    grid_thw=item.grid_thw,
-                    second_per_grid_t=item.second_per_grid_t,
-                    audio_frames=item.audio_frames,
-                )
-            out.append(item)
-        return tuple(out)
-
-
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
-def create_app(settings: EngineSettings | None = None) -> FastAPI:
-    settings = settings or EngineSettings()
-    state = EngineState(settings)
-    engine = state.engine
+class _Probe:
+    """One-token generations through the engine: does the model answer now? Cached for `PROBE_TTL_S`;
+    concurrent checks share one probe. A paused engine is healthy and ready without a probe."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        engine.close()
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.lock = asyncio.Lock()
+        self.at = -float("inf")
+        self.last = Readiness(False, reason="not probed yet")
 
-    app = FastAPI(title="Weir engine (SGLang-compatible)", version="0.1.0", lifespan=lifespan)
-    app.state.weir = state
-    install_error_handlers(app)
-
-    async def body_of(request: Request, model: type[BaseModel]) -> Any:
+    async def generate(self, timeout: float) -> float:
+        """Seconds one token took; `TimeoutError` when it did not come in ``timeout``."""
+        request = GenerateRequest(
+            input_ids=[0], sampling=SamplingParams(max_new_tokens=1), rid=f"weir-probe-{uuid.uuid4().hex}"
+        )
+        start = time.perf_counter()
         try:
-            return model.model_validate(json.loads(await request.body() or b"{}"))
-        except json.JSONDecodeError as error:
-            raise ApiError(400, "malformed_json", f"the body is not valid JSON: {error}") from None
-        except ValidationError as error:
-            first = error.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
+            await asyncio.wait_for(asyncio.wrap_future(self.engine.submit(request)), timeout)
+        except TimeoutError:
+            self.engine.abort(request.rid)
+            raise
+        return time.perf_counter() - start
 
-    @app.post("/generate")
-    async def generate(request: Request) -> Any:
-        body: GenerateBody = await body_of(request, GenerateBody)
+    async def ready(self) -> Readiness:
+        engine = self.engine
+        if not engine.healthy():
+            return Readiness(False, reason="the engine's scheduler is not running")
+        detail: dict[str, Any] = {"weight_version": engine.weight_version, "running": engine.running}
+        if engine.paused:
+            return Readiness(True, {**detail, "paused": True})
+        async with self.lock:
+            if time.monotonic() - self.at > PROBE_TTL_S:
+                try:
+                    seconds = await self.generate(PROBE_TIMEOUT_S)
+                    self.last = Readiness(True, {"probe_seconds": round(seconds, 4)})
+                except TimeoutError:
+                    self.last = Readiness(False, reason=f"a 1-token probe did not finish in {PROBE_TIMEOUT_S:g}s")
+                self.at = time.monotonic()
+            last = self.last
+        if not last.ready and engine.paused:  # paused while the probe waited
+            return Readiness(True, {**detail, "paused": True})
+        return Readiness(last.ready, {**detail, "paused": False, **last.detail}, last.reason)
+
+
+def _metrics(engine: Engine) -> tuple[RoleMetrics, Callable[[GenerateResult], GenerateResult]]:
+    """The role's metrics, and the function that counts a finished request (and returns it)."""
+    metrics = RoleMetrics("engine")
+    finished = metrics.counter("weir_engine_requests", "Generate requests finished, by finish reason", ["finish"])
+    generated = metrics.counter("weir_engine_generated_tokens", "Tokens generated")
+    prompts = metrics.counter("weir_engine_prompt_tokens", "Prompt tokens of finished requests")
+
+    def counted(result: GenerateResult) -> GenerateResult:
+        finished.labels(str(result.finish_reason.get("type", "unknown"))).inc()
+        generated.inc(result.completion_tokens)
+        prompts.inc(result.prompt_tokens)
+        return result
+
+    def figures() -> dict[str, Figure]:
+        out = {
+            "weir_engine_busy_seconds_total": Figure("counter", "Seconds spent generating", engine.busy_s),
+            "weir_engine_uptime_seconds": Figure(
+                "gauge", "Seconds since the engine started", time.monotonic() - engine.started
+            ),
+            "weir_engine_running_requests": Figure("gauge", "Requests being generated", engine.running),
+            "weir_engine_paused": Figure("gauge", "1 while generation is paused", float(engine.paused)),
+        }
+        try:
+            version = policy_version_of(engine.weight_version)
+        except ValueError:  # a weight version that is not a policy version: no gauge rather than a wrong one
+            return out
+        out["weir_engine_weight_version"] = Figure("gauge", "The weight version served", version)
+        return out
+
+    metrics.scraped(figures)
+    return metrics, counted
+
+
+def create_app(settings: EngineSettings | None = None) -> FastAPI:
+    settings = settings or load_settings(EngineSettings)
+    engine = engines.load_engine(
+        settings.model, backend=settings.backend, device=settings.device, max_running=settings.max_running
+    )
+    role = EngineRole(
+        settings=settings,
+        engine=engine,
+        tokenizer=AutoTokenizer.from_pretrained(settings.model),
+        config=json.loads((settings.model / "config.json").read_text()),
+        media=MediaResolver.open(settings.cache_dir, settings.embedding_cache_dir, settings.cache_max_bytes),
+    )
+    probe = _Probe(engine)
+    metrics, counted = _metrics(engine)
+
+    async def close() -> None:
+        await asyncio.to_thread(engine.close)
+        role.media.close()
+
+    app: FastAPI = build_app(
+        "engine",
+        settings,
+        ready=probe.ready,
+        metrics=metrics,
+        library_errors=LIBRARY_ERRORS,
+        on_close=close,
+        state=role,
+        description=__doc__ or "",
+    )
+
+    @app.post(
+        "/generate",
+        tags=["sglang"],
+        response_model=GenerateResponse,
+        responses={
+            **_ERRORS,
+            200: {"content": {"text/event-stream": {}}, "description": "JSON, or events when stream is true"},
+            504: {"model": ErrorResponse, "description": "not finished within WEIR_REQUEST_TIMEOUT_S"},
+        },
+    )
+    async def generate(body: GenerateBody) -> Any:
+        """Generate for one prompt (SGLang's single-request form)."""
         if (body.text is None) == (body.input_ids is None):
             raise ApiError(400, "invalid_request", "give exactly one of text, input_ids")
-        ids = body.input_ids if body.input_ids is not None else state.tokenizer.encode(body.text or "")
-        generate_request = GenerateRequest(
-            input_ids=list(ids),
-            sampling=sampling_from(body.sampling_params),
-            media=state.media(body.weir_media),
+        sampling = sampling_from(body.sampling_params or {})
+        refs = [
+            engines.MediaRef(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key)
+            for r in body.weir_media
+        ]
+        media = await asyncio.to_thread(role.media.resolve, refs) if refs else ()
+        if body.input_ids is not None:
+            ids = list(body.input_ids)
+        else:
+            ids = list(await asyncio.to_thread(role.tokenizer.encode, body.text or ""))
+        request = GenerateRequest(
+            input_ids=ids,
+            sampling=sampling,
+            media=media,
             rid=body.rid or uuid.uuid4().hex,
             return_routed_experts=body.return_routed_experts,
         )
         start = time.perf_counter()
-        if not body.stream:
-            try:
-                result = await asyncio.wait_for(
-                    asyncio.wrap_future(engine.submit(generate_request)), settings.request_timeout_s
-                )
-            except ValueError as error:
-                raise ApiError(400, "invalid_request", str(error)) from None
-            return result_json(result, logprobs=body.return_logprob, latency=time.perf_counter() - start)
-        return StreamingResponse(_stream(generate_request, body.return_logprob, start), media_type="text/event-stream")
+        if body.stream:
+            return StreamingResponse(_stream(request, body.return_logprob, start), media_type="text/event-stream")
+        future = engine.submit(request)  # a bad prompt is refused here, before any work
+        try:
+            result = await asyncio.wait_for(asyncio.wrap_future(future), settings.request_timeout_s)
+        except TimeoutError:
+            engine.abort(request.rid)
+            raise ApiError(
+                504, "generation_timeout", f"not finished within {settings.request_timeout_s:g}s; aborted"
+            ) from None
+        except asyncio.CancelledError:
+            engine.abort(request.rid)
+            raise
+        return result_json(counted(result), logprobs=body.return_logprob, latency=time.perf_counter() - start)
 
-    async def _stream(request: GenerateRequest, logprobs: bool, start: float) -> AsyncIterator[bytes]:
-        """SGLang's default SSE: cumulative chunks, the finished one, then ``[DONE]``."""
+    def _stream(request: GenerateRequest, logprobs: bool, start: float) -> AsyncIterator[bytes]:
+        """SGLang's default SSE: cumulative chunks, the finished one, then ``[DONE]``. The request is
+        submitted before the response starts, so a bad prompt is a plain 4xx, not an event."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
 
@@ -241,89 +286,99 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
         future = engine.submit(request, on_token=push)
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        ids: list[int] = []
-        lps: list[float] = []
-        while (event := await events.get()) is not None:
-            ids.append(event[0])
-            lps.append(event[1])
-            partial = GenerateResult(
-                rid=request.rid,
-                output_ids=list(ids),
-                output_logprobs=list(lps),
-                finish_reason={},
-                prompt_tokens=len(request.input_ids),
-                weight_version=engine.weight_version,
-                text=str(state.tokenizer.decode(ids, skip_special_tokens=True)),
-            )
-            chunk = result_json(partial, logprobs=logprobs, latency=0.0)
-            chunk["meta_info"]["finish_reason"] = None
-            yield _sse(chunk)
-        try:
-            result = future.result()
-            yield _sse(result_json(result, logprobs=logprobs, latency=time.perf_counter() - start))
-        except ValueError as error:
-            yield _sse({"error": {"code": "invalid_request", "message": str(error)}})
-        yield b"data: [DONE]\n\n"
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights(request: Request) -> JSONResponse:
-        body = json.loads(await request.body() or b"{}")
-        path = body.get("model_path")
-        if not path:
-            return JSONResponse({"success": False, "message": "model_path is required"}, status_code=400)
+        async def chunks() -> AsyncIterator[bytes]:
+            ids: list[int] = []
+            lps: list[float] = []
+            try:
+                while (event := await events.get()) is not None:
+                    ids.append(event[0])
+                    lps.append(event[1])
+                    partial = GenerateResult(
+                        rid=request.rid,
+                        output_ids=list(ids),
+                        output_logprobs=list(lps),
+                        finish_reason={},
+                        prompt_tokens=len(request.input_ids),
+                        weight_version=engine.weight_version,
+                        text=str(role.tokenizer.decode(ids, skip_special_tokens=True)),
+                    )
+                    chunk = result_json(partial, logprobs=logprobs, latency=0.0)
+                    chunk["meta_info"]["finish_reason"] = None
+                    yield _sse(chunk)
+                try:
+                    result = counted(future.result())
+                    yield _sse(result_json(result, logprobs=logprobs, latency=time.perf_counter() - start))
+                except engines.EngineError as error:  # the request's fault, found while generating
+                    yield _sse({"error": {"code": error.code, "message": str(error)}})
+                except Exception:  # noqa: BLE001 - the status line is sent: the failure can only be an event
+                    logger.exception("request %s failed while streaming", request.rid)
+                    yield _sse({"error": {"code": "internal_error", "message": "the engine failed; see its log"}})
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not future.done():  # the client went away: stop generating for it
+                    engine.abort(request.rid)
+
+        return chunks()
+
+    @app.post(
+        "/update_weights_from_disk",
+        tags=["sglang"],
+        response_model=UpdateWeightsResponse,
+        responses=_WEIGHTS_ERRORS,
+    )
+    async def update_weights(body: UpdateWeightsBody) -> Any:
+        """Load new weights from a folder between two decode steps; SGLang's ``success: false`` on failure."""
+        if body.abort_all_requests:
+            engine.abort_all()
         try:
-            version = await asyncio.to_thread(engine.update_weights, path, body.get("weight_version"))
-        except (FileNotFoundError, ValueError) as error:
+            version = await asyncio.to_thread(engine.update_weights, body.model_path, body.weight_version)
+        except engines.WeightsError as error:
             return JSONResponse({"success": False, "message": str(error)}, status_code=400)
-        return JSONResponse(
-            {"success": True, "message": f"weights loaded, version {version}", "num_paused_requests": 0}
-        )
+        return {"success": True, "message": f"weights loaded, version {version}", "num_paused_requests": 0}
 
-    @app.post("/pause_generation")
-    async def pause() -> dict[str, Any]:
-        engine.pause()
+    @app.post("/pause_generation", tags=["sglang"], response_model=ControlResponse, responses=_BODY_ERRORS)
+    async def pause(body: Annotated[PauseBody | None, Body()] = None) -> Any:
+        """Stop generating (between two decode steps); mode ``abort`` aborts running requests first."""
+        if body is not None and body.mode == "abort":
+            engine.abort_all()
+        await asyncio.to_thread(engine.pause)
         return {"success": True, "message": "paused"}
 
-    @app.post("/continue_generation")
-    async def resume() -> dict[str, Any]:
-        engine.resume()
+    @app.post("/continue_generation", tags=["sglang"], response_model=ControlResponse, responses=_BODY_ERRORS)
+    async def resume(body: Annotated[ContinueBody | None, Body()] = None) -> Any:
+        """Continue after `/pause_generation`."""
+        await asyncio.to_thread(engine.resume)
         return {"success": True, "message": "continued"}
 
-    @app.post("/abort_request")
-    async def abort(request: Request) -> JSONResponse:
-        body = json.loads(await request.body() or b"{}")
-        if body.get("abort_all"):
+    @app.post("/abort_request", tags=["sglang"], response_model=AbortResponse, responses=_BODY_ERRORS)
+    async def abort(body: Annotated[AbortBody | None, Body()] = None) -> Any:
+        """Abort one request by ``rid``, or all; an unknown rid is not an error (it may have finished)."""
+        if body is not None and body.abort_all:
             engine.abort_all()
-        elif body.get("rid"):
-            engine.abort(str(body["rid"]))
-        return JSONResponse({})
+        elif body is not None and body.rid:
+            engine.abort(body.rid)
+        return {}
 
-    @app.get("/health")
+    @app.get("/health", tags=["sglang"], responses={503: {"description": "the engine's scheduler stopped"}})
     async def health() -> JSONResponse:
+        """SGLang's liveness probe (open without the token, as SGLang clients probe it)."""
         return JSONResponse({}, status_code=200 if engine.healthy() else 503)
 
-    @app.get("/health_generate")
+    @app.get("/health_generate", tags=["sglang"], responses={503: {"description": "the model does not answer"}})
     async def health_generate() -> JSONResponse:
-        probe = GenerateRequest(input_ids=[0], sampling=SamplingParams(max_new_tokens=1))
+        """A 1-token generation now (a paused engine is healthy: it answers once continued)."""
+        if engine.paused:
+            return JSONResponse({})
         try:
-            await asyncio.wait_for(asyncio.wrap_future(engine.submit(probe)), 20.0)
-        except (TimeoutError, ValueError):
-            return JSONResponse({}, status_code=503)
+            await probe.generate(HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            return JSONResponse({}, status_code=200 if engine.paused else 503)
         return JSONResponse({})
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        return JSONResponse(
-            {"status": "ready" if engine.healthy() else "down"}, status_code=200 if engine.healthy() else 503
-        )
-
-    @app.get("/model_info")
-    async def model_info() -> dict[str, Any]:
-        config = state.config
+    @app.get("/model_info", tags=["sglang"], response_model=ModelInfo)
+    async def model_info() -> Any:
+        config = role.config
         return {
             "model_path": str(settings.model),
             "served_model_name": settings.model.name,
@@ -337,34 +392,24 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             "architectures": list(config.get("architectures") or []),
         }
 
-    def figures() -> dict[str, tuple[Any, ...]]:
-        out: dict[str, tuple[Any, ...]] = {}
-        if isinstance(engine, TransformersEngine):  # SGLang keeps its own metrics (--enable-metrics)
-            out["weir_engine_busy_seconds"] = ("Seconds spent in forward steps", engine.busy_s)
-            out["weir_engine_uptime_seconds"] = ("Seconds since the engine started", time.monotonic() - engine.started)
-            out["weir_engine_running_requests"] = ("Requests being generated", engine.running)
-        if str(engine.weight_version).isdigit():
-            out["weir_engine_weight_version"] = ("The weight version served", int(engine.weight_version))
-        return out
-
-    scrape_route(app, figures)
-
-    @app.get("/server_info")
-    async def server_info() -> dict[str, Any]:
+    @app.get("/server_info", tags=["sglang"], response_model=ServerInfo)
+    async def server_info() -> Any:
+        transformers = settings.backend == "transformers"
         return {
-            "version": "weir-0.1.0",
+            "version": f"weir-{__version__}",
             "backend": settings.backend,
             "model_path": str(settings.model),
-            "device": settings.device,
-            "max_running_requests": settings.max_running,
+            "device": settings.device or ("cpu" if transformers else None),
+            "max_running_requests": settings.max_running or (engines.DEFAULT_MAX_RUNNING if transformers else None),
             "weight_version": engine.weight_version,
             # Weir's addition: how much of its life the engine spent generating (the loop's engine-idle share).
-            "busy_seconds": getattr(engine, "busy_s", None),
-            "uptime_seconds": time.monotonic() - engine.started if hasattr(engine, "started") else None,
+            "busy_seconds": engine.busy_s,
+            "uptime_seconds": time.monotonic() - engine.started,
         }
 
     return app
 
 
 def app_factory() -> FastAPI:
-    return create_app(EngineSettings())
+    """For ``uvicorn --factory`` (``weir serve engine``): settings from the environment."""
+    return create_app(load_settings(EngineSettings))

@@ -1,4 +1,8 @@
-"""Settings of the engine role (``WEIR_*``)."""
+"""Settings of the engine role (``WEIR_*``), checked at start-up.
+
+``WEIR_MODEL`` must name a model folder (a ``config.json`` in it): a mistyped path is an error,
+never a quietly created random model — ``weir up`` and ``weir init-model`` make the tiny one.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +10,30 @@ from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from ..settings import ModelFolder, RoleSettings
 
 __all__ = ["EngineSettings"]
 
 
-class EngineSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
-
-    model: Path = Path(".weir/model")  # a model folder; `weir up` creates the tiny one here
-    backend: Literal["transformers", "sglang"] = "transformers"
-    device: str = "cpu"
-    max_running: int = Field(8, gt=0)
-    cache_dir: Path = Path(".weir/cache")  # the feature cache shared with the preprocess role
-    embedding_cache_dir: Path = Path(".weir/embeddings")  # shared with the encoder role
-    cache_max_bytes: int = Field(10 << 30, gt=0)
-    request_timeout_s: float = Field(600.0, gt=0)
+class EngineSettings(RoleSettings):
+    model: ModelFolder = Field(
+        Path(".weir/model"), description="the model folder served (a Qwen2.5-Omni thinker for transformers)"
+    )
+    backend: Literal["transformers", "sglang"] = Field(
+        "transformers", description="transformers (CPU, or a GPU without SGLang) or sglang (in-process, CUDA)"
+    )
+    device: str | None = Field(
+        None, description="torch device; default cpu for transformers, SGLang's own choice for sglang"
+    )
+    max_running: int | None = Field(
+        None, gt=0, description="requests generated at once; default 8 for transformers, SGLang's own for sglang"
+    )
+    cache_dir: Path = Field(Path(".weir/cache"), description="the feature cache shared with the preprocess role")
+    embedding_cache_dir: Path = Field(
+        Path(".weir/embeddings"), description="the embedding cache shared with the encoder role"
+    )
+    cache_max_bytes: int = Field(10 << 30, gt=0, description="byte budget of each of the two caches")
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="a /generate that has not finished by then is aborted (504 generation_timeout)"
+    )

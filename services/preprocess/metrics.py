@@ -1,39 +1,34 @@
-"""Prometheus metrics of the preprocess role, on a registry per app (tests build many apps)."""
+"""The preprocess role's instruments, on its app's `RoleMetrics` registry (tests build many apps)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Mapping
+
+import preprocess as pp
+
+from ..metrics import Figure, RoleMetrics
 
 __all__ = ["PreprocessMetrics"]
 
 
 class PreprocessMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "weir_preprocess_requests",
-            "Requests by endpoint and status",
-            ["endpoint", "status"],
-            registry=self.registry,
+    def __init__(self, metrics: RoleMetrics, store: pp.FeatureStore) -> None:
+        self.tokens_planned = metrics.counter(
+            "weir_preprocess_tokens_planned", "Tokens planned from headers", ["type"]
         )
-        self.latency = Histogram(
-            "weir_preprocess_request_seconds",
-            "Request latency by endpoint",
-            ["endpoint"],
-            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
-            registry=self.registry,
+        self.tokens_produced = metrics.counter(
+            "weir_preprocess_tokens_produced", "Tokens of features produced or served", ["type"]
         )
-        self.tokens_planned = Counter(
-            "weir_preprocess_tokens_planned", "Tokens planned from headers", ["type"], registry=self.registry
-        )
-        self.tokens_produced = Counter(
-            "weir_preprocess_tokens_produced", "Tokens of features produced or served", ["type"], registry=self.registry
-        )
-        self.items_failed = Counter(
-            "weir_preprocess_items_failed", "Items refused, by error code", ["code"], registry=self.registry
-        )
-        self.cache_hits = Counter("weir_cache_hits", "Feature cache hits", registry=self.registry)
-        self.cache_misses = Counter("weir_cache_misses", "Feature cache misses", registry=self.registry)
-        self.cache_bytes = Gauge("weir_cache_bytes", "Bytes of published cache entries", registry=self.registry)
-        self.cache_entries = Gauge("weir_cache_entries", "Published cache entries", registry=self.registry)
-        self.cache_evictions = Gauge("weir_cache_evictions", "Shards evicted by this process", registry=self.registry)
+        self.items_failed = metrics.counter("weir_preprocess_items_failed", "Items refused, by error code", ["code"])
+        self.cache_hits = metrics.counter("weir_cache_hits", "Feature cache hits")
+        self.cache_misses = metrics.counter("weir_cache_misses", "Feature cache misses")
+
+        def cache() -> Mapping[str, Figure]:
+            stats = store.stats()
+            return {
+                "weir_cache_bytes": Figure("gauge", "Bytes of published cache entries", stats.bytes),
+                "weir_cache_entries": Figure("gauge", "Published cache entries", stats.entries),
+                "weir_cache_evictions_total": Figure("counter", "Shards evicted by this process", stats.evictions),
+            }
+
+        metrics.scraped(cache)

@@ -5,21 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
 
 import preprocess as pp
+
+from ..settings import RoleSettings
 
 __all__ = ["PreprocessSettings"]
 
 
-class PreprocessSettings(BaseSettings):
+class PreprocessSettings(RoleSettings):
     """Every field is ``WEIR_<NAME>``; defaults serve the embedded (laptop) mode."""
 
-    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
-
-    host: str = "127.0.0.1"
-    port: int = Field(8101, ge=1, le=65535)
     cache_dir: Path = Path(".weir/cache")
     cache_max_bytes: int = Field(10 << 30, gt=0)
     # Processor spec: a model folder with preprocessor_config.json, or a named preset.
@@ -31,10 +29,8 @@ class PreprocessSettings(BaseSettings):
     allow_private_urls: bool = False
     url_max_bytes: int = Field(64 << 20, gt=0)
     url_timeout_s: float = Field(10.0, gt=0)
-    max_body_bytes: int = Field(256 << 20, gt=0)
     max_item_bytes: int = Field(128 << 20, gt=0)
     max_items: int = Field(64, gt=0)
-    api_token: SecretStr | None = None
     # Default budget, applied when a request names none.
     max_image_tokens: int | None = Field(None, gt=0)
     max_video_tokens: int | None = Field(None, gt=0)

@@ -1,1 +1,8 @@
-"""The rollout role: rollout requests and OpenAI-compatible chat over preprocess + engines."""
+"""The rollout role over HTTP: `create_app(settings)`; routes in `app.py`, the rollout itself in `rollout`."""
+
+from __future__ import annotations
+
+from .app import create_app
+from .settings import RolloutSettings
+
+__all__ = ["RolloutSettings", "create_app"]

@@ -1,10 +1,11 @@
-"""The rollout role: `POST /v1/rollouts` (groups of trajectories) and OpenAI-compatible chat.
+"""The rollout role's routes: `POST /v1/rollouts`, OpenAI-compatible chat, the model and reward lists.
 
-Per prompt: its media go to the preprocess role (planned, decoded once, cached), the chat template
-is applied and each placeholder expanded to the exact token count, the ``n`` samples go to the
-engines (media by feature key), rewards are computed, and the finished group is returned — streamed
-as NDJSON the moment it finishes when asked, with no request-wide barrier — and appended to the
-experience sink.
+`create_app(settings)` builds the role's `rollout.RolloutContext` once (clients that carry the API
+token and the request id to the preprocess, encoder, engine and data roles; the reward registry; the
+admission bounds; the rollout function named by ``WEIR_ROLLOUT_FUNCTION``) and adds routes to the
+shared app shape (`services.template.build_app`). The rollout itself — preprocessing, dispatch,
+rewards, groups — is the `rollout` library's; this module checks requests, streams answers and
+keeps the role's metrics.
 """
 
 from __future__ import annotations
@@ -14,470 +15,343 @@ import contextlib
 import json
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from encoders.embedded_model import ensure_model
+from engines.errors import InvalidSampling
+from engines.sampling import sampling_from
+from experience.records import Group, SampleStatus
+from rollout import chat
+from rollout.admission import Admission
+from rollout.dispatch import Dispatcher
+from rollout.errors import (
+    EngineRefused,
+    EnginesUnavailable,
+    ExperienceRefused,
+    InvalidPrompt,
+    MediaRefused,
+    Overloaded,
+    RolloutError,
+    UnknownReward,
+    UpstreamUnavailable,
+    WorkTooLarge,
+)
+from rollout.group import PromptSpec, RolloutContext, RolloutFunction, chat_samples, run_prompt
+from rollout.plugins import load_coroutine_function
+from rollout.prompts import PromptBuilder
+from rollout.rewards import BUILTIN_REWARDS, RewardRegistry
+from rollout.rewards import RewardSpec as LibraryRewardSpec
+from rollout.sink import HttpSink, JsonlSink, Sink
 
-from ..engine.app import sampling_from
-from ..errors import ApiError, install_error_handlers
-from ..metrics import scrape_route
-from .dispatch import Dispatcher, EngineEndpoint
-from .prompts import PromptBuilder, parse_messages
-from .rewards import RewardSpec, compute_reward
+from ..errors import ApiError, error_body
+from ..http import async_client
+from ..metrics import RoleMetrics
+from ..settings import load_settings
+from ..template import Readiness, build_app
+from .schemas import (
+    UNSUPPORTED_CHAT_PARAMETERS,
+    ChatCompletion,
+    ChatRequest,
+    ModelCard,
+    ModelList,
+    RewardSpec,
+    RolloutPrompt,
+    RolloutRequest,
+    RolloutResponse,
+)
 from .settings import RolloutSettings
-from .sink import HttpSink, JsonlSink
 
-__all__ = ["create_app"]
+__all__ = ["app_factory", "create_app"]
 
 logger = logging.getLogger(__name__)
 
-_REWARD_TIMEOUT_S = 30.0
+NDJSON = "application/x-ndjson"
+
+LIBRARY_ERRORS: dict[type[Exception], int] = {
+    RolloutError: 500,
+    InvalidPrompt: 400,
+    WorkTooLarge: 413,
+    UnknownReward: 400,
+    MediaRefused: 502,  # answered with the preprocess role's own status (see _media_refused)
+    EngineRefused: 400,
+    Overloaded: 429,
+    EnginesUnavailable: 503,
+    UpstreamUnavailable: 503,
+    ExperienceRefused: 502,
+    InvalidSampling: 400,
+}
 
 
-class RolloutPrompt(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class RolloutMetrics:
+    """The role's own figures (requests and latency by route come from the template)."""
 
-    messages: list[Any]
-    n: int = Field(1, ge=1)
-    reward: RewardSpec = Field(default_factory=RewardSpec)
-    id: str | None = None
-    sampling_params: dict[str, Any] | None = None  # overrides the request's, for this prompt only
-
-
-class RolloutRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    prompts: list[RolloutPrompt] = Field(min_length=1)
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
-    budget: dict[str, Any] | None = None
-    stream: bool = False
-    record: bool = True  # False: an evaluation, not experience (nothing goes to the sink or the data role)
-
-
-class ChatRequest(BaseModel):
-    """The OpenAI chat-completions request (fields this service does not use are ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    messages: list[Any]
-    n: int = Field(1, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    logprobs: bool = False
-    stream: bool = False
-
-
-@dataclass(slots=True)
-class Prepared:
-    prompt_ids: list[int]
-    media: list[dict[str, str]]  # engine `weir_media` refs, in prompt order
-    inline: list[dict[str, str]]  # the same media as given (for a plain SGLang engine)
-    routed_experts: bool  # ask MoE engines for routing (R3: rollout routing replay)
-    feature_keys: list[str]
-    token_counts: dict[str, int]
-    preprocess_s: float
-
-
-def _validated(model: type[BaseModel], payload: Any) -> Any:
-    try:
-        return model.model_validate(payload)
-    except ValidationError as error:
-        first = error.errors()[0]
-        where = ".".join(str(p) for p in first["loc"])
-        raise ApiError(400, "invalid_request", f"{where}: {first['msg']}") from None
-
-
-class RolloutState:
-    def __init__(self, settings: RolloutSettings) -> None:
-        self.settings = settings
-        ensure_model(settings.model)
-        self.prompts = PromptBuilder(settings.model)
-        config = json.loads((Path(settings.model) / "config.json").read_text())
-        text = config.get("text_config", config)
-        self.context = int(text.get("max_position_embeddings", 32768))
-        self.dispatcher = Dispatcher(settings.engine_urls, timeout_s=settings.request_timeout_s)
-        self.sink: JsonlSink | HttpSink = (
-            HttpSink(settings.data_url) if settings.data_url else JsonlSink(settings.experience_path)
+    def __init__(self, metrics: RoleMetrics, admission: Admission) -> None:
+        self.groups = metrics.counter("weir_rollout_groups", "Groups finished")
+        self.samples = metrics.counter("weir_rollout_samples", "Samples finished, by status", ["status"])
+        for status in SampleStatus:
+            self.samples.labels(status.value)
+        # A histogram, not a counter: a custom reward may be negative, and a counter cannot go down. Its
+        # _sum is the reward sum of ok samples, its _count how many were rewarded. (Negative buckets
+        # would make prometheus_client drop the _sum: a negative reward counts in le="0.0".)
+        self.rewards = metrics.histogram(
+            "weir_rollout_reward", "Rewards of ok samples", buckets=(0.0, 0.25, 0.5, 0.75, 1.0)
         )
-        self.preprocess = httpx.AsyncClient(base_url=settings.preprocess_url, timeout=settings.request_timeout_s)
-        self.encoder = (
-            httpx.AsyncClient(base_url=settings.encoder_url, timeout=settings.request_timeout_s)
-            if settings.encoder_url
-            else None
-        )
-        self.inflight_tokens = 0
-        self.inflight_bytes = 0
-        self.groups_done = 0
-        self.samples_by_status: dict[str, int] = {"ok": 0, "failed": 0, "aborted": 0}
-        self.reward_sum = 0.0
+        self.group_seconds = metrics.histogram("weir_rollout_group_seconds", "Time to roll out one group")
+        inflight = metrics.gauge("weir_rollout_inflight_media_tokens", "Media tokens (x n) admitted and not finished")
+        inflight.set_function(lambda: admission.media_tokens)
+        inflight_bytes = metrics.gauge("weir_rollout_inflight_bytes", "Request bytes admitted and not finished")
+        inflight_bytes.set_function(lambda: admission.bytes)
 
-    async def prepare(self, messages: list[Any], where: str, budget: dict[str, Any] | None) -> Prepared:
-        template, items = parse_messages(messages, where)
-        start = time.perf_counter()
-        results: list[dict[str, Any]] = []
-        if items:
-            payload: dict[str, Any] = {"items": items}
-            if budget:
-                payload["budget"] = budget
-            try:
-                response = await self.preprocess.post("/v1/preprocess", json=payload)
-            except httpx.HTTPError as error:
-                raise ApiError(503, "preprocess_unavailable", f"the preprocess role did not answer: {error}") from None
-            if response.status_code >= 400:
-                refusal = response.json().get("error", {})
-                index = refusal.get("item")
-                at = f"{where} media item {index}" if index is not None else where
-                status = response.status_code if response.status_code < 500 else 502
-                raise ApiError(status, refusal.get("code", "media_refused"), f"{at}: {refusal.get('message')}")
-            results = response.json()["items"]
-        media = [(r["type"], int(r["num_tokens"])) for r in results]
-        ids = self.prompts.build(template, media)
-        counts = {"text": len(ids) - sum(n for _, n in media)}
-        for kind, n in media:
-            counts[kind] = counts.get(kind, 0) + n
-        return Prepared(
-            prompt_ids=ids,
-            media=await self.media_refs(results),
-            inline=items,
-            routed_experts=self.settings.return_routed_experts,
-            feature_keys=[r["key"] for r in results],
-            token_counts=counts,
-            preprocess_s=time.perf_counter() - start,
-        )
-
-    async def media_refs(self, results: list[dict[str, Any]]) -> list[dict[str, str]]:
-        """Engine refs for the media: embedding keys from the encoder role when there is one (each
-        unique item encoded once per weights version), else feature keys (the engine encodes)."""
-        refs = [{"type": r["type"], "feature_key": r["key"]} for r in results]
-        if not results or self.encoder is None:
-            return refs
-        try:
-            response = await self.encoder.post("/v1/encode", json={"feature_keys": [r["key"] for r in results]})
-            response.raise_for_status()
-        except httpx.HTTPError as error:
-            logger.warning("encoder role unavailable (%s): engines will encode", error)
-            return refs
-        items = response.json()["items"]
-        return [
-            {"type": r["type"], "embedding_key": item["embedding_key"]} for r, item in zip(results, items, strict=True)
-        ]
-
-    @contextlib.contextmanager
-    def admitted(self, tokens: int, nbytes: int):  # type: ignore[no-untyped-def]
-        """Bounds on in-flight multimodal tokens and request bytes: over them, 429, never host OOM."""
-        s = self.settings
-        if (
-            self.inflight_tokens + tokens > s.max_inflight_media_tokens
-            or self.inflight_bytes + nbytes > s.max_inflight_bytes
-        ):
-            raise ApiError(
-                429, "overloaded", "too much multimodal work in flight; retry shortly", headers={"Retry-After": "1"}
-            )
-        self.inflight_tokens += tokens
-        self.inflight_bytes += nbytes
-        try:
-            yield
-        finally:
-            self.inflight_tokens -= tokens
-            self.inflight_bytes -= nbytes
-
-    def check_context(self, prepared: Prepared, max_new_tokens: int, where: str) -> None:
-        if len(prepared.prompt_ids) + max_new_tokens > self.context:
-            raise ApiError(
-                400,
-                "max_tokens_beyond_context",
-                f"{where}: {len(prepared.prompt_ids)} prompt + {max_new_tokens} new tokens exceed the "
-                f"context of {self.context}",
-            )
-
-    async def sample(self, prepared: Prepared, sampling: dict[str, Any], *, group: str, index: int) -> dict[str, Any]:
-        start = time.perf_counter()
-        rid = f"{group}-{index}"
-        try:
-            out = await self.dispatcher.generate(
-                lambda engine: engine_body(engine, prepared, sampling, rid), group=group
-            )
-        except ApiError as error:
-            return {
-                "index": index,
-                "status": "failed",
-                "error": f"{error.code}: {error.message}",
-                "response_ids": [],
-                "logprobs": [],
-                "text": "",
-                "reward": None,
-                "finish_reason": None,
-                "weight_version": None,
-                "timings": {"generate_s": time.perf_counter() - start},
-            }
-        meta = out["meta_info"]
-        return {
-            "index": index,
-            "status": "aborted" if meta["finish_reason"]["type"] == "abort" else "ok",
-            "error": None,
-            "response_ids": out["output_ids"],
-            "logprobs": [lp for lp, _, _ in meta.get("output_token_logprobs", [])],
-            "routed_experts": meta.get("routed_experts"),
-            "text": out["text"],
-            "reward": None,
-            "finish_reason": meta["finish_reason"],
-            "weight_version": meta["weight_version"],
-            "timings": {"generate_s": time.perf_counter() - start},
-        }
-
-    async def rollout_group(self, prompt: RolloutPrompt, index: int, request: RolloutRequest) -> dict[str, Any]:
-        start = time.perf_counter()
-        where = f"prompts[{index}].messages"
-        sampling = {**request.sampling_params, **(prompt.sampling_params or {})}
-        sampling.setdefault("max_new_tokens", self.settings.default_max_tokens)
-        prepared = await self.prepare(prompt.messages, where, request.budget)
-        self.check_context(prepared, int(sampling["max_new_tokens"]), f"prompts[{index}]")
-        group = prompt.id or uuid.uuid4().hex
-        media_tokens = sum(v for k, v in prepared.token_counts.items() if k != "text")
-        with self.admitted(media_tokens * prompt.n, 0):
-            generate_start = time.perf_counter()
-            samples = await asyncio.gather(
-                *(self.sample(prepared, sampling, group=group, index=i) for i in range(prompt.n))
-            )
-        for sample in samples:
-            if sample["status"] != "ok":
-                continue
-            context = {
-                "prompt_index": index,
-                "sample_index": sample["index"],
-                "finish_reason": sample["finish_reason"],
-                "response_ids": sample["response_ids"],
-            }
-            try:
-                sample["reward"] = await asyncio.wait_for(
-                    asyncio.to_thread(compute_reward, prompt.reward, sample["text"], context), _REWARD_TIMEOUT_S
-                )
-            except Exception as error:  # noqa: BLE001 - a failing reward marks its sample, not the group
-                sample["status"], sample["error"] = "failed", f"reward: {type(error).__name__}: {error}"
-        result = {
-            "group_id": group,
-            "prompt_index": index,
-            "prompt_ids": prepared.prompt_ids,
-            "feature_keys": prepared.feature_keys,
-            "token_counts": prepared.token_counts,
-            "samples": samples,
-            "timings": {
-                "preprocess_s": prepared.preprocess_s,
-                "generate_s": time.perf_counter() - generate_start,
-                "total_s": time.perf_counter() - start,
-            },
-        }
-        self.groups_done += 1
-        for sample in samples:
-            self.samples_by_status[sample["status"]] = self.samples_by_status.get(sample["status"], 0) + 1
-            self.reward_sum += float(sample["reward"] or 0.0) if sample["status"] == "ok" else 0.0
-        if request.record:
-            await asyncio.to_thread(self.sink.append, result)
-        return result
-
-    async def close(self) -> None:
-        await self.dispatcher.close()
-        await self.preprocess.aclose()
-        if self.encoder is not None:
-            await self.encoder.aclose()
+    def finished(self, group: Group, seconds: float) -> None:
+        self.groups.inc()
+        self.group_seconds.observe(seconds)
+        for sample in group.samples:
+            self.samples.labels(sample.status.value).inc()
+            if sample.status is SampleStatus.OK and sample.reward is not None:
+                self.rewards.observe(sample.reward)
 
 
-def engine_body(engine: EngineEndpoint, prepared: Prepared, sampling: dict[str, Any], rid: str) -> dict[str, Any]:
-    """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
-    server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
-    paths the server can read), which SGLang's own processor turns into the same token counts."""
-    body: dict[str, Any] = {
-        "input_ids": prepared.prompt_ids,
-        "sampling_params": sampling,
-        "return_logprob": True,
-        "rid": rid,
-        "return_routed_experts": prepared.routed_experts,
+def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]:
+    """The rollout context for ``settings``, and the HTTP clients to close with the app."""
+    token, timeout = settings.token, settings.request_timeout_s
+    engines = async_client(token=token, timeout=timeout)
+    preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
+    encoder = async_client(settings.encoder_url, token=token, timeout=timeout) if settings.encoder_url else None
+    clients: list[Any] = [engines, preprocess, *([encoder] if encoder is not None else [])]
+    sink: Sink
+    if settings.data_url:
+        data = async_client(settings.data_url, token=token, timeout=timeout)
+        clients.append(data)
+        sink = HttpSink(data, retry_s=settings.sink_retry_s)
+    else:
+        sink = JsonlSink(settings.experience_path)
+    context = RolloutContext(
+        prompts=PromptBuilder(settings.model),
+        dispatcher=Dispatcher(
+            settings.engine_urls,
+            timeout_s=timeout,
+            client=engines,
+            max_per_engine=settings.max_per_engine,
+            cooldown_s=settings.engine_cooldown_s,
+        ),
+        preprocess=preprocess,
+        encoder=encoder,
+        sink=sink,
+        rewards=RewardRegistry.load(settings.reward_functions),
+        admission=Admission(max_media_tokens=settings.max_inflight_media_tokens, max_bytes=settings.max_inflight_bytes),
+        default_max_tokens=settings.default_max_tokens,
+        return_routed_experts=settings.return_routed_experts,
+        reward_timeout_s=settings.reward_timeout_s,
+    )
+    return context, clients
+
+
+def _library_reward(spec: RewardSpec) -> LibraryRewardSpec:
+    return LibraryRewardSpec(type=spec.type, answer=spec.answer, function=spec.function)
+
+
+def _prompt_sampling(request: RolloutRequest, prompt: RolloutPrompt, default_max_tokens: int) -> dict[str, Any]:
+    sampling = {**request.sampling_params, **(prompt.sampling_params or {})}
+    if sampling.get("max_new_tokens") is None:  # absent or null: the role's default, not SGLang's
+        sampling["max_new_tokens"] = default_max_tokens
+    return sampling
+
+
+def _unsupported(body: ChatRequest) -> str | None:
+    """The first OpenAI field set to something this role would otherwise silently ignore."""
+    neutral: dict[str, tuple[Any, ...]] = {
+        "frequency_penalty": (0, 0.0),
+        "presence_penalty": (0, 0.0),
+        "top_logprobs": (0,),
+        "logit_bias": ({},),
+        "modalities": (["text"],),
+        "response_format": ({"type": "text"},),
+        "tools": ([],),
+        "functions": ([],),
+        "tool_choice": ("none",),
     }
-    if engine.kind == "weir":
-        body["weir_media"] = prepared.media
-        return body
-    for item in prepared.inline:
-        source = item.get("data") or item.get("url") or f"file://{item['path']}"
-        body.setdefault(f"{item['type']}_data", []).append(source)
-    return body
-
-
-def _finish(reason: dict[str, Any] | None) -> str:
-    return "length" if reason and reason.get("type") == "length" else "stop"
+    for name in UNSUPPORTED_CHAT_PARAMETERS:
+        value = getattr(body, name)
+        if value is not None and not any(value == n and type(value) is type(n) for n in neutral.get(name, ())):
+            return name
+    return None
 
 
 def create_app(settings: RolloutSettings | None = None) -> FastAPI:
-    settings = settings or RolloutSettings()
-    state = RolloutState(settings)
+    settings = settings or load_settings(RolloutSettings)
+    context, clients = build_context(settings)
+    function: RolloutFunction = load_coroutine_function(settings.rollout_function)  # type: ignore[assignment]
+    metrics = RoleMetrics("rollout")
+    figures = RolloutMetrics(metrics, context.admission)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        yield
-        await state.close()
+    async def ready() -> Readiness:
+        up = await context.dispatcher.probe(settings.health_timeout_s)
+        if not up:
+            return Readiness(False, {"engines": []}, reason="no engine answers GET /health")
+        return Readiness(True, {"engines": [e.url for e in up]})
 
-    app = FastAPI(title="Weir rollout", version="0.1.0", lifespan=lifespan)
-    app.state.weir = state
-    install_error_handlers(app)
+    async def close() -> None:
+        await context.close()
+        for client in clients:
+            await client.aclose()
 
-    async def payload_of(request: Request) -> tuple[Any, int]:
-        body = await request.body()
-        try:
-            return json.loads(body), len(body)
-        except json.JSONDecodeError as error:
-            raise ApiError(400, "malformed_json", f"the body is not valid JSON: {error}") from None
-
-    @app.post("/v1/rollouts")
-    async def rollouts(request: Request) -> Any:
-        payload, nbytes = await payload_of(request)
-        body: RolloutRequest = _validated(RolloutRequest, payload)
-        for i, prompt in enumerate(body.prompts):
-            if prompt.n > settings.max_n:
-                raise ApiError(400, "n_out_of_range", f"prompts[{i}].n: at most {settings.max_n}")
-        for prompt in body.prompts:  # validate once, before any work
-            sampling_from({**body.sampling_params, **(prompt.sampling_params or {})})
-        admission = contextlib.ExitStack()
-        admission.enter_context(state.admitted(0, nbytes))
-        tasks = [asyncio.ensure_future(state.rollout_group(p, i, body)) for i, p in enumerate(body.prompts)]
-        if not body.stream:
-            with admission:
-                return {"groups": await asyncio.gather(*tasks)}
-
-        async def lines() -> AsyncIterator[bytes]:
-            with admission:  # held until the last group is out, not just until the stream starts
-                for finished in asyncio.as_completed(tasks):
-                    try:
-                        group = await finished
-                    except ApiError as error:
-                        group = {"error": {"code": error.code, "message": error.message}}
-                    yield (json.dumps(group) + "\n").encode()
-
-        return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Any:
-        payload, nbytes = await payload_of(request)
-        body: ChatRequest = _validated(ChatRequest, payload)
-        if body.n > settings.max_n:
-            raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}")
-        with state.admitted(0, nbytes):
-            prepared = await state.prepare(body.messages, "messages", None)
-            limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            max_new = (
-                limit
-                if limit is not None
-                else min(settings.default_max_tokens, state.context - len(prepared.prompt_ids))
-            )
-            state.check_context(prepared, max_new, "max_tokens")
-            sampling: dict[str, Any] = {"max_new_tokens": max_new, "temperature": body.temperature, "top_p": body.top_p}
-            if body.stop is not None:
-                sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-            if body.seed is not None:
-                sampling["sampling_seed"] = body.seed
-            group = uuid.uuid4().hex
-            samples = await asyncio.gather(
-                *(state.sample(prepared, sampling, group=group, index=i) for i in range(body.n))
-            )
-        failed = [s for s in samples if s["status"] == "failed"]
-        if failed:
-            raise ApiError(503, "engines_unavailable", failed[0]["error"])
-        created, model = int(time.time()), body.model or settings.served_model_name
-        tokenizer = state.prompts.tokenizer
-        choices = []
-        for s in samples:
-            logprobs = None
-            if body.logprobs:
-                content = []
-                for token, lp in zip(s["response_ids"], s["logprobs"], strict=True):
-                    piece = str(tokenizer.decode([token]))
-                    content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []})
-                logprobs = {"content": content}
-            choices.append(
-                {
-                    "index": s["index"],
-                    "message": {"role": "assistant", "content": s["text"]},
-                    "logprobs": logprobs,
-                    "finish_reason": _finish(s["finish_reason"]),
-                }
-            )
-        completion = sum(len(s["response_ids"]) for s in samples)
-        usage = {
-            "prompt_tokens": len(prepared.prompt_ids),
-            "completion_tokens": completion,
-            "total_tokens": len(prepared.prompt_ids) + completion,
-        }
-        cid = f"chatcmpl-{group}"
-        if not body.stream:
-            return {
-                "id": cid,
-                "object": "chat.completion",
-                "created": created,
-                "model": model,
-                "choices": choices,
-                "usage": usage,
-            }
-
-        async def events() -> AsyncIterator[bytes]:
-            def chunk(delta: dict[str, Any], index: int, finish: str | None) -> bytes:
-                data = {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}],
-                }
-                return f"data: {json.dumps(data)}\n\n".encode()
-
-            for choice in choices:
-                yield chunk({"role": "assistant", "content": ""}, choice["index"], None)
-                yield chunk({"content": choice["message"]["content"]}, choice["index"], None)
-                yield chunk({}, choice["index"], choice["finish_reason"])
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "weir"}],
-        }
-
-    scrape_route(
-        app,
-        lambda: {
-            "weir_rollout_groups": ("Groups finished", state.groups_done),
-            "weir_rollout_samples": ("Samples finished, by status", state.samples_by_status, "status"),
-            "weir_rollout_reward_sum": ("Sum of the rewards of ok samples", state.reward_sum),
-            "weir_rollout_inflight_media_tokens": ("Media tokens admitted and not finished", state.inflight_tokens),
-        },
+    app = build_app(
+        "rollout",
+        settings,
+        ready=ready,
+        metrics=metrics,
+        library_errors=LIBRARY_ERRORS,
+        on_close=close,
+        state=context,
+        description="Rollout requests (groups of rewarded trajectories) and OpenAI-compatible chat over the "
+        "preprocess, encoder and engine roles.",
     )
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
+    @app.exception_handler(MediaRefused)
+    async def _media_refused(_: Request, exc: MediaRefused) -> JSONResponse:
+        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
 
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        up = [e.url for e in state.dispatcher.engines if e.available]
-        status = 200 if up else 503
-        return JSONResponse({"status": "ready" if up else "no_engine", "engines": up}, status_code=status)
+    @app.exception_handler(Overloaded)
+    async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+        headers = {"Retry-After": str(exc.retry_after_s)}
+        return JSONResponse(error_body(exc.code, exc.message), status_code=429, headers=headers)
+
+    async def body_bytes(request: Request) -> int:
+        return len(await request.body())  # already read by FastAPI's body parsing (and bounded by BodyLimit)
+
+    def check_rollout(body: RolloutRequest) -> list[tuple[PromptSpec, dict[str, Any]]]:
+        """Every prompt checked before any work starts: n, reward, sampling."""
+        if len(body.prompts) > settings.max_prompts:
+            raise ApiError(400, "too_many_prompts", f"prompts: at most {settings.max_prompts}", field="prompts")
+        checked = []
+        for i, prompt in enumerate(body.prompts):
+            if prompt.n > settings.max_n:
+                raise InvalidPrompt(f"prompts[{i}].n: at most {settings.max_n}", code="n_out_of_range")
+            reward = _library_reward(prompt.reward)
+            context.rewards.check(reward)
+            sampling = _prompt_sampling(body, prompt, settings.default_max_tokens)
+            sampling_from(sampling)
+            spec = PromptSpec(
+                messages=[m.model_dump() for m in prompt.messages], n=prompt.n, reward=reward, group_id=prompt.id
+            )
+            checked.append((spec, sampling))
+        return checked
+
+    async def one_group(spec: PromptSpec, index: int, sampling: dict[str, Any], body: RolloutRequest) -> Group:
+        start = time.perf_counter()
+        group = await run_prompt(
+            context,
+            function,
+            spec,
+            index=index,
+            sampling=sampling,
+            budget=body.budget.model_dump(exclude_none=True) if body.budget else None,
+            record=body.record,
+        )
+        figures.finished(group, time.perf_counter() - start)
+        return group
+
+    @app.post(
+        "/v1/rollouts",
+        response_model=RolloutResponse,
+        responses={
+            200: {
+                "description": "the groups (JSON), or with stream=true one group (or error) per NDJSON line",
+                "content": {NDJSON: {}},
+            }
+        },
+    )
+    async def rollouts(body: RolloutRequest, request: Request) -> Any:
+        """Roll out every prompt: ``n`` samples each, rewarded; each group recorded unless ``record`` is false."""
+        checked = check_rollout(body)
+        held = contextlib.ExitStack()  # the request's bytes, held until its last group is out
+        held.enter_context(context.admission.admit(nbytes=await body_bytes(request)))
+        tasks = [asyncio.ensure_future(one_group(s, i, sampling, body)) for i, (s, sampling) in enumerate(checked)]
+        if body.stream:
+            return StreamingResponse(_lines(tasks, held), media_type=NDJSON)
+        with held:
+            try:
+                groups = await asyncio.gather(*tasks)
+            finally:  # one group's error fails the request: the others stop
+                for task in tasks:
+                    task.cancel()
+        return JSONResponse({"groups": [g.to_json() for g in groups]})
+
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletion, responses={200: {"content": {"text/event-stream": {}}}}
+    )
+    async def chat_completions(body: ChatRequest, request: Request) -> Any:
+        """OpenAI-compatible chat completion (streamed as server-sent events with ``stream``)."""
+        refused = _unsupported(body)
+        if refused is not None:
+            raise ApiError(
+                400, "unsupported_parameter", f"{refused}: {UNSUPPORTED_CHAT_PARAMETERS[refused]}", field=refused
+            )
+        if body.n > settings.max_n:
+            raise InvalidPrompt(f"n: at most {settings.max_n}", code="n_out_of_range")
+        sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
+        if body.stop is not None:
+            sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+        if body.seed is not None:
+            sampling["sampling_seed"] = body.seed
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        with context.admission.admit(nbytes=await body_bytes(request)):
+            group_id, prepared, samples = await chat_samples(
+                context, [m.model_dump() for m in body.messages], n=body.n, sampling=sampling, max_tokens=limit
+            )
+        whole = chat.completion(
+            samples,
+            completion_id=f"chatcmpl-{group_id}",
+            created=int(time.time()),
+            model=body.model or settings.served_model_name,
+            prompt_tokens=len(prepared.prompt_ids),
+            token_text=context.prompts.token_text if body.logprobs else None,
+        )
+        if not body.stream:
+            return JSONResponse(whole)
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        events = chat.sse_events(chat.stream_chunks(whole, include_usage=include_usage))
+        return StreamingResponse(_iterate(events), media_type="text/event-stream")
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        """The one model this role serves (OpenAI's model list)."""
+        return ModelList(data=[ModelCard(id=settings.served_model_name)])
+
+    @app.get("/v1/rewards")
+    async def rewards() -> dict[str, list[str]]:
+        """The reward types a request may use, and the custom functions registered at start-up."""
+        return {"builtin": [*BUILTIN_REWARDS, "custom"], "registered": context.rewards.names}
 
     return app
 
 
+async def _iterate(events: Iterator[bytes]) -> AsyncIterator[bytes]:
+    for event in events:
+        yield event
+
+
+async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitStack) -> AsyncIterator[bytes]:
+    """Each group as one NDJSON line the moment it finishes; a group that failed is an error line."""
+    with held:
+        try:
+            for finished in asyncio.as_completed(tasks):
+                try:
+                    line: dict[str, Any] = (await finished).to_json()
+                except (RolloutError, InvalidSampling) as error:
+                    line = error_body(error.code, str(error))
+                except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
+                    logger.exception("a group failed while streaming")
+                    line = error_body("internal_error", "the service failed on this group; see its log")
+                yield (json.dumps(line) + "\n").encode()
+        finally:  # a client that went away stops the groups still running
+            for task in tasks:
+                task.cancel()
+
+
 def app_factory() -> FastAPI:
-    return create_app(RolloutSettings())
+    """Entry for ``uvicorn --factory``: settings from the environment."""
+    return create_app(load_settings(RolloutSettings))

@@ -1,37 +1,151 @@
-"""Settings of the rollout role (``WEIR_*``)."""
+"""Settings of the rollout role: ``WEIR_*`` variables, checked when built (a bad value names its variable).
+
+Code is chosen here and only here: ``WEIR_REWARD_FUNCTIONS`` and ``WEIR_ROLLOUT_FUNCTION`` are
+imported and checked at construction, so a spec that does not import stops the role at start-up
+instead of failing its first request.
+"""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic_settings import NoDecode
+
+from rollout.group import DEFAULT_ROLLOUT_FUNCTION
+from rollout.plugins import check_name, load_callable, load_coroutine_function, parse_named_specs
+from rollout.rewards import BUILTIN_REWARDS
+
+from ..settings import ModelFolder, RoleSettings
 
 __all__ = ["RolloutSettings"]
 
+_URL = r"^https?://[^\s/?#]+(?:/[^\s?#]*)?$"
 
-class RolloutSettings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="WEIR_", extra="ignore")
 
-    model: Path = Path(".weir/model")  # tokenizer and chat template come from here
-    served_model_name: str = "weir-tiny-omni"
-    engine_urls: Annotated[list[str], NoDecode] = ["http://127.0.0.1:30000"]
-    preprocess_url: str = "http://127.0.0.1:8101"
-    # The encoder role: media go to Weir engines as cached embeddings (one tower forward per unique
-    # item per weights version). Empty: engines run the towers themselves, per sample.
-    encoder_url: str = ""
-    # Ask engines for the experts each token was routed to (MoE models; SGLang's R3 capture).
-    return_routed_experts: bool = False
-    experience_path: Path = Path(".weir/experience.jsonl")  # used when there is no data role
-    data_url: str = ""  # the data role: finished groups are appended there
-    request_timeout_s: float = Field(300.0, gt=0)
-    max_n: int = Field(64, gt=0)
-    max_inflight_media_tokens: int = Field(1_000_000, gt=0)
-    max_inflight_bytes: int = Field(1 << 30, gt=0)
-    default_max_tokens: int = Field(256, gt=0)
+class RolloutSettings(RoleSettings):
+    """Every field is ``WEIR_<NAME>``; defaults serve the embedded (laptop) mode."""
+
+    model: ModelFolder = Field(
+        Path(".weir/model"),
+        description="the model folder the tokenizer, chat template and context length come from "
+        "(must hold config.json; `weir init-model DIR` writes the embedded one)",
+    )
+    served_model_name: str = Field(
+        "weir-tiny-omni", min_length=1, max_length=128, description="the model id /v1/models lists"
+    )
+    engine_urls: Annotated[list[str], NoDecode] = Field(
+        ["http://127.0.0.1:30000"],
+        min_length=1,
+        description="comma-separated engine URLs: Weir engine roles (http://host:port), or plain SGLang "
+        "servers as sglang+http://host:port (media sent inline)",
+    )
+    preprocess_url: str = Field("http://127.0.0.1:8101", pattern=_URL, description="the preprocess role")
+    encoder_url: str | None = Field(
+        None,
+        description="the encoder role: media reach Weir engines as cached embeddings (one tower forward per "
+        "unique item per weights version); empty: engines run the towers themselves, per sample",
+    )
+    data_url: str | None = Field(
+        None, description="the data role: finished groups are appended there; empty: to experience_path"
+    )
+    experience_path: Path = Field(
+        Path(".weir/experience.jsonl"), description="the JSONL file finished groups go to when there is no data role"
+    )
+    return_routed_experts: bool = Field(
+        False, description="ask engines for the experts each token was routed to (MoE models; SGLang's R3)"
+    )
+    request_timeout_s: float = Field(
+        300.0, gt=0, le=86_400, description="the longest any call to another role (one engine call) may take"
+    )
+    health_timeout_s: float = Field(2.0, gt=0, le=60, description="the engine health probe of /readyz")
+    reward_timeout_s: float = Field(30.0, gt=0, le=3600, description="the longest one sample's reward may take")
+    sink_retry_s: float = Field(
+        60.0, ge=0, le=3600, description="how long a group is retried on a data role that does not answer"
+    )
+    engine_cooldown_s: float = Field(5.0, ge=0, le=3600, description="how long a failed engine sits out")
+    max_per_engine: int = Field(
+        64, gt=0, le=100_000, description="outstanding requests per engine before a group's affinity yields"
+    )
+    max_n: int = Field(64, gt=0, le=4096, description="the most samples per prompt (n)")
+    max_prompts: int = Field(1024, gt=0, le=100_000, description="the most prompts per rollout request")
+    max_inflight_media_tokens: int = Field(
+        1_000_000, gt=0, description="media tokens (× n) in flight across requests; over it: 429 overloaded"
+    )
+    max_inflight_bytes: int = Field(
+        1 << 30, gt=0, description="request bytes in flight across requests; over it: 429 overloaded"
+    )
+    default_max_tokens: int = Field(
+        256, gt=0, le=1 << 20, description="max_new_tokens when a request gives none (chat: within the context)"
+    )
+    reward_functions: Annotated[dict[str, str], NoDecode] = Field(
+        {},
+        description="custom reward functions a request may name, comma-separated name=package.module:function "
+        "(each called as function(response: str, reference: str | None, sample: Mapping) -> float); "
+        "installed entry points of the group 'weir.rewards' are registered too",
+    )
+    rollout_function: str = Field(
+        DEFAULT_ROLLOUT_FUNCTION,
+        description="package.module:function run for each prompt of POST /v1/rollouts: "
+        "async def f(ctx: rollout.RolloutContext, prompt: rollout.PromptSpec, /, *, index: int, "
+        "sampling: dict, budget: dict | None) -> experience.Group",
+    )
 
     @field_validator("engine_urls", mode="before")
     @classmethod
-    def _split(cls, value: object) -> object:
-        return [u for u in value.split(",") if u] if isinstance(value, str) else value
+    def _split_urls(cls, value: object) -> object:
+        return [u.strip() for u in value.split(",") if u.strip()] if isinstance(value, str) else value
+
+    @field_validator("engine_urls")
+    @classmethod
+    def _engine_urls(cls, value: list[str]) -> list[str]:
+        for url in value:
+            if not re.match(_URL, url.removeprefix("sglang+")):
+                raise ValueError(f"WEIR_ENGINE_URLS: {url!r} is not http(s)://host:port or sglang+http(s)://host:port")
+        return value
+
+    @field_validator("encoder_url", "data_url", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if value == "" else value
+
+    @field_validator("encoder_url", "data_url")
+    @classmethod
+    def _role_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(_URL, value):
+            raise ValueError(f"{value!r} is not an http(s) URL")
+        return value
+
+    @field_validator("reward_functions", mode="before")
+    @classmethod
+    def _parse_rewards(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return parse_named_specs(value)
+            except ValueError as error:
+                raise ValueError(f"WEIR_REWARD_FUNCTIONS: {error}") from None
+        return value
+
+    @field_validator("reward_functions")
+    @classmethod
+    def _rewards_import(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, spec in value.items():
+            try:
+                check_name(name)
+                if name in (*BUILTIN_REWARDS, "custom"):
+                    raise ValueError(f"{name!r} is a built-in reward type; give the function another name")
+                load_callable(spec)
+            except ValueError as error:
+                raise ValueError(f"WEIR_REWARD_FUNCTIONS: {error}") from None
+        return value
+
+    @field_validator("rollout_function")
+    @classmethod
+    def _rollout_function_imports(cls, value: str) -> str:
+        try:
+            load_coroutine_function(value)
+        except ValueError as error:
+            raise ValueError(f"WEIR_ROLLOUT_FUNCTION: {error}") from None
+        return value

@@ -49,9 +49,9 @@ from report import Goals, arguments, emit, environment, rounded
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import preprocess as pp  # noqa: E402
+from experience import ExperienceStore, Group, microbatch_to_arrow  # noqa: E402
 from services.data.app import DataSettings  # noqa: E402
 from services.data.app import create_app as data_app  # noqa: E402
-from services.data.store import ExperienceStore, samples_to_arrow  # noqa: E402
 from services.stack import LocalStack  # noqa: E402
 from tests.services.conftest import RunningServer  # noqa: E402
 from trainer.feed import MicroBatchFeed, pack  # noqa: E402
@@ -148,21 +148,23 @@ def _filled_store(root: Path, groups: int) -> ExperienceStore:
     store = ExperienceStore(root)
     for g in range(groups):
         store.append(
-            {
-                "group_id": f"g{g}",
-                "prompt_ids": list(range(512)),
-                "samples": [
-                    {
-                        "index": i,
-                        "response_ids": list(range(512)),
-                        "logprobs": [-0.5] * 512,
-                        "reward": float(i % 2),
-                        "weight_version": "0",
-                        "status": "ok",
-                    }
-                    for i in range(8)
-                ],
-            }
+            Group.from_json(
+                {
+                    "group_id": f"g{g}",
+                    "prompt_ids": list(range(512)),
+                    "samples": [
+                        {
+                            "index": i,
+                            "response_ids": list(range(512)),
+                            "logprobs": [-0.5] * 512,
+                            "reward": float(i % 2),
+                            "policy_version": 0,
+                            "status": "ok",
+                        }
+                        for i in range(8)
+                    ],
+                }
+            )
         )
     return store
 
@@ -197,7 +199,7 @@ def bench_feed(groups: int, max_tokens: int) -> None:
         store = _filled_store(Path(root) / "peer", groups)
         payloads = []
         while (batch := store.lease("peer", max_tokens=max_tokens)) is not None:
-            payloads.append(samples_to_arrow(batch, {"consumer": "peer"}))
+            payloads.append(microbatch_to_arrow(batch, {"consumer": "peer"}))
             store.ack(batch.batch_id)
         peer_s, peer_bytes = _socket_peer(payloads)
         _filled_store(Path(root) / "served", groups)

@@ -63,6 +63,7 @@ import preprocess as pp
 from encoders.embedded_model import init_model
 from encoders.embeddings import Encoder
 from encoders.towers import Towers
+from experience.records import Group
 from preprocess import samples
 from services.stack import LocalStack
 
@@ -219,16 +220,16 @@ def bench_rollout_throughput(urls: dict[str, str], engines: int, start_s: float,
             start = time.perf_counter()
             result = post_json(client, url, body)
             walls.append(time.perf_counter() - start)
-            groups = result["groups"]
-            sample_list = [s for g in groups for s in g["samples"]]
+            groups = [Group.from_json(g) for g in result["groups"]]
+            sample_list = [s for g in groups for s in g.samples]
             if len(sample_list) != expected:
                 raise RuntimeError(f"expected {expected} samples, got {len(sample_list)}")
-            statuses.update(s["status"] for s in sample_list)
-            tokens.append(sum(len(s["response_ids"]) for s in sample_list))
+            statuses.update(s.status.value for s in sample_list)
+            tokens.append(sum(len(s.response_ids) for s in sample_list))
             for group in groups:
-                group_generate_s.append(group["timings"]["generate_s"])
-                if "image" in group["token_counts"]:
-                    image_preprocess_s.append(group["timings"]["preprocess_s"])
+                group_generate_s.append(group.timings["generate_s"])
+                if "image" in group.token_counts:
+                    image_preprocess_s.append(group.timings["preprocess_s"])
     record: dict[str, Any] = {
         "bench": "rollout_throughput",
         "engines": engines,
@@ -497,11 +498,11 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
     chat_body = {"messages": messages, "max_tokens": OVERHEAD_MAX_NEW, "temperature": 0.0}
     outputs: dict[str, list[int]] = {}
     with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
-        first = post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0]
-        prompt_ids: list[int] = first["prompt_ids"]
+        first = Group.from_json(post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0])
+        prompt_ids: list[int] = first.prompt_ids
 
         def direct() -> int:
-            # What the rollout role sends an engine for this prompt (see RolloutState.sample).
+            # What the rollout role sends an engine for this prompt (see rollout.group.engine_body).
             body = {
                 "input_ids": prompt_ids,
                 "sampling_params": {"max_new_tokens": OVERHEAD_MAX_NEW, "temperature": 0.0, "top_p": 1.0},
@@ -517,9 +518,8 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
             return tokens
 
         def rollouts() -> int:
-            ids: list[int] = post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0]["samples"][0][
-                "response_ids"
-            ]
+            group = Group.from_json(post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0])
+            ids: list[int] = group.samples[0].response_ids
             outputs["rollout_rollouts"] = ids
             return len(ids)
 

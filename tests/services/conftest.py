@@ -70,3 +70,50 @@ def serve(tmp_path: Path) -> Iterator[Callable[..., tuple[RunningServer, httpx.C
     for server, client in started:
         client.close()
         server.__exit__()
+
+
+@pytest.fixture(scope="session")
+def live_roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Every role of the table on loopback, wired to each other as `weir up` wires them, with the tiny
+    model made locally; no token (tests of the token build their own). Shared by the session's tests
+    that only read from it or add their own groups, prompts and media."""
+    from encoders.embedded_model import init_model
+    from services.data.app import create_app as data_app
+    from services.data.settings import DataSettings
+    from services.encoder.app import create_app as encoder_app
+    from services.encoder.settings import EncoderSettings
+    from services.engine.app import create_app as engine_app
+    from services.engine.settings import EngineSettings
+    from services.rollout.app import create_app as rollout_app
+    from services.rollout.settings import RolloutSettings
+
+    root = tmp_path_factory.mktemp("live-roles")
+    model = init_model(root / "model")
+    (root / "media").mkdir()
+    caches = {"cache_dir": root / "cache", "embedding_cache_dir": root / "emb"}
+    servers: dict[str, RunningServer] = {
+        "preprocess": RunningServer(
+            create_app(PreprocessSettings(cache_dir=root / "cache", media_roots=[root / "media"]))
+        ),
+        "encoder": RunningServer(encoder_app(EncoderSettings(model=model, **caches))),
+        "engine": RunningServer(engine_app(EngineSettings(model=model, **caches))),
+        "data": RunningServer(data_app(DataSettings(data_dir=root / "data", lease_s=5, max_wait_s=0.2))),
+    }
+    for server in servers.values():
+        server.__enter__()
+    servers["rollout"] = RunningServer(
+        rollout_app(
+            RolloutSettings(
+                model=model,
+                engine_urls=[servers["engine"].url],
+                preprocess_url=servers["preprocess"].url,
+                encoder_url=servers["encoder"].url,
+                data_url=servers["data"].url,
+                request_timeout_s=60,
+                max_n=4,
+            )
+        )
+    ).__enter__()
+    yield {name: server.url for name, server in servers.items()}
+    for server in servers.values():
+        server.__exit__()

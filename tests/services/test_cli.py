@@ -1,9 +1,12 @@
-"""The `weir` command: the server command really starts; the dataset job writes cache and report."""
+"""The `weir` command: the server command really starts, bad settings stop it by name; every option shows its
+default; the dataset job writes cache and report; the token file is private and kept."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -15,7 +18,9 @@ import pytest
 
 import preprocess as pp
 from preprocess import samples
+from services import __version__
 from services.cli import build_parser, main
+from services.roles import ROLES
 
 from .conftest import free_port
 
@@ -51,7 +56,7 @@ def test_bad_settings_fail_fast_by_name(tmp_path: Path) -> None:
     env = {**os.environ, "WEIR_CACHE_MAX_BYTES": "lots"}
     cmd = [sys.executable, "-m", "services.cli", "serve", "preprocess", "--port", str(free_port())]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode != 0 and "cache_max_bytes" in done.stderr
+    assert done.returncode != 0 and "WEIR_CACHE_MAX_BYTES" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_prep_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,3 +110,68 @@ def test_train_refuses_the_demo_warm_up_on_another_dataset(tmp_path: Path) -> No
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert main(["train", "--dataset", str(dataset), "--warmup-steps", "3", "--home", str(tmp_path / "w")]) == 2
+
+
+def _weir(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``weir ARGS`` in a fresh interpreter (what a user, compose or `weir up` runs)."""
+    command = [sys.executable, "-m", "services.cli", *args]
+    return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+
+
+def test_version() -> None:
+    done = _weir("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"weir {__version__}"
+
+
+def test_every_option_of_every_command_shows_its_default() -> None:
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert set(commands) == {"serve", "prep", "up", "train", "init-model", "demo", "token"}
+    for name, command in commands.items():
+        formatter = command._get_formatter()
+        for action in command._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            assert action.help, f"weir {name} {action.dest}: no help text"
+            text = formatter._expand_help(action)
+            if action.option_strings and action.nargs != 0 and not action.required:
+                assert "default" in text and "(default: None)" not in text, f"weir {name} {action.dest}: {text}"
+        assert "(default: None)" not in command.format_help(), name
+    serve = commands["serve"].format_help()
+    assert all(f"{role.name} {role.port}" in " ".join(serve.split()) for role in ROLES.values())
+
+
+def test_a_bad_variable_stops_serve_by_name_without_a_traceback(tmp_path: Path) -> None:
+    done = _weir(
+        "serve", "data", "--port", str(free_port()), env={"WEIR_LEASE_S": "-1", "WEIR_DATA_DIR": str(tmp_path)}
+    )
+    assert done.returncode != 0
+    assert "WEIR_LEASE_S" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_engine_refuses_a_model_folder_that_is_not_there(tmp_path: Path) -> None:
+    done = _weir("serve", "engine", "--port", str(free_port()), env={"WEIR_MODEL": str(tmp_path / "nonexistent")})
+    assert done.returncode != 0
+    assert "WEIR_MODEL" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_serve_refuses_workers_for_a_role_that_keeps_state_in_its_process() -> None:
+    done = _weir("serve", "data", "--workers", "2", "--port", str(free_port()))
+    assert done.returncode == 2 and "one" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_token_file_is_private_and_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "secrets" / "api-token"
+    monkeypatch.delenv("WEIR_API_TOKEN", raising=False)
+    assert main(["token", "--out", str(path)]) == 0
+    token = path.read_text().strip()
+    assert len(token) >= 40 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert main(["token", "--out", str(path)]) == 0  # a restart keeps it
+    assert path.read_text().strip() == token
+    monkeypatch.setenv("WEIR_API_TOKEN", "chosen-token")  # one given on the host is what the roles get
+    assert main(["token", "--out", str(path)]) == 0
+    assert path.read_text().strip() == "chosen-token" and stat.S_IMODE(path.stat().st_mode) == 0o600
+    out = capsys.readouterr().out
+    assert token not in out and "chosen-token" not in out  # where it is, never what it is

@@ -1,12 +1,15 @@
-"""Static checks of the container files: docker-compose.yml, Dockerfile and pyproject.toml agree.
+"""Static checks of the container files: docker-compose.yml, .env, Dockerfile and pyproject.toml agree
+with each other and with the role table (services/roles.py).
 
 No Docker engine runs on the CI machines, so nothing here builds or starts a container. The compose file is
 validated against the Compose Specification schema from ../shared/schemas, each service's command is parsed
-by the project's own CLI parser, and the Dockerfile is read as text.
+by the project's own CLI parser (ports, roles and backends are read from the parsed commands), and the
+Dockerfile is read as text.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import tomllib
@@ -18,8 +21,11 @@ import pytest
 import yaml
 from jsonschema import Draft7Validator
 
+from services.roles import ROLES
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
+DOTENV = REPO / ".env"
 DOCKERFILE = REPO / "Dockerfile"
 PYPROJECT = REPO / "pyproject.toml"
 COMPOSE_SCHEMA = REPO.parent / "shared" / "schemas" / "compose-spec.json"
@@ -77,18 +83,146 @@ def test_service_commands_are_accepted_by_the_cli() -> None:
             pytest.fail(f"service {name!r}: `weir` rejects the arguments {command[1:]} (exit {exc.code})")
 
 
-def test_healthcheck_probes_readyz_on_the_served_port() -> None:
+def role_services() -> dict[str, tuple[str, argparse.Namespace]]:
+    """Every service that serves a role: name → (role, its parsed `weir serve` command)."""
+    from services.cli import build_parser
+
+    found = {}
     for name, service in services().items():
-        port = int(option_value(command_of(name, service), "--port"))
-        test = service.get("healthcheck", {}).get("test")
+        args = build_parser().parse_args(command_of(name, service)[1:])
+        if args.command == "serve":
+            found[name] = (args.role, args)
+    return found
+
+
+def one_shot(command: str) -> tuple[str, dict[str, Any], argparse.Namespace]:
+    """The one service running ``weir COMMAND``: (name, service, parsed command)."""
+    from services.cli import build_parser
+
+    found = []
+    for name, service in services().items():
+        args = build_parser().parse_args(command_of(name, service)[1:])
+        if args.command == command:
+            found.append((name, service, args))
+    assert len(found) == 1, f"expected one service running `weir {command}`, found {[f[0] for f in found]}"
+    return found[0]
+
+
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ``${VAR:-default}`` / ``${VAR}`` with ``env`` (empty: the defaults)."""
+    env = env or {}
+    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m[1]) or (m[2] or ""), value)
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    """target → (source, mode) of the service's short-syntax volumes."""
+    out = {}
+    for entry in service.get("volumes", []):
+        source, target, *mode = str(entry).split(":")
+        out[target] = (source, mode[0] if mode else "rw")
+    return out
+
+
+def test_every_role_is_served_at_its_table_port() -> None:
+    served = role_services()
+    assert {role for role, _ in served.values()} == set(ROLES), "every role of services/roles.py, and only those"
+    for name, (role, args) in served.items():
+        assert name == role or name.startswith(f"{role}-"), f"service {name!r} serves {role}: name it after the role"
+        assert args.port == ROLES[role].port, f"service {name!r}: --port {args.port}, the table says {ROLES[role].port}"
+        assert args.host == "0.0.0.0", f"service {name!r} must listen on the container's network"
+
+
+def test_healthcheck_probes_readyz_on_the_served_port() -> None:
+    for name, (_, args) in role_services().items():
+        test = services()[name].get("healthcheck", {}).get("test")
         assert test, f"service {name!r} has no healthcheck"
         text = test if isinstance(test, str) else " ".join(test)
         urls = re.findall(r"https?://\S+", text)
         assert len(urls) == 1, f"service {name!r}: expected one URL in the healthcheck, found {urls}"
         url = urlsplit(urls[0])
-        assert (url.path, url.port) == ("/readyz", port), f"service {name!r}: healthcheck probes {urls[0]}"
-        published = [str(mapping).rsplit(":", 1)[-1] for mapping in service.get("ports", [])]
-        assert str(port) in published, f"service {name!r}: port {port} is not published ({service.get('ports')})"
+        assert (url.path, url.port) == ("/readyz", args.port), f"service {name!r}: healthcheck probes {urls[0]}"
+
+
+def test_only_rollout_and_data_are_published_and_on_loopback_by_default() -> None:
+    published = {name for name, service in services().items() if service.get("ports")}
+    assert published == {"rollout", "data"}, f"published: {sorted(published)}; the other roles stay on the network"
+    for name in published:
+        port = ROLES[name].port
+        for mapping in services()[name]["ports"]:
+            assert isinstance(mapping, str), f"service {name!r}: ports as 'HOST_IP:HOST_PORT:PORT' strings"
+            assert interpolate(mapping) == f"127.0.0.1:{port}:{port}", f"service {name!r} publishes {mapping}"
+            assert interpolate(mapping, {"WEIR_BIND": "0.0.0.0"}) == f"0.0.0.0:{port}:{port}", "WEIR_BIND overrides"
+    for name, (_, args) in role_services().items():
+        if name not in published:
+            assert [str(p) for p in services()[name].get("expose", [])] == [str(args.port)], f"{name!r}: expose it"
+
+
+def test_role_urls_name_a_service_at_its_table_port() -> None:
+    served = role_services()
+    names = {name: role for name, (role, _) in served.items()}
+    for name, (role, _) in served.items():  # network aliases answer for a role too (the cpu engine: `engine`)
+        for alias in (services()[name].get("networks") or {}).get("default", {}).get("aliases", []):
+            names[alias] = role
+    environment = services()["rollout"]["environment"]
+    for variable, role in (
+        ("WEIR_ENGINE_URLS", "engine"),
+        ("WEIR_PREPROCESS_URL", "preprocess"),
+        ("WEIR_ENCODER_URL", "encoder"),
+        ("WEIR_DATA_URL", "data"),
+    ):
+        for url in str(environment[variable]).split(","):
+            parts = urlsplit(url)
+            assert names.get(parts.hostname or "") == role, f"{variable}={url}: no {role} service of that name"
+            assert parts.port == ROLES[role].port, f"{variable}={url}: the table's {role} port is {ROLES[role].port}"
+
+
+def test_every_role_reads_the_shared_token_made_first() -> None:
+    name, service, args = one_shot("token")
+    folder, file = str(args.out.parent), str(args.out)
+    volume, mode = mounts(service)[folder]
+    assert mode == "rw" and volume in load_compose()["volumes"], "the token service writes a named volume"
+    assert "restart" not in service and not service.get("ports"), "a one-shot service"
+    assert str(service.get("environment", {}).get("WEIR_API_TOKEN", "")).startswith("${WEIR_API_TOKEN"), (
+        "a token given on the host (WEIR_API_TOKEN) reaches the token service"
+    )
+    for role_service in role_services():
+        spec = services()[role_service]
+        assert spec["environment"]["WEIR_API_TOKEN_FILE"] == file, f"{role_service!r}: WEIR_API_TOKEN_FILE={file}"
+        assert "WEIR_API_TOKEN" not in spec["environment"], f"{role_service!r}: the token comes from the file only"
+        assert mounts(spec).get(folder) == (volume, "ro"), f"{role_service!r}: mount {volume} at {folder} read-only"
+        assert spec["depends_on"][name] == {"condition": "service_completed_successfully"}, role_service
+
+
+def test_the_model_is_made_before_the_roles_that_read_it() -> None:
+    name, service, args = one_shot("init-model")
+    assert args.if_missing, "a model already in the volume (a real checkpoint) is never overwritten"
+    for role_service in role_services():
+        spec = services()[role_service]
+        model = spec["environment"].get("WEIR_MODEL")
+        if model is None:
+            continue
+        assert interpolate(str(model)) == str(args.folder), f"{role_service!r}: WEIR_MODEL defaults to {args.folder}"
+        assert mounts(spec)["/models"][0] == mounts(service)["/models"][0], f"{role_service!r} mounts the models"
+        assert spec["depends_on"][name] == {"condition": "service_completed_successfully"}, role_service
+
+
+def test_the_cpu_profile_runs_the_transformers_engine_under_the_engine_name() -> None:
+    served = role_services()
+    engines = {name: args for name, (role, args) in served.items() if role == "engine"}
+    assert set(engines) == {"engine", "engine-cpu"}
+    assert (services()["engine"]["profiles"], engines["engine"].backend) == (["gpu"], "sglang")
+    assert (services()["engine-cpu"]["profiles"], engines["engine-cpu"].backend) == (["cpu"], "transformers")
+    assert services()["engine-cpu"]["networks"]["default"]["aliases"] == ["engine"]
+    for name, service in services().items():
+        if name not in engines:
+            assert "profiles" not in service, f"{name!r} runs in every profile"
+    depends = services()["rollout"]["depends_on"]
+    for engine in engines:  # one of the two is always left out by the profile: neither may be required
+        assert depends[engine] == {"condition": "service_healthy", "required": False}, engine
+    # `docker compose up` runs the GPU engine: the default profile comes from .env, which `--profile cpu`
+    # replaces (compose-go cli.WithDefaultProfiles reads COMPOSE_PROFILES only when no --profile is given).
+    dotenv = dict(line.split("=", 1) for line in DOTENV.read_text().splitlines() if line and not line.startswith("#"))
+    assert dotenv == {"COMPOSE_PROFILES": "gpu"}
 
 
 def test_dockerfile_default_command_is_the_preprocess_service_command() -> None:

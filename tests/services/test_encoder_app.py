@@ -51,7 +51,8 @@ def test_encode_cache_and_weights(roles, tmp_path: Path) -> None:  # type: ignor
     assert table.num_rows == image.features.num_tokens
     missing = httpx.post(f"{encoder}/v1/encode", json={"feature_keys": [image.key, "a" * 40]})
     assert missing.status_code == 404 and missing.json()["error"]["item"] == 1
-    assert httpx.post(f"{encoder}/v1/encode", json={"feature_keys": ["x"]}).json()["error"]["code"] == "bad_key"
+    refused = httpx.post(f"{encoder}/v1/encode", json={"feature_keys": ["x"]})
+    assert refused.status_code == 422 and refused.json()["error"]["field"] == "feature_keys.0"
     other = init_model(tmp_path / "v2", seed=5)
     bumped = httpx.post(f"{encoder}/v1/weights", json={"model_path": str(other)}).json()
     assert bumped["version"] != first["version"]

@@ -94,8 +94,8 @@ BAD = {
     "no_video": (item("video", samples.make_audio(1.0)), 400, "no_video_stream"),
     "no_audio": (item("audio", samples.make_video(64, 64, 10, 10)), 400, "no_audio_stream"),
     "bad_base64": ({"type": "image", "data": "not base64!"}, 400, "bad_base64"),
-    "bad_type": ({"type": "hologram", "data": b64(JPEG)}, 400, "invalid_request"),
-    "two_sources": ({"type": "image", "data": b64(JPEG), "path": "a.jpg"}, 400, "invalid_request"),
+    "bad_type": ({"type": "hologram", "data": b64(JPEG)}, 422, "invalid_request"),
+    "two_sources": ({"type": "image", "data": b64(JPEG), "path": "a.jpg"}, 422, "invalid_request"),
 }
 
 
@@ -115,13 +115,18 @@ def test_bad_items_are_refused_and_never_cached(case: str, serve) -> None:  # ty
 
 
 @pytest.mark.parametrize(
-    "body,code",
-    [(b"{not json", "malformed_json"), (b'{"items": []}', "invalid_request"), (b"[]", "invalid_request")],
+    "body,status,code",
+    [
+        (b"{not json", 400, "malformed_json"),
+        (b'{"items": []}', 422, "invalid_request"),
+        (b"[]", 422, "invalid_request"),
+        (b'{"items": [], "extra": 1}', 422, "invalid_request"),
+    ],
 )
-def test_malformed_requests(body: bytes, code: str, serve) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_requests(body: bytes, status: int, code: str, serve) -> None:  # type: ignore[no-untyped-def]
     _, client = serve()
     response = client.post("/v1/preprocess", content=body, headers={"content-type": "application/json"})
-    assert response.status_code == 400 and response.json()["error"]["code"] == code
+    assert response.status_code == status and response.json()["error"]["code"] == code
 
 
 def test_size_limits(serve) -> None:  # type: ignore[no-untyped-def]
@@ -214,7 +219,8 @@ def test_health_and_metrics(serve) -> None:  # type: ignore[no-untyped-def]
     assert client.get("/v1/features/" + "0" * 40).json()["error"]["code"] == "not_found"
     assert client.get("/v1/features/xyz").json()["error"]["code"] == "bad_key"
     text = client.get("/metrics").text
-    assert 'weir_preprocess_requests_total{endpoint="/v1/preprocess",status="200"} 2.0' in text
+    assert 'weir_http_requests_total{route="/v1/preprocess",status="200"} 2.0' in text
+    assert "process_cpu_seconds_total" in text and "weir_cache_evictions_total 0.0" in text
     assert 'weir_preprocess_tokens_planned_total{type="image"} 782.0' in text
     assert 'weir_preprocess_items_failed_total{code="unsupported_media"} 1.0' in text
     assert "weir_cache_hits_total 1.0" in text and "weir_cache_entries 1.0" in text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import json
 import os
 import signal
@@ -22,7 +23,9 @@ from transformers import Qwen2_5OmniThinkerForConditionalGeneration
 
 import preprocess as pp
 from encoders.embedded_model import init_model
+from experience.records import Group, SampleStatus
 from preprocess import samples
+from rollout.group import PromptSpec, RolloutContext, rollout_group
 from services.encoder.app import EncoderSettings
 from services.encoder.app import create_app as encoder_app
 from services.engine.app import create_app as engine_app
@@ -45,37 +48,40 @@ SOUND = samples.make_audio(1.2, 22050)
 
 
 class Stack:
-    def __init__(self, root: Path, engines: int = 1) -> None:
-        self.root = root
+    """Preprocess, encoder and engine roles on loopback (every one behind ``token`` when given)."""
+
+    def __init__(self, root: Path, engines: int = 1, token: str | None = None) -> None:
+        self.root, self.token = root, token
         self.model = init_model(root / "model")
         (root / "media").mkdir()
         (root / "media" / "clip.mp4").write_bytes(CLIP)
+        secret = {"api_token": token} if token else {}
         self.servers = [
             RunningServer(
-                preprocess_app(PreprocessSettings(cache_dir=root / "cache", media_roots=[root / "media"]))
+                preprocess_app(PreprocessSettings(cache_dir=root / "cache", media_roots=[root / "media"], **secret))
             ).__enter__()
         ]
-        shared = {"model": self.model, "cache_dir": root / "cache", "embedding_cache_dir": root / "emb"}
+        shared = {"model": self.model, "cache_dir": root / "cache", "embedding_cache_dir": root / "emb", **secret}
         self.encoder = RunningServer(encoder_app(EncoderSettings(**shared))).__enter__()
         self.servers.append(self.encoder)
         self.engine_urls = []
         for _ in range(engines):
-            server = RunningServer(
-                engine_app(EngineSettings(model=self.model, cache_dir=root / "cache", embedding_cache_dir=root / "emb"))
-            ).__enter__()
+            server = RunningServer(engine_app(EngineSettings(**shared))).__enter__()
             self.servers.append(server)
             self.engine_urls.append(server.url)
 
-    def rollout(self, engine_urls: list[str] | None = None) -> RunningServer:
-        settings = RolloutSettings(
-            model=self.model,
-            engine_urls=engine_urls or self.engine_urls,
-            preprocess_url=self.servers[0].url,
-            encoder_url=self.encoder.url,
-            experience_path=self.root / "experience.jsonl",
-            request_timeout_s=60,
-        )
-        server = RunningServer(rollout_app(settings)).__enter__()
+    def rollout(self, engine_urls: list[str] | None = None, **overrides: Any) -> RunningServer:
+        fields: dict[str, Any] = {
+            "model": self.model,
+            "engine_urls": engine_urls or self.engine_urls,
+            "preprocess_url": self.servers[0].url,
+            "encoder_url": self.encoder.url,
+            "experience_path": self.root / "experience.jsonl",
+            "request_timeout_s": 60,
+            "reward_functions": "flaky=tests.services.rewards_for_tests:flaky",
+            **({"api_token": self.token} if self.token else {}),
+        }
+        server = RunningServer(rollout_app(RolloutSettings(**{**fields, **overrides}))).__enter__()
         self.servers.append(server)
         return server
 
@@ -196,7 +202,8 @@ def test_rollouts_logprobs_equal_a_plain_forward(stack) -> None:  # type: ignore
         assert len(group["samples"]) == 4
         for sample in group["samples"]:
             assert sample["status"] == "ok" and sample["reward"] in (0.0, 1.0), sample["error"]
-            assert len(sample["response_ids"]) == 10 and sample["weight_version"] == "0"
+            assert len(sample["response_ids"]) == 10 and sample["policy_version"] == 0
+            assert sample["finish_reason"] == "length"  # ignore_eos: every sample runs to max_new_tokens
             expected = _plain_logprobs(model, store, group, sample["response_ids"])
             torch.testing.assert_close(torch.tensor(sample["logprobs"]), expected, rtol=0, atol=1e-4)
     # Media reached the engines as embeddings: one tower forward per unique item, not one per sample.
@@ -247,7 +254,11 @@ def test_every_role_serves_prometheus_metrics(stack) -> None:  # type: ignore[no
         timeout=60,
     ).raise_for_status()
     text = httpx.get(f"{rollout.url}/metrics").text
-    assert "weir_rollout_groups " in text and 'weir_rollout_samples{status="ok"}' in text
+    assert "weir_rollout_groups_total " in text and 'weir_rollout_samples_total{status="ok"}' in text
+    assert "weir_rollout_reward_sum " in text and "weir_rollout_group_seconds_count " in text, [
+        line for line in text.splitlines() if "weir_rollout" in line
+    ]
+    assert "weir_rollout_inflight_media_tokens 0.0" in text
     engine = httpx.get(f"{test_stack.engine_urls[0]}/metrics").text
     assert "weir_engine_busy_seconds" in engine and "weir_engine_running_requests" in engine
     for server in test_stack.servers:
@@ -261,7 +272,7 @@ def test_a_failing_reward_fails_only_its_sample(stack) -> None:  # type: ignore[
             {
                 "messages": [{"role": "user", "content": "hi"}],
                 "n": 2,
-                "reward": {"type": "custom", "function": "tests.services.rewards_for_tests:flaky"},
+                "reward": {"type": "custom", "function": "flaky"},  # registered by the settings
             }
         ],
         "sampling_params": {"max_new_tokens": 2, "temperature": 0},
@@ -422,3 +433,222 @@ def test_a_plain_sglang_server_gets_media_inline(stack) -> None:  # type: ignore
         assert seen[0]["input_ids"] == group["prompt_ids"]  # already expanded, as SGLang's processor expects
     finally:
         server.shutdown()
+
+
+@pytest.mark.parametrize("path", ["builtins:print", "this:d", "os:system", "tests.services.rewards_for_tests:flaky"])
+def test_a_request_never_names_code(path: str, stack, capfd: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    """Reward functions are registered at start-up; a dotted path in a request is refused before any
+    work, nothing is imported (``this`` would print the Zen of Python) and nothing runs."""
+    test_stack, rollout = stack
+    journal = test_stack.root / "experience.jsonl"
+    before_lines = journal.read_text().count("\n") if journal.exists() else 0
+    before_modules = set(sys.modules)
+    body = {
+        "prompts": [
+            {
+                "messages": [{"role": "user", "content": "PRINT-ME"}],
+                "n": 2,
+                "reward": {"type": "custom", "function": path, "answer": "echo pwned"},
+            }
+        ],
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    response = httpx.post(f"{rollout.url}/v1/rollouts", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unknown_reward_function" and "flaky" in error["message"]  # the registered names
+    module = path.partition(":")[0]
+    assert module in before_modules or module not in sys.modules  # never imported
+    output = capfd.readouterr()
+    assert "PRINT-ME" not in output.out + output.err and "Zen of Python" not in output.out + output.err
+    assert (journal.read_text().count("\n") if journal.exists() else 0) == before_lines
+    assert httpx.get(f"{rollout.url}/v1/rewards").json() == {
+        "builtin": ["none", "exact_match", "math", "multiple_choice", "custom"],
+        "registered": ["flaky"],
+    }
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "auto"),
+        ("response_format", {"type": "json_object"}),
+        ("frequency_penalty", 0.5),
+        ("presence_penalty", -1),
+        ("logit_bias", {"5": 10}),
+        ("top_logprobs", 2),
+        ("modalities", ["text", "audio"]),
+    ],
+)
+def test_openai_parameters_that_would_change_the_answer_are_refused_by_name(
+    field: str,
+    value: Any,
+    stack,  # type: ignore[no-untyped-def]
+) -> None:
+    _, rollout = stack
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    response = httpx.post(f"{rollout.url}/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "unsupported_parameter" and response.json()["error"]["field"] == field
+
+
+def test_harmless_openai_parameters_are_accepted_and_usage_can_be_streamed(stack) -> None:  # type: ignore[no-untyped-def]
+    _, rollout = stack
+    client = openai.OpenAI(base_url=f"{rollout.url}/v1", api_key="unused")
+    reply = client.chat.completions.create(
+        model="weir-tiny-omni",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        frequency_penalty=0,
+        presence_penalty=0,
+        response_format={"type": "text"},
+        user="someone",
+        metadata={"run": "test"},
+        store=False,
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    stream = client.chat.completions.create(
+        model="weir-tiny-omni",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == reply.usage.completion_tokens  # type: ignore[union-attr]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+
+
+def test_a_streamed_request_reports_a_bad_prompt_on_its_own_line(stack) -> None:  # type: ignore[no-untyped-def]
+    _, rollout = stack
+    escape = {"type": "image_url", "image_url": {"url": "../../etc/passwd"}}
+    body = {
+        "prompts": [
+            {"messages": [{"role": "user", "content": [escape]}]},
+            {"messages": [{"role": "user", "content": "hi"}], "n": 2, "id": "good-prompt"},
+        ],
+        "sampling_params": {"max_new_tokens": 2},
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{rollout.url}/v1/rollouts", json=body, timeout=60) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("application/x-ndjson")
+        lines = [json.loads(line) for line in response.iter_lines() if line]
+    errors = [line["error"] for line in lines if "error" in line]
+    groups = [Group.from_json(line) for line in lines if "error" not in line]
+    assert [e["code"] for e in errors] == ["path_not_allowed"] and "prompts[0].messages" in errors[0]["message"]
+    assert [g.group_id for g in groups] == ["good-prompt"]
+    assert [s.policy_version for s in groups[0].samples] == [0, 0]
+
+
+def test_readiness_probes_the_engines(stack) -> None:  # type: ignore[no-untyped-def]
+    test_stack, rollout = stack
+    ready = httpx.get(f"{rollout.url}/readyz")
+    assert ready.status_code == 200 and ready.json()["engines"] == test_stack.engine_urls
+    orphan = test_stack.rollout([f"http://127.0.0.1:{free_port()}"])
+    refused = httpx.get(f"{orphan.url}/readyz")
+    assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert httpx.get(f"{orphan.url}/healthz").status_code == 200  # alive, just not ready
+
+
+async def quarter_rewards(
+    ctx: RolloutContext, prompt: PromptSpec, /, *, index: int, sampling: dict[str, Any], budget: Any
+) -> Group:
+    """A rollout function of the tests' own (``WEIR_ROLLOUT_FUNCTION``): the default one, every ok
+    sample's reward then set to 0.25."""
+    group = await rollout_group(ctx, prompt, index=index, sampling=sampling, budget=budget)
+    samples = [dataclasses.replace(s, reward=0.25) if s.status is SampleStatus.OK else s for s in group.samples]
+    return dataclasses.replace(group, samples=samples)
+
+
+def test_the_rollout_function_is_chosen_by_the_settings(stack) -> None:  # type: ignore[no-untyped-def]
+    test_stack, _ = stack
+    rollout = test_stack.rollout(rollout_function=f"{__name__}:quarter_rewards")
+    body = {
+        "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 2}],
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    group = httpx.post(f"{rollout.url}/v1/rollouts", json=body, timeout=60).json()["groups"][0]
+    assert [s["reward"] for s in group["samples"]] == [0.25, 0.25]
+
+
+TOKEN = "e2e-token-0123456789"
+
+
+@pytest.fixture(scope="module")
+def token_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, RunningServer]]:
+    stack = Stack(tmp_path_factory.mktemp("token-stack"), token=TOKEN)
+    yield stack, stack.rollout()
+    stack.close()
+
+
+def test_a_token_protected_stack(token_stack) -> None:  # type: ignore[no-untyped-def]
+    """Every role behind the token: the rollout role refuses callers without it and sends it on to
+    the preprocess, encoder and engine roles, so the whole stack works."""
+    test_stack, rollout = token_stack
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    image = {"type": "image_url", "image_url": {"url": data_uri("image/png", IMAGE)}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "Shape?"}]}]
+    calls = [
+        ("GET", "/v1/models", None),
+        ("GET", "/metrics", None),
+        (
+            "POST",
+            "/v1/rollouts",
+            {"prompts": [{"messages": messages, "n": 2}], "sampling_params": {"max_new_tokens": 2}},
+        ),
+        ("POST", "/v1/chat/completions", {"messages": messages, "max_tokens": 2}),
+    ]
+    for method, path, body in calls:
+        refused = httpx.request(method, f"{rollout.url}{path}", json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized", path
+        wrong = httpx.request(method, f"{rollout.url}{path}", json=body, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401, path
+        answered = httpx.request(method, f"{rollout.url}{path}", json=body, headers=auth, timeout=120)
+        assert answered.status_code == 200, (path, answered.text)
+    assert httpx.get(f"{rollout.url}/readyz").status_code == 200  # probes need no token; the engine probe sent it
+    # The roles behind really are protected: what the rollout role got, it got with the token.
+    engine = test_stack.engine_urls[0]
+    assert httpx.post(f"{engine}/generate", json={"input_ids": [1]}).status_code == 401
+    assert httpx.post(f"{test_stack.servers[0].url}/v1/preprocess", json={"items": []}).status_code == 401
+    encoder = httpx.get(f"{test_stack.encoder.url}/metrics", headers=auth).text
+    assert 'weir_encoder_items_total{outcome="miss"} 1.0' in encoder  # media reached the engine as embeddings
+    groups = httpx.post(f"{rollout.url}/v1/rollouts", json=calls[2][2], headers=auth, timeout=120).json()["groups"]
+    assert all(s["status"] == "ok" and s["policy_version"] == 0 for s in groups[0]["samples"])
+    client = openai.OpenAI(base_url=f"{rollout.url}/v1", api_key=TOKEN)  # the SDK sends it as the Bearer token
+    assert [m.id for m in client.models.list()] == ["weir-tiny-omni"]
+
+
+def test_in_flight_media_is_bounded(stack) -> None:  # type: ignore[no-untyped-def]
+    """Admission: a request that can never fit is 413 work_too_large; one that does not fit *now*
+    (another holds the room) is 429 overloaded with Retry-After; the room is given back after."""
+    test_stack, main = stack
+    image = {"type": "image_url", "image_url": {"url": data_uri("image/png", IMAGE)}}
+
+    def body(n: int, max_new_tokens: int = 2) -> dict[str, Any]:
+        prompt = {"messages": [{"role": "user", "content": [image]}], "n": n}
+        return {"prompts": [prompt], "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True}}
+
+    first = httpx.post(f"{main.url}/v1/rollouts", json=body(1), timeout=60).json()["groups"][0]
+    tokens = first["token_counts"]["image"]
+    rollout = test_stack.rollout(max_inflight_media_tokens=3 * tokens)
+    too_large = httpx.post(f"{rollout.url}/v1/rollouts", json=body(4), timeout=60)
+    assert too_large.status_code == 413 and too_large.json()["error"]["code"] == "work_too_large"
+    holder: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: holder.update(r=httpx.post(f"{rollout.url}/v1/rollouts", json=body(2, 60), timeout=120))
+    )
+    thread.start()
+    admission = rollout.app.state.weir.admission
+    deadline = time.monotonic() + 30
+    while admission.media_tokens == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert admission.media_tokens == 2 * tokens
+    busy = httpx.post(f"{rollout.url}/v1/rollouts", json=body(2), timeout=60)
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "overloaded", busy.text
+    assert busy.headers["retry-after"] == "1"
+    thread.join(120)
+    assert holder["r"].status_code == 200 and admission.media_tokens == 0 and admission.bytes == 0
+    assert httpx.post(f"{rollout.url}/v1/rollouts", json=body(2), timeout=60).status_code == 200

@@ -9,8 +9,8 @@ import pyarrow as pa
 import torch
 
 from services.data.app import DataSettings, create_app
+from tests.experience.test_store import group
 from tests.services.conftest import RunningServer
-from tests.services.test_experience_store import group
 from trainer.feed import MicroBatchFeed, pack
 from trainer.losses import policy_loss
 
@@ -19,10 +19,13 @@ def test_feed_end_to_end(tmp_path: Path) -> None:
     server = RunningServer(create_app(DataSettings(data_dir=tmp_path, lease_s=60))).__enter__()
     try:
         url = server.url
-        posted = httpx.post(f"{url}/v1/experience", json={"groups": [group("a", [0.0, 1.0]), group("b", [1.0, 0.0])]})
+        posted = httpx.post(
+            f"{url}/v1/experience",
+            json={"groups": [group("a", [0.0, 1.0]).to_json(), group("b", [1.0, 0.0]).to_json()]},
+        )
         assert posted.json() == {"stored": ["a", "b"], "duplicates": []}
-        assert httpx.post(f"{url}/v1/experience", json=group("a", [0.0, 1.0])).json()["duplicates"] == ["a"]
-        assert httpx.post(f"{url}/v1/experience", json={"groups": [{"group_id": "x"}]}).status_code == 400
+        assert httpx.post(f"{url}/v1/experience", json=group("a", [0.0, 1.0]).to_json()).json()["duplicates"] == ["a"]
+        assert httpx.post(f"{url}/v1/experience", json={"groups": [{"group_id": "x"}]}).status_code == 422
         feed = MicroBatchFeed(url, max_tokens=14, wait_s=0.5, max_batches=2)
         seen = []
         for batch in feed:
@@ -51,7 +54,7 @@ def test_feed_end_to_end(tmp_path: Path) -> None:
         stats = httpx.get(f"{url}/v1/stats").json()
         assert stats["consumed"] == 4 and stats["queue_samples"] == 0
         metrics = httpx.get(f"{url}/metrics").text
-        assert "weir_data_consumed_samples 4.0" in metrics and "weir_data_queue_samples 0.0" in metrics
+        assert "weir_data_samples_consumed_total 4.0" in metrics and "weir_data_queue_samples 0.0" in metrics
     finally:
         server.__exit__()
 
@@ -83,7 +86,7 @@ def test_media_inline_for_trainers_without_the_feature_cache(tmp_path: Path) -> 
     item = pp.process_bytes(
         samples.encode_image(samples.test_pattern(56, 56), "PNG"), "image", pp.ProcessorSpec.qwen2_5_omni(), store=cache
     )
-    with_media = {**group("m", [0.0, 1.0]), "feature_keys": [item.key]}
+    with_media = {**group("m", [0.0, 1.0]).to_json(), "feature_keys": [item.key]}
     served = RunningServer(create_app(DataSettings(data_dir=tmp_path / "d1", cache_dir=tmp_path / "cache")))
     bare = RunningServer(create_app(DataSettings(data_dir=tmp_path / "d2")))
     with served, bare:

@@ -29,12 +29,14 @@ def test_async_and_colocate_loops(tmp_path: Path) -> None:
         )
         seen: list[dict[str, object]] = []
         base = {"n": 4, "max_new_tokens": 6, "groups_per_step": 2, "urls": urls, "max_tokens_per_batch": 512}
+        base["token"] = stack.token
         records = run_loop(
             trainer, ROWS, LoopConfig(mode="async", steps=3, out=tmp_path / "async", **base), on_step=seen.append
         )
         assert [r["step"] for r in records] == [1, 2, 3] and seen == records
         assert trainer.policy_version == 3
-        assert httpx.get(f"{urls['engine-30000']}/model_info").json()["weight_version"] == "3"
+        auth = {"Authorization": f"Bearer {stack.token}"}
+        assert httpx.get(f"{urls['engine-30000']}/model_info", headers=auth).json()["weight_version"] == "3"
         assert all(r["tokens"] > 0 and r["samples"] > 0 for r in records)
         lines = (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""The policy-gradient loss and advantages against values computed by hand."""
+"""The policy-gradient loss against values computed by hand (advantages: tests/experience/test_advantages.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from trainer.advantages import drop_uniform_groups, group_advantages
 from trainer.losses import LossConfig, policy_loss, token_entropy
 
 T = torch.tensor
@@ -78,11 +77,3 @@ def test_entropy() -> None:
     lp = T([0.0])
     out = policy_loss(lp, lp, T([0.0]), T([1]), logits=torch.zeros(1, 8))
     assert out.metrics["entropy"] == pytest.approx(math.log(8))
-
-
-def test_group_advantages() -> None:
-    assert group_advantages([1.0, 0.0, 0.0, 1.0]) == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
-    assert group_advantages([2.0, 4.0], scale=False) == [-1.0, 1.0]
-    assert group_advantages([3.0, 3.0]) == [0.0, 0.0]
-    assert group_advantages([]) == []
-    assert drop_uniform_groups([[1.0, 1.0], [0.0, 1.0], [], [0.5]]) == [1]

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import preprocess as pp
-from services.data.store import ExperienceStore
+from experience.store import ExperienceStore
 from services.stack import LocalStack
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
@@ -27,7 +27,7 @@ ROWS = [
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _config(tmp_path: Path, urls: dict[str, str], groups_per_step: int) -> LoopConfig:
+def _config(tmp_path: Path, urls: dict[str, str], groups_per_step: int, token: str | None) -> LoopConfig:
     """A short async run of tiny groups."""
     return LoopConfig(
         mode="async",
@@ -37,6 +37,7 @@ def _config(tmp_path: Path, urls: dict[str, str], groups_per_step: int) -> LoopC
         max_new_tokens=4,
         max_tokens_per_batch=256,
         urls=urls,
+        token=token,
         out=tmp_path / "train",
         batch_timeout_s=120,
     )
@@ -50,7 +51,7 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
 
-def _child(tmp_path: Path, name: str, urls: dict[str, str], **spec: Any) -> subprocess.Popen[bytes]:
+def _child(tmp_path: Path, name: str, urls: dict[str, str], token: str | None, **spec: Any) -> subprocess.Popen[bytes]:
     config = {
         "mode": "async",
         "n": 2,
@@ -58,6 +59,7 @@ def _child(tmp_path: Path, name: str, urls: dict[str, str], **spec: Any) -> subp
         "max_new_tokens": 4,
         "max_tokens_per_batch": 64,  # several micro-batches per step
         "urls": urls,
+        "token": token,
         "out": str(tmp_path / "train"),
         "checkpoint_every": 1,
         **spec.pop("config", {}),
@@ -77,6 +79,7 @@ def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Pat
             tmp_path,
             "first",
             urls,
+            stack.token,
             log=str(first_log),
             result=str(tmp_path / "r1"),
             hang_in_step=3,
@@ -97,6 +100,7 @@ def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Pat
             tmp_path,
             "second",
             urls,
+            stack.token,
             log=str(second_log),
             result=str(tmp_path / "r2"),
             config={"steps": 5, "resume": True},
@@ -134,7 +138,8 @@ def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Pat
 
 @pytest.mark.integration
 def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", engines=2)
+    flaky = {"WEIR_REWARD_FUNCTIONS": "flaky=tests.services.rewards_for_tests:flaky"}  # registered at start-up
+    stack = LocalStack(home=tmp_path / "weir", engines=2, env=flaky)
     urls = stack.start()
     try:
         trainer = _trainer(tmp_path / "weir")
@@ -142,7 +147,7 @@ def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Pat
             *ROWS,
             {
                 "messages": [{"role": "user", "content": "Say no."}],
-                "reward": {"type": "custom", "function": "tests.services.rewards_for_tests:flaky"},
+                "reward": {"type": "custom", "function": "flaky"},
             },
         ]
         victim = next(c for c in stack.children if c.role == "engine-30001")
@@ -151,7 +156,7 @@ def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Pat
             if record["step"] == 1:
                 os.killpg(victim.process.pid, signal.SIGKILL)
 
-        config = _config(tmp_path, urls, groups_per_step=3)
+        config = _config(tmp_path, urls, groups_per_step=3, token=stack.token)
         records = run_loop(trainer, rows, config, on_step=kill_an_engine)
         assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
         assert victim.process.poll() is not None
@@ -178,7 +183,7 @@ def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: P
                 data.process.wait()
                 stack.restart("data")
 
-        config = _config(tmp_path, urls, groups_per_step=2)
+        config = _config(tmp_path, urls, groups_per_step=2, token=stack.token)
         trained: list[str] = []
         original_accumulate = trainer.accumulate
 

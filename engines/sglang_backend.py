@@ -7,11 +7,16 @@ exactly those tensors) or ``{"format": "precomputed_embedding", "precomputed_emb
 with the encoder role's embeddings plus the grids, together with ``input_ids`` whose placeholders
 are already expanded. `build_request` is pure and unit-tested on CPU; the engine itself runs only
 where a GPU and the ``sglang`` extra exist (tests marked ``gpu``).
+
+What this backend does not do: per-token callbacks (``on_token`` is not called; a stream gets the
+final result only), and its ``busy_s`` counts the time any request was in flight, not forward steps
+(SGLang keeps its own scheduler metrics behind ``--enable-metrics``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from pathlib import Path
@@ -22,7 +27,9 @@ import torch
 
 import preprocess as pp
 
-from .protocol import GenerateRequest, GenerateResult, MediaInput
+from .errors import InvalidPrompt, WeightsError
+from .limits import ModelLimits
+from .protocol import GenerateRequest, GenerateResult, MediaInput, TokenCallback
 
 __all__ = ["SGLangEngine", "build_request"]
 
@@ -115,39 +122,89 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
 class SGLangEngine:
     """`sglang.Engine` behind the engine protocol (``pip install 'weir[sglang]'``, a CUDA GPU)."""
 
-    def __init__(self, model_dir: str | Path, **engine_args: Any) -> None:
-        import sglang  # the GPU extra; imported here so the CPU install never needs it
+    def __init__(self, model_dir: str | Path, *, engine: Any = None, **engine_args: Any) -> None:
+        """Start ``sglang.Engine(model_path=model_dir, **engine_args)``, or wrap ``engine``, one already started."""
+        self.model_dir = Path(model_dir)
+        self.limits = ModelLimits.read(self.model_dir)
+        if engine is None:
+            import sglang  # the GPU extra; imported here so the CPU install never needs it
 
-        self.engine = sglang.Engine(model_path=str(model_dir), **engine_args)
+            engine = sglang.Engine(model_path=str(model_dir), **engine_args)
+        self.engine = engine
         self.weight_version = "0"
+        self.started = time.monotonic()
+        self._lock = threading.Lock()
+        self._inflight = 0
+        self._busy = 0.0  # closed busy intervals; the open one is added on read
+        self._busy_since = 0.0
+        self._paused = False
 
-    def submit(self, request: GenerateRequest, on_token: Any = None) -> Future[GenerateResult]:
+    @property
+    def busy_s(self) -> float:
+        with self._lock:
+            return self._busy + (time.monotonic() - self._busy_since if self._inflight else 0.0)
+
+    @property
+    def running(self) -> int:
+        return self._inflight
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+        self.limits.check(request)
         future: Future[GenerateResult] = Future()
+        future.set_running_or_notify_cancel()  # a caller's cancel must not break the engine's set_result
 
         def run() -> None:
+            self._enter()
             try:
-                future.set_result(self.generate(request))
+                future.set_result(self._generate_now(request))
             except Exception as error:  # noqa: BLE001 - handed to the caller through the future
                 future.set_exception(error)
+            finally:
+                self._leave()
 
         threading.Thread(target=run, daemon=True).start()
         return future
 
-    def generate(self, request: GenerateRequest) -> GenerateResult:
-        return result_from(self.engine.generate(**build_request(request)), request)
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self.submit(request).result(timeout)
+
+    def _generate_now(self, request: GenerateRequest) -> GenerateResult:
+        try:
+            output = self.engine.generate(**build_request(request))
+        except ValueError as error:  # SGLang's own input checks (length, vocabulary, media)
+            raise InvalidPrompt(str(error)) from error
+        return result_from(output, request)
+
+    def _enter(self) -> None:
+        with self._lock:
+            if self._inflight == 0:
+                self._busy_since = time.monotonic()
+            self._inflight += 1
+
+    def _leave(self) -> None:
+        with self._lock:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._busy += time.monotonic() - self._busy_since
 
     def update_weights(self, path: str, version: str | None = None) -> str:
         ok, message = self.engine.update_weights_from_disk(model_path=path, weight_version=version)
         if not ok:
-            raise ValueError(message)
+            raise WeightsError(message, code="weights_rejected")
         self.weight_version = version or self.weight_version
         return self.weight_version
 
     def pause(self) -> None:
         self.engine.pause_generation()
+        self._paused = True
 
     def resume(self) -> None:
         self.engine.continue_generation()
+        self._paused = False
 
     def abort(self, rid: str) -> bool:
         self.engine.abort_request(rid)

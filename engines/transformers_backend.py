@@ -6,6 +6,10 @@ the model computes them), then advances every running request one token per roun
 requests interleave token by token and an abort lands within one step — no lock is held for a whole
 generation. Each request has its own KV cache; decode steps are not fused into one batched forward
 (a CPU reference backend; throughput is SGLang's job on a GPU).
+
+A request is checked when it is submitted (`ModelLimits`: vocabulary and context; placeholders
+against the media's tokens), so a bad prompt is `InvalidPrompt` / `InvalidMedia` from `submit`,
+before any stream starts. While paused, the scheduler still finishes aborted requests.
 """
 
 from __future__ import annotations
@@ -15,19 +19,21 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniThinkerForConditionalGeneration
 
 from encoders.towers import Towers
 
-from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
+from .errors import EngineError, InvalidMedia, WeightsError
+from .limits import ModelLimits
+from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams, TokenCallback
 
 __all__ = ["TransformersEngine", "sample_token"]
 
@@ -63,7 +69,7 @@ class _Running:
     rope_delta: int = 0
     aborted: bool = False
     text: str = ""
-    on_token: Callable[[int, float], None] | None = None
+    on_token: TokenCallback | None = None
 
 
 class TransformersEngine:
@@ -86,6 +92,9 @@ class TransformersEngine:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = int(config.get_text_config().max_position_embeddings)
+        self.limits = ModelLimits(
+            vocab_size=int(self.model.get_input_embeddings().num_embeddings), max_context=self.max_context
+        )
         # Media structure tokens are never generated: a placeholder or a media bos/eos in a response is
         # read as a media slot when the trainer recomputes the sequence (the model's 3-D positions
         # count them). They keep their probability mass in the reported log-probs.
@@ -111,15 +120,19 @@ class TransformersEngine:
         self._thread.start()
 
     # -- the protocol --------------------------------------------------------------------------
-    def submit(
-        self, request: GenerateRequest, on_token: Callable[[int, float], None] | None = None
-    ) -> Future[GenerateResult]:
-        """Queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token."""
+    def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+        """Check and queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token."""
+        if self._stopping:
+            raise RuntimeError("the engine is closed")
+        self.limits.check(request)
+        self._check_media(request)
         rid = request.rid or uuid.uuid4().hex
         future: Future[GenerateResult] = Future()
+        future.set_running_or_notify_cancel()  # a caller's cancel must not break the engine's set_result
         seed = request.sampling.sampling_seed
         generator = torch.Generator().manual_seed(seed if seed is not None else int(uuid.uuid4().int % 2**63))
-        running = _Running(request=_with_rid(request, rid), future=future, generator=generator, on_token=on_token)
+        request = request if request.rid == rid else replace(request, rid=rid)
+        running = _Running(request=request, future=future, generator=generator, on_token=on_token)
         self._by_rid[rid] = running
         self._inbox.put(running)
         return future
@@ -144,18 +157,26 @@ class TransformersEngine:
     def resume(self) -> None:
         self._unpaused.set()
 
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
     def update_weights(self, path: str, version: str | None = None) -> str:
-        """Load every ``*.safetensors`` of ``path`` into the model between two decode steps."""
-        files = sorted(Path(path).glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no safetensors files in {path}")
-        state: dict[str, torch.Tensor] = {}
-        for file in files:
-            state.update(load_file(str(file)))
+        """Load every ``*.safetensors`` of ``path`` into the model between two decode steps.
+
+        All or nothing: names and shapes are checked against the model before any tensor is copied."""
+        state = _read_weights(path)
+        own = self.model.state_dict()
+        unexpected = [k for k in state if k not in own]
+        if unexpected:
+            raise WeightsError(f"weights in {path} do not fit the model: {unexpected[:3]}", code="weights_mismatch")
+        reshaped = [k for k, v in state.items() if tuple(v.shape) != tuple(own[k].shape)]
+        if reshaped:
+            raise WeightsError(
+                f"weights in {path} have other shapes than the model's: {reshaped[:3]}", code="weights_mismatch"
+            )
         with self._model_lock:
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-            if unexpected:
-                raise ValueError(f"weights in {path} do not fit the model: {unexpected[:3]}")
+            self.model.load_state_dict(state, strict=False)
             self.weight_version = version or time.strftime("%Y%m%d%H%M%S")
             self.towers.version = self.weight_version
         return self.weight_version
@@ -172,27 +193,56 @@ class TransformersEngine:
         self._unpaused.set()
         self._thread.join(10)
 
+    # -- checks at submission ------------------------------------------------------------------
+    def _check_media(self, request: GenerateRequest) -> None:
+        if any(m.embedding is None and m.features is None for m in request.media):
+            raise InvalidMedia("a media item has neither features nor an embedding")
+        for kind, placeholder in self.placeholders.items():
+            count = sum(1 for t in request.input_ids if t == placeholder)
+            supplied = sum(m.num_tokens for m in request.media if m.kind == kind)
+            if count != supplied:
+                raise InvalidMedia(f"{kind}: the prompt has {count} placeholder tokens but the media give {supplied}")
+
     # -- the scheduler -------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stopping:
-            self._unpaused.wait()
+            if not self._unpaused.is_set():
+                self._reap_aborted()
+                self._unpaused.wait(0.05)
+                continue
             self._admit(block=not self._running)
             for running in list(self._running):
-                if self._stopping:
+                if self._stopping or not self._unpaused.is_set():
                     break
-                self._unpaused.wait()
                 began = time.monotonic()
                 try:
                     with self._model_lock:
                         self._step(running)
+                except EngineError as error:  # the request's own fault, found only in the forward
+                    logger.warning("request %s refused: %s", running.request.rid, error)
+                    if not running.future.done():
+                        self._finish(running, error=error)
                 except Exception as error:  # noqa: BLE001 - one bad request must not stop the engine
                     logger.exception("request %s failed", running.request.rid)
                     if not running.future.done():
                         self._finish(running, error=error)
                 self.busy_s += time.monotonic() - began
+        # Closed: whatever is left ends as aborted rather than leaving its caller waiting.
+        self._admit(block=False, limit=None)
+        for running in list(self._running):
+            self._finish(running, reason={"type": "abort", "message": "the engine closed"})
 
-    def _admit(self, *, block: bool) -> None:
-        while len(self._running) < self.max_running:
+    def _reap_aborted(self) -> None:
+        """Finish aborted requests while paused (a pause in abort mode must not leave them waiting)."""
+        self._admit(block=False)
+        for running in list(self._running):
+            if running.aborted:
+                self._finish(running, reason={"type": "abort", "message": "aborted by request"})
+
+    def _admit(self, *, block: bool, limit: int | None = -1) -> None:
+        """Move queued requests into the running set, up to ``limit`` (default ``max_running``; None: all)."""
+        limit = self.max_running if limit == -1 else limit
+        while limit is None or len(self._running) < limit:
             try:
                 running = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:
@@ -246,7 +296,8 @@ class TransformersEngine:
     ) -> None:
         if running in self._running:
             self._running.remove(running)
-        self._by_rid.pop(running.request.rid, None)
+        if self._by_rid.get(running.request.rid) is running:  # a later request may reuse the rid
+            del self._by_rid[running.request.rid]
         running.cache = None
         if error is not None:
             running.future.set_exception(error)
@@ -270,15 +321,21 @@ class TransformersEngine:
     @torch.no_grad()
     def _prefill(self, running: _Running) -> None:
         request = running.request
-        if not request.input_ids:
-            raise ValueError("input_ids is empty")
-        if len(request.input_ids) >= self.max_context:
-            raise ValueError(f"the prompt has {len(request.input_ids)} tokens; the context is {self.max_context}")
         ids = torch.tensor([request.input_ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids)
         embeds = self._splice(ids, embeds, request.media)
         mask = torch.ones_like(ids)
-        positions, deltas = self.model.get_rope_index(ids, attention_mask=mask, **_geometry(request.media, self.device))
+        try:
+            positions, deltas = self.model.get_rope_index(
+                ids, attention_mask=mask, **_geometry(request.media, self.device)
+            )
+        except (IndexError, RuntimeError, TypeError, ValueError) as error:
+            # The model's rotary index walks the prompt's media structure (each item: its bos token, then
+            # its placeholders); a prompt whose structure does not fit its media fails in there.
+            raise InvalidMedia(
+                "the prompt's media tokens do not fit its media (each item: its bos token, then exactly its "
+                f"placeholders, in the order of the media): {type(error).__name__}: {error}"
+            ) from error
         out = self.model(
             inputs_embeds=embeds,
             attention_mask=mask,
@@ -320,7 +377,7 @@ class TransformersEngine:
             count = int(where.sum())
             supplied = sum(int(r.shape[0]) for r in rows if r is not None)
             if count != supplied:
-                raise ValueError(f"{kind}: the prompt has {count} placeholder tokens but the media give {supplied}")
+                raise InvalidMedia(f"{kind}: the prompt has {count} placeholder tokens but the media give {supplied}")
             if rows:
                 stacked = torch.cat([r for r in rows if r is not None]).to(embeds.device, embeds.dtype)
                 embeds = embeds.masked_scatter(where.unsqueeze(-1).expand_as(embeds), stacked)
@@ -341,13 +398,14 @@ def _geometry(media: tuple[MediaInput, ...], device: torch.device) -> dict[str, 
     }
 
 
-def _with_rid(request: GenerateRequest, rid: str) -> GenerateRequest:
-    if request.rid == rid:
-        return request
-    return GenerateRequest(
-        input_ids=request.input_ids,
-        sampling=request.sampling,
-        media=request.media,
-        rid=rid,
-        return_logprob=request.return_logprob,
-    )
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    try:
+        files = sorted(Path(path).glob("*.safetensors"))
+        state: dict[str, torch.Tensor] = {}
+        for file in files:
+            state.update(load_file(str(file)))
+    except (OSError, ValueError, SafetensorError) as error:  # unreadable folder, null byte, corrupt file
+        raise WeightsError(f"cannot read weights in {path}: {error}", code="weights_not_found") from None
+    if not files:
+        raise WeightsError(f"no safetensors files in {path}", code="weights_not_found")
+    return state

@@ -5,8 +5,12 @@ prefix cache holds the prompt). Two kinds of engine: Weir's engine role (media b
 plain SGLang server given as ``sglang+http://host:port`` (media sent inline, as SGLang expects); the
 caller builds each request body for the engine it lands on. A call that fails for the engine's
 reasons — connection error, timeout, 5xx — is retried once on another engine, and the failing
-engine sits out a cool-down.
+engine sits out a cool-down; a 4xx is the request's fault and is never retried (`EngineRefused`).
 Every call has a timeout: nothing waits forever on a hung engine.
+
+The HTTP client comes from the caller (the rollout role builds it with the API token and the request
+id); this module owns it only when it made it. It does not build request bodies or read responses
+beyond their status.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from typing import Any, Literal
 
 import httpx
 
-from ..errors import ApiError
+from .errors import EngineRefused, EnginesUnavailable
 
 __all__ = ["BodyFor", "Dispatcher", "EngineEndpoint"]
 
@@ -49,20 +53,29 @@ class EngineEndpoint:
 
 
 class Dispatcher:
-    def __init__(self, urls: list[str], *, timeout_s: float, max_per_engine: int = 64, cooldown_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float,
+        client: httpx.AsyncClient | None = None,
+        max_per_engine: int = 64,
+        cooldown_s: float = 5.0,
+    ) -> None:
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.engines = [EngineEndpoint.parse(u) for u in urls]
         self.timeout_s, self.max_per_engine, self.cooldown_s = timeout_s, max_per_engine, cooldown_s
         self._affinity: dict[str, EngineEndpoint] = {}
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._owns_client = client is None
+        self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
 
     def _pick(self, group: str | None, exclude: EngineEndpoint | None = None) -> EngineEndpoint:
         candidates = [e for e in self.engines if e.available and e is not exclude] or [
             e for e in self.engines if e is not exclude
         ]
         if not candidates:
-            raise ApiError(503, "engines_unavailable", "no engine is available")
+            raise EnginesUnavailable("no engine is available")
         sticky = self._affinity.get(group) if group else None
         if sticky in candidates and sticky is not None and sticky.outstanding < self.max_per_engine:
             return sticky
@@ -76,17 +89,17 @@ class Dispatcher:
         engine = self._pick(group)
         try:
             return await self._call(engine, body(engine))
-        except (httpx.TransportError, _EngineFailed) as error:
-            logger.warning("engine %s failed (%s); retrying on another", engine.url, error)
+        except (httpx.RequestError, _EngineFailed) as error:
+            logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
             engine.down_until = time.monotonic() + self.cooldown_s
             if group:
                 self._affinity.pop(group, None)
             other = self._pick(group, exclude=engine)
             try:
                 return await self._call(other, body(other))
-            except (httpx.TransportError, _EngineFailed) as again:
+            except (httpx.RequestError, _EngineFailed) as again:
                 other.down_until = time.monotonic() + self.cooldown_s
-                raise ApiError(503, "engines_unavailable", f"two engines failed: {again}") from None
+                raise EnginesUnavailable(f"two engines failed: {again}") from None
 
     async def _call(self, engine: EngineEndpoint, body: dict[str, Any]) -> dict[str, Any]:
         engine.outstanding += 1
@@ -101,9 +114,14 @@ class Dispatcher:
         if response.status_code >= 500:
             raise _EngineFailed(f"HTTP {response.status_code}")
         if response.status_code >= 400:
-            error = response.json().get("error", {})
-            raise ApiError(400, error.get("code", "engine_refused"), error.get("message", response.text))
-        result: dict[str, Any] = response.json()
+            code, message = _refusal(response)
+            raise EngineRefused(f"engine {engine.url}: {message}", code=code)
+        try:
+            result = response.json()
+        except ValueError:
+            raise _EngineFailed(f"HTTP {response.status_code} with a body that is not JSON") from None
+        if not isinstance(result, dict):
+            raise _EngineFailed(f"HTTP {response.status_code} with a body that is not a JSON object")
         return result
 
     async def _abort(self, engine: EngineEndpoint, rid: object) -> None:
@@ -111,8 +129,35 @@ class Dispatcher:
             with contextlib.suppress(httpx.HTTPError):
                 await self._client.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=5)
 
+    async def probe(self, timeout_s: float) -> list[EngineEndpoint]:
+        """The engines whose ``GET /health`` answers 200 within ``timeout_s`` (all probed at once)."""
+
+        async def answers(engine: EngineEndpoint) -> bool:
+            try:
+                response = await self._client.get(f"{engine.url}/health", timeout=timeout_s)
+            except httpx.HTTPError:
+                return False
+            return response.status_code == 200
+
+        up = await asyncio.gather(*(answers(e) for e in self.engines))
+        return [e for e, ok in zip(self.engines, up, strict=True) if ok]
+
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._owns_client:
+            await self._client.aclose()
+
+
+def _refusal(response: httpx.Response) -> tuple[str | None, str]:
+    """(code, message) of an engine's 4xx body: Weir's ``{"error": {...}}`` or SGLang's ``{"message"}``."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None, f"HTTP {response.status_code}: {response.text[:200]}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        return error.get("code"), str(error.get("message", response.text[:200]))
+    message = body.get("message") if isinstance(body, dict) else None
+    return None, str(message or f"HTTP {response.status_code}: {response.text[:200]}")
 
 
 class _EngineFailed(Exception):

@@ -9,15 +9,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
 
 import preprocess as pp
 from encoders.embedded_model import MEDIA_TOKENS, init_model
 from encoders.towers import Towers
+from engines import InvalidMedia, InvalidPrompt, WeightsError, load_engine
+from engines.protocol import GenerateRequest, MediaInput, SamplingParams
+from engines.transformers_backend import TransformersEngine, sample_token
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders
-from services.engine.protocol import GenerateRequest, MediaInput, SamplingParams
-from services.engine.transformers_backend import TransformersEngine, sample_token
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +146,7 @@ def test_stops(engine: TransformersEngine) -> None:
 
 def test_concurrent_requests_interleave_and_abort_lands(engine: TransformersEngine) -> None:
     ids = engine.tokenizer.encode("<|im_start|>user\ncount<|im_end|>\n<|im_start|>assistant\n")
-    long = SamplingParams(max_new_tokens=100_000, temperature=1.0, ignore_eos=True)
+    long = SamplingParams(max_new_tokens=30_000, temperature=1.0, ignore_eos=True)  # within the context
     hog = engine.submit(GenerateRequest(input_ids=ids, sampling=long, rid="hog"))
     small = [
         engine.submit(GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=5, ignore_eos=True)))
@@ -184,3 +186,76 @@ def test_media_structure_tokens_are_never_generated(engine: TransformersEngine) 
     wild = SamplingParams(max_new_tokens=400, temperature=50.0, ignore_eos=True, sampling_seed=0)
     out = engine.generate(GenerateRequest(input_ids=ids, sampling=wild), timeout=120)
     assert len(out.output_ids) == 400 and not structural & set(out.output_ids)
+
+
+def test_bad_prompts_are_refused_when_submitted(engine: TransformersEngine, prompt) -> None:  # type: ignore[no-untyped-def]
+    ids, media = prompt
+    vocab, context = engine.limits.vocab_size, engine.max_context
+    assert vocab is not None
+    for bad, error in (
+        (GenerateRequest(input_ids=[]), InvalidPrompt),
+        (GenerateRequest(input_ids=[1, vocab]), InvalidPrompt),
+        (GenerateRequest(input_ids=[1, -1]), InvalidPrompt),
+        (GenerateRequest(input_ids=[1] * context), InvalidPrompt),
+        (GenerateRequest(input_ids=[1], sampling=SamplingParams(max_new_tokens=context)), InvalidPrompt),
+        (GenerateRequest(input_ids=ids), InvalidMedia),  # placeholders without their media
+        (GenerateRequest(input_ids=ids, media=media[:2]), InvalidMedia),
+    ):
+        with pytest.raises(error):
+            engine.submit(bad)
+    assert engine.healthy() and engine.running == 0
+
+
+def test_a_media_layout_the_model_cannot_place_is_invalid_media(engine: TransformersEngine, prompt) -> None:  # type: ignore[no-untyped-def]
+    _, media = prompt
+    image = media[0]
+    audio_bos = engine.tokenizer.convert_tokens_to_ids(MEDIA_TOKENS["audio_bos_token"])
+    misplaced = [audio_bos] + [engine.placeholders["image"]] * image.num_tokens  # the right count, the wrong bos
+    future = engine.submit(GenerateRequest(input_ids=misplaced, media=(image,)))
+    with pytest.raises(InvalidMedia, match="do not fit"):
+        future.result(timeout=60)
+    assert engine.healthy()
+
+
+def test_weights_that_do_not_fit_change_nothing(engine: TransformersEngine, tmp_path: Path) -> None:
+    before = {k: v.clone() for k, v in engine.model.state_dict().items() if k.startswith("lm_head")}
+    (tmp_path / "shapes").mkdir()
+    state = {name: torch.ones_like(value) for name, value in before.items()}
+    state["model.embed_tokens.weight"] = torch.zeros(3, 3)  # one tensor of another shape
+    save_file(state, str(tmp_path / "shapes" / "model.safetensors"))
+    with pytest.raises(WeightsError) as mismatch:
+        engine.update_weights(str(tmp_path / "shapes"), "bad")
+    assert mismatch.value.code == "weights_mismatch" and engine.weight_version != "bad"
+    for name, value in before.items():  # nothing was copied before the check refused
+        assert torch.equal(engine.model.state_dict()[name], value)
+    (tmp_path / "empty").mkdir()
+    for path in (tmp_path / "empty", tmp_path / "nowhere", "bad\x00path"):
+        with pytest.raises(WeightsError) as missing:
+            engine.update_weights(str(path))
+        assert missing.value.code == "weights_not_found"
+
+
+def test_an_abort_while_paused_finishes_the_request(engine: TransformersEngine) -> None:
+    ids = engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    engine.pause()
+    try:
+        assert engine.paused
+        pending = engine.submit(GenerateRequest(input_ids=ids, rid="held", sampling=SamplingParams(max_new_tokens=4)))
+        time.sleep(0.2)
+        assert not pending.done() and engine.abort("held")
+        assert pending.result(timeout=10).finish_reason["type"] == "abort"
+    finally:
+        engine.resume()
+    assert not engine.paused
+
+
+def test_load_engine_and_close_ends_what_is_left(model_dir: Path) -> None:
+    engine = load_engine(model_dir, backend="transformers", max_running=2)
+    assert isinstance(engine, TransformersEngine) and engine.max_running == 2 and engine.running == 0
+    engine.pause()
+    pending = engine.submit(GenerateRequest(input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=3)))
+    engine.close()
+    assert pending.result(timeout=10).finish_reason == {"type": "abort", "message": "the engine closed"}
+    assert not engine.healthy()
+    with pytest.raises(ValueError, match="backend"):
+        load_engine(model_dir, backend="vllm")  # type: ignore[arg-type]

@@ -2,19 +2,24 @@
 
 Content parts: ``text``; ``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
 ``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
-URLs); ``input_audio`` (``{"data": base64, "format": ...}``). Errors name the offending field.
+URLs); ``input_audio`` (``{"data": base64, "format": ...}``). Errors are `InvalidPrompt`s that name the
+offending field. This module does not fetch or decode media (the preprocess role does) and does not
+talk to any role.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer
 
+from preprocess.errors import MediaError
 from preprocess.placeholders import expand_placeholders
 
-from ..errors import ApiError
+from .errors import InvalidPrompt
 
 __all__ = ["PromptBuilder", "parse_messages"]
 
@@ -33,19 +38,19 @@ def _source(url: str) -> dict[str, str]:
 def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """(messages for the chat template, preprocess items in prompt order)."""
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "invalid_messages", f"{where}: a non-empty list of messages is required")
+        raise InvalidPrompt(f"{where}: a non-empty list of messages is required", code="invalid_messages")
     template: list[dict[str, Any]] = []
     items: list[dict[str, str]] = []
     for i, message in enumerate(messages):
         path = f"{where}[{i}]"
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise ApiError(400, "invalid_messages", f"{path}.role: one of {sorted(_ROLES)} is required")
+            raise InvalidPrompt(f"{path}.role: one of {sorted(_ROLES)} is required", code="invalid_messages")
         content = message.get("content")
         if isinstance(content, str):
             template.append({"role": message["role"], "content": content})
             continue
         if not isinstance(content, list):
-            raise ApiError(400, "invalid_messages", f"{path}.content: a string or a list of parts is required")
+            raise InvalidPrompt(f"{path}.content: a string or a list of parts is required", code="invalid_messages")
         parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
@@ -53,28 +58,35 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
             if kind == "text" and isinstance(part.get("text"), str):
                 parts.append({"type": "text", "text": part["text"]})
             elif kind in _MEDIA_PARTS:
-                url = (part.get(kind) or {}).get("url") if isinstance(part.get(kind), dict) else part.get(kind)
+                value = part.get(kind)
+                url = value.get("url") if isinstance(value, dict) else value
                 if not isinstance(url, str) or not url:
-                    raise ApiError(400, "invalid_messages", f"{part_path}.{kind}.url: a URL is required")
+                    raise InvalidPrompt(f"{part_path}.{kind}.url: a URL is required", code="invalid_messages")
                 items.append({"type": _MEDIA_PARTS[kind], **_source(url)})
                 parts.append({"type": _MEDIA_PARTS[kind]})
             elif kind == "input_audio":
-                audio = part.get("input_audio") or {}
+                audio = part.get("input_audio")
                 if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
-                    raise ApiError(400, "invalid_messages", f"{part_path}.input_audio.data: base64 audio is required")
+                    raise InvalidPrompt(
+                        f"{part_path}.input_audio.data: base64 audio is required", code="invalid_messages"
+                    )
                 items.append({"type": "audio", "data": audio["data"]})
                 parts.append({"type": "audio"})
             else:
-                raise ApiError(400, "unknown_part_type", f"{part_path}.type: unknown content part {kind!r}")
+                shown = kind if isinstance(kind, str | None) else type(kind).__name__
+                raise InvalidPrompt(f"{part_path}.type: unknown content part {shown!r}", code="unknown_part_type")
         template.append({"role": message["role"], "content": parts})
     return template, items
 
 
 class PromptBuilder:
-    """The model folder's tokenizer and chat template, and its placeholder token ids."""
+    """The model folder's tokenizer, chat template and context length, and its placeholder token ids."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+        text = config.get("text_config", config)
+        self.context_length = int(text.get("max_position_embeddings", 32768))
         self.placeholders: dict[str, int] = {
             kind: int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, f"{kind}_token")))  # type: ignore[arg-type]
             for kind in ("image", "video", "audio")
@@ -82,10 +94,18 @@ class PromptBuilder:
         eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.eos_ids = [t for t in eos if isinstance(t, int) and t >= 0]
 
-    def build(self, template: list[dict[str, Any]], media: list[tuple[str, int]]) -> list[int]:
+    def build(self, template: list[dict[str, Any]], media: Sequence[tuple[str, int]]) -> list[int]:
+        """Token ids of the templated conversation, each media placeholder expanded to its count."""
         text = self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
         ids = self.tokenizer.encode(str(text), add_special_tokens=False)
-        return expand_placeholders(ids, self.placeholders, media)
+        try:
+            return expand_placeholders(ids, self.placeholders, media)
+        except MediaError as error:  # e.g. a text part that spells out a placeholder token
+            raise InvalidPrompt(str(error), code=error.code) from None
 
     def decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def token_text(self, token: int) -> str:
+        """One token as text (special tokens included), for chat log-probs."""
+        return str(self.tokenizer.decode([token]))

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import preprocess as pp
+from engines.protocol import GenerateRequest, MediaInput, SamplingParams
+from engines.sglang_backend import build_request
 from preprocess import samples
-from services.engine.protocol import GenerateRequest, MediaInput, SamplingParams
-from services.engine.sglang_backend import build_request
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,7 @@ def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
 
 
 def test_routed_experts_are_requested_and_returned() -> None:
-    from services.engine.sglang_backend import result_from
+    from engines.sglang_backend import result_from
 
     request = GenerateRequest(input_ids=[1], rid="x", return_routed_experts=True)
     assert build_request(request)["return_routed_experts"] is True
@@ -79,7 +83,7 @@ def test_routed_experts_are_requested_and_returned() -> None:
 def test_sglang_engine_generates(tmp_path: Path) -> None:
     """Needs CUDA and `pip install 'weir[sglang]'`: the tiny model through sglang.Engine."""
     from encoders.embedded_model import init_model
-    from services.engine.sglang_backend import SGLangEngine
+    from engines.sglang_backend import SGLangEngine
 
     engine = SGLangEngine(init_model(tmp_path / "m"), mem_fraction_static=0.3)
     try:
@@ -87,3 +91,60 @@ def test_sglang_engine_generates(tmp_path: Path) -> None:
         assert len(result.output_ids) == len(result.output_logprobs) <= 4
     finally:
         engine.close()
+
+
+class _StandInEngine:
+    """Stands in for `sglang.Engine`, which needs CUDA: records calls, answers as SGLang 0.5 does."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.release = threading.Event()
+
+    def generate(self, **kwargs: Any) -> dict[str, Any]:
+        self.calls.append("generate")
+        if kwargs["input_ids"] == [3]:
+            raise ValueError("The input (1 tokens) is longer than the model's context length")
+        self.release.wait(10)
+        meta = {"id": kwargs["rid"], "finish_reason": {"type": "length"}, "prompt_tokens": len(kwargs["input_ids"])}
+        return {"text": "", "output_ids": [5], "meta_info": {**meta, "weight_version": "0"}}
+
+    def update_weights_from_disk(self, **kwargs: Any) -> tuple[bool, str]:
+        return False, f"cannot load {kwargs['model_path']}"
+
+    def pause_generation(self) -> None:
+        self.calls.append("pause")
+
+    def continue_generation(self) -> None:
+        self.calls.append("continue")
+
+
+def test_the_protocol_around_sglang_engine(tmp_path: Path) -> None:
+    """CPU: the wrapper's own part (checks, errors, busy time, pause state); SGLang itself is the gpu test's."""
+    from engines import InvalidPrompt, WeightsError
+    from engines.sglang_backend import SGLangEngine
+
+    (tmp_path / "config.json").write_text(
+        json.dumps({"text_config": {"vocab_size": 10, "max_position_embeddings": 512}})
+    )
+    inner = _StandInEngine()
+    engine = SGLangEngine(tmp_path, engine=inner)
+    with pytest.raises(InvalidPrompt):  # refused before SGLang sees it
+        engine.submit(GenerateRequest(input_ids=[11]))
+    assert inner.calls == []
+    pending = engine.submit(GenerateRequest(input_ids=[1, 2], rid="a"))
+    time.sleep(0.2)
+    assert engine.running == 1 and engine.busy_s > 0.1
+    inner.release.set()
+    assert pending.result(timeout=10).output_ids == [5] and engine.running == 0
+    busy = engine.busy_s
+    time.sleep(0.05)
+    assert engine.busy_s == busy  # idle time is not busy time
+    with pytest.raises(InvalidPrompt, match="context length"):
+        engine.generate(GenerateRequest(input_ids=[3]), timeout=10)
+    with pytest.raises(WeightsError) as refused:
+        engine.update_weights("/nowhere", "2")
+    assert refused.value.code == "weights_rejected" and engine.weight_version == "0"
+    engine.pause()
+    assert engine.paused and inner.calls[-1] == "pause"
+    engine.resume()
+    assert not engine.paused

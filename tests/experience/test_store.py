@@ -4,37 +4,59 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
+import pyarrow as pa
 import pytest
 
-from services.data.store import DataConfig, ExperienceStore, samples_to_arrow
+from experience import (
+    MICROBATCH_SCHEMA,
+    DataConfig,
+    ExperienceStore,
+    Group,
+    InvalidGroup,
+    InvalidRequest,
+    LeaseExpired,
+    Sample,
+    SampleStatus,
+    StoreNotWritable,
+    UnknownBatch,
+    microbatch_to_arrow,
+)
 
 
 def group(
-    gid: str, rewards: list[float], *, prompt: int = 4, response: int = 3, version: int = 0, status: str = "ok"
-) -> dict[str, Any]:
-    return {
-        "group_id": gid,
-        "prompt_ids": list(range(prompt)),
-        "feature_keys": ["k" * 40],
-        "samples": [
-            {
-                "index": i,
-                "status": status if i == 0 else "ok",
-                "reward": r,
-                "response_ids": [7] * response,
-                "logprobs": [-0.5] * response,
-                "weight_version": str(version),
-            }
+    gid: str,
+    rewards: list[float],
+    *,
+    prompt: int = 4,
+    response: int = 3,
+    version: int = 0,
+    status: SampleStatus = SampleStatus.OK,
+) -> Group:
+    """A group of ``len(rewards)`` samples; sample 0 gets ``status`` (the others are ok)."""
+    return Group(
+        group_id=gid,
+        prompt_ids=list(range(prompt)),
+        feature_keys=["a" * 40],
+        samples=[
+            Sample(
+                index=i,
+                status=status if i == 0 else SampleStatus.OK,
+                reward=r,
+                response_ids=[7] * response,
+                logprobs=[-0.5] * response,
+                policy_version=version,
+                error="the reward raised" if i == 0 and status is SampleStatus.FAILED else None,
+            )
             for i, r in enumerate(rewards)
         ],
-    }
+    )
 
 
 def test_append_is_idempotent_and_normalizes_advantages(tmp_path: Path) -> None:
@@ -46,16 +68,61 @@ def test_append_is_idempotent_and_normalizes_advantages(tmp_path: Path) -> None:
     assert [round(s["advantage"], 4) for s in batch.samples] == [1.0, -1.0, -1.0, 1.0]
     first = batch.samples[0]
     assert first["loss_mask"] == [0, 0, 0, 0, 1, 1, 1] and first["rollout_logprobs"][-1] == -0.5
-    assert samples_to_arrow(batch, {"consumer": "trainer"})[:4] == b"\xff\xff\xff\xff"  # an IPC stream
+    assert batch.table.schema.equals(MICROBATCH_SCHEMA)  # the published row schema, descriptions included
+    payload = microbatch_to_arrow(batch, {"consumer": "trainer"})
+    assert payload[:4] == b"\xff\xff\xff\xff"  # an IPC stream
+    meta = json.loads(pa.ipc.open_stream(payload).read_all().schema.metadata[b"weir"])
+    assert meta == {"batch_id": batch.batch_id, "rank": 0, "consumer": "trainer"}
+
+
+def test_the_advantage_estimator_and_the_samples_policy_version(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path, DataConfig(advantage_estimator="dr_grpo"))
+    store.append(group("g", [2.0, 4.0], version=7))
+    batch = store.lease("trainer", max_tokens=1000)
+    assert batch is not None
+    assert [s["advantage"] for s in batch.samples] == [-1.0, 1.0]  # mean baseline only
+    assert [s["policy_version"] for s in batch.samples] == [7, 7] and batch.sample_ids == ["g/0", "g/1"]
+    with pytest.raises(ValueError, match="advantage_estimator"):
+        DataConfig(advantage_estimator="ppo")  # type: ignore[arg-type]
 
 
 def test_failed_samples_and_uniform_groups(tmp_path: Path) -> None:
     store = ExperienceStore(tmp_path, DataConfig(drop_uniform_groups=True))
-    store.append(group("bad-first", [1.0, 0.0, 1.0], status="failed"))
+    store.append(group("bad-first", [1.0, 0.0, 1.0], status=SampleStatus.FAILED))
     store.append(group("uniform", [1.0, 1.0]))
     batch = store.lease("trainer", max_tokens=1000)
     assert batch is not None and [s["sample_id"] for s in batch.samples] == ["bad-first/1", "bad-first/2"]
-    assert store.stats()["drops"] == {"dropped_uniform": 1}
+    assert store.stats().drops == {"dropped_uniform": 1}
+    assert store.stats().groups_dropped == {"uniform": 1, "empty": 0}
+
+
+def test_a_group_with_nothing_trainable_is_recorded_but_not_stored(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    aborted = Group(
+        group_id="aborted",
+        prompt_ids=[1],
+        samples=[
+            Sample(index=0, status=SampleStatus.ABORTED),
+            Sample(index=1, status=SampleStatus.OK, policy_version=0),
+        ],
+    )  # one aborted, one ok without a reward: neither is trainable
+    assert store.append(aborted) and not store.append(aborted)
+    assert store.stats().samples == 0 and store.stats().groups_dropped == {"uniform": 0, "empty": 1}
+    assert store.stored_groups() == ["aborted"]
+
+
+def test_every_group_is_checked_before_any_is_stored(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    huge = Group(
+        group_id="huge",
+        prompt_ids=[2**31],  # a valid Group, but not an int32 token id
+        samples=[Sample(index=0, status=SampleStatus.OK, reward=1.0, policy_version=0)],
+    )
+    with pytest.raises(InvalidGroup, match="prompt_ids") as refused:
+        store.append_all([group("fine", [0.0, 1.0]), huge])
+    assert refused.value.item == 1 and refused.value.code == "invalid_request"
+    assert store.stored_groups() == []  # the good group was not stored either
+    assert store.append_all([group("a", [0.0, 1.0]), group("a", [0.0, 1.0])]) == [True, False]
 
 
 def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
@@ -64,15 +131,20 @@ def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
         store.append(group(f"g{i}", [0.0, 1.0]))  # 2 samples × 7 tokens per group
     batch = store.lease("trainer", max_tokens=30)
     assert batch is not None and batch.tokens <= 30 and len(batch.samples) == 4
-    assert store.ack(batch.batch_id) and store.ack(batch.batch_id)  # idempotent
+    assert store.ack(batch.batch_id) == store.ack(batch.batch_id) == batch.sample_ids  # idempotent
     other = store.lease("trainer", max_tokens=30)
     assert other is not None and not {s["sample_id"] for s in other.samples} & {s["sample_id"] for s in batch.samples}
     time.sleep(1.6)  # not acknowledged within its lease: delivered again
     again = store.lease("trainer", max_tokens=30)
     assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in other.samples]
-    assert not store.ack(other.batch_id)  # too late: its samples went out again
+    with pytest.raises(LeaseExpired):
+        store.ack(other.batch_id)  # too late: its samples went out again
     assert store.ack(again.batch_id)
     assert store.lease("other-consumer", max_tokens=1000) is not None  # offsets are per consumer
+    with pytest.raises(UnknownBatch):
+        store.ack("nope")
+    assert store.known(batch.batch_id) and not store.known("nope")
+    assert set(store.trained("trainer")) == set(batch.sample_ids) | set(again.sample_ids)
 
 
 def test_ranks_get_balanced_shares(tmp_path: Path) -> None:
@@ -84,6 +156,17 @@ def test_ranks_get_balanced_shares(tmp_path: Path) -> None:
     assert zero is not None and one is not None
     assert abs(zero.tokens - one.tokens) <= 6 and zero.tokens <= 40 and one.tokens <= 40
     assert not {s["sample_id"] for s in zero.samples} & {s["sample_id"] for s in one.samples}
+    with pytest.raises(InvalidRequest):
+        store.lease("trainer", rank=2, world_size=2)
+
+
+def test_a_sequence_longer_than_the_budget_is_dropped_and_counted(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path)
+    store.append(group("long", [0.0, 1.0], response=20))  # 24 tokens each
+    store.append(group("short", [0.0, 1.0]))  # 7 tokens each
+    batch = store.lease("trainer", max_tokens=10)
+    assert batch is not None and batch.sample_ids == ["short/0"]
+    assert store.stats().samples_dropped == {"stale": 0, "too_long": 2}
 
 
 def test_staleness_bound(tmp_path: Path) -> None:
@@ -94,9 +177,11 @@ def test_staleness_bound(tmp_path: Path) -> None:
     store.set_policy(5)
     batch = store.lease("trainer", max_tokens=1000)
     assert batch is not None and {s["policy_version"] for s in batch.samples} == {3, 4, 5}
-    assert store.stats()["drops"]["dropped_stale"] == 6
+    assert store.stats().drops["dropped_stale"] == 6
     store.ack(batch.batch_id)
     assert store.admission() == 3
+    with pytest.raises(InvalidRequest):
+        store.set_policy(-1)
 
 
 def test_admission_follows_the_trainers_pace_within_the_staleness_bound(tmp_path: Path) -> None:
@@ -121,30 +206,50 @@ def test_release_and_regenerations(tmp_path: Path) -> None:
     assert store.release("trainer", rank=1) == 0 and store.release("trainer") == 1  # a restarted trainer
     again = store.lease("trainer", max_tokens=1000)
     assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in batch.samples]
-    assert not store.ack(batch.batch_id) and store.ack(again.batch_id)
+    with pytest.raises(LeaseExpired):
+        store.ack(batch.batch_id)
+    assert store.ack(again.batch_id)
     store.append(group("old", [0.0, 1.0], version=0))
     store.set_policy(1)
     assert store.lease("trainer", max_tokens=1000) is None  # version 0 is one behind: stale
     assert store.take_regenerations() == ["old"] and store.take_regenerations() == []
 
 
+def test_check_writable(tmp_path: Path) -> None:
+    store = ExperienceStore(tmp_path / "data")
+    store.check_writable()
+    assert not [p for p in (tmp_path / "data").rglob(".probe*")]  # the probes are removed
+    # The directory is taken away under the running store (a volume unmounted, a wiped disk): chmod
+    # cannot show this here, as tests run as root and root writes through any mode bits.
+    (tmp_path / "data").rename(tmp_path / "moved")
+    (tmp_path / "data").write_text("not a directory")
+    with pytest.raises(StoreNotWritable, match="cannot write"):
+        store.check_writable()
+    store.close()
+    shutil.rmtree(tmp_path / "moved")
+
+
 _WRITER = """
 import json, os, sys
-from services.data.store import DataConfig, ExperienceStore
+from experience import DataConfig, ExperienceStore, Group, LeaseExpired
 root, progress = sys.argv[1], sys.argv[2]
 store = ExperienceStore(root, DataConfig(lease_s=0.5))
 log = open(progress, "a")
 def note(record):
     log.write(json.dumps(record) + "\\n"); log.flush(); os.fsync(log.fileno())
 for i in range(100000):
-    samples = [{"index": j, "reward": float(j % 2), "response_ids": [1] * 3, "logprobs": [-1.0] * 3}
-               for j in range(4)]
-    store.append({"group_id": f"g{i}", "prompt_ids": [1, 2], "samples": samples})
+    samples = [{"index": j, "status": "ok", "reward": float(j % 2), "response_ids": [1] * 3, "logprobs": [-1.0] * 3,
+                "policy_version": 0} for j in range(4)]
+    store.append(Group.from_json({"group_id": f"g{i}", "prompt_ids": [1, 2], "samples": samples}))
     note({"appended": f"g{i}"})  # only after append returned: it is durable
     if i % 3 == 2:
         batch = store.lease("trainer", max_tokens=20)
-        if batch is not None and store.ack(batch.batch_id):
-            note({"acked": [s["sample_id"] for s in batch.samples]})
+        if batch is not None:
+            try:
+                store.ack(batch.batch_id)
+            except LeaseExpired:
+                continue
+            note({"acked": batch.sample_ids})
 """
 
 
@@ -167,7 +272,7 @@ def test_kill_9_loses_no_acknowledged_group_and_trains_nothing_twice(tmp_path: P
     assert len(appended) >= 5 and acked
     time.sleep(0.6)  # a batch leased but not acknowledged when the trainer side died comes back after its lease
     store = ExperienceStore(tmp_path / "data", DataConfig(lease_s=0.5))  # restart after the crash
-    stored = {g for (g,) in store._db.execute("SELECT group_id FROM groups").fetchall()}
+    stored = set(store.stored_groups())
     assert appended <= stored  # every group whose append returned survived
     trained = list(acked)
     while (batch := store.lease("trainer", max_tokens=20)) is not None:

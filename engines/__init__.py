@@ -1,0 +1,53 @@
+"""Generation engines: one contract (`Engine`), two backends (transformers on CPU, SGLang on GPU),
+and what an engine role needs around them — SGLang's sampling dict mapped (`sampling_from`), media
+resolved from the caches by key (`MediaResolver`), a model's limits checked (`ModelLimits`).
+
+This package does not speak HTTP: the engine role (`services.engine`) puts SGLang's API in front of it.
+
+::
+
+    engines/
+      protocol.py             the records (SamplingParams, MediaInput, GenerateRequest/Result) and the Engine contract
+      errors.py               the exception tree (EngineError and its codes)
+      sampling.py             SGLang's sampling_params → SamplingParams: supported, ignored, refused keys
+      media.py                MediaRef (by feature or embedding key) → MediaInput, from the two caches
+      limits.py               a model's vocabulary and context; prompts outside them are refused at submit
+      factory.py              load_engine(model, backend=..., device=..., max_running=...)
+      transformers_backend.py TransformersEngine: a scheduler thread over a transformers model (CPU)
+      sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), build_request / result_from
+"""
+
+from __future__ import annotations
+
+from .errors import EngineError, InvalidMedia, InvalidPrompt, InvalidSampling, MediaNotFound, WeightsError
+from .factory import DEFAULT_MAX_RUNNING, Backend, load_engine
+from .limits import ModelLimits
+from .media import MediaKind, MediaRef, MediaResolver
+from .protocol import Engine, GenerateRequest, GenerateResult, MediaInput, SamplingParams, TokenCallback
+from .sampling import IGNORED_SAMPLING, KNOWN_SAMPLING, SUPPORTED_SAMPLING, sampling_from
+
+__all__ = [
+    "DEFAULT_MAX_RUNNING",
+    "IGNORED_SAMPLING",
+    "KNOWN_SAMPLING",
+    "SUPPORTED_SAMPLING",
+    "Backend",
+    "Engine",
+    "EngineError",
+    "GenerateRequest",
+    "GenerateResult",
+    "InvalidMedia",
+    "InvalidPrompt",
+    "InvalidSampling",
+    "MediaInput",
+    "MediaKind",
+    "MediaNotFound",
+    "MediaRef",
+    "MediaResolver",
+    "ModelLimits",
+    "SamplingParams",
+    "TokenCallback",
+    "WeightsError",
+    "load_engine",
+    "sampling_from",
+]

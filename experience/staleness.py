@@ -1,0 +1,115 @@
+"""Staleness: the trainer's policy version, the bound on how old a trained sample may be, and admission.
+
+* ``policy`` — the version the trainer last announced (`set_policy`); 0 before any.
+* `Staleness.fresh` — with ``max_staleness = K``, a sample generated under a version older than
+  ``policy - K`` is never trained: it is retired for that consumer (counted ``dropped_stale``), and
+  under ``staleness_policy="regenerate"`` its group is listed for the producer to generate again
+  (`take_regenerations`, each group once).
+* `Staleness.admission` — how many more groups the producer may start so that the queue does not
+  fill with samples that would go stale before the trainer reaches them; measured from the
+  trainer's own pace (groups trained per version, a moving average kept at each `set_policy`).
+
+State lives in the ``state`` table of the store's index. This module does not choose or deliver
+samples, count the queue (the store passes it in) or lock between threads.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Sequence
+
+from .errors import InvalidRequest
+from .index import Counters, transaction
+from .ledger import Ledger
+from .packing import Candidate
+
+__all__ = ["SCHEMA", "Staleness"]
+
+SCHEMA = "CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
+
+_REGENERATE = "regenerate:"
+
+
+class Staleness:
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        ledger: Ledger,
+        counters: Counters,
+        *,
+        max_staleness: int | None,
+        staleness_policy: str,
+        max_queued_groups: int,
+    ) -> None:
+        self._db, self._ledger, self._counters = db, ledger, counters
+        self.max_staleness = max_staleness
+        self.regenerate = staleness_policy == "regenerate"
+        self.max_queued_groups = max_queued_groups
+
+    def _get(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def _set(self, key: str, value: object) -> None:
+        self._db.execute("INSERT OR REPLACE INTO state(key, value) VALUES (?, ?)", (key, str(value)))
+
+    # -- the policy version --------------------------------------------------------------------
+    @property
+    def policy(self) -> int:
+        value = self._get("policy")
+        return int(value) if value is not None else 0
+
+    def set_policy(self, version: int, *, trained_groups: int) -> None:
+        """Announce ``version``; ``trained_groups`` (groups trained so far) measures the trainer's pace."""
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidRequest(f"a policy version is a non-negative integer, not {version!r}")
+        with transaction(self._db):
+            policy = self.policy
+            trained_at = self._get("trained_at_policy")
+            if trained_at is not None and version > policy:
+                used = max(0, trained_groups - int(trained_at)) / (version - policy)
+                previous = self._get("groups_per_version")
+                self._set("groups_per_version", used if previous is None else 0.5 * float(previous) + 0.5 * used)
+            self._set("trained_at_policy", trained_groups)
+            self._set("policy", version)
+
+    # -- the staleness filter ------------------------------------------------------------------
+    def fresh(self, candidates: Sequence[Candidate], consumer: str) -> list[Candidate]:
+        """The candidates young enough to train; the others are retired for ``consumer`` (counted
+        once) and, under the regenerate policy, their groups listed for regeneration."""
+        if self.max_staleness is None:
+            return list(candidates)
+        floor = self.policy - self.max_staleness
+        stale = [c for c in candidates if c.version < floor]
+        if stale:
+            self._ledger.retire(consumer, [c.sample_id for c in stale], "stale")
+            self._counters.add("dropped_stale", len(stale))
+            if self.regenerate:
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO state(key, value) VALUES (?, '1')",
+                    [(_REGENERATE + group_id,) for group_id in sorted({c.group_id for c in stale})],
+                )
+        return [c for c in candidates if c.version >= floor]
+
+    def take_regenerations(self) -> list[str]:
+        """The group ids whose samples went stale under the regenerate policy, each handed out once."""
+        with transaction(self._db):
+            keys = [str(k) for (k,) in self._db.execute("SELECT key FROM state WHERE key LIKE ?", (_REGENERATE + "%",))]
+            self._db.execute("DELETE FROM state WHERE key LIKE ?", (_REGENERATE + "%",))
+        return [k.removeprefix(_REGENERATE) for k in keys]
+
+    # -- admission -----------------------------------------------------------------------------
+    def admission(self, queued_groups: int) -> int:
+        """How many more groups the producer may start, with ``queued_groups`` waiting now.
+
+        Without a staleness bound: up to ``max_queued_groups`` waiting. With ``max_staleness = K``: a
+        group queued behind Q others is trained about Q / (groups the trainer uses per version)
+        versions after it was generated, so the queue is held to ``max(1, K - 1)`` versions' worth
+        (the version being generated adds the last one).
+        """
+        limit = self.max_queued_groups
+        pace = self._get("groups_per_version")
+        if self.max_staleness is not None and pace is not None:
+            limit = min(limit, max(1, math.ceil(max(1, self.max_staleness - 1) * float(pace))))
+        return max(0, limit - queued_groups)

@@ -1,0 +1,374 @@
+"""`ExperienceStore`: finished groups in, token-budgeted micro-batches out, each sample trained once.
+
+The facade over one directory::
+
+    state.sqlite       the index (`experience.index`): groups, samples, deliveries, consumption, state
+    groups/            Arrow IPC entries, one per group, in a `preprocess.FeatureStore` that never evicts
+
+* `append` / `append_all` — idempotent by group id. A group's trainable samples get their advantages
+  (`experience.advantages`: GRPO or Dr. GRPO; DAPO's uniform groups dropped when configured), become
+  rows (`experience.microbatch`), are written as one Arrow entry and fsync'd, and only then indexed,
+  in one transaction: an append that returned is durable, and a crash in between leaves bytes no
+  index row points to, never a half-stored group.
+* `lease` — the next micro-batch for one rank of a consumer: the oldest waiting samples that are
+  fresh enough (`experience.staleness`), cut into balanced shares for every rank at once
+  (`experience.packing`) and recorded as leased deliveries (`experience.ledger`).
+* `ack`, `release` — the ledger's exactly-once acknowledgement and a restarted trainer's reclaim.
+* `set_policy`, `admission`, `take_regenerations` — staleness.
+* `stats`, `check_writable`, `close`.
+
+Every public method holds one lock (the modules under it do not lock); the store is safe to share
+between threads of one process. It speaks no HTTP: the data role (`services.data`) does.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, get_args
+
+import pyarrow as pa
+
+import preprocess as pp
+
+from .advantages import ESTIMATORS, AdvantageEstimator, group_advantages, has_signal
+from .errors import InvalidGroup, InvalidRequest, StoreNotWritable
+from .index import Counters, open_index, transaction
+from .ledger import RETIRED, Ledger
+from .ledger import SCHEMA as LEDGER_SCHEMA
+from .microbatch import MicroBatch, group_of, group_table, ipc_bytes, read_entry
+from .packing import Candidate, cut
+from .records import MICROBATCH_SCHEMA, Group
+from .staleness import SCHEMA as STALENESS_SCHEMA
+from .staleness import Staleness
+
+__all__ = ["DataConfig", "ExperienceStats", "ExperienceStore", "StalenessPolicy"]
+
+StalenessPolicy = Literal["drop", "regenerate"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS groups (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, group_id TEXT UNIQUE NOT NULL, samples INTEGER NOT NULL,
+    tokens INTEGER NOT NULL, min_version INTEGER NOT NULL, created REAL NOT NULL, dropped INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS samples (
+    sample_id TEXT PRIMARY KEY, group_id TEXT NOT NULL, seq INTEGER NOT NULL, idx INTEGER NOT NULL,
+    tokens INTEGER NOT NULL, version INTEGER NOT NULL);
+CREATE INDEX IF NOT EXISTS samples_by_seq ON samples(seq, idx);
+"""
+
+# Counter names: groups dropped whole, and samples never trained (by reason).
+_GROUP_DROPS = {"uniform": "dropped_uniform", "empty": "dropped_empty"}
+_SAMPLE_DROPS = {"stale": "dropped_stale", "too_long": "too_long"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataConfig:
+    """How the store treats experience. Defaults serve the embedded mode."""
+
+    max_staleness: int | None = None  # versions a sample may lag the policy; None: no bound
+    staleness_policy: StalenessPolicy = "drop"  # a stale sample is dropped, or its group also regenerated
+    drop_uniform_groups: bool = False  # DAPO dynamic sampling: a group whose rewards are all equal is dropped
+    advantage_estimator: AdvantageEstimator = "grpo"  # "dr_grpo": mean baseline only
+    lease_s: float = 300.0  # an unacknowledged delivery comes back after this long
+    max_queued_groups: int = 256  # admission never lets more groups wait
+
+    def __post_init__(self) -> None:
+        if self.max_staleness is not None and self.max_staleness < 0:
+            raise ValueError("max_staleness must be >= 0 (or None)")
+        if self.staleness_policy not in get_args(StalenessPolicy):
+            raise ValueError(f"staleness_policy must be one of {get_args(StalenessPolicy)}")
+        if self.advantage_estimator not in ESTIMATORS:
+            raise ValueError(f"advantage_estimator must be one of {ESTIMATORS}")
+        if not self.lease_s > 0:
+            raise ValueError("lease_s must be positive")
+        if self.max_queued_groups < 1:
+            raise ValueError("max_queued_groups must be positive")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ExperienceStats:
+    groups: int  # groups stored with at least one sample
+    samples: int  # samples stored
+    queue_samples: int  # samples waiting for the consumer (not leased, not done)
+    consumed: int  # samples the consumer acknowledged
+    bytes: int  # bytes of stored Arrow entries
+    policy_version: int
+    staleness_histogram: dict[str, int]  # stored samples by versions behind the policy
+    drops: dict[str, int] = field(default_factory=dict)  # the raw counters (dropped_uniform, dropped_stale, …)
+
+    @property
+    def groups_dropped(self) -> dict[str, int]:
+        """Groups not stored, by reason: ``uniform`` (DAPO filter), ``empty`` (nothing trainable)."""
+        return {reason: self.drops.get(name, 0) for reason, name in _GROUP_DROPS.items()}
+
+    @property
+    def samples_dropped(self) -> dict[str, int]:
+        """Stored samples never trained, by reason: ``stale``, ``too_long`` (over a rank's budget)."""
+        return {reason: self.drops.get(name, 0) for reason, name in _SAMPLE_DROPS.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    group: Group
+    entry: bytes | None  # None: dropped (see reason)
+    reason: str = ""
+    rows: list[tuple[str, int, int]] = field(default_factory=list)  # (sample id, tokens, version)
+
+
+class ExperienceStore:
+    """Durable experience under ``root``; see the module docstring."""
+
+    def __init__(self, root: str | Path, config: DataConfig | None = None) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.config = config or DataConfig()
+        self._blobs = pp.FeatureStore(self.root / "groups", 1 << 62)  # never evicts: experience is data
+        self._db = open_index(self.root / "state.sqlite", (SCHEMA, LEDGER_SCHEMA, STALENESS_SCHEMA))
+        self._lock = threading.RLock()
+        self._counters = Counters(self._db)
+        self._ledger = Ledger(self._db, lease_s=self.config.lease_s)
+        self._staleness = Staleness(
+            self._db,
+            self._ledger,
+            self._counters,
+            max_staleness=self.config.max_staleness,
+            staleness_policy=self.config.staleness_policy,
+            max_queued_groups=self.config.max_queued_groups,
+        )
+
+    # -- producer side -------------------------------------------------------------------------
+    def append(self, group: Group) -> bool:
+        """Store a finished group durably; False if that group id was already stored."""
+        return self.append_all([group])[0]
+
+    def append_all(self, groups: Sequence[Group]) -> list[bool]:
+        """Store several groups; each is checked before any is stored (`InvalidGroup` names the first
+        that cannot be, by its index), then each is stored durably in turn. Per group: False if that
+        group id was already stored (also for a repeat within ``groups``)."""
+        prepared = []
+        for i, group in enumerate(groups):
+            try:
+                prepared.append(self._prepare(group))
+            except InvalidGroup as error:
+                error.item = i
+                raise
+        with self._lock:
+            return [self._commit(p) for p in prepared]
+
+    def _prepare(self, group: Group) -> _Prepared:
+        """Advantages, the DAPO filter and the Arrow entry: everything but the writing."""
+        rewards = [s.reward for s in group.samples if s.trainable and s.reward is not None]
+        if not rewards:
+            return _Prepared(group, None, "empty")
+        if self.config.drop_uniform_groups and not has_signal(rewards):
+            return _Prepared(group, None, "uniform")
+        table = group_table(group, group_advantages(rewards, estimator=self.config.advantage_estimator))
+        ids = table.column("sample_id").to_pylist()
+        versions = table.column("policy_version").to_pylist()
+        lengths = [len(x) for x in table.column("input_ids").to_pylist()]
+        rows = [(str(s), int(n), int(v)) for s, n, v in zip(ids, lengths, versions, strict=True)]
+        return _Prepared(group, ipc_bytes(table), rows=rows)
+
+    def _commit(self, p: _Prepared) -> bool:
+        group_id = p.group.group_id
+        if self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,)).fetchone():
+            return False
+        if p.entry is None:
+            with transaction(self._db):
+                self._db.execute(
+                    "INSERT INTO groups(group_id, samples, tokens, min_version, created, dropped) "
+                    "VALUES (?, 0, 0, 0, ?, 1)",
+                    (group_id, time.time()),
+                )
+                self._counters.add(_GROUP_DROPS[p.reason], 1)
+            return True
+        # The entry is written and fsync'd before the transaction that indexes it.
+        self._blobs.put(group_id, p.entry)
+        with transaction(self._db):
+            seq = self._db.execute(
+                "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",
+                (group_id, len(p.rows), sum(n for _, n, _ in p.rows), min(v for _, _, v in p.rows), time.time()),
+            ).lastrowid
+            self._db.executemany(
+                "INSERT INTO samples(sample_id, group_id, seq, idx, tokens, version) VALUES (?, ?, ?, ?, ?, ?)",
+                [(sid, group_id, seq, i, n, v) for i, (sid, n, v) in enumerate(p.rows)],
+            )
+        return True
+
+    # -- the policy ----------------------------------------------------------------------------
+    @property
+    def policy(self) -> int:
+        """The policy version the trainer last announced (0 before any)."""
+        with self._lock:
+            return self._staleness.policy
+
+    def set_policy(self, version: int) -> None:
+        """Announce a new policy version; also measures how many groups the trainer used for it."""
+        with self._lock:
+            self._staleness.set_policy(version, trained_groups=self._trained_groups())
+
+    def admission(self, consumer: str = "trainer") -> int:
+        """How many more groups the producer may start now (`Staleness.admission`)."""
+        with self._lock:
+            return self._staleness.admission(len({c.group_id for c in self._available(consumer)}))
+
+    def take_regenerations(self) -> list[str]:
+        """The group ids whose samples went stale under ``staleness_policy="regenerate"``, once each."""
+        with self._lock:
+            return self._staleness.take_regenerations()
+
+    # -- consumer side -------------------------------------------------------------------------
+    def lease(
+        self,
+        consumer: str,
+        rank: int = 0,
+        world_size: int = 1,
+        max_tokens: int = 8192,
+        max_samples: int | None = None,
+    ) -> MicroBatch | None:
+        """The next micro-batch for ``rank`` (None when nothing is ready); at most ``max_tokens`` tokens
+        and, when given, ``max_samples`` sequences per rank (a trainer completing a fixed-size step).
+
+        When rank r asks and has nothing waiting, a share for every rank of the consumer is cut at
+        once; the other ranks' shares wait for them. Raises `InvalidRequest` for a rank outside
+        ``[0, world_size)`` or a non-positive budget.
+        """
+        if not 0 <= rank < world_size:
+            raise InvalidRequest(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
+        if max_tokens < 1 or (max_samples is not None and max_samples < 1):
+            raise InvalidRequest("max_tokens and max_samples must be positive")
+        with self._lock:
+            now = time.time()
+            with transaction(self._db):
+                self._ledger.expire(consumer, now)
+                pending = self._ledger.waiting(consumer, rank)
+                if pending is None:
+                    candidates = self._staleness.fresh(self._available(consumer), consumer)
+                    shares = cut(candidates, world_size=world_size, max_tokens=max_tokens, max_samples=max_samples)
+                    if shares.too_long:
+                        self._ledger.retire(consumer, [c.sample_id for c in shares.too_long], "too_long")
+                        self._counters.add(_SAMPLE_DROPS["too_long"], len(shares.too_long))
+                    self._ledger.record(consumer, shares.shares, now)
+                    pending = self._ledger.waiting(consumer, rank)
+                if pending is None:
+                    return None
+                self._ledger.fetch(pending.batch_id, now)
+            return MicroBatch(batch_id=pending.batch_id, rank=rank, table=self._load(pending.sample_ids))
+
+    def ack(self, batch_id: str) -> list[str]:
+        """Mark a delivered batch trained, durably; idempotent; its sample ids. Raises `UnknownBatch`
+        for an id never delivered, `LeaseExpired` when its lease ran out and its samples went out again."""
+        with self._lock:
+            return self._ledger.ack(batch_id)
+
+    def release(self, consumer: str, rank: int | None = None) -> int:
+        """Expire the consumer's (or one rank's) fetched, unacknowledged deliveries now: a restarted
+        trainer gets its batches back at once. Their late acks are refused if the samples went out again."""
+        with self._lock:
+            return self._ledger.release(consumer, rank)
+
+    def known(self, batch_id: str) -> bool:
+        """Whether a micro-batch was ever delivered under ``batch_id``."""
+        with self._lock:
+            return self._ledger.known(batch_id)
+
+    def _available(self, consumer: str) -> list[Candidate]:
+        """The consumer's waiting samples, oldest first: stored, not done, not out on a live lease."""
+        self._ledger.expire(consumer)
+        leased = self._ledger.outstanding(consumer)
+        rows = self._db.execute(
+            "SELECT s.sample_id, s.group_id, s.tokens, s.version FROM samples s WHERE NOT EXISTS "
+            "(SELECT 1 FROM consumed c WHERE c.consumer = ? AND c.sample_id = s.sample_id) ORDER BY s.seq, s.idx",
+            (consumer,),
+        ).fetchall()
+        return [
+            Candidate(sample_id=str(s), group_id=str(g), tokens=int(n), version=int(v))
+            for s, g, n, v in rows
+            if s not in leased
+        ]
+
+    def _load(self, sample_ids: Sequence[str]) -> pa.Table:
+        """The samples' rows, in the given order, read from their groups' Arrow entries (zero-copy maps)."""
+        groups: dict[str, pa.Table] = {}
+        for sid in sample_ids:
+            group_id = group_of(sid)
+            if group_id not in groups:
+                groups[group_id] = read_entry(self._blobs.get_bytes(group_id))
+        if not groups:
+            return MICROBATCH_SCHEMA.empty_table()
+        table = pa.concat_tables(groups.values())
+        position = {sid: i for i, sid in enumerate(table.column("sample_id").to_pylist())}
+        return table.take(pa.array([position[s] for s in sample_ids if s in position], pa.int64()))
+
+    def _trained_groups(self) -> int:
+        """Groups with a trained sample, across consumers: the trainer's pace for admission."""
+        marks = ",".join("?" * len(RETIRED))
+        return int(
+            self._db.execute(
+                "SELECT COUNT(DISTINCT s.group_id) FROM consumed c JOIN samples s ON s.sample_id = c.sample_id "
+                f"WHERE c.batch_id NOT IN ({marks})",
+                RETIRED,
+            ).fetchone()[0]
+        )
+
+    # -- reading -------------------------------------------------------------------------------
+    def stored_groups(self) -> list[str]:
+        """Every group id appended (dropped groups included), in order."""
+        with self._lock:
+            return [str(g) for (g,) in self._db.execute("SELECT group_id FROM groups ORDER BY seq")]
+
+    def stored_samples(self) -> list[str]:
+        """Every stored sample id, in queue order."""
+        with self._lock:
+            return [str(s) for (s,) in self._db.execute("SELECT sample_id FROM samples ORDER BY seq, idx")]
+
+    def trained(self, consumer: str = "trainer") -> dict[str, str]:
+        """The consumer's acknowledged samples: sample id → the batch that trained it."""
+        with self._lock:
+            return self._ledger.trained(consumer)
+
+    def stats(self, consumer: str = "trainer") -> ExperienceStats:
+        with self._lock:
+            versions = self._db.execute("SELECT version, COUNT(*) FROM samples GROUP BY version").fetchall()
+            policy = self._staleness.policy
+            return ExperienceStats(
+                groups=int(self._db.execute("SELECT COUNT(*) FROM groups WHERE dropped = 0").fetchone()[0]),
+                samples=int(self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]),
+                queue_samples=len(self._available(consumer)),
+                consumed=self._ledger.trained_count(consumer),
+                bytes=self._blobs.stats().bytes,
+                policy_version=policy,
+                staleness_histogram={str(policy - int(v)): int(n) for v, n in versions},
+                drops=self._counters.read(),
+            )
+
+    # -- health --------------------------------------------------------------------------------
+    def check_writable(self) -> None:
+        """Prove the store can write now: take the index's write lock, and write, fsync and remove a
+        probe file where the index and the entries live. Raises `StoreNotWritable` with the reason."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                self._db.execute("ROLLBACK")
+                for directory in (self.root, self._blobs.root / "shards"):
+                    probe = directory / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+                    fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    try:
+                        os.write(fd, b"weir")
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                        probe.unlink(missing_ok=True)
+            except (OSError, sqlite3.Error) as error:
+                raise StoreNotWritable(f"the store at {self.root} cannot write: {error}") from error
+
+    def close(self) -> None:
+        with self._lock:
+            self._blobs.close()
+            self._db.close()

@@ -1,0 +1,87 @@
+"""The rollout library: prompts → engines → rewarded, typed `Group`s, with no HTTP server of its own.
+
+The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a rollout function
+(`rollout_group` unless ``WEIR_ROLLOUT_FUNCTION`` names another) per prompt. Modules:
+
+    prompts     OpenAI messages → preprocess items; chat template + exact placeholder expansion
+    dispatch    engines: least outstanding, group affinity, one retry elsewhere, health probes
+    group       the rollout itself: prepare → generate n → reward → `Group`; the context; chat samples
+    rewards     built-in rewards and the registry of custom ones (named, registered at start-up)
+    admission   bounds on in-flight media tokens and request bytes
+    chat        OpenAI chat-completion shaping over samples
+    sink        where finished groups go (the data role, or a JSONL file)
+    plugins     loading operator-named code (settings and entry points only, never requests)
+    errors      the exception tree
+"""
+
+from __future__ import annotations
+
+from .admission import Admission
+from .dispatch import Dispatcher, EngineEndpoint
+from .errors import (
+    EngineRefused,
+    EnginesUnavailable,
+    ExperienceRefused,
+    InvalidPrompt,
+    MediaRefused,
+    Overloaded,
+    RolloutError,
+    UnknownReward,
+    UpstreamUnavailable,
+    WorkTooLarge,
+)
+from .group import (
+    DEFAULT_ROLLOUT_FUNCTION,
+    Prepared,
+    PromptSpec,
+    RolloutContext,
+    RolloutFunction,
+    chat_samples,
+    generate_n,
+    prepare,
+    reward_samples,
+    rollout_group,
+    run_prompt,
+)
+from .plugins import PluginError
+from .prompts import PromptBuilder, parse_messages
+from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardFunction, RewardRegistry, RewardSpec
+from .sink import HttpSink, JsonlSink, Sink
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "DEFAULT_ROLLOUT_FUNCTION",
+    "ENTRY_POINT_GROUP",
+    "Admission",
+    "Dispatcher",
+    "EngineEndpoint",
+    "EngineRefused",
+    "EnginesUnavailable",
+    "ExperienceRefused",
+    "HttpSink",
+    "InvalidPrompt",
+    "JsonlSink",
+    "MediaRefused",
+    "Overloaded",
+    "PluginError",
+    "Prepared",
+    "PromptBuilder",
+    "PromptSpec",
+    "RewardFunction",
+    "RewardRegistry",
+    "RewardSpec",
+    "RolloutContext",
+    "RolloutError",
+    "RolloutFunction",
+    "Sink",
+    "UnknownReward",
+    "UpstreamUnavailable",
+    "WorkTooLarge",
+    "chat_samples",
+    "generate_n",
+    "parse_messages",
+    "prepare",
+    "reward_samples",
+    "rollout_group",
+    "run_prompt",
+]

@@ -1,0 +1,451 @@
+"""The rollout itself: one prompt → its ``n`` samples → one typed, rewarded `Group`.
+
+Per prompt: its media go to the preprocess role (planned, decoded once, cached) and, when there is
+one, to the encoder role (embeddings, once per unique item); the chat template is applied and each
+placeholder expanded to the exact token count; the ``n`` samples go to the engines (media by cache
+key, or inline for a plain SGLang server) under the admission bound; each ok sample is rewarded.
+A sample that fails — no engine could generate it, its engine answered something unusable, its
+reward raised — is a ``failed`` `Sample` that says why; the rest of the group is still returned.
+
+`rollout_group` is the default rollout function. The role can run another one instead
+(``WEIR_ROLLOUT_FUNCTION``) with the same signature (`RolloutFunction`); it gets the same
+`RolloutContext` and may use the building blocks here (`prepare`, `generate_n`, `reward_samples`).
+Recording a group (the sink) is `run_prompt`'s job, not the rollout function's. This module does not
+speak to clients (no HTTP server, no wire schemas) and keeps no metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from experience.records import FinishReason, Group, Sample, SampleStatus, policy_version_of, sample_id
+
+from .admission import Admission
+from .dispatch import Dispatcher, EngineEndpoint
+from .errors import EngineRefused, EnginesUnavailable, InvalidPrompt, MediaRefused, UpstreamUnavailable
+from .prompts import PromptBuilder, parse_messages
+from .rewards import RewardRegistry, RewardSpec
+from .sink import Sink
+
+__all__ = [
+    "DEFAULT_ROLLOUT_FUNCTION",
+    "Prepared",
+    "PromptSpec",
+    "RolloutContext",
+    "RolloutFunction",
+    "chat_samples",
+    "check_context",
+    "engine_body",
+    "generate",
+    "generate_n",
+    "prepare",
+    "reward_samples",
+    "rollout_group",
+    "run_prompt",
+    "sample_from_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ROLLOUT_FUNCTION = "rollout.group:rollout_group"
+_FINISH_REASONS: dict[object, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptSpec:
+    """One prompt of a rollout request: OpenAI-style ``messages``, ``n`` samples, how to reward them,
+    and the group id to use (a fresh one when None)."""
+
+    messages: Sequence[Any]
+    n: int = 1
+    reward: RewardSpec = field(default_factory=RewardSpec)
+    group_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError("n must be at least 1")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Prepared:
+    """A prompt ready for the engines."""
+
+    prompt_ids: list[int]
+    media: list[dict[str, str]]  # engine `weir_media` refs, in prompt order
+    inline: list[dict[str, str]]  # the same media as given (for a plain SGLang engine)
+    feature_keys: list[str]
+    token_counts: dict[str, int]  # per modality, and "text"
+    preprocess_s: float
+
+    @property
+    def media_tokens(self) -> int:
+        return sum(v for k, v in self.token_counts.items() if k != "text")
+
+
+@dataclass(slots=True, kw_only=True)
+class RolloutContext:
+    """Everything a rollout function uses, built once by the role. The HTTP clients carry the API
+    token and the request id; whoever built them closes them (`close` closes the dispatcher's own)."""
+
+    prompts: PromptBuilder
+    dispatcher: Dispatcher
+    preprocess: httpx.AsyncClient  # base URL: the preprocess role
+    encoder: httpx.AsyncClient | None  # base URL: the encoder role; None: engines encode media
+    sink: Sink
+    rewards: RewardRegistry
+    admission: Admission
+    default_max_tokens: int = 256
+    return_routed_experts: bool = False  # ask MoE engines for routing (R3: rollout routing replay)
+    reward_timeout_s: float = 30.0
+
+    @property
+    def context_length(self) -> int:
+        return self.prompts.context_length
+
+    async def close(self) -> None:
+        await self.dispatcher.close()
+        await self.sink.close()
+
+
+class RolloutFunction(Protocol):
+    """``async def f(ctx, prompt, *, index, sampling, budget) -> Group`` — what ``WEIR_ROLLOUT_FUNCTION`` names.
+
+    ``ctx``: the `RolloutContext`; ``prompt``: the `PromptSpec`; ``index``: the prompt's position in
+    its request; ``sampling``: SGLang ``sampling_params`` (validated, ``max_new_tokens`` set);
+    ``budget``: the preprocess token budget or None. Returns the finished `Group` (samples rewarded).
+    """
+
+    async def __call__(
+        self,
+        ctx: RolloutContext,
+        prompt: PromptSpec,
+        /,
+        *,
+        index: int,
+        sampling: dict[str, Any],
+        budget: dict[str, Any] | None,
+    ) -> Group: ...
+
+
+# -- prompt → prepared ------------------------------------------------------------------------------
+async def prepare(
+    ctx: RolloutContext, messages: Sequence[Any], *, where: str, budget: Mapping[str, Any] | None
+) -> Prepared:
+    """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded)."""
+    template, items = parse_messages(list(messages), where)
+    start = time.perf_counter()
+    results: list[dict[str, Any]] = []
+    if items:
+        payload: dict[str, Any] = {"items": items}
+        if budget:
+            payload["budget"] = dict(budget)
+        try:
+            response = await ctx.preprocess.post("/v1/preprocess", json=payload)
+        except httpx.HTTPError as error:
+            raise UpstreamUnavailable(
+                f"the preprocess role did not answer: {error}", code="preprocess_unavailable"
+            ) from None
+        if response.status_code >= 400:
+            raise _media_refused(response, where)
+        try:
+            results = response.json()["items"]
+            media = [(str(r["type"]), int(r["num_tokens"])) for r in results]
+        except (ValueError, KeyError, TypeError) as error:
+            raise MediaRefused(
+                f"{where}: the preprocess role's answer is unreadable ({type(error).__name__}: {error})",
+                status=502,
+                code="preprocess_failed",
+            ) from None
+    else:
+        media = []
+    ids = ctx.prompts.build(template, media)
+    counts = {"text": len(ids) - sum(n for _, n in media)}
+    for kind, n in media:
+        counts[kind] = counts.get(kind, 0) + n
+    return Prepared(
+        prompt_ids=ids,
+        media=await _media_refs(ctx, results),
+        inline=items,
+        feature_keys=[str(r["key"]) for r in results],
+        token_counts=counts,
+        preprocess_s=time.perf_counter() - start,
+    )
+
+
+def _media_refused(response: httpx.Response, where: str) -> MediaRefused:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    refusal = body.get("error") if isinstance(body, dict) else None
+    refusal = refusal if isinstance(refusal, dict) else {}
+    item = refusal.get("item") if isinstance(refusal.get("item"), int) else None
+    at = f"{where} media item {item}" if item is not None else where
+    status = response.status_code if response.status_code < 500 else 502
+    code = refusal.get("code") if isinstance(refusal.get("code"), str) else None
+    message = refusal.get("message") or f"HTTP {response.status_code}"
+    return MediaRefused(f"{at}: {message}", status=status, code=code, item=item)
+
+
+async def _media_refs(ctx: RolloutContext, results: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Engine refs for the media: embedding keys from the encoder role when there is one (each
+    unique item encoded once per weights version), else feature keys (the engine encodes)."""
+    refs = [{"type": str(r["type"]), "feature_key": str(r["key"])} for r in results]
+    if not results or ctx.encoder is None:
+        return refs
+    try:
+        response = await ctx.encoder.post("/v1/encode", json={"feature_keys": [r["key"] for r in results]})
+        response.raise_for_status()
+        items = response.json()["items"]
+    except (httpx.HTTPError, ValueError, KeyError) as error:
+        logger.warning("encoder role unavailable (%s): engines will encode", error)
+        return refs
+    return [
+        {"type": str(r["type"]), "embedding_key": str(item["embedding_key"])}
+        for r, item in zip(results, items, strict=True)
+    ]
+
+
+def check_context(ctx: RolloutContext, prepared: Prepared, max_new_tokens: int, where: str) -> None:
+    """`InvalidPrompt` (max_tokens_beyond_context) when prompt + new tokens do not fit the model."""
+    if len(prepared.prompt_ids) + max_new_tokens > ctx.context_length:
+        raise InvalidPrompt(
+            f"{where}: {len(prepared.prompt_ids)} prompt + {max_new_tokens} new tokens do not fit the "
+            f"context of {ctx.context_length}",
+            code="max_tokens_beyond_context",
+        )
+
+
+# -- prepared → samples ---------------------------------------------------------------------------
+def engine_body(
+    engine: EngineEndpoint, prepared: Prepared, sampling: Mapping[str, Any], rid: str, *, routed_experts: bool
+) -> dict[str, Any]:
+    """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
+    server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
+    paths the server can read), which SGLang's own processor turns into the same token counts."""
+    body: dict[str, Any] = {
+        "input_ids": prepared.prompt_ids,
+        "sampling_params": dict(sampling),
+        "return_logprob": True,
+        "rid": rid,
+        "return_routed_experts": routed_experts,
+    }
+    if engine.kind == "weir":
+        body["weir_media"] = prepared.media
+        return body
+    for item in prepared.inline:
+        source = item.get("data") or item.get("url") or f"file://{item['path']}"
+        body.setdefault(f"{item['type']}_data", []).append(source)
+    return body
+
+
+def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float) -> Sample:
+    """An engine's /generate answer as a `Sample` (not yet rewarded). An answer that cannot be read —
+    an unknown finish reason, log-probs that do not match the tokens, a weight version that is not a
+    policy version — is a ``failed`` sample saying so, never a guess."""
+    timings = {"generate_s": generate_s}
+    try:
+        meta = out["meta_info"]
+        reason = meta["finish_reason"]
+        kind = reason.get("type") if isinstance(reason, Mapping) else reason
+        response_ids = [int(t) for t in out["output_ids"]]
+        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        text = str(out.get("text") or "")
+        routed = meta.get("routed_experts")
+    except (KeyError, TypeError, ValueError, IndexError) as error:
+        return Sample(
+            index=index,
+            status=SampleStatus.FAILED,
+            error=f"malformed engine response: {type(error).__name__}: {error}",
+            timings=timings,
+        )
+    finish = _FINISH_REASONS.get(kind) if isinstance(kind, str) else None
+    problem = None
+    if finish is None:
+        problem = f"the engine's finish_reason {kind!r} is not one of {list(_FINISH_REASONS)}"
+    elif len(logprobs) != len(response_ids):
+        problem = f"the engine returned {len(logprobs)} log-probs for {len(response_ids)} tokens"
+    if problem is not None or finish is None:
+        return Sample(index=index, status=SampleStatus.FAILED, error=problem, text=text, timings=timings)
+    try:
+        version = policy_version_of(meta.get("weight_version"))
+    except ValueError as error:
+        return Sample(
+            index=index,
+            status=SampleStatus.FAILED,
+            error=str(error),
+            response_ids=response_ids,
+            logprobs=logprobs,
+            text=text,
+            finish_reason=finish,
+            timings=timings,
+        )
+    return Sample(
+        index=index,
+        status=SampleStatus.ABORTED if finish == "abort" else SampleStatus.OK,
+        response_ids=response_ids,
+        logprobs=logprobs,
+        text=text,
+        finish_reason=finish,
+        policy_version=version,
+        routed_experts=routed if isinstance(routed, str) else None,
+        timings=timings,
+    )
+
+
+async def generate(
+    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, index: int
+) -> Sample:
+    """One sample from the engines; engines that fail or refuse give a ``failed`` sample, not an error."""
+    start = time.perf_counter()
+    rid = sample_id(group_id, index)
+    try:
+        out = await ctx.dispatcher.generate(
+            lambda engine: engine_body(engine, prepared, sampling, rid, routed_experts=ctx.return_routed_experts),
+            group=group_id,
+        )
+    except (EnginesUnavailable, EngineRefused) as error:
+        logger.warning("sample %s failed: %s: %s", rid, error.code, error)
+        return Sample(
+            index=index,
+            status=SampleStatus.FAILED,
+            error=f"{error.code}: {error}",
+            timings={"generate_s": time.perf_counter() - start},
+        )
+    return sample_from_engine(out, index=index, generate_s=time.perf_counter() - start)
+
+
+async def generate_n(
+    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, n: int
+) -> list[Sample]:
+    """``n`` samples of one prepared prompt, concurrently, in index order."""
+    return list(
+        await asyncio.gather(*(generate(ctx, prepared, sampling, group_id=group_id, index=i) for i in range(n)))
+    )
+
+
+# -- samples → rewarded samples ---------------------------------------------------------------------
+async def reward_samples(
+    ctx: RolloutContext, spec: RewardSpec, samples: Sequence[Sample], *, group_id: str, prompt_index: int
+) -> list[Sample]:
+    """Each ok sample with its reward; a reward that raises, times out or is not finite marks its
+    sample ``failed`` (one by one, in a worker thread, each under ``ctx.reward_timeout_s``)."""
+    out: list[Sample] = []
+    for sample in samples:
+        if sample.status is not SampleStatus.OK or spec.type == "none":
+            out.append(sample)
+            continue
+        context = {
+            "group_id": group_id,
+            "prompt_index": prompt_index,
+            "sample_index": sample.index,
+            "finish_reason": sample.finish_reason,
+            "response_ids": list(sample.response_ids),
+        }
+        try:
+            value = await asyncio.wait_for(
+                asyncio.to_thread(ctx.rewards.compute, spec, sample.text, context), ctx.reward_timeout_s
+            )
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"the reward is {value}, not a finite number")
+            out.append(dataclasses.replace(sample, reward=value))
+        except Exception as error:  # noqa: BLE001 - a failing reward marks its sample (as data), not the group
+            logger.warning(
+                "reward of sample %s failed: %s: %s", sample_id(group_id, sample.index), type(error).__name__, error
+            )
+            out.append(
+                dataclasses.replace(
+                    sample, status=SampleStatus.FAILED, reward=None, error=f"reward: {type(error).__name__}: {error}"
+                )
+            )
+    return out
+
+
+# -- the rollout function ---------------------------------------------------------------------------
+async def rollout_group(
+    ctx: RolloutContext,
+    prompt: PromptSpec,
+    /,
+    *,
+    index: int,
+    sampling: dict[str, Any],
+    budget: dict[str, Any] | None,
+) -> Group:
+    """The default rollout function: prepare the prompt, generate ``n`` samples, reward them."""
+    start = time.perf_counter()
+    where = f"prompts[{index}]"
+    prepared = await prepare(ctx, prompt.messages, where=f"{where}.messages", budget=budget)
+    given = sampling.get("max_new_tokens")
+    max_new = ctx.default_max_tokens if given is None else int(given)
+    check_context(ctx, prepared, max_new, where)
+    sampling = {**sampling, "max_new_tokens": max_new}
+    group_id = prompt.group_id or uuid.uuid4().hex
+    with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n):
+        generate_start = time.perf_counter()
+        samples = await generate_n(ctx, prepared, sampling, group_id=group_id, n=prompt.n)
+        generate_s = time.perf_counter() - generate_start
+    reward_start = time.perf_counter()
+    samples = await reward_samples(ctx, prompt.reward, samples, group_id=group_id, prompt_index=index)
+    return Group(
+        group_id=group_id,
+        prompt_index=index,
+        prompt_ids=prepared.prompt_ids,
+        feature_keys=prepared.feature_keys,
+        token_counts=prepared.token_counts,
+        samples=samples,
+        timings={
+            "preprocess_s": prepared.preprocess_s,
+            "generate_s": generate_s,
+            "reward_s": time.perf_counter() - reward_start,
+            "total_s": time.perf_counter() - start,
+        },
+    )
+
+
+async def run_prompt(
+    ctx: RolloutContext,
+    function: RolloutFunction,
+    prompt: PromptSpec,
+    *,
+    index: int,
+    sampling: dict[str, Any],
+    budget: dict[str, Any] | None,
+    record: bool,
+) -> Group:
+    """``function``'s group for ``prompt``, appended to the sink when ``record`` (an evaluation is not)."""
+    group = await function(ctx, prompt, index=index, sampling=sampling, budget=budget)
+    if not isinstance(group, Group):
+        raise TypeError(f"the rollout function {function!r} returned {type(group).__name__}, not a Group")
+    if record:
+        await ctx.sink.append(group)
+    return group
+
+
+# -- chat -------------------------------------------------------------------------------------------
+async def chat_samples(
+    ctx: RolloutContext, messages: Sequence[Any], *, n: int, sampling: Mapping[str, Any], max_tokens: int | None
+) -> tuple[str, Prepared, list[Sample]]:
+    """(completion group id, prepared prompt, ``n`` samples) for an OpenAI chat request; no reward,
+    nothing recorded. ``max_tokens`` None: the default, within what the context leaves. A failed
+    sample is `EnginesUnavailable` (a chat client cannot use a partial answer)."""
+    prepared = await prepare(ctx, messages, where="messages", budget=None)
+    room = ctx.context_length - len(prepared.prompt_ids)
+    max_new = max_tokens if max_tokens is not None else max(1, min(ctx.default_max_tokens, room))
+    check_context(ctx, prepared, max_new, "max_tokens")
+    group_id = uuid.uuid4().hex
+    with ctx.admission.admit(media_tokens=prepared.media_tokens * n):
+        samples = await generate_n(ctx, prepared, {**sampling, "max_new_tokens": max_new}, group_id=group_id, n=n)
+    failed = [s for s in samples if s.status is SampleStatus.FAILED]
+    if failed:
+        raise EnginesUnavailable(failed[0].error or "a sample failed")
+    return group_id, prepared, samples

@@ -1,0 +1,99 @@
+"""Where finished groups go: the data role over HTTP, or (standalone) an append-only JSONL file.
+
+Both take a typed `Group` and write its wire form (`Group.to_json`), and both return only once the
+group is durable (the data role fsyncs before it answers). This module does not decide *whether* a
+group is recorded (an evaluation request is not experience: the caller skips the sink).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+import httpx
+
+from experience.records import Group
+
+from .errors import ExperienceRefused, UpstreamUnavailable
+
+__all__ = ["HttpSink", "JsonlSink", "Sink"]
+
+logger = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    async def append(self, group: Group) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class JsonlSink:
+    """One JSON line per group, appended and fsync'd (a worker thread does the disk work)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+
+    def _write(self, line: bytes) -> None:
+        with self._lock, open(self.path, "ab") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    async def append(self, group: Group) -> None:
+        line = (json.dumps(group.to_json(), separators=(",", ":")) + "\n").encode()
+        await asyncio.to_thread(self._write, line)
+
+    async def close(self) -> None:
+        return None
+
+
+class HttpSink:
+    """The data role's ``POST /v1/experience`` (idempotent by group id, so a retry is safe).
+
+    Timeouts, connection errors and 5xx are retried with backoff for up to ``retry_s``: a data role
+    restarting after a crash (its state is durable) costs a pause, not the group. A 4xx is the
+    group's fault and is not retried (`ExperienceRefused`). The client — its base URL the data role,
+    with the API token — comes from the caller, who closes it.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, *, retry_s: float = 60.0) -> None:
+        self._client = client
+        self.retry_s = retry_s
+
+    async def append(self, group: Group) -> None:
+        payload = group.to_json()
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.2
+        while True:
+            try:
+                response = await self._client.post("/v1/experience", json=payload)
+            except httpx.TransportError as error:
+                problem = f"{type(error).__name__}: {error}"
+            else:
+                if response.status_code < 400:
+                    return
+                if response.status_code < 500:
+                    raise ExperienceRefused(
+                        f"the data role refused group {group.group_id}: HTTP {response.status_code} "
+                        f"{response.text[:500]}"
+                    )
+                problem = f"HTTP {response.status_code}"
+            if time.monotonic() + delay > deadline:
+                raise UpstreamUnavailable(
+                    f"the data role did not take group {group.group_id} within {self.retry_s} s ({problem})",
+                    code="data_unavailable",
+                )
+            logger.warning("the data role did not take group %s (%s); retrying", group.group_id, problem)
+            await asyncio.sleep(delay)
+            delay = min(2.0, delay * 2)
+
+    async def close(self) -> None:
+        return None

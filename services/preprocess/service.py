@@ -1,0 +1,213 @@
+"""What the preprocess role does per request, over the `preprocess` library: a request's items
+resolved from their sources (inline, a path under the media roots, a URL when allowed), planned
+under the budget, processed through the feature cache, and counted. No routes here (`app.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from typing import Any
+
+from fastapi import Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import ValidationError
+from starlette.datastructures import UploadFile
+
+import preprocess as pp
+
+from ..errors import ApiError, media_error_status, validation_error
+from ..metrics import RoleMetrics
+from .metrics import PreprocessMetrics
+from .schemas import BudgetIn, ItemResult, PreprocessRequest, PreprocessResponse
+from .settings import PreprocessSettings
+from .sources import decode_inline, fetch_url, read_path
+
+__all__ = ["REQUEST_DOC", "PreprocessState", "item_result", "parse_request"]
+
+logger = logging.getLogger(__name__)
+
+_KINDS = ("image", "video", "audio")
+
+Item = tuple[pp.MediaKind, bytes]
+
+
+class PreprocessState:
+    """What one app instance owns: settings, spec, feature store, metrics."""
+
+    def __init__(self, settings: PreprocessSettings, metrics: RoleMetrics) -> None:
+        self.settings = settings
+        self.spec = settings.spec()
+        self.store = pp.FeatureStore(settings.cache_dir, settings.cache_max_bytes)
+        self.metrics = PreprocessMetrics(metrics, self.store)
+
+    # -- requests -> items -------------------------------------------------------------------
+    def budget(self, given: BudgetIn | None) -> pp.TokenBudget:
+        """The request's budget over the configured default, field by field."""
+        default = self.settings.default_budget()
+        if given is None:
+            return default
+        return dataclasses.replace(default, **given.model_dump(exclude_none=True))
+
+    def resolve(self, request: PreprocessRequest) -> list[Item]:
+        s, items = self.settings, []
+        for index, item in enumerate(request.items):
+            if item.data is not None:
+                raw = decode_inline(item.data, index, s.max_item_bytes)
+            elif item.path is not None:
+                raw = read_path(item.path, s.media_roots, index, s.max_item_bytes)
+            else:
+                assert item.url is not None
+                raw = fetch_url(
+                    item.url,
+                    index=index,
+                    enabled=s.allow_urls,
+                    allow_private=s.allow_private_urls,
+                    max_bytes=s.url_max_bytes,
+                    timeout_s=s.url_timeout_s,
+                )
+            if not raw:
+                raise ApiError(400, "empty_media", "the media item is empty (0 bytes)", item=index)
+            if len(raw) > s.max_item_bytes:
+                raise ApiError(413, "media_too_large", f"the item is over {s.max_item_bytes} bytes", item=index)
+            items.append((item.type, raw))
+        return items
+
+    # -- the work ----------------------------------------------------------------------------
+    def _refuse(self, error: pp.MediaError, index: int | None) -> ApiError:
+        self.metrics.items_failed.labels(error.code).inc()
+        return ApiError(media_error_status(error), error.code, str(error), item=index)
+
+    def plan(self, items: list[Item], budget: pp.TokenBudget) -> list[pp.MediaPlan]:
+        headers = []
+        for index, (kind, raw) in enumerate(items):
+            try:
+                headers.append(pp.probe(raw, kind, max_decode_pixels=budget.max_decode_pixels))
+            except pp.MediaError as error:
+                raise self._refuse(error, index) from None
+        try:
+            plans = pp.plan_sample(headers, self.spec, budget)
+        except pp.MediaError as error:
+            # Item-level refusals name their item; a whole-sample refusal names none.
+            culprit: int | None = None
+            for i, header in enumerate(headers):
+                try:
+                    pp.plan_header(header, self.spec, budget)
+                except pp.MediaError:
+                    culprit = i
+                    break
+            raise self._refuse(error, culprit) from None
+        for plan in plans:
+            self.metrics.tokens_planned.labels(plan.kind).inc(plan.num_tokens)
+        return plans
+
+    def process(self, items: list[Item], budget: pp.TokenBudget) -> PreprocessResponse:
+        plans = self.plan(items, budget)
+        results = []
+        for index, ((kind, raw), plan) in enumerate(zip(items, plans, strict=True)):
+            try:
+                done = pp.process_bytes(raw, kind, self.spec, budget, store=self.store, plan=plan)
+            except pp.MediaError as error:
+                raise self._refuse(error, index) from None
+            (self.metrics.cache_hits if done.cache_hit else self.metrics.cache_misses).inc()
+            self.metrics.tokens_produced.labels(kind).inc(done.features.num_tokens)
+            results.append(item_result(index, plan, done))
+        return PreprocessResponse(items=results, num_tokens=sum(r.num_tokens for r in results))
+
+
+def item_result(index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = None) -> ItemResult:
+    out: dict[str, Any] = dict(
+        index=index,
+        type=plan.kind,
+        num_tokens=plan.num_tokens,
+        tokens_unbudgeted=plan.tokens_unbudgeted,
+        exact=plan.exact,
+        truncated=plan.truncated,
+        shrunk=plan.shrunk,
+    )
+    if plan.grid_thw is not None:
+        out.update(grid_thw=list(plan.grid_thw), resized_size=list(plan.resized_size or ()))
+    if plan.kind == "video":
+        out.update(frame_indices=list(plan.frame_indices), second_per_grid_t=plan.second_per_grid_t)
+    if plan.kind == "audio":
+        out.update(num_frames=plan.num_frames, num_samples=plan.num_samples)
+    if done is not None:
+        out.update(key=done.key, cache_hit=done.cache_hit, num_tokens=done.features.num_tokens)
+        if isinstance(done.features, pp.AudioFeatures):
+            out.update(num_frames=done.features.num_frames, num_samples=done.features.num_samples)
+    return ItemResult(**out)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "body_too_large", f"the request body is over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, "body_too_large", f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # later readers (form parsing) reuse it instead of the spent stream
+    return body
+
+
+async def parse_request(request: Request, state: PreprocessState) -> tuple[list[Item], pp.TokenBudget]:
+    """JSON ``{"items": [...], "budget": {...}}`` or a multipart upload (parts named by type)."""
+    settings = state.settings
+    body = await _read_body(request, settings.max_body_bytes)
+    content_type = request.headers.get("content-type", "")
+    if content_type.startswith("multipart/form-data"):
+        form = await request.form(max_files=settings.max_items, max_fields=settings.max_items + 1)
+        items: list[Item] = []
+        budget_in = None
+        for name, value in form.multi_items():
+            if name == "budget" and isinstance(value, str):
+                try:
+                    budget_in = BudgetIn.model_validate_json(value)
+                except ValidationError as error:
+                    raise validation_error(error.errors()) from None
+                continue
+            if name not in _KINDS or not isinstance(value, UploadFile):
+                raise ApiError(
+                    400, "invalid_request", f"unexpected form part {name!r}: use image, video, audio, budget"
+                )
+            raw = await value.read()
+            index = len(items)
+            if not raw:
+                raise ApiError(400, "empty_media", "the media item is empty (0 bytes)", item=index)
+            if len(raw) > settings.max_item_bytes:
+                raise ApiError(413, "media_too_large", f"the item is over {settings.max_item_bytes} bytes", item=index)
+            items.append((name, raw))  # type: ignore[arg-type]
+        if not items:
+            raise ApiError(400, "invalid_request", "the upload has no image, video or audio part")
+        return items, state.budget(budget_in)
+    try:
+        payload = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ApiError(400, "malformed_json", f"the body is not valid JSON: {error}") from None
+    try:
+        parsed = PreprocessRequest.model_validate(payload)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
+    if len(parsed.items) > settings.max_items:
+        raise ApiError(400, "too_many_items", f"at most {settings.max_items} items per request")
+    return await run_in_threadpool(state.resolve, parsed), state.budget(parsed.budget)
+
+
+REQUEST_DOC = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": PreprocessRequest.model_json_schema()},
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "description": "Files in parts named image, video or audio (repeatable, in order); "
+                    "an optional 'budget' part holding the budget as JSON.",
+                }
+            },
+        },
+    }
+}

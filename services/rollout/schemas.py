@@ -1,0 +1,249 @@
+"""Wire models of the rollout role: every request and response body, bounded, so the OpenAPI document
+describes them exactly. No logic here beyond field constraints (the routes and the `rollout`
+library do the rest).
+
+Messages are OpenAI-style; their content parts are checked by `rollout.prompts.parse_messages`,
+which answers with stable codes (``invalid_messages``, ``unknown_part_type``) rather than a schema
+error. ``sampling_params`` are SGLang's, checked by the engines' own rules (``unknown_sampling_param``).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+
+from experience.records import GROUP_ID_PATTERN, Group
+
+__all__ = [
+    "Budget",
+    "ChatChoice",
+    "ChatCompletion",
+    "ChatMessage",
+    "ChatRequest",
+    "Message",
+    "ModelCard",
+    "ModelList",
+    "RewardSpec",
+    "RolloutPrompt",
+    "RolloutRequest",
+    "RolloutResponse",
+    "StreamOptions",
+    "UNSUPPORTED_CHAT_PARAMETERS",
+    "Usage",
+]
+
+_MAX_MESSAGES = 1024
+_MAX_PARTS = 256
+_MAX_TOKENS = 1 << 20
+_SAMPLING_DOC = (
+    "SGLang sampling_params: max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids, sampling_seed, "
+    "ignore_eos (other SGLang keys are refused as unsupported, unknown keys as unknown_sampling_param)"
+)
+
+
+def _text_or_list(value: Any) -> str:
+    """Which branch of a text-or-list field a value is checked against (so an error names one)."""
+    return "text" if isinstance(value, str) else "list"
+
+
+class Message(BaseModel):
+    """One OpenAI-style chat message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: str = Field(max_length=32, description="system, user or assistant")
+    content: Annotated[
+        Annotated[list[dict[str, Any]], Field(max_length=_MAX_PARTS), Tag("list")] | Annotated[str, Tag("text")],
+        Discriminator(_text_or_list),
+    ] = Field(
+        description="text, or a list of parts: {type: text, text}, {type: image_url | video_url | audio_url, "
+        "<type>: {url}} (a data URI, a path under the preprocess role's media roots, or http(s) when allowed), "
+        "{type: input_audio, input_audio: {data: base64, format}}",
+    )
+
+
+class Budget(BaseModel):
+    """The preprocess token budget for this request's media (the preprocess role's default otherwise)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_tokens: int | None = Field(None, gt=0, le=_MAX_TOKENS)
+    max_video_tokens: int | None = Field(None, gt=0, le=_MAX_TOKENS)
+    max_audio_tokens: int | None = Field(None, gt=0, le=_MAX_TOKENS)
+    max_sample_tokens: int | None = Field(None, gt=0, le=_MAX_TOKENS)
+    policy: Literal["shrink", "refuse"] | None = Field(None, description="over budget: shrink the media, or refuse")
+
+
+class RewardSpec(BaseModel):
+    """How a prompt's samples are rewarded. Code is never named here: ``custom`` names a function the
+    operator registered when the role started."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["none", "exact_match", "math", "multiple_choice", "custom"] = "none"
+    answer: str | None = Field(
+        None, max_length=65_536, description="the reference answer (required by exact_match, math, multiple_choice)"
+    )
+    function: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="for type custom: the name of a reward function registered at start-up (WEIR_REWARD_FUNCTIONS "
+        "or the 'weir.rewards' entry points; GET /v1/rewards lists them). Anything else — a dotted path "
+        "included — is 400 unknown_reward_function, and nothing is imported",
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> RewardSpec:
+        if self.type in ("exact_match", "math", "multiple_choice") and self.answer is None:
+            raise ValueError(f"reward type {self.type!r} needs an answer")
+        if self.type == "custom" and self.function is None:
+            raise ValueError("a custom reward needs 'function': the name of a registered reward function")
+        return self
+
+
+class RolloutPrompt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    messages: list[Message] = Field(max_length=_MAX_MESSAGES, description="the conversation so far")
+    n: int = Field(1, ge=1, le=4096, description="samples for this prompt (at most the role's WEIR_MAX_N)")
+    reward: RewardSpec = Field(default_factory=RewardSpec)
+    id: str | None = Field(None, pattern=GROUP_ID_PATTERN, description="the group id (a fresh one when absent)")
+    sampling_params: dict[str, Any] | None = Field(
+        None, max_length=64, description="overrides the request's sampling_params, key by key, for this prompt"
+    )
+
+
+class RolloutRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    prompts: list[RolloutPrompt] = Field(
+        min_length=1, max_length=100_000, description="at most the role's WEIR_MAX_PROMPTS"
+    )
+    sampling_params: dict[str, Any] = Field(default_factory=dict, max_length=64, description=_SAMPLING_DOC)
+    budget: Budget | None = None
+    stream: bool = Field(False, description="answer NDJSON: one group per line, each the moment it finishes")
+    record: bool = Field(True, description="false: an evaluation, not experience (nothing goes to the data role)")
+
+
+class RolloutResponse(BaseModel):
+    groups: list[Group] = Field(description="one group per prompt, in request order")
+
+
+# -- OpenAI chat completions ------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "response_format": "structured output is not supported",
+    "logit_bias": "logit_bias is not supported",
+    "frequency_penalty": "frequency_penalty other than 0 is not supported",
+    "presence_penalty": "presence_penalty other than 0 is not supported",
+    "top_logprobs": "top_logprobs other than 0 is not supported (logprobs gives the sampled token's)",
+    "audio": "audio output is not supported",
+    "modalities": "only the text modality is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "reasoning_effort is not supported",
+}
+"""OpenAI fields that would change the answer if silently ignored: a request that sets one (to anything
+but its neutral value) gets 400 ``unsupported_parameter`` naming it."""
+
+_Stop = Annotated[str, Field(min_length=1, max_length=256)]
+_REFUSED = "not supported: 400 unsupported_parameter unless absent, null or neutral"
+
+
+class ChatRequest(BaseModel):
+    """The OpenAI chat-completions request. OpenAI fields not listed here are ignored; the ones that
+    would change the answer are refused by name (`UNSUPPORTED_CHAT_PARAMETERS`)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = Field(None, max_length=256, description="echoed back; the role serves one model")
+    messages: list[Message] = Field(max_length=_MAX_MESSAGES)
+    n: int = Field(1, ge=1, le=4096, description="choices (at most the role's WEIR_MAX_N)")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS, description="wins over max_tokens")
+    stop: (
+        Annotated[
+            Annotated[list[_Stop], Field(max_length=4), Tag("list")] | Annotated[_Stop, Tag("text")],
+            Discriminator(_text_or_list),
+        ]
+        | None
+    ) = Field(None, description="up to 4 stop strings")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    logprobs: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted and ignored: they do not change the answer.
+    user: str | None = Field(None, max_length=256)
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = Field(None, max_length=64)
+    # Refused unless neutral (see UNSUPPORTED_CHAT_PARAMETERS).
+    tools: Any = Field(None, description=_REFUSED + " ([] is neutral)")
+    tool_choice: Any = Field(None, description=_REFUSED + ' ("none" is neutral)')
+    functions: Any = Field(None, description=_REFUSED + " ([] is neutral)")
+    function_call: Any = Field(None, description=_REFUSED)
+    response_format: Any = Field(None, description=_REFUSED + " ({type: text} is neutral)")
+    logit_bias: Any = Field(None, description=_REFUSED + " ({} is neutral)")
+    frequency_penalty: Any = Field(None, description=_REFUSED + " (0 is neutral)")
+    presence_penalty: Any = Field(None, description=_REFUSED + " (0 is neutral)")
+    top_logprobs: Any = Field(None, description=_REFUSED + " (0 is neutral)")
+    audio: Any = Field(None, description=_REFUSED)
+    modalities: Any = Field(None, description=_REFUSED + ' (["text"] is neutral)')
+    prediction: Any = Field(None, description=_REFUSED)
+    web_search_options: Any = Field(None, description=_REFUSED)
+    reasoning_effort: Any = Field(None, description=_REFUSED)
+
+
+class ChatMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: dict[str, Any] | None = Field(
+        None, description="{content: [{token, logprob, bytes, top_logprobs: []}]} when asked"
+    )
+    finish_reason: Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "weir"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

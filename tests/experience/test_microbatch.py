@@ -1,0 +1,84 @@
+"""Rows of a group in the micro-batch schema, entries of older stores, inline media, sample ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import preprocess as pp
+from experience import MICROBATCH_SCHEMA, FeatureMissing, Group, InvalidGroup, MicroBatch, Sample, SampleStatus
+from experience.advantages import group_advantages
+from experience.microbatch import group_of, group_table, ipc_bytes, read_entry, with_media
+
+
+def _group(**sample: object) -> Group:
+    fields = {"index": 3, "status": SampleStatus.OK, "reward": 1.0, "policy_version": 2, **sample}
+    return Group(group_id="g.1", prompt_ids=[5, 6], samples=[Sample(**fields)])  # type: ignore[arg-type]
+
+
+def test_rows_follow_the_schema() -> None:
+    table = group_table(_group(response_ids=[9], logprobs=[-0.25]), [0.5])
+    assert table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True)
+    assert table.to_pylist() == [
+        {
+            "sample_id": "g.1/3",
+            "group_id": "g.1",
+            "input_ids": [5, 6, 9],
+            "loss_mask": [0, 0, 1],
+            "rollout_logprobs": [0.0, 0.0, -0.25],
+            "advantage": 0.5,
+            "reward": 1.0,
+            "policy_version": 2,
+            "feature_keys": [],
+        }
+    ]
+    assert group_of("g.1/3") == "g.1" and group_of("a:b/12") == "a:b"
+    with pytest.raises(ValueError):
+        group_of("no-slash")
+
+
+@pytest.mark.parametrize(
+    ("sample", "field"),
+    [
+        ({"response_ids": [2**31], "logprobs": [0.0]}, "response_ids"),
+        ({"reward": 1e39}, "fit float32"),
+        ({"policy_version": 2**63}, "policy_version"),
+    ],
+)
+def test_values_the_schema_cannot_hold_are_refused(sample: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidGroup, match=field):
+        group_table(_group(**sample), [0.0])
+
+
+def test_entries_of_an_older_store_are_read_in_todays_schema() -> None:
+    old = pa.schema([(f.name, f.type) for f in MICROBATCH_SCHEMA])  # no descriptions, nullable columns
+    rows = group_table(_group(), [0.0]).to_pylist()
+    table = read_entry(ipc_bytes(pa.Table.from_pylist(rows, schema=old)))
+    assert table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True) and table.to_pylist() == rows
+    assert read_entry(None).num_rows == 0
+
+
+def test_with_media_inlines_entries_or_names_the_missing_key(tmp_path: Path) -> None:
+    cache = pp.FeatureStore(tmp_path, 1 << 20)
+    cache.put("b" * 40, b"entry")
+    table = pa.Table.from_pylist(
+        [{**group_table(_group(), [0.0]).to_pylist()[0], "feature_keys": ["b" * 40]}], schema=MICROBATCH_SCHEMA
+    )
+    batch = with_media(MicroBatch(batch_id="x", rank=0, table=table), cache)
+    assert batch.table.column("media").to_pylist() == [[b"entry"]]
+    missing = pa.Table.from_pylist([{**table.to_pylist()[0], "feature_keys": ["c" * 40]}], schema=MICROBATCH_SCHEMA)
+    with pytest.raises(FeatureMissing, match="c" * 40):
+        with_media(MicroBatch(batch_id="y", rank=0, table=missing), cache)
+
+
+def test_rewards_whose_advantages_overflow_float32_are_refused() -> None:
+    rewards = [3.4e38, 3.4e38, -3.4e38]  # each fits float32; the last one's distance to the mean does not
+    group = Group(
+        group_id="big",
+        prompt_ids=[1],
+        samples=[Sample(index=i, status=SampleStatus.OK, reward=r, policy_version=0) for i, r in enumerate(rewards)],
+    )
+    with pytest.raises(InvalidGroup, match="fit float32"):
+        group_table(group, group_advantages(rewards, estimator="dr_grpo"))

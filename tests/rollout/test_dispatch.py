@@ -1,0 +1,142 @@
+"""Dispatch over engines: a real engine role on loopback for the path that works, and — for the
+failures a real engine will not produce on demand (a 5xx, a hang, a refusal) — httpx's
+`MockTransport` standing in for the engines, injected as the Dispatcher's client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rollout.dispatch import Dispatcher
+from rollout.errors import EngineRefused, EnginesUnavailable
+from services.engine.app import create_app as engine_app
+from services.engine.settings import EngineSettings
+from tests.services.conftest import RunningServer, free_port
+
+OK = {"text": "", "output_ids": [1], "meta_info": {"finish_reason": {"type": "length"}, "weight_version": "0"}}
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    root = tmp_path_factory.mktemp("engine")
+    app = engine_app(EngineSettings(model=model, cache_dir=root / "cache", embedding_cache_dir=root / "emb"))
+    with RunningServer(app) as server:
+        yield server.url
+
+
+def body(max_new_tokens: int = 3) -> Callable[..., dict[str, object]]:
+    return lambda _: {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": max_new_tokens}, "rid": "g/0"}
+
+
+def test_a_real_engine_generates_and_answers_its_health(engine: str) -> None:
+    async def run() -> None:
+        dead = f"http://127.0.0.1:{free_port()}"
+        dispatcher = Dispatcher([dead, engine], timeout_s=30, cooldown_s=60)
+        assert [e.url for e in await dispatcher.probe(2.0)] == [engine]
+        # The dead engine is picked first (nothing outstanding anywhere): the call is retried on the live one.
+        out = await dispatcher.generate(body(3), group="g")
+        assert len(out["output_ids"]) <= 3 and out["meta_info"]["weight_version"] in ("0", "default")
+        assert not dispatcher.engines[0].available and dispatcher.engines[1].available
+        await dispatcher.close()
+
+    asyncio.run(run())
+
+
+def test_a_real_engine_refusal_is_not_retried(engine: str) -> None:
+    async def run() -> None:
+        dispatcher = Dispatcher([engine], timeout_s=30)
+        bad = lambda _: {"input_ids": [1], "sampling_params": {"temprature": 1}}  # noqa: E731 - a typo
+        with pytest.raises(EngineRefused) as refused:
+            await dispatcher.generate(bad)
+        assert refused.value.code == "unknown_sampling_param" and dispatcher.engines[0].available
+        await dispatcher.close()
+
+    asyncio.run(run())
+
+
+class Engines:
+    """Stand-in engines: ``behaviour[host]`` answers each request to that host; every request is kept."""
+
+    def __init__(self, **behaviour: Callable[[httpx.Request], httpx.Response]) -> None:
+        self.behaviour, self.seen = behaviour, []  # type: ignore[var-annotated]
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append((request.url.host, request.url.path, request))
+        return self.behaviour[request.url.host](request)
+
+    def dispatcher(self, **kwargs: object) -> Dispatcher:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(self.handler), headers={"Authorization": "Bearer t"})
+        return Dispatcher([f"http://{h}" for h in self.behaviour], timeout_s=5, client=client, **kwargs)  # type: ignore[arg-type]
+
+
+def ok(_: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json=OK)
+
+
+def test_a_5xx_is_retried_once_elsewhere_with_the_callers_client() -> None:
+    engines = Engines(a=lambda _: httpx.Response(503), b=ok)
+    dispatcher = engines.dispatcher()
+    assert asyncio.run(dispatcher.generate(body())) == OK
+    assert [(host, path) for host, path, _ in engines.seen] == [("a", "/generate"), ("b", "/generate")]
+    assert all(r.headers["authorization"] == "Bearer t" for _, _, r in engines.seen)  # the token goes along
+    assert not dispatcher.engines[0].available
+
+
+def test_two_failures_are_engines_unavailable() -> None:
+    engines = Engines(a=lambda _: httpx.Response(500), b=lambda _: httpx.Response(200, text="not json"))
+    with pytest.raises(EnginesUnavailable) as failed:
+        asyncio.run(engines.dispatcher().generate(body()))
+    assert failed.value.code == "engines_unavailable"
+
+
+def test_a_4xx_is_the_requests_fault_and_keeps_the_engines_code() -> None:
+    refusal = {"error": {"code": "bad_sampling_params", "message": "temperature must be >= 0"}}
+    engines = Engines(a=lambda _: httpx.Response(400, json=refusal), b=ok)
+    with pytest.raises(EngineRefused) as refused:
+        asyncio.run(engines.dispatcher().generate(body()))
+    assert refused.value.code == "bad_sampling_params" and "temperature" in str(refused.value)
+    assert len(engines.seen) == 1  # not retried
+    sglang = Engines(a=lambda _: httpx.Response(400, json={"object": "error", "message": "bad input"}))
+    with pytest.raises(EngineRefused, match="bad input") as refused:
+        asyncio.run(sglang.dispatcher().generate(body()))
+    assert refused.value.code == "engine_refused"
+
+
+def test_a_groups_samples_stay_on_one_engine() -> None:
+    engines = Engines(a=ok, b=ok)
+    dispatcher = engines.dispatcher()
+
+    async def run() -> None:
+        for _ in range(4):
+            await dispatcher.generate(body(), group="g1")
+
+    asyncio.run(run())
+    assert len({host for host, _, _ in engines.seen}) == 1
+
+
+def test_a_hung_engine_times_out_and_its_request_is_aborted() -> None:
+    async def hang(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/abort_request":
+            return httpx.Response(200, json={})
+        await asyncio.sleep(10)
+        return httpx.Response(200, json=OK)
+
+    seen: list[tuple[str, str, bytes]] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, request.url.path, request.content))
+        return await hang(request) if request.url.host == "a" else httpx.Response(200, json=OK)
+
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        dispatcher = Dispatcher(["http://a", "http://b"], timeout_s=0.2, client=client)
+        assert await dispatcher.generate(body()) == OK
+        await asyncio.sleep(0.1)  # the abort is sent in the background
+
+    asyncio.run(run())
+    assert any(host == "a" and path == "/abort_request" and json.loads(c) == {"rid": "g/0"} for host, path, c in seen)

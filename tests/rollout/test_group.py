@@ -1,0 +1,157 @@
+"""The rollout's pieces that need no other role: engine answers → samples, engine bodies, rewards
+as data, the rollout-function contract."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from experience.records import Group, SampleStatus
+from rollout.admission import Admission
+from rollout.dispatch import Dispatcher, EngineEndpoint
+from rollout.group import (
+    Prepared,
+    PromptSpec,
+    RolloutContext,
+    engine_body,
+    reward_samples,
+    run_prompt,
+    sample_from_engine,
+)
+from rollout.prompts import PromptBuilder
+from rollout.rewards import RewardRegistry, RewardSpec
+from rollout.sink import JsonlSink
+
+
+def answer(**meta: Any) -> dict[str, Any]:
+    base = {
+        "finish_reason": {"type": "length", "length": 2},
+        "weight_version": "3",
+        "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+    }
+    return {"text": "ok", "output_ids": [5, 6], "meta_info": {**base, **meta}}
+
+
+def test_an_engine_answer_is_a_typed_sample() -> None:
+    sample = sample_from_engine(answer(), index=3, generate_s=0.1)
+    assert sample.status is SampleStatus.OK and sample.index == 3
+    assert sample.policy_version == 3 and sample.finish_reason == "length"
+    assert sample.response_ids == [5, 6] and sample.logprobs == [-0.5, -0.25] and sample.text == "ok"
+    assert sample_from_engine(answer(weight_version="default"), index=0, generate_s=0).policy_version == 0
+
+
+def test_an_aborted_answer_is_an_aborted_sample() -> None:
+    sample = sample_from_engine(answer(finish_reason={"type": "abort"}), index=0, generate_s=0)
+    assert sample.status is SampleStatus.ABORTED and sample.finish_reason == "abort"
+
+
+@pytest.mark.parametrize(
+    "meta,problem",
+    [
+        ({"weight_version": "v2-final"}, "not a policy version"),
+        ({"weight_version": None}, "not a policy version"),
+        ({"finish_reason": {"type": "tool_calls"}}, "finish_reason 'tool_calls'"),
+        ({"finish_reason": None}, "finish_reason None"),
+        ({"output_token_logprobs": [[-0.5, 5, None]]}, "1 log-probs for 2 tokens"),
+        ({"output_token_logprobs": [["x", 5, None], [-0.1, 6, None]]}, "malformed engine response"),
+    ],
+)
+def test_an_unreadable_answer_is_a_failed_sample_never_a_guess(meta: dict[str, Any], problem: str) -> None:
+    sample = sample_from_engine(answer(**meta), index=1, generate_s=0)
+    assert sample.status is SampleStatus.FAILED and problem in (sample.error or "")
+    assert sample.policy_version is None
+
+
+def test_a_missing_meta_info_is_a_failed_sample() -> None:
+    sample = sample_from_engine({"text": "x"}, index=0, generate_s=0)
+    assert sample.status is SampleStatus.FAILED and "malformed engine response" in (sample.error or "")
+
+
+PREPARED = Prepared(
+    prompt_ids=[1, 2, 9, 9, 3],
+    media=[{"type": "image", "embedding_key": "e" * 40}],
+    inline=[{"type": "image", "data": "data:image/png;base64,AA"}, {"type": "audio", "path": "/m/a.wav"}],
+    feature_keys=["f" * 40],
+    token_counts={"text": 3, "image": 2},
+    preprocess_s=0.0,
+)
+
+
+def test_engine_bodies() -> None:
+    sampling = {"max_new_tokens": 4}
+    weir = engine_body(EngineEndpoint.parse("http://e:1/"), PREPARED, sampling, "g/0", routed_experts=False)
+    assert weir["weir_media"] == PREPARED.media and weir["rid"] == "g/0" and weir["input_ids"] == [1, 2, 9, 9, 3]
+    plain = engine_body(EngineEndpoint.parse("sglang+http://e:1"), PREPARED, sampling, "g/0", routed_experts=True)
+    assert "weir_media" not in plain and plain["return_routed_experts"] is True
+    assert plain["image_data"] == ["data:image/png;base64,AA"] and plain["audio_data"] == ["file:///m/a.wav"]
+    assert PREPARED.media_tokens == 2
+
+
+def flaky(response: str, reference: str | None, sample: Mapping[str, Any]) -> float:
+    if sample["sample_index"] == 1:
+        raise RuntimeError("fails on purpose")
+    return math.nan if sample["sample_index"] == 2 else 0.5
+
+
+@pytest.fixture()
+def context(model: Path, tmp_path: Path) -> Iterator[RolloutContext]:
+    """A real context whose roles are never called by these tests (nothing listens on port 9)."""
+    client = httpx.AsyncClient(base_url="http://127.0.0.1:9")
+    yield RolloutContext(
+        prompts=PromptBuilder(model),
+        dispatcher=Dispatcher(["http://127.0.0.1:9"], timeout_s=1, client=client),
+        preprocess=client,
+        encoder=None,
+        sink=JsonlSink(tmp_path / "experience.jsonl"),
+        rewards=RewardRegistry({"flaky": flaky}),
+        admission=Admission(max_media_tokens=10, max_bytes=10),
+    )
+
+
+def test_rewards_are_data_a_failing_one_fails_only_its_sample(context: RolloutContext) -> None:
+    samples = [sample_from_engine(answer(), index=i, generate_s=0) for i in range(3)]
+    failed_engine = sample_from_engine({}, index=3, generate_s=0)
+    spec = RewardSpec(type="custom", function="flaky")
+    out = asyncio.run(reward_samples(context, spec, [*samples, failed_engine], group_id="g", prompt_index=0))
+    assert [s.status for s in out] == [SampleStatus.OK, SampleStatus.FAILED, SampleStatus.FAILED, SampleStatus.FAILED]
+    assert out[0].reward == 0.5 and out[0].trainable
+    assert "RuntimeError: fails on purpose" in (out[1].error or "") and out[1].response_ids == [5, 6]
+    assert "not a finite number" in (out[2].error or "") and out[2].reward is None
+    assert out[3] is failed_engine  # never rewarded
+
+
+def _group(prompt: PromptSpec, index: int) -> Group:
+    sample = sample_from_engine(answer(), index=0, generate_s=0)
+    return Group(group_id=prompt.group_id or "g0", prompt_ids=[1], samples=[sample], prompt_index=index)
+
+
+async def fixed(
+    ctx: RolloutContext, prompt: PromptSpec, /, *, index: int, sampling: dict[str, Any], budget: Any
+) -> Group:
+    return _group(prompt, index)
+
+
+async def not_a_group(ctx: RolloutContext, prompt: PromptSpec, /, *, index: int, sampling: Any, budget: Any) -> Any:
+    return _group(prompt, index).to_json()
+
+
+def test_run_prompt_records_only_when_asked(context: RolloutContext, tmp_path: Path) -> None:
+    prompt = PromptSpec(messages=[{"role": "user", "content": "hi"}], group_id="g1")
+    group = asyncio.run(run_prompt(context, fixed, prompt, index=2, sampling={}, budget=None, record=False))
+    assert group.prompt_index == 2 and not (tmp_path / "experience.jsonl").exists()
+    asyncio.run(run_prompt(context, fixed, prompt, index=2, sampling={}, budget=None, record=True))
+    lines = (tmp_path / "experience.jsonl").read_text().splitlines()
+    assert [Group.from_json(json.loads(line)) for line in lines] == [group]
+
+
+def test_a_rollout_function_must_return_a_group(context: RolloutContext) -> None:
+    prompt = PromptSpec(messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(TypeError, match="not a Group"):
+        asyncio.run(run_prompt(context, not_a_group, prompt, index=0, sampling={}, budget=None, record=True))
