@@ -51,8 +51,8 @@ class MicroBatch:
     rank: int
     table: pa.Table
 
-    @property
-    def samples(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[dict[str, Any]]:
+        """The rows as Python values (for inspection: trainers read the columns, `trainer.feed.pack`)."""
         return self.table.to_pylist()  # type: ignore[no-any-return]
 
     @property

@@ -64,9 +64,9 @@ def test_append_is_idempotent_and_normalizes_advantages(tmp_path: Path) -> None:
     assert store.append(group("g1", [1.0, 0.0, 0.0, 1.0]))
     assert not store.append(group("g1", [1.0, 0.0, 0.0, 1.0]))  # same id: stored once
     batch = store.lease("trainer", max_tokens=1000)
-    assert batch is not None and len(batch.samples) == 4
-    assert [round(s["advantage"], 4) for s in batch.samples] == [1.0, -1.0, -1.0, 1.0]
-    first = batch.samples[0]
+    assert batch is not None and len(batch.rows()) == 4
+    assert [round(s["advantage"], 4) for s in batch.rows()] == [1.0, -1.0, -1.0, 1.0]
+    first = batch.rows()[0]
     assert first["loss_mask"] == [0, 0, 0, 0, 1, 1, 1] and first["rollout_logprobs"][-1] == -0.5
     assert batch.table.schema.equals(MICROBATCH_SCHEMA)  # the published row schema, descriptions included
     payload = microbatch_to_arrow(batch, {"consumer": "trainer"})
@@ -80,8 +80,8 @@ def test_the_advantage_estimator_and_the_samples_policy_version(tmp_path: Path) 
     store.append(group("g", [2.0, 4.0], version=7))
     batch = store.lease("trainer", max_tokens=1000)
     assert batch is not None
-    assert [s["advantage"] for s in batch.samples] == [-1.0, 1.0]  # mean baseline only
-    assert [s["policy_version"] for s in batch.samples] == [7, 7] and batch.sample_ids == ["g/0", "g/1"]
+    assert [s["advantage"] for s in batch.rows()] == [-1.0, 1.0]  # mean baseline only
+    assert [s["policy_version"] for s in batch.rows()] == [7, 7] and batch.sample_ids == ["g/0", "g/1"]
     with pytest.raises(ValueError, match="advantage_estimator"):
         DataConfig(advantage_estimator="ppo")  # type: ignore[arg-type]
 
@@ -91,7 +91,7 @@ def test_failed_samples_and_uniform_groups(tmp_path: Path) -> None:
     store.append(group("bad-first", [1.0, 0.0, 1.0], status=SampleStatus.FAILED))
     store.append(group("uniform", [1.0, 1.0]))
     batch = store.lease("trainer", max_tokens=1000)
-    assert batch is not None and [s["sample_id"] for s in batch.samples] == ["bad-first/1", "bad-first/2"]
+    assert batch is not None and [s["sample_id"] for s in batch.rows()] == ["bad-first/1", "bad-first/2"]
     assert store.stats().drops == {"dropped_uniform": 1}
     assert store.stats().groups_dropped == {"uniform": 1, "empty": 0}
 
@@ -130,13 +130,13 @@ def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
     for i in range(5):
         store.append(group(f"g{i}", [0.0, 1.0]))  # 2 samples × 7 tokens per group
     batch = store.lease("trainer", max_tokens=30)
-    assert batch is not None and batch.tokens <= 30 and len(batch.samples) == 4
+    assert batch is not None and batch.tokens <= 30 and len(batch.rows()) == 4
     assert store.ack(batch.batch_id) == store.ack(batch.batch_id) == batch.sample_ids  # idempotent
     other = store.lease("trainer", max_tokens=30)
-    assert other is not None and not {s["sample_id"] for s in other.samples} & {s["sample_id"] for s in batch.samples}
+    assert other is not None and not {s["sample_id"] for s in other.rows()} & {s["sample_id"] for s in batch.rows()}
     time.sleep(1.6)  # not acknowledged within its lease: delivered again
     again = store.lease("trainer", max_tokens=30)
-    assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in other.samples]
+    assert again is not None and [s["sample_id"] for s in again.rows()] == [s["sample_id"] for s in other.rows()]
     with pytest.raises(LeaseExpired):
         store.ack(other.batch_id)  # too late: its samples went out again
     assert store.ack(again.batch_id)
@@ -155,7 +155,7 @@ def test_ranks_get_balanced_shares(tmp_path: Path) -> None:
     one = store.lease("trainer", rank=1, world_size=2, max_tokens=40)
     assert zero is not None and one is not None
     assert abs(zero.tokens - one.tokens) <= 6 and zero.tokens <= 40 and one.tokens <= 40
-    assert not {s["sample_id"] for s in zero.samples} & {s["sample_id"] for s in one.samples}
+    assert not {s["sample_id"] for s in zero.rows()} & {s["sample_id"] for s in one.rows()}
     with pytest.raises(InvalidRequest):
         store.lease("trainer", rank=2, world_size=2)
 
@@ -176,7 +176,7 @@ def test_staleness_bound(tmp_path: Path) -> None:
     assert store.admission() == 0  # 6 groups queued, 3 allowed: hold the producer back
     store.set_policy(5)
     batch = store.lease("trainer", max_tokens=1000)
-    assert batch is not None and {s["policy_version"] for s in batch.samples} == {3, 4, 5}
+    assert batch is not None and {s["policy_version"] for s in batch.rows()} == {3, 4, 5}
     assert store.stats().drops["dropped_stale"] == 6
     store.ack(batch.batch_id)
     assert store.admission() == 3
@@ -205,7 +205,7 @@ def test_release_and_regenerations(tmp_path: Path) -> None:
     assert batch is not None
     assert store.release("trainer", rank=1) == 0 and store.release("trainer") == 1  # a restarted trainer
     again = store.lease("trainer", max_tokens=1000)
-    assert again is not None and [s["sample_id"] for s in again.samples] == [s["sample_id"] for s in batch.samples]
+    assert again is not None and [s["sample_id"] for s in again.rows()] == [s["sample_id"] for s in batch.rows()]
     with pytest.raises(LeaseExpired):
         store.ack(batch.batch_id)
     assert store.ack(again.batch_id)
@@ -276,7 +276,7 @@ def test_kill_9_loses_no_acknowledged_group_and_trains_nothing_twice(tmp_path: P
     assert appended <= stored  # every group whose append returned survived
     trained = list(acked)
     while (batch := store.lease("trainer", max_tokens=20)) is not None:
-        trained.extend(s["sample_id"] for s in batch.samples)
+        trained.extend(s["sample_id"] for s in batch.rows())
         store.ack(batch.batch_id)
     assert len(trained) == len(set(trained))  # nothing trained twice
     expected = {f"{g}/{j}" for g in stored for j in range(4)}
