@@ -18,6 +18,7 @@ import torch
 
 import preprocess as pp
 
+from .errors import FeaturesNotFound
 from .towers import Towers
 
 __all__ = ["EncodedItem", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
@@ -66,8 +67,8 @@ class Encoder:
         self.towers, self.features, self.embeddings = towers, features, embeddings
 
     def encode(self, feature_keys: list[str]) -> list[EncodedItem]:
-        """Embed each key (computing only the misses, in packed batches); raises KeyError for an
-        unknown feature key."""
+        """Embed each key (computing only the misses, in packed batches); raises `FeaturesNotFound`
+        (naming the key and its position) for a key the feature cache does not hold."""
         version = self.towers.version
         results: list[EncodedItem | None] = [None] * len(feature_keys)
         misses: dict[str, list[int]] = {}  # feature key → positions (a key may repeat)
@@ -88,7 +89,7 @@ class Encoder:
             if key not in loaded:
                 features = self.features.get(key)
                 if features is None:
-                    raise KeyError(key)
+                    raise FeaturesNotFound(key, item=i)
                 loaded[key] = features
             misses.setdefault(key, []).append(i)
         keys = list(misses)

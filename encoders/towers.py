@@ -28,6 +28,8 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
 
 import preprocess as pp
 
+from .errors import WeightsError
+
 __all__ = ["Towers", "pack_by_cost"]
 
 logger = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class Towers:
         """Load the towers' tensors from ``folder``; returns the new weights version."""
         files = _weight_files(Path(folder))
         if not files:
-            raise FileNotFoundError(f"no safetensors files in {folder}")
+            raise WeightsError(f"no safetensors files in {folder}")
         states: dict[str, dict[str, torch.Tensor]] = {"visual": {}, "audio": {}}
         for path in files:
             with safe_open(str(path), framework="pt") as handle:
@@ -108,7 +110,7 @@ class Towers:
         for tower, module in (("visual", self.visual), ("audio", self.audio)):
             missing, unexpected = module.load_state_dict(states[tower], strict=False)
             if missing or unexpected:
-                raise ValueError(
+                raise WeightsError(
                     f"{tower} tower weights in {folder} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}"
                 )
             module.to(self.device, self.dtype)

@@ -9,8 +9,8 @@ Errors that are the engine's own fault (a failed forward, a dead scheduler threa
     ├── InvalidSampling         unknown_sampling_param      a key SGLang does not have (a typo)
     │                           unsupported_sampling_param  an SGLang key this engine does not implement
     │                           bad_sampling_params         a value of the wrong type or out of range
-    ├── InvalidPrompt           invalid_request             empty, out-of-vocabulary ids, longer than the context
-    ├── InvalidMedia            invalid_request             a reference naming neither or both keys, a kind
+    ├── InvalidPrompt           invalid_prompt              empty, out-of-vocabulary ids, longer than the context
+    ├── InvalidMedia            invalid_media               a reference naming neither or both keys, a kind
     │                                                       mismatch, placeholders that do not fit the media
     ├── MediaNotFound           features_not_found          no such key in the feature cache
     │                           embedding_not_found         no such key in the encoder's embedding cache
@@ -56,11 +56,11 @@ class InvalidSampling(EngineError):
 
 
 class InvalidPrompt(EngineError):
-    code = "invalid_request"
+    code = "invalid_prompt"
 
 
 class InvalidMedia(EngineError):
-    code = "invalid_request"
+    code = "invalid_media"
 
 
 class MediaNotFound(EngineError):

@@ -177,8 +177,11 @@ class TransformersEngine:
             )
         with self._model_lock:
             self.model.load_state_dict(state, strict=False)
-            self.weight_version = version or time.strftime("%Y%m%d%H%M%S")
-            self.towers.version = self.weight_version
+            # As SGLang: without a version the weights change and the version stays (a timestamp here
+            # would read as a huge policy version). The towers' version still changes, so nothing
+            # cached against the old towers is reused.
+            self.weight_version = version or self.weight_version
+            self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
 
     @property

@@ -98,9 +98,7 @@ class Sample:
     @model_validator(mode="after")
     def _consistent(self) -> Sample:
         if len(self.logprobs) != len(self.response_ids):
-            raise ValueError(
-                f"logprobs has {len(self.logprobs)} entries for {len(self.response_ids)} response tokens"
-            )
+            raise ValueError(f"logprobs has {len(self.logprobs)} entries for {len(self.response_ids)} response tokens")
         if self.status is SampleStatus.OK and self.policy_version is None:
             raise ValueError("an ok sample needs the policy_version that generated it")
         if self.status is SampleStatus.FAILED and not self.error:

@@ -179,7 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path(".weir/demo"), help="output folder")
     demo.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="decoding processes")
 
-    token = command("token", "write the API token file the roles share (WEIR_API_TOKEN_FILE); an existing one is kept")
+    token = command(
+        "token",
+        "write the API token file the roles share (WEIR_API_TOKEN_FILE): WEIR_API_TOKEN when set, "
+        "else an existing file is kept, else a new random token",
+    )
     token.add_argument(
         "--out", type=Path, required=True, help="the token file, mode 0600 (WEIR_API_TOKEN, when set, is written)"
     )
@@ -245,7 +249,14 @@ def _serve(args: argparse.Namespace) -> int:
     settings = load_settings(role.settings_class())
     level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
     configure_logging(level)
-    common: dict[str, Any] = {"host": host, "port": port, "log_level": level.lower(), "log_config": None}
+    # uvicorn's own access log is off: the template logs each request with its request id instead.
+    common: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": level.lower(),
+        "log_config": None,
+        "access_log": False,
+    }
     if args.workers > 1:
         uvicorn.run(WORKER_APPS[role.name], factory=True, workers=args.workers, **common)
     else:

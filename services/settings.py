@@ -74,6 +74,7 @@ def load_settings(cls: type[S], **overrides: Any) -> S:
         prefix = str(cls.model_config.get("env_prefix", ""))
         lines = []
         for problem in error.errors():
-            name = "_".join(str(p) for p in problem["loc"]).upper()
-            lines.append(f"{prefix}{name}: {problem['msg']}" if name else problem["msg"])
+            name = f"{prefix}{'_'.join(str(p) for p in problem['loc']).upper()}"
+            message = str(problem["msg"]).removeprefix("Value error, ")
+            lines.append(message if not problem["loc"] or message.startswith(name) else f"{name}: {message}")
         raise SettingsError(f"bad {cls.__name__}: " + "; ".join(lines)) from None

@@ -215,7 +215,8 @@ class LocalStack:
     def _launch(self, name: str, role: str, port: int, env: dict[str, str]) -> None:
         log = self.home / "logs" / f"{name}.log"
         command = [sys.executable, "-m", "services.cli", "serve", role, "--host", self.host, "--port", str(port)]
-        command += ["--log-level", "warning"]
+        # info: one line per request, with its request id, so a rollout can be followed through logs/
+        command += ["--log-level", env.get("WEIR_LOG_LEVEL", "info")]
         with open(log, "wb") as out:
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.children.append(_Child(name, self._url(port), process, log))

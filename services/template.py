@@ -85,7 +85,7 @@ def build_app(
         elapsed = time.perf_counter() - start
         metrics.requests.labels(route, str(response.status_code)).inc()
         metrics.latency.labels(route).observe(elapsed)
-        access.debug("%s %s → %d in %.3f s", request.method, route, response.status_code, elapsed)
+        access.info("%s %s → %d in %.3f s", request.method, route, response.status_code, elapsed)
         return response
 
     # Outermost last: the request id is set before anything logs; auth and the size limit hold

@@ -1,6 +1,7 @@
-"""The trainer side: the micro-batch feed client (`feed`), RL losses and advantages, a reference
-PyTorch trainer (`reference`), the Megatron-LM adapter (`megatron`), weight publishing (`publish`), the
-rollout driver and the RL loop (`driver`, `loop`), the demo task and plots.
+"""The trainer side: the micro-batch feed client (`feed`), RL losses (advantages are the data role's:
+`experience.advantages`), a reference PyTorch trainer (`reference`), the Megatron-LM adapter
+(`megatron`), weight publishing (`publish`), the rollout driver and the RL loop (`driver`, `loop`),
+the demo task and plots.
 
 This package never imports FastAPI: it talks to the roles over HTTP as any client would.
 """

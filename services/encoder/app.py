@@ -15,6 +15,7 @@ from fastapi import FastAPI, Path, Response
 
 import preprocess as pp
 from encoders.embeddings import Encoder
+from encoders.errors import EncoderError, FeaturesNotFound, WeightsError
 from encoders.towers import Towers
 
 from ..errors import ApiError
@@ -39,9 +40,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
     metrics = RoleMetrics("encoder")
     encoded = metrics.counter("weir_encoder_items", "Items encoded, by cache outcome", ["outcome"])
     metrics.scraped(
-        lambda: {
-            "weir_encoder_forward_passes_total": Figure("counter", "Tower forward passes", towers.forward_passes)
-        }
+        lambda: {"weir_encoder_forward_passes_total": Figure("counter", "Tower forward passes", towers.forward_passes)}
     )
 
     async def ready() -> Readiness:
@@ -54,6 +53,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
         ready=ready,
         metrics=metrics,
         state=encoder,
+        library_errors={EncoderError: 400, FeaturesNotFound: 404},
         description="Feature keys → embeddings from the model's own towers, once per unique item per weights version.",
     )
 
@@ -61,11 +61,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
     async def encode(body: EncodeRequest) -> EncodeResponse:
         """Embedding keys for the feature keys (cache hits cost nothing; misses run in packed batches)."""
         async with lock:
-            try:
-                items = await asyncio.to_thread(encoder.encode, body.feature_keys)
-            except KeyError as missing:
-                index = body.feature_keys.index(str(missing.args[0]))
-                raise ApiError(404, "features_not_found", f"no cached features {missing.args[0]}", item=index) from None
+            items = await asyncio.to_thread(encoder.encode, body.feature_keys)
         for item in items:
             encoded.labels("hit" if item.cache_hit else "miss").inc()
         return EncodeResponse(
@@ -98,8 +94,8 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
         async with lock:
             try:
                 towers.version = await asyncio.to_thread(towers.load_weights, body.model_path)
-            except (FileNotFoundError, ValueError, OSError) as error:
-                raise ApiError(400, "bad_weights", str(error)) from None
+            except OSError as error:  # an unreadable folder or file
+                raise WeightsError(str(error)) from None
         return WeightsResponse(success=True, version=towers.version)
 
     return app

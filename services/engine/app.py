@@ -124,7 +124,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     async def generate(body: GenerateBody) -> Any:
         """Generate for one prompt (SGLang's single-request form)."""
         if (body.text is None) == (body.input_ids is None):
-            raise ApiError(400, "invalid_request", "give exactly one of text, input_ids")
+            raise ApiError(422, "invalid_request", "give exactly one of text, input_ids", field="text")
         sampling = sampling_from(body.sampling_params or {})
         refs = [
             engines.MediaRef(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key)

@@ -13,9 +13,7 @@ __all__ = ["PreprocessMetrics"]
 
 class PreprocessMetrics:
     def __init__(self, metrics: RoleMetrics, store: pp.FeatureStore) -> None:
-        self.tokens_planned = metrics.counter(
-            "weir_preprocess_tokens_planned", "Tokens planned from headers", ["type"]
-        )
+        self.tokens_planned = metrics.counter("weir_preprocess_tokens_planned", "Tokens planned from headers", ["type"])
         self.tokens_produced = metrics.counter(
             "weir_preprocess_tokens_produced", "Tokens of features produced or served", ["type"]
         )

@@ -171,7 +171,7 @@ async def parse_request(request: Request, state: PreprocessState) -> tuple[list[
                 continue
             if name not in _KINDS or not isinstance(value, UploadFile):
                 raise ApiError(
-                    400, "invalid_request", f"unexpected form part {name!r}: use image, video, audio, budget"
+                    422, "invalid_request", f"unexpected form part {name!r}: use image, video, audio, budget"
                 )
             raw = await value.read()
             index = len(items)
@@ -181,7 +181,7 @@ async def parse_request(request: Request, state: PreprocessState) -> tuple[list[
                 raise ApiError(413, "media_too_large", f"the item is over {settings.max_item_bytes} bytes", item=index)
             items.append((name, raw))  # type: ignore[arg-type]
         if not items:
-            raise ApiError(400, "invalid_request", "the upload has no image, video or audio part")
+            raise ApiError(422, "invalid_request", "the upload has no image, video or audio part")
         return items, state.budget(budget_in)
     try:
         payload = json.loads(body)

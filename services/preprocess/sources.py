@@ -51,17 +51,21 @@ def read_path(path: str, roots: list[Path], index: int, max_bytes: int) -> bytes
     if not roots:
         raise ApiError(403, "path_not_allowed", "paths are disabled: no media roots are configured", item=index)
     candidate = Path(path)
+    inside = False
     for root in roots:
         base = root.resolve()
         target = (candidate if candidate.is_absolute() else base / candidate).resolve()
         if not target.is_relative_to(base):
             continue
+        inside = True
         if not target.is_file():
-            raise ApiError(404, "media_not_found", f"no file at {path!r} under the media roots", item=index)
+            continue  # a relative path may be under the next root
         size = target.stat().st_size
         if size > max_bytes:
             raise ApiError(413, "media_too_large", f"{path!r} is {size} bytes, over {max_bytes}", item=index)
         return target.read_bytes()
+    if inside:
+        raise ApiError(404, "media_not_found", f"no file at {path!r} under the media roots", item=index)
     raise ApiError(403, "path_not_allowed", f"{path!r} is outside the configured media roots", item=index)
 
 

@@ -90,6 +90,7 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
             max_new_tokens=128,
             max_tokens_per_batch=1024,
             urls=urls,
+            token=stack.token,
             out=home / "train",
         )
         records = run_loop(trainer, _long_tailed_rows(), config)
@@ -203,8 +204,9 @@ def bench_feed(groups: int, max_tokens: int) -> None:
             store.ack(batch.batch_id)
         peer_s, peer_bytes = _socket_peer(payloads)
         _filled_store(Path(root) / "served", groups)
-        with RunningServer(data_app(DataSettings(data_dir=Path(root) / "served"))) as server:
-            feed = MicroBatchFeed(server.url, max_tokens=max_tokens, wait_s=0.5, max_batches=len(payloads))
+        token = "bench-token"  # as deployed: every request authenticated, with a request id
+        with RunningServer(data_app(DataSettings(data_dir=Path(root) / "served", api_token=token))) as server:
+            feed = MicroBatchFeed(server.url, max_tokens=max_tokens, wait_s=0.5, max_batches=len(payloads), token=token)
             start = time.perf_counter()
             count, nbytes = 0, 0
             for batch in feed:

@@ -165,10 +165,14 @@ def image_messages(uri: str, text: str) -> list[dict[str, Any]]:
 
 
 # -- the stack -----------------------------------------------------------------------------------
+BENCH_TOKEN = "bench-token"  # the roles run as deployed: every request carries the token
+AUTH = {"Authorization": f"Bearer {BENCH_TOKEN}"}
+
+
 @contextmanager
 def running_stack(home: Path, model: Path, engines: int) -> Iterator[tuple[dict[str, str], float]]:
     """({role: url}, start-up seconds) of a LocalStack, always stopped; its logs go to stderr on failure."""
-    stack = LocalStack(home=home, model=model, engines=engines)
+    stack = LocalStack(home=home, model=model, engines=engines, env={"WEIR_API_TOKEN": BENCH_TOKEN})
     start = time.perf_counter()
     try:
         note(f"starting LocalStack(engines={engines}) in {home}")
@@ -214,7 +218,7 @@ def bench_rollout_throughput(urls: dict[str, str], engines: int, start_s: float,
     image_preprocess_s: list[float] = []
     group_generate_s: list[float] = []
     expected = len(body["prompts"]) * N_SAMPLES
-    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+    with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=AUTH) as client:
         post_json(client, url, body)  # warm-up: fills the feature cache, loads lazy code paths
         for _ in tqdm(range(config.rollout_repeats), desc=f"rollouts, {engines} engine(s)", file=sys.stderr):
             start = time.perf_counter()
@@ -429,7 +433,7 @@ def bench_chat_latency(urls: dict[str, str], config: Config) -> dict[str, Any]:
         messages = image_messages(uris[index % len(uris)], "what colour is the circle")
         return {"model": "weir-tiny-omni", "messages": messages, "max_tokens": CHAT_MAX_TOKENS}
 
-    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+    with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=AUTH) as client:
         for i in range(len(uris)):  # warm-up: every image preprocessed and cached once
             post_json(client, url, body(i))
 
@@ -440,7 +444,7 @@ def bench_chat_latency(urls: dict[str, str], config: Config) -> dict[str, Any]:
     def one(index: int) -> tuple[float, int, int]:
         client = getattr(local, "client", None)
         if client is None:
-            client = local.client = httpx.Client(timeout=HTTP_TIMEOUT_S)
+            client = local.client = httpx.Client(timeout=HTTP_TIMEOUT_S, headers=AUTH)
             with clients_lock:
                 clients.append(client)
         start = time.perf_counter()
@@ -497,7 +501,7 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
     }
     chat_body = {"messages": messages, "max_tokens": OVERHEAD_MAX_NEW, "temperature": 0.0}
     outputs: dict[str, list[int]] = {}
-    with httpx.Client(timeout=HTTP_TIMEOUT_S) as client:
+    with httpx.Client(timeout=HTTP_TIMEOUT_S, headers=AUTH) as client:
         first = Group.from_json(post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0])
         prompt_ids: list[int] = first.prompt_ids
 

@@ -101,7 +101,7 @@ def test_errors_and_control_endpoints(stack) -> None:  # type: ignore[no-untyped
         "/generate", json={"input_ids": ids, "weir_media": [{"type": "image", "feature_key": "0" * 40}]}
     )
     assert missing.status_code == 404
-    assert client.post("/generate", json={"sampling_params": {}}).status_code == 400
+    assert client.post("/generate", json={"sampling_params": {}}).status_code == 422
     assert client.get("/health").status_code == 200 and client.get("/health_generate").status_code == 200
     info = client.get("/model_info").json()
     assert info["model_type"] == "qwen2_5_omni_thinker" and info["weight_version"] == "0"
@@ -170,17 +170,17 @@ def test_every_body_is_typed_in_the_openapi_document(stack) -> None:  # type: ig
         ("/generate", {"input_ids": [1.5]}, 422, "invalid_request"),
         ("/generate", {"input_ids": [True]}, 422, "invalid_request"),
         ("/generate", {"input_ids": ["1"]}, 422, "invalid_request"),
-        ("/generate", {"input_ids": [10**6]}, 400, "invalid_request"),
-        ("/generate", {"input_ids": [10**30]}, 400, "invalid_request"),
+        ("/generate", {"input_ids": [10**6]}, 400, "invalid_prompt"),
+        ("/generate", {"input_ids": [10**30]}, 400, "invalid_prompt"),
         ("/generate", {"input_ids": []}, 422, "invalid_request"),
         ("/generate", {"text": ""}, 422, "invalid_request"),
         ("/generate", {"input_ids": [1], "return_logprob": 1}, 422, "invalid_request"),
         ("/abort_request", {"abort_all": 0}, 422, "invalid_request"),
-        ("/generate", {"text": "hi", "input_ids": [1]}, 400, "invalid_request"),
+        ("/generate", {"text": "hi", "input_ids": [1]}, 422, "invalid_request"),
         ("/generate", {"text": 5}, 422, "invalid_request"),
         ("/generate", {"input_ids": [1], "stream": "maybe"}, 422, "invalid_request"),
         ("/generate", {"input_ids": [1], "sampling_params": [1]}, 422, "invalid_request"),
-        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**12}}, 400, "invalid_request"),
+        ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**12}}, 400, "invalid_prompt"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": -1}}, 400, "bad_sampling_params"),
         ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 1.5}}, 400, "bad_sampling_params"),
         ("/generate", {"input_ids": [1], "sampling_params": {"temperature": "hot"}}, 400, "bad_sampling_params"),
@@ -201,14 +201,14 @@ def test_every_body_is_typed_in_the_openapi_document(stack) -> None:  # type: ig
             "/generate",
             {"input_ids": [1], "stream": True, "sampling_params": {"max_new_tokens": 10**9}},
             400,
-            "invalid_request",
+            "invalid_prompt",
         ),
-        ("/generate", {"input_ids": [1], "weir_media": [{"type": "image"}]}, 400, "invalid_request"),
+        ("/generate", {"input_ids": [1], "weir_media": [{"type": "image"}]}, 400, "invalid_media"),
         (
             "/generate",
             {"input_ids": [1], "weir_media": [{"type": "image", "feature_key": "0" * 40, "embedding_key": "0" * 40}]},
             400,
-            "invalid_request",
+            "invalid_media",
         ),
         (
             "/generate",
@@ -278,10 +278,10 @@ def test_prompts_that_do_not_fit_their_media_get_400(stack, tmp_path: Path) -> N
     # The right number of placeholders behind the wrong bos token: the model's rotary index cannot place them.
     misplaced = {"input_ids": [audio_bos] + [image] * item.features.num_tokens, "weir_media": media}
     refused = client.post("/generate", json=misplaced)
-    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_request"
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_media"
     with client.stream("POST", "/generate", json={**misplaced, "stream": True}) as response:
         events = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert json.loads(events[0][6:])["error"]["code"] == "invalid_request" and events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["error"]["code"] == "invalid_media" and events[-1] == "data: [DONE]"
     # Weights that do not fit: SGLang's refusal shape, and the served version does not change.
     (tmp_path / "w").mkdir()
     save_file({"lm_head.weight": torch.zeros(3, 3)}, str(tmp_path / "w" / "model.safetensors"))

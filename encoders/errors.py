@@ -1,0 +1,39 @@
+"""The encoders library's one exception tree; each error carries a stable ``code``.
+
+::
+
+    EncoderError (ValueError)   base; ``code`` is machine-readable
+    ├── FeaturesNotFound        a feature key is not in the feature cache (also a KeyError)
+    └── WeightsError            tower weights that are missing or do not fit the towers
+
+The encoder role maps them to 404 and 400.
+"""
+
+from __future__ import annotations
+
+__all__ = ["EncoderError", "FeaturesNotFound", "WeightsError"]
+
+
+class EncoderError(ValueError):
+    code = "encoder_error"
+
+    def __init__(self, message: str, *, item: int | None = None) -> None:
+        super().__init__(message)
+        self.item = item
+
+
+class FeaturesNotFound(EncoderError, KeyError):
+    """``key`` has no features in the cache: preprocess it first (it may also have been evicted)."""
+
+    code = "features_not_found"
+
+    def __init__(self, key: str, *, item: int | None = None) -> None:
+        super().__init__(f"no cached features {key}", item=item)
+        self.key = key
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class WeightsError(EncoderError):
+    code = "bad_weights"
