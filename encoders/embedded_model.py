@@ -222,18 +222,21 @@ def init_model(folder: str | Path, *, seed: int = 0) -> Path:
     return root
 
 
-def ensure_model(folder: str | Path) -> Path:
-    """The folder if it holds a model; otherwise the tiny model is made there first.
+def ensure_model(folder: str | Path, *, seed: int = 0) -> Path:
+    """The folder if it holds a model; otherwise the tiny model is made there first — for the places
+    that own a default model folder (`weir init-model --if-missing`, `weir up`'s ``HOME/model``), never
+    for a folder a user named (a typo there must be an error, not a random model).
 
-    Safe when several roles start at once on one volume: each builds in a private sibling folder
+    Safe when several processes start at once on one volume: each builds in a private sibling folder
     and renames it into place; the losers discard theirs.
     """
     root = Path(folder)
     if (root / "config.json").is_file():
         return root
-    logger.warning("no model at %s: creating the tiny embedded model there", root)
+    logger.info("no model at %s: creating the tiny embedded model there", root)
+    root.parent.mkdir(parents=True, exist_ok=True)
     staging = root.parent / f".{root.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    init_model(staging)
+    init_model(staging, seed=seed)
     try:
         os.rename(staging, root)
     except OSError:  # another process got there first (or the folder exists but is not a model)

@@ -19,7 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
@@ -100,19 +100,31 @@ class Towers:
         if not files:
             raise WeightsError(f"no safetensors files in {folder}")
         states: dict[str, dict[str, torch.Tensor]] = {"visual": {}, "audio": {}}
-        for path in files:
-            with safe_open(str(path), framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    for tower, prefixes in _PREFIXES.items():
-                        prefix = next((p for p in prefixes if name.startswith(p)), None)
-                        if prefix is not None:
-                            states[tower][name[len(prefix) :]] = handle.get_tensor(name)
-        for tower, module in (("visual", self.visual), ("audio", self.audio)):
-            missing, unexpected = module.load_state_dict(states[tower], strict=False)
-            if missing or unexpected:
+        try:
+            for path in files:
+                with safe_open(str(path), framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        for tower, prefixes in _PREFIXES.items():
+                            prefix = next((p for p in prefixes if name.startswith(p)), None)
+                            if prefix is not None:
+                                states[tower][name[len(prefix) :]] = handle.get_tensor(name)
+        except (OSError, SafetensorError) as error:
+            raise WeightsError(f"cannot read the weights in {folder}: {error}") from None
+        modules = (("visual", self.visual), ("audio", self.audio))
+        # All or nothing: every name and shape of both towers is checked before either changes, so a
+        # refused folder leaves the towers (and the version their embeddings are cached under) as they were.
+        for tower, module in modules:
+            own = module.state_dict()
+            missing = sorted(set(own) - set(states[tower]))
+            unexpected = sorted(set(states[tower]) - set(own))
+            reshaped = sorted(k for k, v in states[tower].items() if k in own and v.shape != own[k].shape)
+            if missing or unexpected or reshaped:
                 raise WeightsError(
-                    f"{tower} tower weights in {folder} do not fit: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                    f"{tower} tower weights in {folder} do not fit: missing {missing[:3]}, "
+                    f"unexpected {unexpected[:3]}, other shapes {reshaped[:3]}"
                 )
+        for tower, module in modules:
+            module.load_state_dict(states[tower], strict=True)
             module.to(self.device, self.dtype)
         # The version names the weights, not the process: same files, same version, everywhere.
         stamp = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]

@@ -22,6 +22,7 @@ from .errors import (
     InvalidGroup,
     InvalidRequest,
     LeaseExpired,
+    PolicyRegression,
     StoreNotWritable,
     UnknownBatch,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "InvalidRequest",
     "LeaseExpired",
     "MicroBatch",
+    "PolicyRegression",
     "PolicyVersion",
     "Sample",
     "SampleStatus",

@@ -8,6 +8,7 @@
     │                               over int32, a reward over float32); ``item`` is its index in the call
     ├── UnknownBatch                not_found: no micro-batch was ever delivered under that id
     ├── LeaseExpired                lease_expired: acknowledged after its lease, and its samples went out again
+    ├── PolicyRegression            policy_regression: a policy version lower than the one already announced
     ├── FeatureMissing              feature_missing: a micro-batch's media is no longer in the feature cache
     └── StoreNotWritable            not_writable: the store's database or directory refuses writes
 
@@ -24,6 +25,7 @@ __all__ = [
     "InvalidGroup",
     "InvalidRequest",
     "LeaseExpired",
+    "PolicyRegression",
     "StoreNotWritable",
     "UnknownBatch",
 ]
@@ -67,6 +69,17 @@ class LeaseExpired(ExperienceError):
     def __init__(self, batch_id: str) -> None:
         super().__init__(f"the lease of micro-batch {batch_id} expired and its samples were delivered again")
         self.batch_id = batch_id
+
+
+class PolicyRegression(ExperienceError):
+    """A policy version lower than the current one was announced: versions only go up (announcing the
+    current one again is not an error). Rewinding would make stale samples look fresh."""
+
+    code = "policy_regression"
+
+    def __init__(self, version: int, current: int) -> None:
+        super().__init__(f"policy version {version} is lower than the current policy version {current}")
+        self.version, self.current = version, current
 
 
 class FeatureMissing(ExperienceError):

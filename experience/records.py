@@ -63,7 +63,7 @@ def policy_version_of(weight_version: object) -> int:
     if isinstance(weight_version, str):
         if weight_version == "default":
             return 0
-        if weight_version.isdigit():
+        if weight_version.isascii() and weight_version.isdecimal():
             return int(weight_version)
     raise ValueError(f"the engine's weight_version {weight_version!r} is not a policy version (a decimal integer)")
 

@@ -1,6 +1,7 @@
 """Staleness: the trainer's policy version, the bound on how old a trained sample may be, and admission.
 
-* ``policy`` — the version the trainer last announced (`set_policy`); 0 before any.
+* ``policy`` — the version the trainer last announced (`set_policy`); 0 before any. It only goes up:
+  a lower version is `PolicyRegression`, the same one again changes nothing.
 * `Staleness.fresh` — with ``max_staleness = K``, a sample generated under a version older than
   ``policy - K`` is never trained: it is retired for that consumer (counted ``dropped_stale``), and
   under ``staleness_policy="regenerate"`` its group is listed for the producer to generate again
@@ -19,7 +20,7 @@ import math
 import sqlite3
 from collections.abc import Sequence
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, PolicyRegression
 from .index import Counters, transaction
 from .ledger import Ledger
 from .packing import Candidate
@@ -61,12 +62,19 @@ class Staleness:
         return int(value) if value is not None else 0
 
     def set_policy(self, version: int, *, trained_groups: int) -> None:
-        """Announce ``version``; ``trained_groups`` (groups trained so far) measures the trainer's pace."""
+        """Announce ``version``; ``trained_groups`` (groups trained so far) measures the trainer's pace.
+
+        `PolicyRegression` when ``version`` is below the current policy; the current one again is a
+        no-op (a publisher's retry), so the pace is not measured from it a second time."""
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidRequest(f"a policy version is a non-negative integer, not {version!r}")
         with transaction(self._db):
             policy = self.policy
             trained_at = self._get("trained_at_policy")
+            if version < policy:
+                raise PolicyRegression(version, policy)
+            if version == policy and trained_at is not None:
+                return
             if trained_at is not None and version > policy:
                 used = max(0, trained_groups - int(trained_at)) / (version - policy)
                 previous = self._get("groups_per_version")

@@ -209,7 +209,8 @@ class ExperienceStore:
             return self._staleness.policy
 
     def set_policy(self, version: int) -> None:
-        """Announce a new policy version; also measures how many groups the trainer used for it."""
+        """Announce a new policy version; also measures how many groups the trainer used for it.
+        `PolicyRegression` for a version below the current one; the current one again is a no-op."""
         with self._lock:
             self._staleness.set_policy(version, trained_groups=self._trained_groups())
 

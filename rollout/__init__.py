@@ -17,7 +17,7 @@ The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a 
 from __future__ import annotations
 
 from .admission import Admission
-from .dispatch import Dispatcher, EngineEndpoint
+from .dispatch import Dispatcher, EngineEndpoint, EngineHealth
 from .errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -27,6 +27,7 @@ from .errors import (
     Overloaded,
     RolloutError,
     UnknownReward,
+    UpstreamUnauthorized,
     UpstreamUnavailable,
     WorkTooLarge,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "Admission",
     "Dispatcher",
     "EngineEndpoint",
+    "EngineHealth",
     "EngineRefused",
     "EnginesUnavailable",
     "ExperienceRefused",
@@ -75,6 +77,7 @@ __all__ = [
     "RolloutFunction",
     "Sink",
     "UnknownReward",
+    "UpstreamUnauthorized",
     "UpstreamUnavailable",
     "WorkTooLarge",
     "chat_samples",

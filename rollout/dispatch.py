@@ -5,8 +5,14 @@ prefix cache holds the prompt). Two kinds of engine: Weir's engine role (media b
 plain SGLang server given as ``sglang+http://host:port`` (media sent inline, as SGLang expects); the
 caller builds each request body for the engine it lands on. A call that fails for the engine's
 reasons — connection error, timeout, 5xx — is retried once on another engine, and the failing
-engine sits out a cool-down; a 4xx is the request's fault and is never retried (`EngineRefused`).
-Every call has a timeout: nothing waits forever on a hung engine.
+engine sits out a cool-down; a 4xx is the request's fault and is never retried (`EngineRefused`),
+except a 401/403: the engine refuses this role's API token, which no request can fix and no other
+engine of the same stack would accept (`UpstreamUnauthorized`). Every call has a timeout: nothing
+waits forever on a hung engine.
+
+`probe` is the readiness check: for Weir's engine an authenticated ``GET /server_info`` (so an
+engine that refuses the token counts as refusing, not as up) then its ``GET /health``; for a plain
+SGLang server its open ``GET /health``.
 
 The HTTP client comes from the caller (the rollout role builds it with the API token and the request
 id); this module owns it only when it made it. It does not build request bodies or read responses
@@ -25,13 +31,14 @@ from typing import Any, Literal
 
 import httpx
 
-from .errors import EngineRefused, EnginesUnavailable
+from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, refuses_token
 
-__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint"]
+__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth"]
 
 logger = logging.getLogger(__name__)
 
 BodyFor = Callable[["EngineEndpoint"], dict[str, Any]]
+EngineHealth = Literal["up", "down", "unauthorized"]
 
 
 @dataclass(slots=True)
@@ -113,6 +120,8 @@ class Dispatcher:
             engine.outstanding -= 1
         if response.status_code >= 500:
             raise _EngineFailed(f"HTTP {response.status_code}")
+        if refuses_token(response):
+            raise UpstreamUnauthorized("engine", response.status_code, detail=engine.url)
         if response.status_code >= 400:
             code, message = _refusal(response)
             raise EngineRefused(f"engine {engine.url}: {message}", code=code)
@@ -129,18 +138,25 @@ class Dispatcher:
             with contextlib.suppress(httpx.HTTPError):
                 await self._client.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=5)
 
-    async def probe(self, timeout_s: float) -> list[EngineEndpoint]:
-        """The engines whose ``GET /health`` answers 200 within ``timeout_s`` (all probed at once)."""
+    async def probe(self, timeout_s: float) -> list[tuple[EngineEndpoint, EngineHealth]]:
+        """Each engine (in order) with its state now: ``up``, ``down`` (no answer within ``timeout_s``,
+        or not healthy) or ``unauthorized`` (it refuses this role's token). All probed at once."""
 
-        async def answers(engine: EngineEndpoint) -> bool:
+        async def state(engine: EngineEndpoint) -> EngineHealth:
             try:
+                if engine.kind == "weir":  # needs the token: a refused token shows here, not on a sample
+                    info = await self._client.get(f"{engine.url}/server_info", timeout=timeout_s)
+                    if refuses_token(info):
+                        return "unauthorized"
+                    if info.status_code != 200:
+                        return "down"
                 response = await self._client.get(f"{engine.url}/health", timeout=timeout_s)
             except httpx.HTTPError:
-                return False
-            return response.status_code == 200
+                return "down"
+            return "up" if response.status_code == 200 else "down"
 
-        up = await asyncio.gather(*(answers(e) for e in self.engines))
-        return [e for e, ok in zip(self.engines, up, strict=True) if ok]
+        states = await asyncio.gather(*(state(e) for e in self.engines))
+        return list(zip(self.engines, states, strict=True))
 
     async def close(self) -> None:
         if self._owns_client:

@@ -16,12 +16,24 @@ carried as data, a `experience.Sample` with status ``failed``.
     ├── Overloaded                   overloaded                               429  retry shortly (Retry-After)
     ├── EnginesUnavailable           engines_unavailable                      503  no engine could generate
     ├── UpstreamUnavailable          preprocess_unavailable, data_unavailable 503  a role did not answer
+    ├── UpstreamUnauthorized         upstream_unauthorized                    502  a role refused this role's token
     └── ExperienceRefused            experience_refused                       502  the data role refused a group
+
+A 401/403 from a role this one calls (preprocess, encoder, engine, data) is never passed on as it
+came: the caller's own credentials were fine, this role's token was not; it is `UpstreamUnauthorized`
+(naming the role), not a ``media_refused``, an ``engine_refused`` or a failed sample
+(`refuses_token`: a 403 that names a reason of the request's own, as the preprocess role's
+``path_not_allowed`` does, stays the request's refusal).
 
 Errors that are this library's own fault are never ``RolloutError``.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import httpx
 
 __all__ = [
     "EngineRefused",
@@ -32,9 +44,28 @@ __all__ = [
     "Overloaded",
     "RolloutError",
     "UnknownReward",
+    "UpstreamUnauthorized",
     "UpstreamUnavailable",
     "WorkTooLarge",
+    "refuses_token",
 ]
+
+_TOKEN_CODES = (None, "unauthorized", "forbidden", "invalid_token")
+
+
+def refuses_token(response: httpx.Response) -> bool:
+    """Whether ``response`` refuses the caller's API token: any 401; a 403 unless its body is Weir's
+    error shape naming a reason of the request's own (``path_not_allowed``, ``url_disabled``, …)."""
+    if response.status_code == 401:
+        return True
+    if response.status_code != 403:
+        return False
+    try:
+        body = response.json()
+    except ValueError:
+        return True
+    error = body.get("error") if isinstance(body, dict) else None
+    return not isinstance(error, dict) or error.get("code") in _TOKEN_CODES
 
 
 class RolloutError(Exception):
@@ -116,3 +147,15 @@ class ExperienceRefused(RolloutError):
     """The data role answered 4xx to a finished group: the group is not stored."""
 
     code = "experience_refused"
+
+
+class UpstreamUnauthorized(RolloutError):
+    """A role this one calls answered 401/403: it refuses *this role's* API token (a configuration
+    error of the stack, not of the caller's request). ``role`` names it; ``status`` is its answer."""
+
+    code = "upstream_unauthorized"
+
+    def __init__(self, role: str, status: int, *, detail: str = "") -> None:
+        at = f" ({detail})" if detail else ""
+        super().__init__(f"the {role} role refused the rollout role's API token (HTTP {status}){at}")
+        self.role, self.status = role, status

@@ -6,6 +6,8 @@ placeholder expanded to the exact token count; the ``n`` samples go to the engin
 key, or inline for a plain SGLang server) under the admission bound; each ok sample is rewarded.
 A sample that fails — no engine could generate it, its engine answered something unusable, its
 reward raised — is a ``failed`` `Sample` that says why; the rest of the group is still returned.
+A role that refuses this role's API token (401/403 from the preprocess, encoder or engine role) is
+`UpstreamUnauthorized`, never passed on as the caller's own 401 nor carried as failed samples.
 
 `rollout_group` is the default rollout function. The role can run another one instead
 (``WEIR_ROLLOUT_FUNCTION``) with the same signature (`RolloutFunction`); it gets the same
@@ -27,12 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import httpx
+from pydantic import ValidationError
 
 from experience.records import FinishReason, Group, Sample, SampleStatus, policy_version_of, sample_id
 
 from .admission import Admission
 from .dispatch import Dispatcher, EngineEndpoint
-from .errors import EngineRefused, EnginesUnavailable, InvalidPrompt, MediaRefused, UpstreamUnavailable
+from .errors import (
+    EngineRefused,
+    EnginesUnavailable,
+    InvalidPrompt,
+    MediaRefused,
+    UpstreamUnauthorized,
+    UpstreamUnavailable,
+    refuses_token,
+)
 from .prompts import PromptBuilder, parse_messages
 from .rewards import RewardRegistry, RewardSpec
 from .sink import Sink
@@ -155,6 +166,8 @@ async def prepare(
             raise UpstreamUnavailable(
                 f"the preprocess role did not answer: {error}", code="preprocess_unavailable"
             ) from None
+        if refuses_token(response):  # this role's token, not the caller's: never the caller's 401
+            raise UpstreamUnauthorized("preprocess", response.status_code)
         if response.status_code >= 400:
             raise _media_refused(response, where)
         try:
@@ -199,12 +212,15 @@ def _media_refused(response: httpx.Response, where: str) -> MediaRefused:
 
 async def _media_refs(ctx: RolloutContext, results: list[dict[str, Any]]) -> list[dict[str, str]]:
     """Engine refs for the media: embedding keys from the encoder role when there is one (each
-    unique item encoded once per weights version), else feature keys (the engine encodes)."""
+    unique item encoded once per weights version), else feature keys (the engine encodes). An encoder
+    that does not answer is routed around; one that refuses this role's token is `UpstreamUnauthorized`."""
     refs = [{"type": str(r["type"]), "feature_key": str(r["key"])} for r in results]
     if not results or ctx.encoder is None:
         return refs
     try:
         response = await ctx.encoder.post("/v1/encode", json={"feature_keys": [r["key"] for r in results]})
+        if refuses_token(response):
+            raise UpstreamUnauthorized("encoder", response.status_code)
         response.raise_for_status()
         items = response.json()["items"]
     except (httpx.HTTPError, ValueError, KeyError) as error:
@@ -252,7 +268,8 @@ def engine_body(
 def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float) -> Sample:
     """An engine's /generate answer as a `Sample` (not yet rewarded). An answer that cannot be read —
     an unknown finish reason, log-probs that do not match the tokens, a weight version that is not a
-    policy version — is a ``failed`` sample saying so, never a guess."""
+    policy version, values the record refuses (a log-prob that is not finite, a negative token id) —
+    is a ``failed`` sample saying so, never a guess and never an error of the whole request."""
     timings = {"generate_s": generate_s}
     try:
         meta = out["meta_info"]
@@ -262,13 +279,8 @@ def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float)
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         text = str(out.get("text") or "")
         routed = meta.get("routed_experts")
-    except (KeyError, TypeError, ValueError, IndexError) as error:
-        return Sample(
-            index=index,
-            status=SampleStatus.FAILED,
-            error=f"malformed engine response: {type(error).__name__}: {error}",
-            timings=timings,
-        )
+    except (KeyError, TypeError, ValueError, IndexError, OverflowError) as error:
+        return _failed(index, f"malformed engine response: {type(error).__name__}: {error}", timings)
     finish = _FINISH_REASONS.get(kind) if isinstance(kind, str) else None
     problem = None
     if finish is None:
@@ -276,31 +288,42 @@ def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float)
     elif len(logprobs) != len(response_ids):
         problem = f"the engine returned {len(logprobs)} log-probs for {len(response_ids)} tokens"
     if problem is not None or finish is None:
-        return Sample(index=index, status=SampleStatus.FAILED, error=problem, text=text, timings=timings)
+        return _failed(index, problem or "no finish reason", timings, text=text)
+    fields: dict[str, Any]
     try:
         version = policy_version_of(meta.get("weight_version"))
     except ValueError as error:
+        fields = {"status": SampleStatus.FAILED, "error": str(error)}
+    else:
+        fields = {"status": SampleStatus.ABORTED if finish == "abort" else SampleStatus.OK, "policy_version": version}
+    try:  # the record checks its own invariants: what it refuses fails this sample, not the request
         return Sample(
             index=index,
-            status=SampleStatus.FAILED,
-            error=str(error),
             response_ids=response_ids,
             logprobs=logprobs,
             text=text,
             finish_reason=finish,
+            routed_experts=routed if isinstance(routed, str) else None,
             timings=timings,
+            **fields,
         )
-    return Sample(
-        index=index,
-        status=SampleStatus.ABORTED if finish == "abort" else SampleStatus.OK,
-        response_ids=response_ids,
-        logprobs=logprobs,
-        text=text,
-        finish_reason=finish,
-        policy_version=version,
-        routed_experts=routed if isinstance(routed, str) else None,
-        timings=timings,
-    )
+    except ValidationError as error:
+        reason = f"the engine's answer is not a valid sample: {_invalid_fields(error)}"
+        if fields.get("error"):
+            reason = f"{fields['error']}; {reason}"
+        return _failed(index, reason, timings, text=text)
+
+
+def _failed(index: int, error: str, timings: dict[str, float], *, text: str = "") -> Sample:
+    """A failed sample keeping nothing of the engine's answer but its text (any string is valid)."""
+    return Sample(index=index, status=SampleStatus.FAILED, error=error, text=text, timings=timings)
+
+
+def _invalid_fields(error: ValidationError, shown: int = 3) -> str:
+    """``response_ids.1: Input should be greater than or equal to 0; …``: the first few problems."""
+    problems = [f"{'.'.join(str(p) for p in e['loc']) or 'sample'}: {e['msg']}" for e in error.errors()]
+    more = f" (and {len(problems) - shown} more)" if len(problems) > shown else ""
+    return "; ".join(problems[:shown]) + more
 
 
 async def generate(

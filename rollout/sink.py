@@ -20,7 +20,7 @@ import httpx
 
 from experience.records import Group
 
-from .errors import ExperienceRefused, UpstreamUnavailable
+from .errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
 
 __all__ = ["HttpSink", "JsonlSink", "Sink"]
 
@@ -60,7 +60,8 @@ class HttpSink:
 
     Timeouts, connection errors and 5xx are retried with backoff for up to ``retry_s``: a data role
     restarting after a crash (its state is durable) costs a pause, not the group. A 4xx is the
-    group's fault and is not retried (`ExperienceRefused`). The client — its base URL the data role,
+    group's fault and is not retried (`ExperienceRefused`), but a 401/403 is this role's token, not
+    the group (`UpstreamUnauthorized`). The client — its base URL the data role,
     with the API token — comes from the caller, who closes it.
     """
 
@@ -80,6 +81,8 @@ class HttpSink:
             else:
                 if response.status_code < 400:
                     return
+                if refuses_token(response):
+                    raise UpstreamUnauthorized("data", response.status_code)
                 if response.status_code < 500:
                     raise ExperienceRefused(
                         f"the data role refused group {group.group_id}: HTTP {response.status_code} "

@@ -12,8 +12,6 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import ApiError
-
 __all__ = ["OPEN_PATHS", "BearerAuth", "BodyLimit"]
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
@@ -54,9 +52,9 @@ class BearerAuth:
 
 
 class BodyLimit:
-    """Request bodies over ``limit`` bytes get 413 ``body_too_large`` — by their declared length at
-    once, and by the bytes actually received when the length is not declared (chunked uploads): the
-    reading route then raises `ApiError`, which the role's error handlers answer."""
+    """Request bodies over ``limit`` bytes get 413 ``body_too_large``: by their declared length at once,
+    and by the bytes actually received when the length is not declared (chunked uploads). The body is
+    read here, whole, before the route runs (every route reads its body whole anyway), and handed on."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -70,15 +68,29 @@ class BodyLimit:
         if declared.isdigit() and int(declared) > self.limit:
             await _refuse(send, 413, "body_too_large", message, [])
             return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
+        chunks: list[bytes] = []
+        size = 0
+        while True:
             event = await receive()
-            if event["type"] == "http.request":
-                received += len(event.get("body", b""))
-                if received > self.limit:
-                    raise ApiError(413, "body_too_large", message)
-            return event
+            if event["type"] != "http.request":  # the client went away: let the app see it
+                first: Message = event
+                break
+            chunk = event.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await _refuse(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                return
+            chunks.append(chunk)
+            if not event.get("more_body", False):
+                first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                break
+        handed = False
 
-        await self.app(scope, counted, send)
+        async def replay() -> Message:
+            nonlocal handed
+            if not handed:
+                handed = True
+                return first
+            return await receive()  # later: only a disconnect (streaming responses listen for it)
+
+        await self.app(scope, replay, send)

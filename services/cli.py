@@ -351,11 +351,12 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _init_model(args: argparse.Namespace) -> int:
-    if args.if_missing and (args.folder / "config.json").is_file():
-        print(f"{args.folder}: a model is there already; kept")
-        return 0
-    from encoders.embedded_model import init_model
+    from encoders.embedded_model import ensure_model, init_model
 
+    if args.if_missing:
+        kept = (args.folder / "config.json").is_file()
+        print(f"{ensure_model(args.folder, seed=args.seed)}{': a model is there already; kept' if kept else ''}")
+        return 0
     print(init_model(args.folder, seed=args.seed))
     return 0
 
@@ -374,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     from .settings import SettingsError
 
     args = build_parser().parse_args(argv)
+    if args.command in ("up", "train", "prep", "demo"):  # `serve` configures its own, from the role's settings
+        from .logs import configure_logging
+
+        configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
     handlers = {
         "serve": _serve,
         "prep": _prep,

@@ -117,8 +117,11 @@ def install_error_handlers(app: FastAPI, library_errors: Mapping[type[Exception]
         return JSONResponse(error_body(error.code, error.message, error.item, error.field), status_code=error.status)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _HTTP_CODES.get(exc.status_code, "http_error")
+        if exc.status_code == 400:  # FastAPI could not parse the body (nested too deep, a broken multipart)
+            json_body = request.headers.get("content-type", "").startswith("application/json")
+            code = "malformed_json" if json_body else "malformed_body"
         return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -1,8 +1,8 @@
 """Logging, configured once per process, and the request id that follows a rollout across roles.
 
-Every role answers with ``X-Request-Id`` (the caller's, when it sent a valid one, else a new one) and
-every log line carries it; clients made by `services.http` send it on, so one rollout can be followed
-through rollout → preprocess → encoder → engine → data by grepping one id.
+Every role answers with ``X-Request-Id`` (the caller's, when it sent a valid one, else a new one:
+`services.observe`) and every log line carries it; clients made by `services.http` send it on, so one
+rollout can be followed through rollout → preprocess → encoder → engine → data by grepping one id.
 """
 
 from __future__ import annotations
@@ -10,18 +10,10 @@ from __future__ import annotations
 import contextvars
 import logging
 import re
-import uuid
+import sys
 from typing import Any
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-__all__ = [
-    "REQUEST_ID",
-    "RequestIdMiddleware",
-    "configure_logging",
-    "current_request_id",
-    "install_request_id_records",
-]
+__all__ = ["REQUEST_ID", "configure_logging", "current_request_id", "install_request_id_records"]
 
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("weir_request_id", default=None)
 _VALID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -47,6 +39,19 @@ def install_request_id_records() -> None:
     logging.setLogRecordFactory(with_request_id)
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is now (a test runner swaps it; a handler bound to the old one
+    would write to a closed file)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _: Any) -> None:
+        pass
+
+
 def configure_logging(level: str = "info") -> None:
     """Timestamps, level, logger and request id on every line; idempotent (the last level wins)."""
     install_request_id_records()
@@ -55,36 +60,10 @@ def configure_logging(level: str = "info") -> None:
     for handler in root.handlers:
         if getattr(handler, "_weir", False):
             return
-    handler = logging.StreamHandler()
+    handler = _StderrHandler()
     handler._weir = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter(_FORMAT))
     root.addHandler(handler)
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
         logging.getLogger(name).propagate = True
-
-
-class RequestIdMiddleware:
-    """Sets `REQUEST_ID` for the request's duration and echoes it as ``X-Request-Id``."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        request_id = given if _VALID.match(given) else uuid.uuid4().hex
-        token = REQUEST_ID.set(request_id)
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id)
-        finally:
-            REQUEST_ID.reset(token)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, Field, SecretStr, ValidationError, model_validator
+from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 __all__ = ["ModelFolder", "RoleSettings", "SettingsError", "load_settings"]
@@ -40,6 +40,17 @@ class RoleSettings(BaseSettings):
     api_token_file: Path | None = Field(None, description="a file holding the token (compose's shared secret)")
     log_level: str = Field("info", pattern=r"^(?i:debug|info|warning|error|critical)$")
     max_body_bytes: int = Field(256 << 20, gt=0, description="larger request bodies get 413")
+
+    @field_validator("api_token", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        # WEIR_API_TOKEN= (as `${WEIR_API_TOKEN:-}` in compose gives) means "no token here", never
+        # "the empty token": the file, when one is named, is then read; otherwise the role is open.
+        if isinstance(value, str) and not value.strip():
+            return None
+        if isinstance(value, str) and value != value.strip():
+            raise ValueError("WEIR_API_TOKEN has leading or trailing whitespace")
+        return value
 
     @model_validator(mode="after")
     def _token_from_file(self) -> RoleSettings:

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 
 from .roles import BASE_PORT, ROLES
+from .settings import SettingsError
 
 __all__ = ["LocalStack", "ensure_token", "stack_ports"]
 
@@ -192,11 +193,15 @@ class LocalStack:
                 f"ports already in use on {self.host}: {', '.join(busy)} — another stack? "
                 "Stop it, or start this one elsewhere (--base-port 9100 --home .weir-2)"
             )
-        model = self.model or self.home / "model"
-        if not (model / "config.json").is_file():
-            from encoders.embedded_model import init_model
+        from encoders.embedded_model import ensure_model
 
-            init_model(model)
+        if self.model is not None and not (self.model / "config.json").is_file():
+            # A folder the user named: a typo must not quietly become a random model.
+            raise SettingsError(
+                f"--model {self.model} is not a model folder (no config.json); "
+                "create one with `weir init-model DIR`, or leave --model out for the embedded one"
+            )
+        model = self.model or ensure_model(self.home / "model")  # the stack's own default: made once
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         (self.home / "media").mkdir(parents=True, exist_ok=True)
         self.token, _ = ensure_token(self.token_path, self._given_token())

@@ -15,19 +15,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
 from . import __version__
 from .auth import BearerAuth, BodyLimit
 from .errors import error_body, install_error_handlers
-from .logs import RequestIdMiddleware, install_request_id_records
+from .logs import install_request_id_records
 from .metrics import CONTENT_TYPE_LATEST, RoleMetrics
+from .observe import RequestContext
 from .settings import RoleSettings
 
 __all__ = ["ARROW_STREAM", "FEATURE_KEY_PATTERN", "Readiness", "build_app"]
@@ -63,7 +63,6 @@ def build_app(
     """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it."""
     metrics = metrics or RoleMetrics(role)
     install_request_id_records()
-    access = logging.getLogger(f"services.{role}.access")
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -77,22 +76,11 @@ def build_app(
     app.state.settings = settings
     install_error_handlers(app, library_errors)
 
-    @app.middleware("http")
-    async def _observe(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = getattr(request.scope.get("route"), "path", "unmatched")
-        elapsed = time.perf_counter() - start
-        metrics.requests.labels(route, str(response.status_code)).inc()
-        metrics.latency.labels(route).observe(elapsed)
-        access.info("%s %s → %d in %.3f s", request.method, route, response.status_code, elapsed)
-        return response
-
-    # Outermost last: the request id is set before anything logs; auth and the size limit hold
-    # before any route or body parsing runs.
+    # Outermost last: the request context (id, access line, count, last-resort 500) wraps everything;
+    # auth and the size limit hold before any route or body parsing runs.
     app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
     app.add_middleware(BearerAuth, token=settings.token)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestContext, role=role, metrics=metrics)
 
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -104,9 +92,10 @@ def build_app(
         """The role can do its work now (readiness); 503 with the reason when not. Never needs the token."""
         try:
             check = await ready()
-        except Exception as error:  # noqa: BLE001 - any failure of the check means "not ready", with why
-            logger.warning("readiness check failed: %s", error)
-            check = Readiness(False, reason=f"{type(error).__name__}: {error}")
+        except Exception as error:  # noqa: BLE001 - any failure of the check means "not ready"
+            # The details go to the log only: /readyz answers without the token.
+            logger.warning("readiness check failed: %s: %s", type(error).__name__, error)
+            check = Readiness(False, reason=f"the readiness check failed ({type(error).__name__}); see the log")
         if not check.ready:
             return JSONResponse(
                 {**error_body("not_ready", check.reason or "not ready"), **check.detail}, status_code=503

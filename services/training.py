@@ -20,7 +20,7 @@ import preprocess as pp
 from preprocess.dataset import iter_rows
 from trainer.loop import LoopConfig, evaluate, run_loop
 from trainer.plot import plot_runs
-from trainer.publish import publish_weights
+from trainer.publish import data_policy_version, publish_weights
 from trainer.reference import ReferenceTrainer
 
 from .console import console
@@ -101,7 +101,8 @@ def _warm_up(
     console.print(
         f"Warm-up: {args.warmup_steps} supervised steps on text-only prompts (answer format), loss {loss:.3f}"
     )
-    trainer.policy_version += 1
+    # An attached data role may already hold a policy: versions only go up from it.
+    trainer.policy_version = max(trainer.policy_version, data_policy_version(urls["data"], token=token)) + 1
     folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")
     engines = [u for k, u in urls.items() if k.startswith("engine")]
     publish_weights(

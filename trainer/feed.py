@@ -3,7 +3,9 @@
 Each batch is packed: the sequences concatenated into one row (``input_ids`` (T,)), with
 ``cu_seqlens`` boundaries and per-token ``position_ids``, ``loss_mask``, ``rollout_logprobs``,
 ``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``. Call ``ack(batch)``
-after the optimizer step that used it; an unacknowledged batch comes back after its lease.
+after the optimizer step that used it; an unacknowledged batch comes back after its lease. An ack
+the data role refuses for any reason but an expired lease raises `AckRefused`: a batch never goes
+unacknowledged silently.
 With ``inline_media=True`` each sequence's features come with the batch (``FeedBatch.media``).
 ``token``: the stack's API token, sent as ``Authorization: Bearer`` (None: nothing is sent).
 """
@@ -26,7 +28,16 @@ from torch.utils.data import IterableDataset
 
 import preprocess as pp
 
-__all__ = ["FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
+__all__ = ["AckRefused", "FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
+
+
+class AckRefused(RuntimeError):
+    """The data role refused an acknowledgement (401, 404, 422, …): the batch is *not* recorded as
+    trained and retrying cannot change that. ``status`` and ``code`` are the data role's answer."""
+
+    def __init__(self, batch_id: str, status: int, code: str | None, message: str) -> None:
+        super().__init__(f"the data role refused the ack of micro-batch {batch_id}: HTTP {status} {code}: {message}")
+        self.batch_id, self.status, self.code = batch_id, status, code
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,20 +197,33 @@ class MicroBatchFeed:
         return item
 
     def ack(self, batch: FeedBatch | str, *, retry_s: float = 120.0) -> bool:
-        """True if the data role recorded the batch as trained (False: its lease had expired).
+        """True once the data role recorded the batch as trained; False when it answered 409
+        ``lease_expired`` (the lease ran out and the samples were delivered again: they may be
+        trained twice, and nothing can undo that now).
 
-        Retried while the data role is unreachable (acks are idempotent), up to ``retry_s``.
+        Retried while the data role is unreachable or answers 5xx (acks are idempotent), up to
+        ``retry_s``; then the last transport error or `httpx.HTTPStatusError` is raised. Any other
+        answer (401, 404, 422, …) raises `AckRefused`, naming the status and the data role's code.
         """
         batch_id = batch if isinstance(batch, str) else batch.batch_id
         deadline = time.monotonic() + retry_s
         while True:
             try:
                 response = self._client.post(f"{self.url}/v1/microbatches/{batch_id}/ack")
-                return response.status_code == 200
             except httpx.TransportError:
                 if time.monotonic() > deadline:
                     raise
-                time.sleep(0.5)
+            else:
+                if response.status_code == 200:
+                    return True
+                if response.status_code < 500:
+                    code, message = _refusal(response)
+                    if response.status_code == 409 and code == "lease_expired":
+                        return False
+                    raise AckRefused(batch_id, response.status_code, code, message)
+                if time.monotonic() > deadline:
+                    response.raise_for_status()
+            time.sleep(0.5)
 
     def release(self) -> int:
         """Return this rank's unacknowledged leases now (a restarted trainer reclaims its own batches
@@ -212,6 +236,19 @@ class MicroBatchFeed:
     def close(self) -> None:
         self._stop.set()
         self._client.close()
+
+
+def _refusal(response: httpx.Response) -> tuple[str | None, str]:
+    """(code, message) of a data-role refusal (``{"error": {"code", "message"}}``), whatever the body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None, response.text[:200]
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return None, response.text[:200]
+    code = error.get("code")
+    return (code if isinstance(code, str) else None), str(error.get("message", ""))
 
 
 class MicroBatchDataset(IterableDataset):  # type: ignore[type-arg]

@@ -13,7 +13,10 @@ Crash safety: with ``checkpoint_every = C`` a step's batch is acknowledged only 
 that contains its update is on disk (the checkpoint lists the batch ids it commits, acknowledged
 again on resume — acks are idempotent). A trainer killed at any point and restarted with
 ``resume=True`` therefore continues from the committed offset: batches it had not committed come
-back to it, batches it had are never trained again.
+back to it, batches it had are never trained again. An ack answered 409 ``lease_expired`` (the
+lease ran out first and the samples went out again) is logged and training goes on; any other
+refusal (`trainer.feed.AckRefused`: a wrong token, an unknown batch) stops the loop, as the batch
+would otherwise be trained again silently.
 
 Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI prints it live).
 Every request carries the stack's API token (``LoopConfig.token``; None sends none).
@@ -159,6 +162,15 @@ def run_loop(
         for dead in result["unreachable"]:
             engines.remove(dead)
 
+    def acknowledge(batch_id: str) -> None:
+        """`MicroBatchFeed.ack`, tolerating only an expired lease (its samples were delivered again)."""
+        if not feed.ack(batch_id):
+            logger.warning(
+                "micro-batch %s was acknowledged after its lease expired: its samples went out again and "
+                "may be trained twice (raise the data role's WEIR_LEASE_S above a step's duration)",
+                batch_id,
+            )
+
     def stats() -> dict[str, Any]:
         for _ in range(240):
             try:
@@ -171,12 +183,14 @@ def run_loop(
     if config.resume and (checkpoint / "trainer.json").is_file():
         state = trainer.load(checkpoint)
         for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
-            feed.ack(batch_id)
+            acknowledge(batch_id)
         feed.release()  # what the previous run fetched but never committed comes back now
         first_step = int(state.get("step", 0)) + 1
         trainer.policy_version = max(trainer.policy_version, int(stats()["policy_version"]))
         publish()  # the engines may hold weights from steps that were lost: bring them back to this one
         logger.info("resumed from %s at step %d", checkpoint, first_step)
+    else:  # a data role that already holds a policy (`weir train --attach`): versions only go up from it
+        trainer.policy_version = max(trainer.policy_version, int(stats()["policy_version"]))
 
     def next_batch(max_samples: int) -> FeedBatch:
         deadline = time.monotonic() + config.batch_timeout_s
@@ -230,7 +244,7 @@ def run_loop(
                 trainer.save(checkpoint, {"step": step, "commit": uncommitted})
             if not config.checkpoint_every or step % config.checkpoint_every == 0:
                 for batch_id in uncommitted:
-                    feed.ack(batch_id)
+                    acknowledge(batch_id)
                 uncommitted = []
             if config.mode == "colocate" or step % config.publish_every == 0:
                 publish()

@@ -17,6 +17,7 @@ Only the pure-tensor parts run without CUDA (tested on CPU); megatron-core's sch
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -40,6 +41,8 @@ __all__ = [
     "megatron_batch",
     "megatron_to_hf",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 def _shift(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float | int = 0) -> torch.Tensor:
@@ -121,8 +124,11 @@ class MegatronBatchIterator:
         return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
     def ack(self) -> None:
+        """Acknowledge every pending batch; one whose lease had expired is logged (its samples went
+        out again), any other refusal raises `trainer.feed.AckRefused`."""
         for batch_id in self.pending:
-            self.feed.ack(batch_id)
+            if not self.feed.ack(batch_id):
+                logger.warning("micro-batch %s was acknowledged after its lease expired", batch_id)
         self.pending = []
 
 

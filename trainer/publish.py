@@ -1,5 +1,8 @@
 """Weight publishing: export → pause → update_weights_from_disk → continue on every engine, then the
 new policy version to the data role (and new tower weights to the encoder role, when towers train).
+Policy versions only go up: the data role refuses one lower than its own (409 ``policy_regression``),
+so a run that starts against a data role that already holds a policy continues from
+`data_policy_version`.
 
 Engines are told through SGLang's own endpoints, so the same call updates Weir's engine role and a
 plain SGLang server. `NcclWeightSync` is the GPU path (``init_weights_update_group`` /
@@ -20,7 +23,7 @@ from typing import Any
 import httpx
 import torch
 
-__all__ = ["NcclWeightSync", "publish_weights"]
+__all__ = ["NcclWeightSync", "data_policy_version", "publish_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,14 @@ def publish_weights(
         if data_url:
             client.post(f"{data_url}/v1/policy", json={"version": version}).raise_for_status()
     return out
+
+
+def data_policy_version(data_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> int:
+    """The policy version the data role holds now (0 for a fresh one): where a new run's numbering starts."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    response = httpx.get(f"{data_url}/v1/admission", headers=headers, timeout=timeout_s)
+    response.raise_for_status()
+    return int(response.json()["policy_version"])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -25,6 +25,7 @@ from experience import (
     Group,
     InvalidRequest,
     LeaseExpired,
+    PolicyRegression,
     StoreNotWritable,
     UnknownBatch,
     microbatch_to_arrow,
@@ -57,6 +58,7 @@ LIBRARY_ERRORS: Mapping[type[Exception], int] = {
     UnknownBatch: 404,
     LeaseExpired: 409,
     FeatureMissing: 409,
+    PolicyRegression: 409,
     StoreNotWritable: 503,
 }
 
@@ -71,7 +73,8 @@ _REFUSALS = {
     400: "malformed JSON, or inline_media without a feature cache",
     401: "WEIR_API_TOKEN is set and the bearer token is missing or wrong",
     404: "no micro-batch was delivered under that id",
-    409: "the batch's lease expired and its samples went out again, or its media left the feature cache",
+    409: "the batch's lease expired and its samples went out again, or its media left the feature cache; "
+    "or (policy_regression) a policy version lower than the current one",
     413: "the body is over WEIR_MAX_BODY_BYTES",
     422: "the body, a query or a path does not match its schema (field names it); or a group the store cannot hold",
 }
@@ -214,9 +217,10 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
         """Claims the prompts to send again (their samples went stale); each group id is handed out once."""
         return RegenerationsOut(groups=await asyncio.to_thread(store.take_regenerations))
 
-    @app.post("/v1/policy", tags=["policy"], responses=_refusals(400, 413, 422))
+    @app.post("/v1/policy", tags=["policy"], responses=_refusals(400, 409, 413, 422))
     async def policy(body: PolicyIn) -> PolicyOut:
-        """The trainer published a new policy version: staleness is measured against it from now."""
+        """The trainer published a new policy version: staleness is measured against it from now.
+        Versions only go up: a lower one is 409 ``policy_regression``; the current one again is a no-op."""
 
         def announce() -> int:
             store.set_policy(body.version)

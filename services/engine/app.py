@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -30,6 +31,7 @@ from ..errors import ApiError
 from ..settings import load_settings
 from ..template import build_app
 from .schemas import (
+    WEIGHT_VERSION_PATTERN,
     AbortBody,
     AbortResponse,
     ContinueBody,
@@ -65,7 +67,8 @@ _BODY_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 _WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {
-        "description": "SGLang's refusal (success: false), or malformed JSON",
+        "description": "SGLang's refusal (success: false): weights that do not load, a weight_version that "
+        "is not a policy version; or malformed JSON",
         "content": {
             "application/json": {
                 "schema": {
@@ -211,7 +214,16 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         responses=_WEIGHTS_ERRORS,
     )
     async def update_weights(body: UpdateWeightsBody) -> Any:
-        """Load new weights from a folder between two decode steps; SGLang's ``success: false`` on failure."""
+        """Load new weights from a folder between two decode steps; SGLang's ``success: false`` on failure.
+
+        ``weight_version`` must be a policy version (a decimal integer) or ``default``: every sample the
+        engine generates reports it, and the rollout fails samples whose version is not one."""
+        if body.weight_version is not None and not re.fullmatch(WEIGHT_VERSION_PATTERN, body.weight_version):
+            message = (
+                f"weight_version {body.weight_version[:64]!r} is not a policy version: give a decimal integer "
+                "(at most 16 digits) or 'default'"
+            )
+            return JSONResponse({"success": False, "message": message}, status_code=400)
         if body.abort_all_requests:
             engine.abort_all()
         try:

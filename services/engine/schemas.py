@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from ..template import FEATURE_KEY_PATTERN
 
 __all__ = [
+    "WEIGHT_VERSION_PATTERN",
     "AbortBody",
     "AbortResponse",
     "ContinueBody",
@@ -57,6 +58,11 @@ def _json_integer(value: Any) -> Any:
 
 
 TokenId = Annotated[int, BeforeValidator(_json_integer), Field(ge=0)]
+
+WEIGHT_VERSION_PATTERN = r"^(default|[0-9]{1,16})$"
+"""A ``weight_version`` the engine role takes: a policy version (a decimal integer of at most 16
+digits) or SGLang's ``default``. Checked by the route (SGLang's ``success: false`` shape,
+400), so the schema documents it without enforcing it (a schema violation would be a 422)."""
 
 
 class MediaRef(BaseModel):
@@ -127,7 +133,11 @@ class UpdateWeightsBody(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model_path: str = Field(min_length=1, description="a folder of safetensors files")
-    weight_version: str | None = Field(None, description="the version to report from now on")
+    weight_version: str | None = Field(
+        None,
+        description="the version to report from now on: a policy version (a decimal integer) or 'default'",
+        json_schema_extra={"pattern": WEIGHT_VERSION_PATTERN},
+    )
     load_format: str | None = None
     abort_all_requests: bool = Field(False, description="abort running requests before loading")
     is_async: bool = False

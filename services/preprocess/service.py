@@ -187,6 +187,8 @@ async def parse_request(request: Request, state: PreprocessState) -> tuple[list[
         payload = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ApiError(400, "malformed_json", f"the body is not valid JSON: {error}") from None
+    except RecursionError:  # nested deeper than the parser's stack: no media request looks like that
+        raise ApiError(400, "malformed_json", "the body is nested too deeply") from None
     try:
         parsed = PreprocessRequest.model_validate(payload)
     except ValidationError as error:

@@ -34,6 +34,7 @@ from rollout.errors import (
     Overloaded,
     RolloutError,
     UnknownReward,
+    UpstreamUnauthorized,
     UpstreamUnavailable,
     WorkTooLarge,
 )
@@ -73,6 +74,7 @@ LIBRARY_ERRORS: dict[type[Exception], int] = {
     Overloaded: 429,
     EnginesUnavailable: 503,
     UpstreamUnavailable: 503,
+    UpstreamUnauthorized: 502,  # a role refused *this* role's token: never the caller's 401
     ExperienceRefused: 502,
     InvalidSampling: 400,
 }
@@ -86,10 +88,24 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     figures = RolloutMetrics(metrics, context.admission)
 
     async def ready() -> Readiness:
-        up = await context.dispatcher.probe(settings.health_timeout_s)
-        if not up:
-            return Readiness(False, {"engines": []}, reason="no engine answers GET /health")
-        return Readiness(True, {"engines": [e.url for e in up]})
+        """At least one engine answers and none refuses this role's token (a request landing on such
+        an engine would fail with 502 upstream_unauthorized). ``/readyz`` needs no token: its detail
+        gives counts, never the engines' addresses."""
+        states = [state for _, state in await context.dispatcher.probe(settings.health_timeout_s)]
+        detail = {
+            "engines_up": states.count("up"),
+            "engines": len(states),
+            "engines_unauthorized": states.count("unauthorized"),
+        }
+        if detail["engines_unauthorized"]:
+            reason = (
+                f"{detail['engines_unauthorized']} of {len(states)} engines refuse this role's API token "
+                "(HTTP 401/403): the roles must share one token"
+            )
+            return Readiness(False, detail, reason=reason)
+        if not detail["engines_up"]:
+            return Readiness(False, detail, reason=f"no engine answers (0 of {len(states)} up)")
+        return Readiness(True, detail)
 
     async def close() -> None:
         await context.close()

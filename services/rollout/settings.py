@@ -18,6 +18,7 @@ from rollout.group import DEFAULT_ROLLOUT_FUNCTION
 from rollout.plugins import check_name, load_callable, load_coroutine_function, parse_named_specs
 from rollout.rewards import BUILTIN_REWARDS
 
+from ..roles import ROLES
 from ..settings import ModelFolder, RoleSettings
 
 __all__ = ["RolloutSettings"]
@@ -37,12 +38,14 @@ class RolloutSettings(RoleSettings):
         "weir-tiny-omni", min_length=1, max_length=128, description="the model id /v1/models lists"
     )
     engine_urls: Annotated[list[str], NoDecode] = Field(
-        ["http://127.0.0.1:30000"],
+        [f"http://127.0.0.1:{ROLES['engine'].port}"],
         min_length=1,
         description="comma-separated engine URLs: Weir engine roles (http://host:port), or plain SGLang "
         "servers as sglang+http://host:port (media sent inline)",
     )
-    preprocess_url: str = Field("http://127.0.0.1:8101", pattern=_URL, description="the preprocess role")
+    preprocess_url: str = Field(
+        f"http://127.0.0.1:{ROLES['preprocess'].port}", pattern=_URL, description="the preprocess role"
+    )
     encoder_url: str | None = Field(
         None,
         description="the encoder role: media reach Weir engines as cached embeddings (one tower forward per "

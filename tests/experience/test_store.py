@@ -22,6 +22,7 @@ from experience import (
     InvalidGroup,
     InvalidRequest,
     LeaseExpired,
+    PolicyRegression,
     Sample,
     SampleStatus,
     StoreNotWritable,
@@ -196,6 +197,33 @@ def test_admission_follows_the_trainers_pace_within_the_staleness_bound(tmp_path
         store.set_policy(store.policy + 1)
     # 4 groups per version, K - 1 = 2 versions of queue: 8 groups; 4 are waiting.
     assert store.admission() == 4
+
+
+def test_the_policy_only_goes_up_and_announcing_it_again_changes_nothing(tmp_path: Path) -> None:
+    """5 then 2 would make samples of versions 3..5 look fresh again: refused. 5 again (a publisher's
+    retry) is a no-op: it keeps the policy and does not re-anchor the pace measurement."""
+    store = ExperienceStore(tmp_path, DataConfig(max_staleness=3, max_queued_groups=100))
+    for i in range(8):
+        store.append(group(f"g{i}", [0.0, 1.0], version=5))
+    store.set_policy(5)
+    batch = store.lease("trainer", max_tokens=56)  # 4 groups (8 samples x 7 tokens) trained under 5
+    assert batch is not None and store.ack(batch.batch_id)
+    store.set_policy(5)  # the same version again: idempotent
+    assert store.policy == 5
+    with pytest.raises(PolicyRegression) as regression:
+        store.set_policy(2)
+    assert regression.value.code == "policy_regression"
+    assert (regression.value.version, regression.value.current) == (2, 5)
+    assert "2" in str(regression.value) and "5" in str(regression.value)
+    assert store.policy == 5 and store.stats().policy_version == 5
+    store.set_policy(6)  # measured from the first announcement of 5: 4 groups for one version
+    # 4 groups per version, K - 1 = 2 versions of queue: 8 groups; 4 are waiting.
+    assert store.admission() == 4
+    store.close()
+    reopened = ExperienceStore(tmp_path, DataConfig(max_staleness=3))
+    with pytest.raises(PolicyRegression):  # durable: a restarted data role refuses it too
+        reopened.set_policy(5)
+    assert reopened.policy == 6
 
 
 def test_release_and_regenerations(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ def test_public_api() -> None:
             "Admission",
             "Dispatcher",
             "EngineEndpoint",
+            "EngineHealth",
             "EngineRefused",
             "EnginesUnavailable",
             "ExperienceRefused",
@@ -38,6 +39,7 @@ def test_public_api() -> None:
             "RolloutFunction",
             "Sink",
             "UnknownReward",
+            "UpstreamUnauthorized",
             "UpstreamUnavailable",
             "WorkTooLarge",
             "chat_samples",
@@ -56,6 +58,7 @@ def test_public_api() -> None:
 def test_every_error_has_a_stable_code() -> None:
     errors = [getattr(rollout, name) for name in rollout.__all__ if name.endswith(("Error", "Refused", "Unavailable"))]
     errors += [rollout.InvalidPrompt, rollout.UnknownReward, rollout.Overloaded, rollout.WorkTooLarge]
+    errors += [rollout.UpstreamUnauthorized]
     for error in errors:
         if issubclass(error, rollout.RolloutError):
             assert error.code and error.code.islower(), error

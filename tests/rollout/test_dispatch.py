@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from rollout.dispatch import Dispatcher
-from rollout.errors import EngineRefused, EnginesUnavailable
+from rollout.errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized
 from services.engine.app import create_app as engine_app
 from services.engine.settings import EngineSettings
 from tests.services.conftest import RunningServer, free_port
@@ -37,7 +37,7 @@ def test_a_real_engine_generates_and_answers_its_health(engine: str) -> None:
     async def run() -> None:
         dead = f"http://127.0.0.1:{free_port()}"
         dispatcher = Dispatcher([dead, engine], timeout_s=30, cooldown_s=60)
-        assert [e.url for e in await dispatcher.probe(2.0)] == [engine]
+        assert [(e.url, state) for e, state in await dispatcher.probe(2.0)] == [(dead, "down"), (engine, "up")]
         # The dead engine is picked first (nothing outstanding anywhere): the call is retried on the live one.
         out = await dispatcher.generate(body(3), group="g")
         assert len(out["output_ids"]) <= 3 and out["meta_info"]["weight_version"] in ("0", "default")
@@ -140,3 +140,46 @@ def test_a_hung_engine_times_out_and_its_request_is_aborted() -> None:
 
     asyncio.run(run())
     assert any(host == "a" and path == "/abort_request" and json.loads(c) == {"rid": "g/0"} for host, path, c in seen)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_an_engine_refusing_the_token_is_upstream_unauthorized_not_a_refused_sample(status: int) -> None:
+    """Not the request's fault (`EngineRefused`, 400) nor the engine's (retried elsewhere): this role's
+    token. Not retried, no cool-down (the next engine of the stack would refuse it too)."""
+    refusal = {"error": {"code": "unauthorized", "message": "missing or wrong bearer token"}}
+    engines = Engines(a=lambda _: httpx.Response(status, json=refusal), b=ok)
+    dispatcher = engines.dispatcher()
+    with pytest.raises(UpstreamUnauthorized) as refused:
+        asyncio.run(dispatcher.generate(body()))
+    assert refused.value.code == "upstream_unauthorized" and refused.value.role == "engine"
+    assert refused.value.status == status and "http://a" in str(refused.value)
+    assert len(engines.seen) == 1 and dispatcher.engines[0].available
+
+
+def test_the_probe_is_authenticated_for_weir_engines_and_plain_health_for_sglang() -> None:
+    """Weir's engine: ``GET /server_info`` (needs the token) then ``GET /health``; a plain SGLang
+    server: its open ``GET /health`` only."""
+
+    def weir(refuse: int | None, healthy: bool = True) -> Callable[[httpx.Request], httpx.Response]:
+        def answer(request: httpx.Request) -> httpx.Response:
+            if request.url.path == "/server_info":
+                return httpx.Response(refuse, json={}) if refuse else httpx.Response(200, json={"weight_version": "0"})
+            return httpx.Response(200 if healthy else 503, json={})
+
+        return answer
+
+    engines = Engines(a=weir(None), b=weir(401), c=weir(403), d=weir(None, healthy=False), e=weir(None))
+    client = httpx.AsyncClient(transport=httpx.MockTransport(engines.handler))
+    urls = ["http://a", "http://b", "http://c", "http://d", "sglang+http://e"]
+    dispatcher = Dispatcher(urls, timeout_s=5, client=client)
+    states = asyncio.run(dispatcher.probe(1.0))
+    assert [(e.url, s) for e, s in states] == [
+        ("http://a", "up"),
+        ("http://b", "unauthorized"),
+        ("http://c", "unauthorized"),
+        ("http://d", "down"),
+        ("http://e", "up"),
+    ]
+    paths = {host: sorted(path for h, path, _ in engines.seen if h == host) for host in "abcde"}
+    assert paths["a"] == ["/health", "/server_info"] and paths["b"] == ["/server_info"]
+    assert paths["e"] == ["/health"]  # a plain SGLang server: no Weir route asked of it

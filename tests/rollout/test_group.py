@@ -16,11 +16,13 @@ import pytest
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.dispatch import Dispatcher, EngineEndpoint
+from rollout.errors import MediaRefused, UpstreamUnauthorized
 from rollout.group import (
     Prepared,
     PromptSpec,
     RolloutContext,
     engine_body,
+    prepare,
     reward_samples,
     run_prompt,
     sample_from_engine,
@@ -67,6 +69,31 @@ def test_an_unreadable_answer_is_a_failed_sample_never_a_guess(meta: dict[str, A
     sample = sample_from_engine(answer(**meta), index=1, generate_s=0)
     assert sample.status is SampleStatus.FAILED and problem in (sample.error or "")
     assert sample.policy_version is None
+
+
+@pytest.mark.parametrize(
+    "change,problem",
+    [
+        ({"output_token_logprobs": [[-math.inf, 5, None], [-0.25, 6, None]]}, "logprobs.0"),
+        ({"output_token_logprobs": [[math.nan, 5, None], [-0.25, 6, None]]}, "logprobs.0"),
+        ({"output_token_logprobs": [[-0.5, 5, None], [math.inf, 6, None]]}, "logprobs.1"),
+        ({"output_ids": [5, -6]}, "response_ids.1"),
+        ({"output_ids": [5, -6], "weight_version": "v2"}, "not a policy version"),
+    ],
+)
+def test_an_answer_the_record_refuses_is_a_failed_sample_not_an_error(change: dict[str, Any], problem: str) -> None:
+    """A -inf/NaN log-prob or a negative token id breaks the `Sample` record (finite floats, ids >= 0):
+    the sample fails saying which value, the request goes on (no ValidationError, no 500)."""
+    out = answer(**{k: v for k, v in change.items() if k != "output_ids"})
+    if "output_ids" in change:
+        out["output_ids"] = change["output_ids"]
+    sample = sample_from_engine(out, index=2, generate_s=0.5)
+    assert sample.status is SampleStatus.FAILED and sample.index == 2
+    assert problem in (sample.error or "") and "not a valid sample" in (sample.error or ""), sample.error
+    assert sample.response_ids == [] and sample.logprobs == [] and sample.policy_version is None
+    assert sample.text == "ok" and sample.timings == {"generate_s": 0.5}
+    group = Group(group_id="g", prompt_ids=[1], samples=[sample])  # the failed record itself validates
+    assert Group.from_json(json.loads(json.dumps(group.to_json()))) == group
 
 
 def test_a_missing_meta_info_is_a_failed_sample() -> None:
@@ -155,3 +182,54 @@ def test_a_rollout_function_must_return_a_group(context: RolloutContext) -> None
     prompt = PromptSpec(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(TypeError, match="not a Group"):
         asyncio.run(run_prompt(context, not_a_group, prompt, index=0, sampling={}, budget=None, record=True))
+
+
+IMAGE_MESSAGES = [
+    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]}
+]
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("refuser", ["preprocess", "encoder"])
+def test_a_role_refusing_this_roles_token_is_upstream_unauthorized(
+    context: RolloutContext, refuser: str, status: int
+) -> None:
+    """A 401/403 from the preprocess or encoder role is not the caller's 401 (nor a media refusal,
+    nor an encoder to route around): it is `UpstreamUnauthorized`, naming the role."""
+    refusal = {"error": {"code": "unauthorized", "message": "missing or wrong bearer token"}}
+    items = {"items": [{"type": "image", "num_tokens": 4, "key": "f" * 40}]}
+
+    def preprocess(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json=refusal) if refuser == "preprocess" else httpx.Response(200, json=items)
+
+    def encoder(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(status, json=refusal)
+
+    async def run() -> None:
+        async with (
+            httpx.AsyncClient(base_url="http://p", transport=httpx.MockTransport(preprocess)) as p,
+            httpx.AsyncClient(base_url="http://e", transport=httpx.MockTransport(encoder)) as e,
+        ):
+            context.preprocess, context.encoder = p, e
+            await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
+
+    with pytest.raises(UpstreamUnauthorized) as refused:
+        asyncio.run(run())
+    assert refused.value.code == "upstream_unauthorized" and refused.value.role == refuser
+    assert refused.value.status == status and f"the {refuser} role" in str(refused.value)
+
+
+def test_a_403_naming_the_requests_own_fault_stays_a_media_refusal(context: RolloutContext) -> None:
+    """The preprocess role answers 403 ``path_not_allowed`` for a path outside its media roots: the
+    request's fault, passed on with its status and code (not a refused token)."""
+    refusal = {"error": {"code": "path_not_allowed", "message": "'/etc' is outside the media roots", "item": 0}}
+
+    async def run() -> None:
+        transport = httpx.MockTransport(lambda _: httpx.Response(403, json=refusal))
+        async with httpx.AsyncClient(base_url="http://p", transport=transport) as p:
+            context.preprocess = p
+            await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
+
+    with pytest.raises(MediaRefused) as refused:
+        asyncio.run(run())
+    assert (refused.value.status, refused.value.code, refused.value.item) == (403, "path_not_allowed", 0)

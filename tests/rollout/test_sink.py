@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from experience.records import Group, Sample, SampleStatus
-from rollout.errors import ExperienceRefused, UpstreamUnavailable
+from rollout.errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable
 from rollout.sink import HttpSink, JsonlSink
 from services.data.app import create_app as data_app
 from services.data.settings import DataSettings
@@ -20,12 +20,12 @@ from tests.services.conftest import RunningServer, free_port
 TOKEN = "sink-test-token"
 
 
-def group(group_id: str) -> Group:
+def group(group_id: str, token_id: int = 6) -> Group:
     samples = [
         Sample(
             index=i,
             status=SampleStatus.OK,
-            response_ids=[5, 6],
+            response_ids=[5, token_id],
             logprobs=[-0.1, -0.2],
             reward=float(i),
             finish_reason="length",
@@ -65,10 +65,22 @@ def test_the_data_role_takes_groups_once(data_role: str) -> None:
 
 def test_a_refusal_is_not_retried(data_role: str) -> None:
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=data_role) as client:  # no token: 401
-            with pytest.raises(ExperienceRefused, match="HTTP 401") as refused:
-                await HttpSink(client, retry_s=30).append(group("g2"))
+        async with httpx.AsyncClient(base_url=data_role, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+            with pytest.raises(ExperienceRefused, match="HTTP 422") as refused:  # a token id over int32
+                await HttpSink(client, retry_s=30).append(group("g2", token_id=2**31))
         assert refused.value.code == "experience_refused"
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-the-token"}])
+def test_a_refused_token_is_upstream_unauthorized_not_the_groups_fault(data_role: str, headers: dict[str, str]) -> None:
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=data_role, headers=headers) as client:
+            with pytest.raises(UpstreamUnauthorized) as refused:
+                await HttpSink(client, retry_s=30).append(group("g4"))
+        assert refused.value.code == "upstream_unauthorized" and refused.value.role == "data"
+        assert refused.value.status == 401 and "data role" in str(refused.value)
 
     asyncio.run(run())
 

@@ -85,6 +85,18 @@ def test_policy_json_errors_and_success(client: TestClient) -> None:
     assert client.get("/v1/admission").json() == {"groups": 256, "policy_version": 3}
 
 
+def test_a_lower_policy_version_is_409_and_the_same_one_again_200(client: TestClient) -> None:
+    assert client.post("/v1/policy", json={"version": 5}).json() == {"policy_version": 5}
+    again = client.post("/v1/policy", json={"version": 5})  # a publisher's retry: idempotent
+    assert again.status_code == 200 and again.json() == {"policy_version": 5}
+    lower = client.post("/v1/policy", json={"version": 2})
+    assert lower.status_code == 409, lower.text
+    assert lower.json()["error"]["code"] == "policy_regression" and "lower" in lower.json()["error"]["message"]
+    assert store_of(client).policy == 5 and client.get("/v1/admission").json()["policy_version"] == 5
+    responses = client.get("/openapi.json").json()["paths"]["/v1/policy"]["post"]["responses"]
+    assert "409" in responses  # documented
+
+
 def test_queries_are_typed_and_bounded(client: TestClient) -> None:
     for params in (
         {"consumer": "a/b"},

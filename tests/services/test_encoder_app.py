@@ -60,6 +60,28 @@ def test_encode_cache_and_weights(roles, tmp_path: Path) -> None:  # type: ignor
     httpx.post(f"{encoder}/v1/weights", json={"model_path": str(model)})
 
 
+def test_weights_that_do_not_fit_change_nothing(roles, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    model, _, encoder, _ = roles
+    before = httpx.get(f"{encoder}/readyz").json()["version"]
+    (tmp_path / "bad").mkdir()
+    state = {k: v for f in sorted(model.glob("*.safetensors")) for k, v in load_file(f).items()}
+    audio = next(k for k in state if "audio_tower" in k and k.endswith("weight"))
+    visual = next(k for k in state if "visual" in k and k.endswith("weight"))
+    state[visual] = state[visual] * 0 + 1  # a change that fits, in the first tower loaded...
+    state[audio] = torch.zeros(3, 3)  # ...and one that does not, in the second
+    save_file(state, str(tmp_path / "bad" / "model.safetensors"))
+    refused = httpx.post(f"{encoder}/v1/weights", json={"model_path": str(tmp_path / "bad")})
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "bad_weights"
+    assert "other shapes" in refused.json()["error"]["message"]
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "model.safetensors").write_bytes(b"not safetensors at all")
+    corrupt = httpx.post(f"{encoder}/v1/weights", json={"model_path": str(tmp_path / "corrupt")})
+    assert corrupt.status_code == 400 and corrupt.json()["error"]["code"] == "bad_weights"
+    assert httpx.get(f"{encoder}/readyz").json()["version"] == before  # nothing was loaded
+
+
 def test_split_path_through_the_roles_equals_the_model(roles) -> None:  # type: ignore[no-untyped-def]
     model, store, encoder, engine = roles
     from transformers import AutoTokenizer

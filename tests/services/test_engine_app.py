@@ -320,3 +320,33 @@ def test_a_mistyped_model_folder_fails_when_settings_are_read(tmp_path: Path, mo
     with pytest.raises(SettingsError, match="WEIR_MODEL"):
         load_settings(EngineSettings)
     assert not (tmp_path / "modle").exists()  # nothing was quietly created there
+
+
+@pytest.mark.parametrize(
+    "weight_version", ["v2", "2.0", "-1", "", " 3", "3\n", "²", "٣", "1" * 17, "DEFAULT", "7-final"]
+)
+def test_a_weight_version_that_is_not_a_policy_version_is_refused_the_sglang_way(  # type: ignore[no-untyped-def]
+    stack, weight_version: str
+) -> None:
+    """Every sample the engine answers reports its weight_version, and the rollout fails samples whose
+    version is not a policy version: so the engine refuses it up front, in SGLang's own shape (400,
+    ``success: false``), and keeps serving the version it had."""
+    client, model, _, _ = stack
+    before = client.get("/model_info").json()["weight_version"]
+    refused = client.post(
+        "/update_weights_from_disk", json={"model_path": str(model), "weight_version": weight_version}
+    )
+    assert refused.status_code == 400, refused.text
+    body = refused.json()
+    assert body["success"] is False and "not a policy version" in body["message"] and "error" not in body
+    assert client.get("/model_info").json()["weight_version"] == before
+
+
+def test_decimal_and_default_weight_versions_are_taken(stack) -> None:  # type: ignore[no-untyped-def]
+    client, model, _, _ = stack
+    for version in ("12", "default", "0"):
+        taken = client.post("/update_weights_from_disk", json={"model_path": str(model), "weight_version": version})
+        assert taken.status_code == 200 and taken.json()["success"], taken.text
+        assert client.get("/model_info").json()["weight_version"] == version
+    schema = client.get("/openapi.json").json()["components"]["schemas"]["UpdateWeightsBody"]
+    assert "pattern" in json.dumps(schema["properties"]["weight_version"])  # documented, checked by the route

@@ -121,6 +121,7 @@ def test_bad_items_are_refused_and_never_cached(case: str, serve) -> None:  # ty
         (b'{"items": []}', 422, "invalid_request"),
         (b"[]", 422, "invalid_request"),
         (b'{"items": [], "extra": 1}', 422, "invalid_request"),
+        (b"[" * 100_000 + b"]" * 100_000, 400, "malformed_json"),  # deeper than any parser's stack
     ],
 )
 def test_malformed_requests(body: bytes, status: int, code: str, serve) -> None:  # type: ignore[no-untyped-def]

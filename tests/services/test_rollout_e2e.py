@@ -546,10 +546,22 @@ def test_a_streamed_request_reports_a_bad_prompt_on_its_own_line(stack) -> None:
 def test_readiness_probes_the_engines(stack) -> None:  # type: ignore[no-untyped-def]
     test_stack, rollout = stack
     ready = httpx.get(f"{rollout.url}/readyz")
-    assert ready.status_code == 200 and ready.json()["engines"] == test_stack.engine_urls
-    orphan = test_stack.rollout([f"http://127.0.0.1:{free_port()}"])
+    assert ready.status_code == 200
+    # Read without a token: counts, never the engines' addresses.
+    assert ready.json() == {"status": "ready", "engines_up": 1, "engines": 1, "engines_unauthorized": 0}
+    dead = f"http://127.0.0.1:{free_port()}"
+    orphan = test_stack.rollout([dead])
     refused = httpx.get(f"{orphan.url}/readyz")
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "not_ready"
+    assert refused.json()["engines_up"] == 0 and refused.json()["engines"] == 1
+    assert "127.0.0.1" not in refused.text and "no engine answers" in refused.json()["error"]["message"]
+    half = test_stack.rollout([*test_stack.engine_urls, dead])
+    assert httpx.get(f"{half.url}/readyz").json() == {
+        "status": "ready",
+        "engines_up": 1,
+        "engines": 2,
+        "engines_unauthorized": 0,
+    }
     assert httpx.get(f"{orphan.url}/healthz").status_code == 200  # alive, just not ready
 
 
@@ -619,6 +631,47 @@ def test_a_token_protected_stack(token_stack) -> None:  # type: ignore[no-untype
     assert all(s["status"] == "ok" and s["policy_version"] == 0 for s in groups[0]["samples"])
     client = openai.OpenAI(base_url=f"{rollout.url}/v1", api_key=TOKEN)  # the SDK sends it as the Bearer token
     assert [m.id for m in client.models.list()] == ["weir-tiny-omni"]
+
+
+def test_a_rollout_role_whose_token_the_other_roles_refuse(token_stack) -> None:  # type: ignore[no-untyped-def]
+    """The rollout role configured with a WRONG token (its callers use that one, the roles behind it
+    refuse it): not ready, saying why; a request is 502 ``upstream_unauthorized`` naming the role that
+    refused, never a 401 (the caller's own token was right) nor samples failed with a misleading code."""
+    test_stack, _ = token_stack
+    wrong = "wrong-token-0123456789"
+    rollout = test_stack.rollout(api_token=wrong)
+    auth = {"Authorization": f"Bearer {wrong}"}
+    experience = test_stack.root / "experience.jsonl"
+
+    def recorded() -> int:
+        return len(experience.read_text().splitlines()) if experience.exists() else 0
+
+    before = recorded()
+    ready = httpx.get(f"{rollout.url}/readyz")
+    assert ready.status_code == 503, ready.text
+    body = ready.json()
+    assert body["error"]["code"] == "not_ready" and "token" in body["error"]["message"]
+    assert (body["engines_up"], body["engines"], body["engines_unauthorized"]) == (0, 1, 1)
+    assert "127.0.0.1" not in ready.text  # no engine address to a caller without a token
+    image = {"type": "image_url", "image_url": {"url": data_uri("image/png", IMAGE)}}
+    cases = [
+        ([{"role": "user", "content": "hi"}], "engine"),  # no media: the engine is the first role called
+        ([{"role": "user", "content": [image, {"type": "text", "text": "Shape?"}]}], "preprocess"),
+    ]
+    for messages, refuser in cases:
+        body = {"prompts": [{"messages": messages, "n": 2}], "sampling_params": {"max_new_tokens": 2}}
+        answered = httpx.post(f"{rollout.url}/v1/rollouts", json=body, headers=auth, timeout=60)
+        assert answered.status_code == 502, answered.text
+        error = answered.json()["error"]
+        assert error["code"] == "upstream_unauthorized" and f"the {refuser} role" in error["message"], error
+        streamed = httpx.post(f"{rollout.url}/v1/rollouts", json={**body, "stream": True}, headers=auth, timeout=60)
+        line = json.loads(streamed.text.splitlines()[0])
+        assert streamed.status_code == 200 and line["error"]["code"] == "upstream_unauthorized", streamed.text
+        chat = httpx.post(
+            f"{rollout.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=auth, timeout=60
+        )
+        assert chat.status_code == 502 and chat.json()["error"]["code"] == "upstream_unauthorized", chat.text
+    assert recorded() == before  # nothing was recorded: no group of failed samples
 
 
 def test_in_flight_media_is_bounded(stack) -> None:  # type: ignore[no-untyped-def]

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
 import pyarrow as pa
+import pytest
 import torch
 
 from services.data.app import DataSettings, create_app
 from tests.experience.test_store import group
 from tests.services.conftest import RunningServer
-from trainer.feed import MicroBatchFeed, pack
+from trainer.feed import AckRefused, MicroBatchFeed, pack
 from trainer.losses import policy_loss
 
 
@@ -100,3 +102,55 @@ def test_media_inline_for_trainers_without_the_feature_cache(tmp_path: Path) -> 
         feed.close()
         refused = httpx.get(f"{bare.url}/v1/microbatches", params={"inline_media": "true", "wait_s": 0})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "inline_unavailable"
+
+
+def test_an_ack_is_true_false_only_for_an_expired_lease_and_raises_for_any_other_refusal(tmp_path: Path) -> None:
+    """200: recorded. 409 ``lease_expired``: the documented "delivered again" case (False). Anything
+    else the data role refuses (401, 404, 422) raises `AckRefused` naming status and code: a batch
+    never goes unacknowledged silently (to be trained again)."""
+    token = "feed-test-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    server = RunningServer(create_app(DataSettings(data_dir=tmp_path, lease_s=0.3, api_token=token))).__enter__()
+    try:
+        url = server.url
+        groups = {"groups": [group("a", [0.0, 1.0]).to_json(), group("b", [1.0, 0.0]).to_json()]}
+        assert httpx.post(f"{url}/v1/experience", json=groups, headers=auth).status_code == 200
+        feed = MicroBatchFeed(url, max_tokens=14, wait_s=0.5, prefetch=0, token=token)
+        first = feed.next(timeout=2)
+        assert first is not None and feed.ack(first) is True and feed.ack(first) is True  # idempotent
+        late = feed.next(timeout=2)
+        assert late is not None
+        time.sleep(0.5)  # its lease runs out ...
+        again = feed.next(timeout=2)  # ... and its samples go out again
+        assert again is not None and again.sample_ids == late.sample_ids
+        assert feed.ack(late) is False  # 409 lease_expired
+        assert feed.ack(again) is True
+        for batch_id, status, code in (("never-delivered", 404, "not_found"), ("not.an.id", 422, "invalid_request")):
+            with pytest.raises(AckRefused, match=f"HTTP {status} {code}") as refused:
+                feed.ack(batch_id)
+            assert (refused.value.status, refused.value.code, refused.value.batch_id) == (status, code, batch_id)
+        feed.close()
+        for wrong in (None, "not-the-token"):
+            outsider = MicroBatchFeed(url, prefetch=0, token=wrong)
+            with pytest.raises(AckRefused, match="HTTP 401 unauthorized"):
+                outsider.ack(first)
+            outsider.close()
+    finally:
+        server.__exit__()
+
+
+def test_an_ack_answered_5xx_is_retried_then_raised() -> None:
+    answers = [503, 502, 200]
+    seen: list[str] = []
+
+    def data_role(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        status = answers.pop(0) if answers else 500
+        return httpx.Response(status, json={} if status == 200 else {"error": {"code": "internal_error"}})
+
+    feed = MicroBatchFeed("http://data", prefetch=0)
+    feed._client = httpx.Client(transport=httpx.MockTransport(data_role))
+    assert feed.ack("b1", retry_s=10) is True and seen == ["/v1/microbatches/b1/ack"] * 3
+    with pytest.raises(httpx.HTTPStatusError, match="500"):  # a data role that stays broken: raised in the end
+        feed.ack("b2", retry_s=0.2)
+    feed.close()
