@@ -46,7 +46,7 @@ from .group import (
 )
 from .plugins import PluginError
 from .prompts import PromptBuilder, parse_messages
-from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardFunction, RewardRegistry, RewardSpec
+from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardContext, RewardFunction, RewardRegistry, RewardSpec
 from .sink import HttpSink, JsonlSink, Sink
 
 __all__ = [
@@ -69,6 +69,7 @@ __all__ = [
     "Prepared",
     "PromptBuilder",
     "PromptSpec",
+    "RewardContext",
     "RewardFunction",
     "RewardRegistry",
     "RewardSpec",

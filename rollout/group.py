@@ -45,7 +45,7 @@ from .errors import (
     refuses_token,
 )
 from .prompts import PromptBuilder, parse_messages
-from .rewards import RewardRegistry, RewardSpec
+from .rewards import RewardContext, RewardRegistry, RewardSpec
 from .sink import Sink
 
 __all__ = [
@@ -368,13 +368,13 @@ async def reward_samples(
         if sample.status is not SampleStatus.OK or spec.type == "none":
             out.append(sample)
             continue
-        context = {
-            "group_id": group_id,
-            "prompt_index": prompt_index,
-            "sample_index": sample.index,
-            "finish_reason": sample.finish_reason,
-            "response_ids": list(sample.response_ids),
-        }
+        context = RewardContext(
+            group_id=group_id,
+            prompt_index=prompt_index,
+            sample_index=sample.index,
+            finish_reason=sample.finish_reason,
+            response_ids=list(sample.response_ids),
+        )
         try:
             value = await asyncio.wait_for(
                 asyncio.to_thread(ctx.rewards.compute, spec, sample.text, context), ctx.reward_timeout_s

@@ -9,9 +9,10 @@ imported because of a request.
 
 A custom reward has the signature::
 
-    def reward(response: str, reference: str | None, sample: Mapping[str, Any]) -> float
+    def reward(response: str, reference: str | None, sample: RewardContext) -> float
 
-where ``reference`` is the spec's ``answer`` and ``sample`` holds ``group_id``, ``prompt_index``,
+where ``reference`` is the spec's ``answer`` and ``sample`` (`RewardContext`, a typed dict, so
+functions written for slime's dict-shaped samples keep working) holds ``group_id``, ``prompt_index``,
 ``sample_index``, ``finish_reason`` (``"stop"`` / ``"length"``) and ``response_ids``. It runs in a
 worker thread under a deadline; one that raises marks its sample ``failed`` (the rest of the group
 is still returned). This module does not run the deadline (the caller does).
@@ -23,16 +24,37 @@ import logging
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypedDict
+
+from experience.records import FinishReason
 
 from .errors import UnknownReward
 from .plugins import PluginError, check_name, installed, load_callable
 
-__all__ = ["BUILTIN_REWARDS", "ENTRY_POINT_GROUP", "RewardFunction", "RewardRegistry", "RewardSpec", "RewardType"]
+__all__ = [
+    "BUILTIN_REWARDS",
+    "ENTRY_POINT_GROUP",
+    "RewardContext",
+    "RewardFunction",
+    "RewardRegistry",
+    "RewardSpec",
+    "RewardType",
+]
 
 logger = logging.getLogger(__name__)
 
-RewardFunction = Callable[[str, "str | None", Mapping[str, Any]], float]
+
+class RewardContext(TypedDict):
+    """What a custom reward is told of the sample besides its text."""
+
+    group_id: str
+    prompt_index: int
+    sample_index: int
+    finish_reason: FinishReason | None
+    response_ids: list[int]
+
+
+RewardFunction = Callable[[str, "str | None", RewardContext], float]
 RewardType = Literal["none", "exact_match", "math", "multiple_choice", "custom"]
 
 BUILTIN_REWARDS: tuple[str, ...] = ("none", "exact_match", "math", "multiple_choice")
@@ -143,7 +165,7 @@ class RewardRegistry:
         if spec.type == "custom":
             self.function(spec.function or "")
 
-    def compute(self, spec: RewardSpec, response: str, sample: Mapping[str, Any]) -> float | None:
+    def compute(self, spec: RewardSpec, response: str, sample: RewardContext) -> float | None:
         """The sample's reward (None for type "none"); a custom function's exceptions propagate."""
         if spec.type == "none":
             return None

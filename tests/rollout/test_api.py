@@ -31,6 +31,7 @@ def test_public_api() -> None:
             "Prepared",
             "PromptBuilder",
             "PromptSpec",
+            "RewardContext",
             "RewardFunction",
             "RewardRegistry",
             "RewardSpec",
