@@ -36,3 +36,18 @@ def ref_torchvision():  # type: ignore[no-untyped-def]
 @pytest.fixture()
 def store(tmp_path: Path) -> pp.FeatureStore:
     return pp.FeatureStore(tmp_path / "cache", 1 << 30)
+
+
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():  # type: ignore[no-untyped-def]
+    """`weir` commands run in-process configure logging (a handler on the root logger); undo it after each
+    test, so one test's handler does not print every later test's log lines."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    for handler in root.handlers:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
