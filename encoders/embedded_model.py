@@ -44,7 +44,47 @@ CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen-style ChatML; each media part becomes <bos><placeholder><eos>, the placeholder later
 # expanded to the item's exact token count.
 CHAT_TEMPLATE = (
+    # With tools (OpenAI function tools), as Qwen2.5's own template renders them: one system turn (the
+    # first system message's text, then the tools as JSON inside <tools></tools> and how to call one);
+    # assistant tool calls as <tool_call> blocks; tool results as <tool_response> blocks in a user turn.
+    # Without tools, messages without tool calls render exactly as before tools were supported.
+    "{%- if tools -%}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{{ messages[0]['content'] }}"
+    "{%- else -%}{%- for part in messages[0]['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}{{ '\\n\\n' }}"
+    "{%- endif -%}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- endif -%}"
     "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+    "{{ '\\n<tool_response>\\n' }}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+    "{{ '<|im_start|>assistant' }}"
+    "{%- if message['content'] -%}{{ '\\n' + message['content'] }}{%- endif -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- if call['function'] is defined -%}{%- set call = call['function'] -%}{%- endif -%}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+    "{%- if call['arguments'] is string -%}{{ call['arguments'] }}{%- else -%}{{ call['arguments'] | tojson }}"
+    "{%- endif -%}{{ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<|im_end|>\\n' }}"
+    "{%- else -%}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- else -%}{%- for part in message['content'] -%}"
@@ -54,6 +94,7 @@ CHAT_TEMPLATE = (
     "{%- elif part['type'] in ('audio', 'audio_url', 'input_audio') -%}{{ '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
     "{%- endif -%}{%- endfor -%}{%- endif -%}"
     "{{ '<|im_end|>\\n' }}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
 )

@@ -23,13 +23,33 @@ from .errors import EngineError, InvalidMedia, InvalidPrompt, InvalidSampling, M
 from .factory import DEFAULT_MAX_RUNNING, Backend, load_engine
 from .limits import ModelLimits
 from .media import MediaKind, MediaRef, MediaResolver
-from .protocol import Engine, GenerateRequest, GenerateResult, MediaInput, SamplingParams, TokenCallback
-from .sampling import IGNORED_SAMPLING, KNOWN_SAMPLING, SUPPORTED_SAMPLING, sampling_from
+from .protocol import (
+    PAUSE_MODES,
+    Engine,
+    GenerateRequest,
+    GenerateResult,
+    MediaInput,
+    PauseMode,
+    SamplingParams,
+    TokenCallback,
+    TopLogprobs,
+)
+from .sampling import (
+    IGNORED_SAMPLING,
+    KNOWN_SAMPLING,
+    REFUSED_SAMPLING,
+    SUPPORTED_SAMPLING,
+    sample_count,
+    sample_seed,
+    sampling_from,
+)
 
 __all__ = [
     "DEFAULT_MAX_RUNNING",
     "IGNORED_SAMPLING",
     "KNOWN_SAMPLING",
+    "PAUSE_MODES",
+    "REFUSED_SAMPLING",
     "SUPPORTED_SAMPLING",
     "Backend",
     "Engine",
@@ -45,9 +65,13 @@ __all__ = [
     "MediaRef",
     "MediaResolver",
     "ModelLimits",
+    "PauseMode",
     "SamplingParams",
     "TokenCallback",
+    "TopLogprobs",
     "WeightsError",
     "load_engine",
+    "sample_count",
+    "sample_seed",
     "sampling_from",
 ]

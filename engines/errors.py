@@ -36,15 +36,20 @@ __all__ = [
 class EngineError(ValueError):
     """Base of every bad-input error of the engines library; ``code`` is stable and machine-readable.
 
-    ``item`` is the index of the media reference at fault, when there is one."""
+    ``item`` is the index of the media reference (or batch item) at fault, when there is one; ``field``
+    names the request field at fault (``sampling_params.min_p``, ``custom_params.return_top_p_token_ids``)
+    when one is."""
 
     code = "invalid_request"
 
-    def __init__(self, message: str, *, code: str | None = None, item: int | None = None) -> None:
+    def __init__(
+        self, message: str, *, code: str | None = None, item: int | None = None, field: str | None = None
+    ) -> None:
         super().__init__(message)
         if code is not None:
             self.code = code
         self.item = item
+        self.field = field
 
     @property
     def message(self) -> str:

@@ -15,7 +15,9 @@ from typing import Any
 from .errors import InvalidPrompt
 from .protocol import GenerateRequest
 
-__all__ = ["ModelLimits"]
+__all__ = ["MAX_TOP_LOGPROBS", "ModelLimits"]
+
+MAX_TOP_LOGPROBS = 1024
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,6 +42,19 @@ class ModelLimits:
             outside = sorted({t for t in ids if not 0 <= t < self.vocab_size})
             if outside:
                 raise InvalidPrompt(f"input_ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+        biased = [t for t, _ in request.sampling.logit_bias]
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in biased):
+            raise InvalidPrompt(
+                f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})",
+                field="sampling_params.logit_bias",
+            )
+        start = request.logprob_start_len
+        if not -1 <= start < len(ids):
+            raise InvalidPrompt(
+                f"logprob_start_len must be -1 or a prompt position in [0, {len(ids)})", field="logprob_start_len"
+            )
+        if not 0 <= request.top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise InvalidPrompt(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs_num")
         if self.max_context is not None:
             if len(ids) >= self.max_context:
                 raise InvalidPrompt(f"the prompt has {len(ids)} tokens; the context is {self.max_context}")

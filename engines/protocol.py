@@ -1,13 +1,16 @@
 """What every generation engine takes and returns, whatever runs it (transformers on CPU, SGLang on GPU).
 
 Field names follow SGLang's native API so the HTTP layer is a thin mapping: ``input_ids``,
-``sampling_params`` (``max_new_tokens``, ``temperature``, ``top_p``, ``top_k``, ``stop``,
-``stop_token_ids``, ``sampling_seed``, ``ignore_eos``), ``rid``; results carry ``output_ids``,
-per-token log-probs of the sampled tokens, ``finish_reason`` as SGLang shapes it, and the weight
-version that produced them.
+``sampling_params`` (`SamplingParams`), ``rid``, ``logprob_start_len``, ``top_logprobs_num``; results
+carry ``output_ids``, per-token log-probs of the sampled tokens (and, when asked, of the prompt's tokens
+and the top alternatives), ``finish_reason`` as SGLang shapes it, and the weight version that produced them.
 
-Log-probs are those of the model's own distribution (temperature 1, no top-p/top-k), which is what
-an RL trainer recomputes and compares against.
+Log-probs are those of the model's own distribution: temperature 1, no top-p / top-k / min-p, and
+**before** every penalty (repetition, presence, frequency), ``logit_bias`` and the ``min_new_tokens``
+mask — the distribution an RL trainer recomputes from the weights and compares against. That is what
+`TransformersEngine` reports, whatever the sampling parameters. `SGLangEngine` passes on what SGLang
+reports, which is not checked here: SGLang's sampler may report log-probs after temperature scaling,
+and its penalties act on the logits it samples from.
 
 This module holds records and the `Engine` contract only: mapping SGLang's sampling dict is
 `engines.sampling`, resolving cache keys to media is `engines.media`, running a model is the backends'.
@@ -27,7 +30,23 @@ import preprocess as pp
 
 from .errors import InvalidSampling
 
-__all__ = ["Engine", "GenerateRequest", "GenerateResult", "MediaInput", "SamplingParams", "TokenCallback"]
+__all__ = [
+    "PAUSE_MODES",
+    "Engine",
+    "GenerateRequest",
+    "GenerateResult",
+    "MediaInput",
+    "PauseMode",
+    "SamplingParams",
+    "TokenCallback",
+    "TopLogprobs",
+]
+
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+
+TopLogprobs = list[tuple[float, int]]
+"""The ``top_logprobs_num`` most likely tokens at one position, most likely first: ``(logprob, token_id)``."""
 
 # torch.Generator.manual_seed takes any integer in this range (negative ones wrap).
 _SEED_RANGE = range(-(2**63), 2**64)
@@ -46,16 +65,45 @@ def _is_number(value: object) -> bool:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
-    """How to sample; raises `InvalidSampling` (``bad_sampling_params``) for a wrong type or range."""
+    """How to sample; raises `InvalidSampling` (``bad_sampling_params``) for a wrong type or range.
+
+    The order a step applies them in (SGLang's): ``repetition_penalty`` (tokens of prompt and output
+    so far: a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` /
+    ``presence_penalty`` (OpenAI's: subtracted per occurrence / once, over output tokens),
+    ``min_new_tokens`` (EOS and ``stop_token_ids`` masked, stop strings not checked, until that many
+    tokens), ``logit_bias`` (added); then ``temperature``, ``top_k``, ``top_p``, ``min_p`` (relative to
+    the most likely token). ``skip_special_tokens``, ``spaces_between_special_tokens`` and
+    ``no_stop_trim`` shape the returned text only: as SGLang, the text of a request stopped by a token
+    leaves that token out, and the text of one stopped by a string ends before it, unless ``no_stop_trim``."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     sampling_seed: int | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any logit processing beyond temperature and the filters is asked for."""
+        return bool(
+            self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.min_new_tokens
+            or self.logit_bias
+        )
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,8 +123,26 @@ class SamplingParams:
             not _is_int(self.sampling_seed) or self.sampling_seed not in _SEED_RANGE
         ):
             problems.append("sampling_seed must be an integer in [-2**63, 2**64)")
-        if not isinstance(self.ignore_eos, bool):
-            problems.append("ignore_eos must be true or false")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            problems.append("min_p must be a number in [0, 1]")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 2:
+            problems.append("repetition_penalty must be a number in (0, 2]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                problems.append(f"{name} must be a number in [-2, 2]")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            problems.append("min_new_tokens must be an integer >= 0")
+        elif _is_int(self.max_new_tokens) and self.min_new_tokens > self.max_new_tokens:
+            problems.append("min_new_tokens must not exceed max_new_tokens")
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and pair[0] >= 0 and _is_number(pair[1])
+            for pair in self.logit_bias
+        ):
+            problems.append("logit_bias must map token ids (decimal strings) to finite numbers")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                problems.append(f"{name} must be true or false")
         if problems:
             raise InvalidSampling("; ".join(problems), code="bad_sampling_params")
 
@@ -116,6 +182,10 @@ class GenerateRequest:
     rid: str = ""
     return_logprob: bool = True
     return_routed_experts: bool = False  # MoE models on backends that capture routing (SGLang)
+    # SGLang's: -1 = log-probs of the last prompt position only (always null); k >= 0 = of every prompt
+    # position from k (the first one returned is null, as SGLang pads it).
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0  # > 0: the most likely tokens at each position, output (and prompt from the start)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -127,6 +197,12 @@ class GenerateResult:
     prompt_tokens: int
     weight_version: str
     text: str = ""
+    # log-probs of the prompt tokens from ``input_logprob_start``; the first is None (SGLang's padding)
+    input_logprobs: list[float | None] | None = None
+    input_logprob_start: int = 0
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+    output_top_logprobs: list[TopLogprobs] | None = None
+    num_retractions: int = 0
     # base64 int32 [seqlen-1, layers, top_k] as SGLang returns it; None for dense models / backends
     routed_experts: str | None = None
 
@@ -167,13 +243,21 @@ class Engine(Protocol):
         """Paused by `pause` (a healthy state: requests wait until `resume`)."""
         ...
 
+    def flush_cache(self) -> bool:
+        """SGLang's ``/flush_cache``: drop cached prefixes; False (nothing done) while a request holds KV."""
+        ...
+
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]: ...
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult: ...
 
     def update_weights(self, path: str, version: str | None = None) -> str: ...
 
-    def pause(self) -> None: ...
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop generating. ``abort``: running and queued requests finish as aborted; ``retract``: running
+        requests go back to the queue (their KV dropped, recomputed with their tokens on resume);
+        ``in_place``: they stay frozen with their KV. Requests submitted while paused wait."""
+        ...
 
     def resume(self) -> None: ...
 

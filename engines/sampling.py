@@ -1,26 +1,41 @@
-"""SGLang's ``sampling_params`` dict → `SamplingParams`: which keys are honoured, ignored or refused.
+"""SGLang's ``sampling_params`` dict → `SamplingParams`: which keys are honoured, fanned out, ignored or refused.
 
-Every key SGLang 0.5 knows is one of three kinds here:
+Every key SGLang 0.5 knows is one of these kinds here:
 
 * supported — mapped onto `SamplingParams` (`SUPPORTED_SAMPLING`);
-* ignored — accepted because they do not change what is sampled (`IGNORED_SAMPLING`: detokenizer
-  and streaming options, ``n`` which SGLang fans out before the engine);
+* fanned out — ``n``: the caller runs that many samples (`sample_count`), as SGLang's tokenizer
+  manager does before its scheduler;
+* ignored — accepted because they do not change what is sampled nor what is returned here
+  (`IGNORED_SAMPLING`: ``stream_interval``, a streaming cadence);
+* ``custom_params`` — a dict, accepted (SGLang hands it to a custom logit processor, which this
+  engine does not take); ``return_top_p_token_ids`` (slime's) is refused when true, with the field
+  ``custom_params.return_top_p_token_ids``;
 * known but unsupported — refused with ``unsupported_sampling_param`` unless null, so a client
-  never believes a penalty or a grammar was applied when it was not.
+  never believes a grammar or a beam search was applied when it was not (`REFUSED_SAMPLING`).
 
-Any other key is a typo: ``unknown_sampling_param``. Values of the wrong type or range:
-``bad_sampling_params``. All three are `InvalidSampling`.
+Neutral values (``repetition_penalty`` 1, penalties 0, ``min_p`` 0, ``min_new_tokens`` 0, an empty
+``logit_bias``) are always accepted. Any other key is a typo: ``unknown_sampling_param``. Values of
+the wrong type or range: ``bad_sampling_params``. All are `InvalidSampling`, naming the field.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 from .errors import InvalidSampling
 from .protocol import SamplingParams
 
-__all__ = ["IGNORED_SAMPLING", "KNOWN_SAMPLING", "SUPPORTED_SAMPLING", "sampling_from"]
+__all__ = [
+    "IGNORED_SAMPLING",
+    "KNOWN_SAMPLING",
+    "REFUSED_SAMPLING",
+    "SUPPORTED_SAMPLING",
+    "sample_count",
+    "sample_seed",
+    "sampling_from",
+]
 
 SUPPORTED_SAMPLING = frozenset(
     {
@@ -28,68 +43,146 @@ SUPPORTED_SAMPLING = frozenset(
         "temperature",
         "top_p",
         "top_k",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+        "min_new_tokens",
+        "logit_bias",
         "stop",
         "stop_token_ids",
         "sampling_seed",
         "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "no_stop_trim",
     }
 )
-# SGLang sampling keys that do not change what is sampled here; accepted and ignored.
-IGNORED_SAMPLING = frozenset(
-    {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval", "n"}
+# SGLang sampling keys that change neither what is sampled nor what is returned here; accepted and ignored.
+IGNORED_SAMPLING = frozenset({"stream_interval"})
+# SGLang sampling keys this engine does not implement: refused unless null.
+REFUSED_SAMPLING = frozenset(
+    {"stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice"}
 )
 # Every key of SGLang's SamplingParams.
-KNOWN_SAMPLING = (
-    SUPPORTED_SAMPLING
-    | IGNORED_SAMPLING
-    | {
-        "stop_regex",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "min_new_tokens",
-        "json_schema",
-        "regex",
-        "ebnf",
-        "structural_tag",
-        "logit_bias",
-        "custom_params",
-        "beam_width",
-        "watermark",
-        "choice",
-    }
-)
+KNOWN_SAMPLING = SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"}
+
+# custom_params keys that ask for something this engine does not return.
+_REFUSED_CUSTOM = frozenset({"return_top_p_token_ids"})
+_MAX_N = 1024
 
 
 def sampling_from(params: Mapping[str, Any]) -> SamplingParams:
-    """SGLang's ``sampling_params`` as `SamplingParams`; raises `InvalidSampling`.
+    """SGLang's ``sampling_params`` as `SamplingParams`; raises `InvalidSampling` naming the field.
 
-    A null value means "the default", as in SGLang; ``stop`` may be one string or a list."""
+    A null value means "the default", as in SGLang; ``stop`` may be one string or a list; ``n`` is
+    checked here but read by `sample_count`."""
     if not isinstance(params, Mapping):
-        raise InvalidSampling("sampling_params must be an object", code="bad_sampling_params")
+        raise InvalidSampling("sampling_params must be an object", code="bad_sampling_params", field="sampling_params")
     unknown = sorted(str(k) for k in set(params) - KNOWN_SAMPLING)
     if unknown:
-        raise InvalidSampling(f"unknown sampling_params keys: {unknown}", code="unknown_sampling_param")
-    unsupported = sorted(k for k in set(params) - SUPPORTED_SAMPLING - IGNORED_SAMPLING if params[k] is not None)
+        raise InvalidSampling(
+            f"unknown sampling_params keys: {unknown}",
+            code="unknown_sampling_param",
+            field=f"sampling_params.{unknown[0]}",
+        )
+    unsupported = sorted(k for k in set(params) & REFUSED_SAMPLING if params[k] is not None)
     if unsupported:
-        raise InvalidSampling(f"this engine does not implement {unsupported}", code="unsupported_sampling_param")
+        raise InvalidSampling(
+            f"this engine does not implement {unsupported}",
+            code="unsupported_sampling_param",
+            field=f"sampling_params.{unsupported[0]}",
+        )
+    _check_custom(params.get("custom_params"))
+    sample_count(params)
     fields: dict[str, Any] = {k: v for k, v in params.items() if k in SUPPORTED_SAMPLING and v is not None}
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
     for key in ("stop", "stop_token_ids"):
         if key in fields:
             if not isinstance(fields[key], list | tuple):
-                raise InvalidSampling(f"{key} must be a list", code="bad_sampling_params")
+                raise InvalidSampling(
+                    f"{key} must be a list", code="bad_sampling_params", field=f"sampling_params.{key}"
+                )
             fields[key] = tuple(fields[key])
     for key in _INTEGERS & set(fields):
         fields[key] = _integral(fields[key])
     if "stop_token_ids" in fields:
         fields["stop_token_ids"] = tuple(_integral(t) for t in fields["stop_token_ids"])
-    return SamplingParams(**fields)  # checks each value's type and range
+    if "logit_bias" in fields:
+        fields["logit_bias"] = _logit_bias(fields["logit_bias"])
+    try:
+        return SamplingParams(**fields)  # checks each value's type and range
+    except InvalidSampling as error:
+        named = next((k for k in sorted(fields, key=len, reverse=True) if str(error).startswith(k)), None)
+        raise InvalidSampling(
+            str(error), code=error.code, field=f"sampling_params.{named}" if named else "sampling_params"
+        ) from None
 
 
-_INTEGERS = frozenset({"max_new_tokens", "top_k", "sampling_seed"})
+def sample_count(params: Mapping[str, Any]) -> int:
+    """SGLang's ``n`` (samples per prompt; default 1)."""
+    n = _integral(params.get("n")) if isinstance(params, Mapping) else None
+    if n is None:
+        return 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= _MAX_N:
+        raise InvalidSampling(
+            f"n must be an integer in [1, {_MAX_N}]", code="bad_sampling_params", field="sampling_params.n"
+        )
+    return n
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a group of n drawn with ``sampling_seed`` ``seed``.
+
+    Sample 0 uses the seed itself (so n=1 is the plain seeded request); the others a seed derived from
+    (seed, index): a seeded group is reproducible and its samples are not identical copies."""
+    if seed is None or index == 0:
+        return seed
+    digest = hashlib.sha256(f"weir-sample:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # in [0, 2**63)
+
+
+def _check_custom(custom: Any) -> None:
+    if custom is None:
+        return
+    if not isinstance(custom, Mapping):
+        raise InvalidSampling(
+            "custom_params must be an object", code="bad_sampling_params", field="sampling_params.custom_params"
+        )
+    for key in sorted(_REFUSED_CUSTOM & set(custom)):
+        if custom[key] not in (None, False):
+            raise InvalidSampling(
+                f"custom_params.{key} is not supported by this engine (send false or leave it out)",
+                code="unsupported_sampling_param",
+                field=f"custom_params.{key}",
+            )
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """SGLang's ``{"token id": bias}`` (JSON object keys are strings) as sorted pairs."""
+    if not isinstance(value, Mapping):
+        raise InvalidSampling(
+            "logit_bias must be an object of token id → bias",
+            code="bad_sampling_params",
+            field="sampling_params.logit_bias",
+        )
+    pairs = []
+    for key, bias in value.items():
+        token = key if isinstance(key, int) and not isinstance(key, bool) else None
+        if isinstance(key, str) and key.isascii() and key.isdecimal():
+            token = int(key)
+        if token is None or isinstance(bias, bool) or not isinstance(bias, int | float):
+            raise InvalidSampling(
+                f"logit_bias: {key!r} → {bias!r} is not a token id → number",
+                code="bad_sampling_params",
+                field="sampling_params.logit_bias",
+            )
+        pairs.append((token, float(bias)))
+    return tuple(sorted(pairs))
+
+
+_INTEGERS = frozenset({"max_new_tokens", "top_k", "sampling_seed", "min_new_tokens"})
 
 
 def _integral(value: Any) -> Any:

@@ -8,6 +8,10 @@ with the encoder role's embeddings plus the grids, together with ``input_ids`` w
 are already expanded. `build_request` is pure and unit-tested on CPU; the engine itself runs only
 where a GPU and the ``sglang`` extra exist (tests marked ``gpu``).
 
+Every `SamplingParams` field is passed on under SGLang's own name (penalties, ``min_p``, ``logit_bias``
+with string keys, the detokenizer options), and so are ``logprob_start_len`` / ``top_logprobs_num``;
+the pause mode goes to SGLang's ``pause_generation`` when its signature takes one.
+
 What this backend does not do: per-token callbacks (``on_token`` is not called; a stream gets the
 final result only), and its ``busy_s`` counts the time any request was in flight, not forward steps
 (SGLang keeps its own scheduler metrics behind ``--enable-metrics``).
@@ -15,6 +19,7 @@ final result only), and its ``busy_s`` counts the time any request was in flight
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 import uuid
@@ -29,7 +34,7 @@ import preprocess as pp
 
 from .errors import InvalidPrompt, WeightsError
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, MediaInput, TokenCallback
+from .protocol import GenerateRequest, GenerateResult, MediaInput, PauseMode, TokenCallback
 
 __all__ = ["SGLangEngine", "build_request"]
 
@@ -78,8 +83,21 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         "top_p": params.top_p,
         "top_k": params.top_k,
         "ignore_eos": params.ignore_eos,
-        "no_stop_trim": False,
+        "no_stop_trim": params.no_stop_trim,
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
     }
+    for name, neutral in (
+        ("min_p", 0.0),
+        ("repetition_penalty", 1.0),
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("min_new_tokens", 0),
+    ):
+        if getattr(params, name) != neutral:
+            sampling[name] = getattr(params, name)
+    if params.logit_bias:
+        sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
     if params.stop:
         sampling["stop"] = list(params.stop)
     if params.stop_token_ids:
@@ -92,6 +110,10 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         "return_logprob": request.return_logprob,
         "rid": request.rid or uuid.uuid4().hex,
     }
+    if request.return_logprob:
+        kwargs["logprob_start_len"] = request.logprob_start_len
+        if request.top_logprobs_num:
+            kwargs["top_logprobs_num"] = request.top_logprobs_num
     if request.return_routed_experts:
         kwargs["return_routed_experts"] = True
     for kind, field in (("image", "image_data"), ("video", "video_data")):
@@ -107,6 +129,10 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
 def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateResult:
     meta = output["meta_info"]
     triples = meta.get("output_token_logprobs") or []
+    inputs = meta.get("input_token_logprobs")
+    input_top = meta.get("input_top_logprobs")
+    output_top = meta.get("output_top_logprobs")
+    start = request.logprob_start_len if request.logprob_start_len >= 0 else len(request.input_ids) - 1
     return GenerateResult(
         rid=meta.get("id", request.rid),
         output_ids=list(output["output_ids"]),
@@ -116,7 +142,16 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
         weight_version=str(meta.get("weight_version")),
         text=output.get("text", ""),
         routed_experts=meta.get("routed_experts"),
+        input_logprobs=[None if t[0] is None else float(t[0]) for t in inputs] if inputs is not None else None,
+        input_logprob_start=start,
+        input_top_logprobs=[_tops(p) for p in input_top] if input_top is not None else None,
+        output_top_logprobs=[_tops(p) or [] for p in output_top] if output_top is not None else None,
+        num_retractions=int(meta.get("num_retractions") or 0),
     )
+
+
+def _tops(position: Any) -> list[tuple[float, int]] | None:
+    return None if position is None else [(float(t[0]), int(t[1])) for t in position]
 
 
 class SGLangEngine:
@@ -198,9 +233,25 @@ class SGLangEngine:
         self.weight_version = version or self.weight_version
         return self.weight_version
 
-    def pause(self) -> None:
-        self.engine.pause_generation()
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        try:
+            takes_mode = "mode" in inspect.signature(self.engine.pause_generation).parameters
+        except (TypeError, ValueError):
+            takes_mode = False
+        if takes_mode:
+            self.engine.pause_generation(mode=mode)
+        else:  # an SGLang without pause modes: abort what runs ourselves, then pause
+            if mode == "abort":
+                self.abort_all()
+            self.engine.pause_generation()
         self._paused = True
+
+    def flush_cache(self) -> bool:
+        flush = getattr(self.engine, "flush_cache", None)
+        if flush is None:
+            return True
+        outcome = flush()
+        return bool(getattr(outcome, "success", outcome if isinstance(outcome, bool) else True))
 
     def resume(self) -> None:
         self.engine.continue_generation()

@@ -10,6 +10,12 @@ generation. Each request has its own KV cache; decode steps are not fused into o
 A request is checked when it is submitted (`ModelLimits`: vocabulary and context; placeholders
 against the media's tokens), so a bad prompt is `InvalidPrompt` / `InvalidMedia` from `submit`,
 before any stream starts. While paused, the scheduler still finishes aborted requests.
+
+Pause modes (SGLang's): ``abort`` finishes running and queued requests as aborted; ``retract`` puts
+running requests back at the head of the queue with their tokens, their KV dropped (recomputed over
+prompt + tokens so far when they are admitted again, counted in ``num_retractions``); ``in_place``
+freezes them with their KV. This backend keeps no prefix cache across requests, so `flush_cache`
+drops nothing; it answers as SGLang does, False while a request holds KV (running, or frozen in place).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import queue
 import threading
 import time
 import uuid
+from collections import deque
+from collections.abc import Collection
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,15 +41,51 @@ from encoders.towers import Towers
 
 from .errors import EngineError, InvalidMedia, WeightsError
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams, TokenCallback
+from .protocol import GenerateRequest, GenerateResult, MediaInput, PauseMode, SamplingParams, TokenCallback, TopLogprobs
 
-__all__ = ["TransformersEngine", "sample_token"]
+__all__ = ["TransformersEngine", "penalize", "sample_token"]
+
+PAUSE_ACK_TIMEOUT_S = 30.0
 
 logger = logging.getLogger(__name__)
 
 
+def penalize(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    *,
+    prompt_ids: list[int],
+    output_ids: list[int],
+    stop_ids: Collection[int],
+) -> torch.Tensor:
+    """1-D logits after SGLang's logit processing, in its order: repetition penalty (HF's: tokens of the
+    prompt and the output so far, a positive logit divided by it, a negative one multiplied), frequency
+    and presence penalties (OpenAI's, over output tokens), the ``min_new_tokens`` mask over ``stop_ids``,
+    then ``logit_bias``. Returns a new tensor (float32)."""
+    scores = logits.float().clone()
+    vocab = scores.numel()
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab}), dtype=torch.long)
+        if seen.numel():
+            values = scores[seen]
+            scores[seen] = torch.where(
+                values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+            )
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()
+        scores -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    if len(output_ids) < params.min_new_tokens:
+        masked = [t for t in stop_ids if 0 <= t < vocab]
+        if masked:
+            scores[torch.tensor(masked, dtype=torch.long)] = float("-inf")
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            scores[token] += bias
+    return scores
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from 1-D logits under temperature / top-k / top-p (greedy below 1e-6, as SGLang)."""
+    """One token from 1-D logits under temperature / top-k / top-p / min-p (greedy below 1e-6, as SGLang)."""
     if params.temperature < 1e-6 or params.top_k == 1:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
@@ -53,6 +97,9 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
         probs = torch.softmax(ordered, dim=-1)
         drop = probs.cumsum(-1) - probs > params.top_p  # keep the smallest prefix reaching top_p
         scores[order[drop]] = float("-inf")
+    if params.min_p > 0:  # relative to the most likely token (its probability is unchanged by the filters above)
+        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
 
 
@@ -68,8 +115,12 @@ class _Running:
     length: int = 0  # tokens in the cache
     rope_delta: int = 0
     aborted: bool = False
-    text: str = ""
     on_token: TokenCallback | None = None
+    output_top: list[TopLogprobs] = field(default_factory=list)
+    input_logprobs: list[float | None] | None = None
+    input_top: list[TopLogprobs | None] | None = None
+    input_start: int = 0
+    num_retractions: int = 0
 
 
 class TransformersEngine:
@@ -108,11 +159,14 @@ class TransformersEngine:
         self.towers = Towers.from_modules(self.model.visual, self.model.audio_tower, weight_version)
         self.max_running = max_running
         self._inbox: queue.Queue[_Running] = queue.Queue()
+        self._waiting: deque[_Running] = deque()  # the scheduler thread's own queue (retracted ones first)
         self._running: list[_Running] = []
         self._by_rid: dict[str, _Running] = {}
         self._model_lock = threading.Lock()  # held per forward step, never across a generation
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self._pause_mode: PauseMode = "in_place"
+        self._pause_applied = threading.Event()
         self._stopping = False
         self.started = time.monotonic()
         self.busy_s = 0.0  # wall time spent in forward steps: the engine-idle share is 1 - busy / uptime
@@ -151,11 +205,22 @@ class TransformersEngine:
         for rid in list(self._by_rid):
             self.abort(rid)
 
-    def pause(self) -> None:
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop between two decode steps; returns once the scheduler has applied ``mode``."""
+        self._pause_mode = mode
+        self._pause_applied.clear()
+        if mode == "abort":
+            self.abort_all()
         self._unpaused.clear()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._pause_applied.wait(PAUSE_ACK_TIMEOUT_S)
 
     def resume(self) -> None:
         self._unpaused.set()
+
+    def flush_cache(self) -> bool:
+        """No prefix cache to drop here; False while a request holds KV (SGLang refuses then too)."""
+        return not self._running
 
     @property
     def paused(self) -> bool:
@@ -210,7 +275,7 @@ class TransformersEngine:
     def _loop(self) -> None:
         while not self._stopping:
             if not self._unpaused.is_set():
-                self._reap_aborted()
+                self._while_paused()
                 self._unpaused.wait(0.05)
                 continue
             self._admit(block=not self._running)
@@ -231,46 +296,81 @@ class TransformersEngine:
                         self._finish(running, error=error)
                 self.busy_s += time.monotonic() - began
         # Closed: whatever is left ends as aborted rather than leaving its caller waiting.
-        self._admit(block=False, limit=None)
-        for running in list(self._running):
+        self._drain(block=False)
+        for running in [*self._running, *self._waiting]:
             self._finish(running, reason={"type": "abort", "message": "the engine closed"})
 
-    def _reap_aborted(self) -> None:
-        """Finish aborted requests while paused (a pause in abort mode must not leave them waiting)."""
-        self._admit(block=False)
-        for running in list(self._running):
-            if running.aborted:
-                self._finish(running, reason={"type": "abort", "message": "aborted by request"})
+    def _while_paused(self) -> None:
+        """Apply the pause's mode once, then finish aborted requests (running, frozen or queued) while paused."""
+        self._drain(block=False)
+        if not self._pause_applied.is_set():
+            if self._pause_mode == "retract":
+                for running in reversed(self._running):
+                    running.cache, running.next_logits = None, None  # recomputed with its tokens when admitted
+                    running.num_retractions += 1
+                    self._waiting.appendleft(running)
+                self._running.clear()
+            self._reap_aborted()
+            self._pause_applied.set()
+            return
+        self._reap_aborted()
 
-    def _admit(self, *, block: bool, limit: int | None = -1) -> None:
-        """Move queued requests into the running set, up to ``limit`` (default ``max_running``; None: all)."""
-        limit = self.max_running if limit == -1 else limit
-        while limit is None or len(self._running) < limit:
+    def _reap_aborted(self) -> None:
+        message = "paused (abort mode)" if self._pause_mode == "abort" and self.paused else "aborted by request"
+        for running in [*self._running, *self._waiting]:
+            if running.aborted:
+                # SGLang's message for a request that never started (AReaL resubmits those as they are)
+                never_started = running.cache is None and not running.output_ids
+                reason = "Abort before prefill" if never_started else message
+                self._finish(running, reason={"type": "abort", "message": reason})
+
+    def _drain(self, *, block: bool) -> None:
+        """Move submitted requests into the scheduler's own queue (waiting up to 50 ms for one if ``block``)."""
+        while True:
             try:
                 running = self._inbox.get(timeout=0.05) if block else self._inbox.get_nowait()
             except queue.Empty:
                 return
             block = False
-            self._running.append(running)
+            self._waiting.append(running)
+
+    def _admit(self, *, block: bool) -> None:
+        """Move queued requests into the running set, up to ``max_running``."""
+        self._drain(block=block and not self._waiting)
+        while self._waiting and len(self._running) < self.max_running:
+            self._running.append(self._waiting.popleft())
 
     def _step(self, running: _Running) -> None:
         request = running.request
         if running.aborted:
             self._finish(running, reason={"type": "abort", "message": "aborted by request"})
             return
-        if running.cache is None:
+        params = request.sampling
+        if running.cache is None:  # first admitted, or admitted again after a retraction
             self._prefill(running)
-            if request.sampling.max_new_tokens == 0:
+            if params.max_new_tokens == 0:
                 self._finish(running, reason={"type": "length", "length": 0})
                 return
         else:
             self._decode(running)
         assert running.next_logits is not None
         logits = running.next_logits
-        allowed = logits.index_fill(0, self._banned, float("-inf"))
-        token = sample_token(allowed, request.sampling, running.generator)
+        scores = logits.float()
+        if params.penalized:
+            scores = penalize(
+                scores,
+                params,
+                prompt_ids=request.input_ids,
+                output_ids=running.output_ids,
+                stop_ids={*params.stop_token_ids, *self.eos_ids},
+            )
+        allowed = scores.index_fill(0, self._banned, float("-inf"))
+        token = sample_token(allowed, params, running.generator)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)  # the model's own distribution (see protocol)
         running.output_ids.append(token)
-        running.logprobs.append(float(torch.log_softmax(logits.float(), dim=-1)[token]))
+        running.logprobs.append(float(logprobs[token]))
+        if request.return_logprob and request.top_logprobs_num:
+            running.output_top.append(_top(logprobs, request.top_logprobs_num))
         if running.on_token is not None:
             running.on_token(token, running.logprobs[-1])
         reason = self._stop_reason(running, token)
@@ -279,15 +379,15 @@ class TransformersEngine:
 
     def _stop_reason(self, running: _Running, token: int) -> dict[str, Any] | None:
         params = running.request.sampling
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids):
+        stoppable = len(running.output_ids) >= params.min_new_tokens  # stop tokens were masked before
+        if stoppable and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids)):
             return {"type": "stop", "matched": token}
-        if params.stop:
-            text = self._decode_text(running.output_ids)
+        if params.stop and stoppable:
+            # As SGLang: matched on the raw decoded output (special tokens included), trimmed when returned.
+            text = str(self.tokenizer.decode(running.output_ids, skip_special_tokens=False))
             hits = [(text.find(s), s) for s in params.stop if s and s in text]
             if hits:
-                position, matched = min(hits)
-                running.text = text[:position]
-                return {"type": "stop", "matched": matched}
+                return {"type": "stop", "matched": min(hits)[1]}
         if len(running.output_ids) >= params.max_new_tokens:
             return {"type": "length", "length": params.max_new_tokens}
         if running.length + 1 >= self.max_context:
@@ -299,32 +399,56 @@ class TransformersEngine:
     ) -> None:
         if running in self._running:
             self._running.remove(running)
+        if running in self._waiting:
+            self._waiting.remove(running)
         if self._by_rid.get(running.request.rid) is running:  # a later request may reuse the rid
             del self._by_rid[running.request.rid]
         running.cache = None
         if error is not None:
             running.future.set_exception(error)
             return
-        text = running.text or self._decode_text(running.output_ids)
+        reason = reason or {"type": "stop"}
+        request = running.request
         running.future.set_result(
             GenerateResult(
-                rid=running.request.rid,
+                rid=request.rid,
                 output_ids=running.output_ids,
                 output_logprobs=running.logprobs,
-                finish_reason=reason or {"type": "stop"},
-                prompt_tokens=len(running.request.input_ids),
+                finish_reason=reason,
+                prompt_tokens=len(request.input_ids),
                 weight_version=self.weight_version,
-                text=text,
+                text=self.text_of(running.output_ids, request.sampling, reason),
+                input_logprobs=running.input_logprobs,
+                input_logprob_start=running.input_start,
+                input_top_logprobs=running.input_top,
+                output_top_logprobs=running.output_top if request.return_logprob and request.top_logprobs_num else None,
+                num_retractions=running.num_retractions,
             )
         )
 
-    def _decode_text(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+    def text_of(self, ids: list[int], params: SamplingParams, reason: dict[str, Any] | None = None) -> str:
+        """The returned text, as SGLang's detokenizer makes it: a matched stop token left out, the text cut
+        before a matched stop string, unless ``no_stop_trim``; special tokens per ``skip_special_tokens``."""
+        matched = (reason or {}).get("matched")
+        trim = not params.no_stop_trim and (reason or {}).get("type") == "stop"
+        if trim and isinstance(matched, int) and not isinstance(matched, bool) and ids:
+            ids = ids[:-1]
+        text = str(
+            self.tokenizer.decode(
+                ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+            )
+        )
+        if trim and isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]
+        return text
 
     @torch.no_grad()
     def _prefill(self, running: _Running) -> None:
+        """The prompt (and, after a retraction, the tokens generated so far) into a fresh KV cache."""
         request = running.request
-        ids = torch.tensor([request.input_ids], device=self.device)
+        ids = torch.tensor([request.input_ids + running.output_ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids)
         embeds = self._splice(ids, embeds, request.media)
         mask = torch.ones_like(ids)
@@ -350,6 +474,21 @@ class TransformersEngine:
         running.length = ids.shape[1]
         running.rope_delta = int(deltas.reshape(-1)[0])
         running.next_logits = out.logits[0, -1]
+        if request.return_logprob and running.input_logprobs is None:
+            self._input_logprobs(running, out.logits[0])
+
+    def _input_logprobs(self, running: _Running, logits: torch.Tensor) -> None:
+        """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` (-1: the last prompt position): the
+        first returned is null (SGLang pads it), each other is log p(token | the prompt before it)."""
+        request = running.request
+        ids = request.input_ids
+        start = request.logprob_start_len if request.logprob_start_len >= 0 else len(ids) - 1
+        rows = torch.log_softmax(logits[start : len(ids) - 1].float(), dim=-1)
+        chosen = rows.gather(1, torch.tensor(ids[start + 1 :], device=rows.device)[:, None])[:, 0]
+        running.input_start = start
+        running.input_logprobs = [None, *(float(v) for v in chosen)]
+        if request.top_logprobs_num:
+            running.input_top = [None, *(_top(row, request.top_logprobs_num) for row in rows)]
 
     @torch.no_grad()
     def _decode(self, running: _Running) -> None:
@@ -385,6 +524,11 @@ class TransformersEngine:
                 stacked = torch.cat([r for r in rows if r is not None]).to(embeds.device, embeds.dtype)
                 embeds = embeds.masked_scatter(where.unsqueeze(-1).expand_as(embeds), stacked)
         return embeds
+
+
+def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:
+    values, indices = torch.topk(logprobs, min(n, logprobs.numel()))
+    return [(float(v), int(i)) for v, i in zip(values, indices, strict=True)]
 
 
 def _geometry(media: tuple[MediaInput, ...], device: torch.device) -> dict[str, Any]:

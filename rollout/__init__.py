@@ -5,10 +5,11 @@ The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a 
 
     prompts     OpenAI messages → preprocess items; chat template + exact placeholder expansion
     dispatch    engines: least outstanding, group affinity, one retry elsewhere, health probes
-    group       the rollout itself: prepare → generate n → reward → `Group`; the context; chat samples
+    group       the rollout itself: prepare → generate n (each seeded sample its own seed) → reward →
+                `Group`; the context; chat samples, whole or streamed
     rewards     built-in rewards and the registry of custom ones (named, registered at start-up)
     admission   bounds on in-flight media tokens and request bytes
-    chat        OpenAI chat-completion shaping over samples
+    chat        OpenAI chat / text-completion shaping: objects, streamed deltas, tool calls
     sink        where finished groups go (the data role, or a JSONL file)
     plugins     loading operator-named code (settings and entry points only, never requests)
     errors      the exception tree
@@ -17,7 +18,7 @@ The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a 
 from __future__ import annotations
 
 from .admission import Admission
-from .dispatch import Dispatcher, EngineEndpoint, EngineHealth
+from .dispatch import Dispatcher, EngineEndpoint, EngineHealth, EngineStream
 from .errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -33,16 +34,20 @@ from .errors import (
 )
 from .group import (
     DEFAULT_ROLLOUT_FUNCTION,
+    ChatStream,
     Prepared,
+    Progress,
     PromptSpec,
     RolloutContext,
     RolloutFunction,
     chat_samples,
+    chat_stream,
     generate_n,
     prepare,
     reward_samples,
     rollout_group,
     run_prompt,
+    sample_seed,
 )
 from .plugins import PluginError
 from .prompts import PromptBuilder, parse_messages
@@ -54,10 +59,12 @@ __all__ = [
     "DEFAULT_ROLLOUT_FUNCTION",
     "ENTRY_POINT_GROUP",
     "Admission",
+    "ChatStream",
     "Dispatcher",
     "EngineEndpoint",
     "EngineHealth",
     "EngineRefused",
+    "EngineStream",
     "EnginesUnavailable",
     "ExperienceRefused",
     "HttpSink",
@@ -67,6 +74,7 @@ __all__ = [
     "Overloaded",
     "PluginError",
     "Prepared",
+    "Progress",
     "PromptBuilder",
     "PromptSpec",
     "RewardContext",
@@ -82,10 +90,12 @@ __all__ = [
     "UpstreamUnavailable",
     "WorkTooLarge",
     "chat_samples",
+    "chat_stream",
     "generate_n",
     "parse_messages",
     "prepare",
     "reward_samples",
     "rollout_group",
     "run_prompt",
+    "sample_seed",
 ]

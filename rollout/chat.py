@@ -1,34 +1,101 @@
-"""OpenAI chat-completion shaping: the response object, log-probs content, usage and SSE chunks.
+"""OpenAI chat-completion (and text-completion) shaping: the response object, log-probs, usage, tool
+calls and SSE chunks.
 
-Pure functions over finished `Sample`s (the chat route gets them from `rollout.group.chat_samples`).
-The shapes are OpenAI's ``chat.completion`` and ``chat.completion.chunk``. The tokens are already
-generated when streaming starts (the engines' answer is awaited whole), so a stream is one role
-chunk, one content chunk and one finish chunk per choice. This module does not validate requests
-or talk to any role.
+Pure functions over `Sample`s (the chat route gets them from `rollout.group.chat_samples`) and, for
+true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.group.Progress`) into
+``chat.completion.chunk`` deltas as the tokens come: one delta per engine step (a token, or the few
+an engine sends at once), with their log-probs; text that may still turn out to be a stop string is
+held back until the engine's next step says it is not. Tool calls are parsed from Qwen's format —
+``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks — into ``message.tool_calls``.
+The shapes are OpenAI's ``chat.completion`` and ``chat.completion.chunk``. This module does not
+validate requests or talk to any role.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from experience.records import Sample
 
-__all__ = ["completion", "finish_reason", "logprobs_content", "sse_events", "stream_chunks", "usage"]
+__all__ = [
+    "ChoiceStream",
+    "TextChoiceStream",
+    "chunk_head",
+    "completion",
+    "finish_reason",
+    "legacy_logprobs",
+    "logprobs_content",
+    "parse_tool_calls",
+    "sse",
+    "sse_events",
+    "stream_chunks",
+    "text_completion",
+    "token_logprobs",
+    "usage",
+]
 
 TokenText = Callable[[int], str]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
-def finish_reason(sample: Sample) -> Literal["stop", "length"]:
-    """OpenAI's finish reason: ``length`` when the token limit ended it, else ``stop`` (aborts too)."""
+def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
+    """OpenAI's finish reason: ``tool_calls`` when the answer calls tools, ``length`` when the token
+    limit ended it, else ``stop`` (aborts too)."""
+    if tool_calls:
+        return "tool_calls"
     return "length" if sample.finish_reason == "length" else "stop"
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a model's answer in Qwen's format. Each ``<tool_call>`` block must be a
+    JSON object with a string ``name`` and an object (or JSON-object string) ``arguments``; the calls
+    come out as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``
+    and the content is the text before the first (None when there is none). An answer with no block, or
+    any block that does not parse, is all content and no calls (never a half-parsed call)."""
+    blocks = _TOOL_CALL.findall(text)
+    if not blocks:
+        return text, []
+    calls = []
+    for block in blocks:
+        try:
+            call = json.loads(block)
+        except ValueError:
+            return text, []
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+            return text, []
+        arguments = call.get("arguments", call.get("parameters", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                return text, []
+        if not isinstance(arguments, dict):
+            return text, []
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+        )
+    content = text[: text.index("<tool_call>")]  # as vLLM's Hermes parser: the text before the first call
+    return content if content.strip() else None, calls
 
 
 def logprobs_content(sample: Sample, token_text: TokenText) -> list[dict[str, Any]]:
     """``choices[i].logprobs.content``: one entry per generated token (no alternatives are computed)."""
+    return token_logprobs(sample.response_ids, sample.logprobs, token_text)
+
+
+def token_logprobs(tokens: Sequence[int], logprobs: Sequence[float], token_text: TokenText) -> list[dict[str, Any]]:
     content = []
-    for token, logprob in zip(sample.response_ids, sample.logprobs, strict=True):
+    for token, logprob in zip(tokens, logprobs, strict=True):
         piece = token_text(token)
         content.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []})
     return content
@@ -51,17 +118,27 @@ def completion(
     model: str,
     prompt_tokens: int,
     token_text: TokenText | None = None,
+    tools: bool = False,
+    prefill: str = "",
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs."""
+    """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs; ``tools``: tool
+    calls parsed from each answer (``prefill`` + its text: the start the prompt forced on it)."""
     choices = []
     for sample in samples:
         logprobs = {"content": logprobs_content(sample, token_text)} if token_text is not None else None
+        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
+        calls: list[dict[str, Any]] = []
+        if tools:
+            content, calls = parse_tool_calls(prefill + sample.text)
+            message = {"role": "assistant", "content": content if calls else prefill + sample.text}
+            if calls:
+                message["tool_calls"] = calls
         choices.append(
             {
                 "index": sample.index,
-                "message": {"role": "assistant", "content": sample.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": finish_reason(sample),
+                "finish_reason": finish_reason(sample, tool_calls=bool(calls)),
             }
         )
     return {
@@ -74,29 +151,194 @@ def completion(
     }
 
 
+def chunk_head(completion_id: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
+
+
+def _delta(
+    head: dict[str, Any], index: int, change: dict[str, Any], logprobs: Any = None, finish: str | None = None
+) -> dict[str, Any]:
+    return {**head, "choices": [{"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish}]}
+
+
 def stream_chunks(whole: dict[str, Any], *, include_usage: bool = False) -> list[dict[str, Any]]:
-    """A ``chat.completion`` as ``chat.completion.chunk`` objects: per choice its role, its content
-    (with its log-probs, if any) and its finish reason; with ``include_usage`` a last chunk with no
-    choices and the usage (OpenAI's ``stream_options.include_usage``)."""
-
-    head = {"id": whole["id"], "object": "chat.completion.chunk", "created": whole["created"], "model": whole["model"]}
-
-    def delta(index: int, change: dict[str, Any], logprobs: Any = None, finish: str | None = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish}]}
-
+    """A finished ``chat.completion`` as ``chat.completion.chunk`` objects (used when the answer must
+    be whole before it can be shaped: tool calls): per choice its role, its content (with its
+    log-probs, if any), its tool calls and its finish reason; with ``include_usage`` a last chunk with
+    no choices and the usage (OpenAI's ``stream_options.include_usage``)."""
+    head = chunk_head(whole["id"], whole["created"], whole["model"])
     out = []
     for choice in whole["choices"]:
-        index = choice["index"]
-        out.append(delta(index, {"role": "assistant", "content": ""}))
-        out.append(delta(index, {"content": choice["message"]["content"]}, choice["logprobs"]))
-        out.append(delta(index, {}, finish=choice["finish_reason"]))
+        index, message = choice["index"], choice["message"]
+        out.append(_delta(head, index, {"role": "assistant", "content": ""}))
+        if message.get("content") or choice["logprobs"]:
+            out.append(_delta(head, index, {"content": message.get("content") or ""}, choice["logprobs"]))
+        calls = message.get("tool_calls") or []
+        if calls:
+            out.append(_delta(head, index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}))
+        out.append(_delta(head, index, {}, finish=choice["finish_reason"]))
     if include_usage:
         out.append({**head, "choices": [], "usage": whole["usage"]})
     return out
 
 
+class ChoiceStream:
+    """One choice's ``chat.completion.chunk`` deltas, step by step (`step`): the first step sends the
+    role, each step the text that is new and safe to send (text that could still be the start of a
+    ``stop`` string is held back; the engine trims a stop string from its final text) with the new
+    tokens' log-probs when ``token_text`` is given, and the final step the rest and the finish reason.
+    With ``tools``, text from a ``<tool_call>`` on is held back and the final step sends the parsed
+    calls (one ``tool_calls`` delta, finish reason ``tool_calls``) or, if none parses, the text;
+    ``prefill`` (a forced start of a call) holds back everything until then."""
+
+    def __init__(
+        self,
+        head: dict[str, Any],
+        index: int,
+        *,
+        stop: Sequence[str] = (),
+        token_text: TokenText | None = None,
+        tools: bool = False,
+        prefill: str = "",
+    ) -> None:
+        self.head, self.index, self.token_text = head, index, token_text
+        self.tools, self.prefill = tools, prefill
+        # With tools, "<tool_call>" is held back like a stop string: a call is sent whole, once parsed.
+        self.stop = (*stop, "<tool_call>") if tools else tuple(stop)
+        self.sent = ""  # the content sent so far
+        self.pending: list[dict[str, Any]] = []  # log-probs of tokens whose text is not sent yet
+        self.started = False
+
+    def step(
+        self, token_ids: Sequence[int], logprobs: Sequence[float], text: str, sample: Sample | None
+    ) -> list[dict[str, Any]]:
+        out = []
+        if not self.started:
+            self.started = True
+            out.extend(self._opening())
+        if self.token_text is not None:
+            self.pending.extend(token_logprobs(token_ids, logprobs, self.token_text))
+        final = sample is not None
+        calls: list[dict[str, Any]] = []
+        if sample is not None:
+            safe = self.prefill + sample.text
+            if self.tools:
+                content, calls = parse_tool_calls(safe)
+                safe = (content or "") if calls else safe
+        else:
+            safe = "" if self.prefill else self._safe(text)  # a forced call: nothing is content until parsed
+        new = safe[len(self.sent) :] if safe.startswith(self.sent) else ""
+        if new or (final and self.pending):
+            out.append(self._content(new, self.pending if self.token_text is not None else None))
+            self.sent += new
+            self.pending = []
+        if calls:
+            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+            out.append(_delta(self.head, self.index, delta))
+        if sample is not None:
+            out.append(self._finish(sample, tool_calls=bool(calls)))
+        return out
+
+    def _opening(self) -> list[dict[str, Any]]:
+        return [_delta(self.head, self.index, {"role": "assistant", "content": ""})]
+
+    def _content(self, new: str, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
+        return _delta(self.head, self.index, {"content": new}, {"content": entries} if entries is not None else None)
+
+    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> dict[str, Any]:
+        return _delta(self.head, self.index, {}, finish=finish_reason(sample, tool_calls=tool_calls))
+
+    def _safe(self, text: str) -> str:
+        """The part of the text so far that is sure to stay: before any stop string, not ending in the
+        start of one, nor in a character still being decoded (U+FFFD)."""
+        for stop in self.stop:
+            at = text.find(stop)
+            if at >= 0:
+                text = text[:at]
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:k]):
+                    text = text[:-k]
+                    break
+        text = text.rstrip("\ufffd")
+        return text if text.strip() or not self.tools else ""  # with tools, blank text may yet be no content
+
+
+class TextChoiceStream(ChoiceStream):
+    """`ChoiceStream` for ``/v1/completions``: ``text_completion`` chunks (``choices[i].text``, the
+    legacy log-probs shape), no role chunk."""
+
+    def _opening(self) -> list[dict[str, Any]]:
+        return []
+
+    def _content(self, new: str, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
+        logprobs = legacy_logprobs(entries, offset=len(self.sent)) if entries is not None else None
+        return _text_choice(self.head, self.index, new, logprobs, None)
+
+    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> dict[str, Any]:
+        return _text_choice(self.head, self.index, "", None, finish_reason(sample))
+
+
+def _text_choice(head: dict[str, Any], index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+    return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def legacy_logprobs(entries: Sequence[dict[str, Any]], *, offset: int = 0) -> dict[str, Any]:
+    """The completions API's log-probs: ``tokens``, ``token_logprobs``, ``text_offset`` (each token's
+    start in the text) and ``top_logprobs`` null (no alternatives are computed)."""
+    offsets = []
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def text_completion(
+    samples: Sequence[Sample],
+    *,
+    completion_id: str,
+    created: int,
+    model: str,
+    prompt_tokens: int,
+    token_text: TokenText | None = None,
+    echo: str = "",
+) -> dict[str, Any]:
+    """The ``text_completion`` object (``/v1/completions``); ``echo``: the prompt text put before each
+    answer; ``token_text`` given: the legacy per-token log-probs of the generated tokens."""
+    choices = []
+    for sample in samples:
+        logprobs = None
+        if token_text is not None:
+            logprobs = legacy_logprobs(logprobs_content(sample, token_text), offset=len(echo))
+        choices.append(
+            {
+                "index": sample.index,
+                "text": echo + sample.text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason(sample),
+            }
+        )
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(prompt_tokens, samples),
+    }
+
+
 def sse_events(chunks: Sequence[dict[str, Any]]) -> Iterator[bytes]:
     """Server-sent events: one ``data:`` event per chunk, then ``data: [DONE]``."""
     for item in chunks:
-        yield f"data: {json.dumps(item)}\n\n".encode()
+        yield sse(item)
     yield b"data: [DONE]\n\n"
+
+
+def sse(item: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(item)}\n\n".encode()

@@ -16,16 +16,17 @@ SGLang server its open ``GET /health``.
 
 The HTTP client comes from the caller (the rollout role builds it with the API token and the request
 id); this module owns it only when it made it. It does not build request bodies or read responses
-beyond their status.
+beyond their status, except `EngineStream`, which reads the engine's server-sent events.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,7 +34,7 @@ import httpx
 
 from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, refuses_token
 
-__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth"]
+__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +109,51 @@ class Dispatcher:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise EnginesUnavailable(f"two engines failed: {again}") from None
 
+    async def stream(self, body: BodyFor, *, group: str | None = None) -> EngineStream:
+        """POST /generate with ``stream: true`` on one engine: an open `EngineStream` (its status
+        checked: a refusal is raised here, before any chunk). Opening is retried once on another
+        engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`)."""
+        engine = self._pick(group)
+        try:
+            return await self._open(engine, {**body(engine), "stream": True})
+        except (httpx.RequestError, _EngineFailed) as error:
+            logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
+            engine.down_until = time.monotonic() + self.cooldown_s
+            if group:
+                self._affinity.pop(group, None)
+            other = self._pick(group, exclude=engine)
+            try:
+                return await self._open(other, {**body(other), "stream": True})
+            except (httpx.RequestError, _EngineFailed) as again:
+                other.down_until = time.monotonic() + self.cooldown_s
+                raise EnginesUnavailable(f"two engines failed: {again}") from None
+
+    async def _open(self, engine: EngineEndpoint, body: dict[str, Any]) -> EngineStream:
+        engine.outstanding += 1
+        request = self._client.build_request("POST", f"{engine.url}/generate", json=body)
+        try:
+            response = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout_s)
+        except TimeoutError:
+            engine.outstanding -= 1
+            asyncio.ensure_future(self._abort(engine, body.get("rid")))
+            raise _EngineFailed(f"timed out after {self.timeout_s} s") from None
+        except BaseException:
+            engine.outstanding -= 1
+            raise
+        if response.status_code >= 400:
+            try:
+                await response.aread()
+            finally:
+                await response.aclose()
+                engine.outstanding -= 1
+            if response.status_code >= 500:
+                raise _EngineFailed(f"HTTP {response.status_code}")
+            if refuses_token(response):
+                raise UpstreamUnauthorized("engine", response.status_code, detail=engine.url)
+            code, message = _refusal(response)
+            raise EngineRefused(f"engine {engine.url}: {message}", code=code)
+        return EngineStream(engine, response, abort=lambda: self._abort(engine, body.get("rid")))
+
     async def _call(self, engine: EngineEndpoint, body: dict[str, Any]) -> dict[str, Any]:
         engine.outstanding += 1
         try:
@@ -161,6 +207,54 @@ class Dispatcher:
     async def close(self) -> None:
         if self._owns_client:
             await self._client.aclose()
+
+
+class EngineStream:
+    """One engine's open SSE answer: `chunks` yields each event (SGLang's cumulative chunks: the text
+    and ``output_ids`` so far) until ``[DONE]``; an error event or a broken connection raises
+    (`EngineRefused` for the request's own fault, else `EnginesUnavailable`). Closing it early (the
+    client went away) aborts the request on its engine."""
+
+    def __init__(self, engine: EngineEndpoint, response: httpx.Response, *, abort: Callable[[], Any]) -> None:
+        self.engine, self._response, self._abort = engine, response, abort
+        self._done = self._closed = False
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for line in self._response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line.removeprefix("data:").strip()
+                if data == "[DONE]":
+                    self._done = True
+                    return
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise EnginesUnavailable(f"engine {self.engine.url} sent an event that is not JSON") from None
+                if not isinstance(event, dict):
+                    raise EnginesUnavailable(f"engine {self.engine.url} sent an event that is not a JSON object")
+                error = event.get("error")
+                if isinstance(error, dict):
+                    self._done = True
+                    code = error.get("code")
+                    message = f"engine {self.engine.url}: {error.get('message', 'failed')}"
+                    if code == "internal_error":
+                        raise EnginesUnavailable(message)
+                    raise EngineRefused(message, code=code if isinstance(code, str) else None)
+                yield event
+        except httpx.HTTPError as error:
+            raise EnginesUnavailable(f"engine {self.engine.url} stopped streaming: {error}") from None
+        self._done = True
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.engine.outstanding -= 1
+        await self._response.aclose()
+        if not self._done:  # abandoned: stop generating for nobody
+            await self._abort()
 
 
 def _refusal(response: httpx.Response) -> tuple[str | None, str]:

@@ -12,19 +12,24 @@ A role that refuses this role's API token (401/403 from the preprocess, encoder 
 `rollout_group` is the default rollout function. The role can run another one instead
 (``WEIR_ROLLOUT_FUNCTION``) with the same signature (`RolloutFunction`); it gets the same
 `RolloutContext` and may use the building blocks here (`prepare`, `generate_n`, `reward_samples`).
-Recording a group (the sink) is `run_prompt`'s job, not the rollout function's. This module does not
-speak to clients (no HTTP server, no wire schemas) and keeps no metrics.
+Recording a group (the sink) is `run_prompt`'s job, not the rollout function's. A ``sampling_seed``
+gives each sample of a group its own seed derived from it (`sample_seed`): reproducible, not identical.
+For OpenAI requests, `chat_samples` / `complete_samples` return whole answers and `chat_stream` /
+`open_streams` the engines' token streams (`ChatStream`). This module does not speak to clients (no
+HTTP server, no wire schemas) and keeps no metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import math
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -34,7 +39,7 @@ from pydantic import ValidationError
 from experience.records import FinishReason, Group, Sample, SampleStatus, policy_version_of, sample_id
 
 from .admission import Admission
-from .dispatch import Dispatcher, EngineEndpoint
+from .dispatch import Dispatcher, EngineEndpoint, EngineStream
 from .errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -54,7 +59,14 @@ __all__ = [
     "PromptSpec",
     "RolloutContext",
     "RolloutFunction",
+    "ChatStream",
+    "Progress",
+    "chat_max_tokens",
     "chat_samples",
+    "chat_stream",
+    "complete_samples",
+    "open_streams",
+    "prepared_ids",
     "check_context",
     "engine_body",
     "generate",
@@ -64,6 +76,8 @@ __all__ = [
     "rollout_group",
     "run_prompt",
     "sample_from_engine",
+    "sample_sampling",
+    "sample_seed",
 ]
 
 logger = logging.getLogger(__name__)
@@ -150,9 +164,17 @@ class RolloutFunction(Protocol):
 
 # -- prompt → prepared ------------------------------------------------------------------------------
 async def prepare(
-    ctx: RolloutContext, messages: Sequence[Any], *, where: str, budget: Mapping[str, Any] | None
+    ctx: RolloutContext,
+    messages: Sequence[Any],
+    *,
+    where: str,
+    budget: Mapping[str, Any] | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    prefill: str = "",
 ) -> Prepared:
-    """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded)."""
+    """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded).
+    ``tools`` (OpenAI function tools) are rendered by the chat template; ``prefill`` is text the
+    assistant's answer starts with (appended after the generation prompt)."""
     template, items = parse_messages(list(messages), where)
     start = time.perf_counter()
     results: list[dict[str, Any]] = []
@@ -181,7 +203,7 @@ async def prepare(
             ) from None
     else:
         media = []
-    ids = ctx.prompts.build(template, media)
+    ids = ctx.prompts.build(template, media, tools=tools, prefill=prefill)
     counts = {"text": len(ids) - sum(n for _, n in media)}
     for kind, n in media:
         counts[kind] = counts.get(kind, 0) + n
@@ -348,12 +370,33 @@ async def generate(
     return sample_from_engine(out, index=index, generate_s=time.perf_counter() - start)
 
 
+def sample_seed(seed: int, index: int) -> int:
+    """Sample ``index``'s seed in a group seeded with ``seed``: a hash of the two (in [0, 2**63)), so the
+    samples of a seeded group differ from each other and are the same again for the same seed."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def sample_sampling(sampling: Mapping[str, Any], index: int) -> dict[str, Any]:
+    """``sampling`` for sample ``index``: a ``sampling_seed`` becomes that sample's own (`sample_seed`)."""
+    out = dict(sampling)
+    seed = out.get("sampling_seed")
+    if isinstance(seed, int) and not isinstance(seed, bool):
+        out["sampling_seed"] = sample_seed(seed, index)
+    elif isinstance(seed, float) and seed.is_integer():
+        out["sampling_seed"] = sample_seed(int(seed), index)
+    return out
+
+
 async def generate_n(
     ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, n: int
 ) -> list[Sample]:
-    """``n`` samples of one prepared prompt, concurrently, in index order."""
+    """``n`` samples of one prepared prompt, concurrently, in index order; with a ``sampling_seed``,
+    each sample has its own seed derived from it (`sample_seed`): reproducible, not identical."""
     return list(
-        await asyncio.gather(*(generate(ctx, prepared, sampling, group_id=group_id, index=i) for i in range(n)))
+        await asyncio.gather(
+            *(generate(ctx, prepared, sample_sampling(sampling, i), group_id=group_id, index=i) for i in range(n))
+        )
     )
 
 
@@ -455,20 +498,207 @@ async def run_prompt(
 
 
 # -- chat -------------------------------------------------------------------------------------------
+def chat_max_tokens(ctx: RolloutContext, prepared: Prepared, max_tokens: int | None) -> int:
+    """The new-token limit of a chat request: ``max_tokens``, or (None) all the context leaves, as
+    OpenAI's servers do; `InvalidPrompt` when it does not fit (or the prompt fills the context)."""
+    room = ctx.context_length - len(prepared.prompt_ids)
+    max_new = max_tokens if max_tokens is not None else max(1, room)
+    check_context(ctx, prepared, max_new, "max_tokens")
+    return max_new
+
+
 async def chat_samples(
-    ctx: RolloutContext, messages: Sequence[Any], *, n: int, sampling: Mapping[str, Any], max_tokens: int | None
+    ctx: RolloutContext,
+    messages: Sequence[Any],
+    *,
+    n: int,
+    sampling: Mapping[str, Any],
+    max_tokens: int | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    prefill: str = "",
 ) -> tuple[str, Prepared, list[Sample]]:
     """(completion group id, prepared prompt, ``n`` samples) for an OpenAI chat request; no reward,
-    nothing recorded. ``max_tokens`` None: the default, within what the context leaves. A failed
-    sample is `EnginesUnavailable` (a chat client cannot use a partial answer)."""
-    prepared = await prepare(ctx, messages, where="messages", budget=None)
-    room = ctx.context_length - len(prepared.prompt_ids)
-    max_new = max_tokens if max_tokens is not None else max(1, min(ctx.default_max_tokens, room))
-    check_context(ctx, prepared, max_new, "max_tokens")
+    nothing recorded. ``max_tokens`` None: what the context leaves (`chat_max_tokens`). ``tools``
+    are rendered by the chat template; ``prefill`` starts the assistant's answer. A ``sampling_seed``
+    gives each choice its own seed (`sample_seed`). A failed sample is `EnginesUnavailable` (a chat
+    client cannot use a partial answer)."""
+    prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
+    max_new = chat_max_tokens(ctx, prepared, max_tokens)
+    group_id, samples = await complete_samples(ctx, prepared, n=n, sampling=sampling, max_new_tokens=max_new)
+    return group_id, prepared, samples
+
+
+async def complete_samples(
+    ctx: RolloutContext, prepared: Prepared, *, n: int, sampling: Mapping[str, Any], max_new_tokens: int
+) -> tuple[str, list[Sample]]:
+    """(a fresh group id, ``n`` samples) for an OpenAI request's prepared prompt (each its own seed
+    when seeded); a failed sample is `EnginesUnavailable` (a client cannot use a partial answer)."""
     group_id = uuid.uuid4().hex
     with ctx.admission.admit(media_tokens=prepared.media_tokens * n):
-        samples = await generate_n(ctx, prepared, {**sampling, "max_new_tokens": max_new}, group_id=group_id, n=n)
+        samples = await generate_n(
+            ctx, prepared, {**sampling, "max_new_tokens": max_new_tokens}, group_id=group_id, n=n
+        )
     failed = [s for s in samples if s.status is SampleStatus.FAILED]
     if failed:
         raise EnginesUnavailable(failed[0].error or "a sample failed")
-    return group_id, prepared, samples
+    return group_id, samples
+
+
+def prepared_ids(ctx: RolloutContext, ids: Sequence[int], where: str) -> Prepared:
+    """A text-only prompt given as token ids (``/v1/completions``): each id must be in the vocabulary
+    and none a media placeholder (there is no media to expand it with)."""
+    vocab = len(ctx.prompts.tokenizer)
+    placeholders = set(ctx.prompts.placeholders.values())
+    for k, token in enumerate(ids):
+        if not 0 <= token < vocab:
+            raise InvalidPrompt(
+                f"{where}[{k}]: token id {token} is not in the vocabulary of {vocab}", code="invalid_prompt"
+            )
+        if token in placeholders:
+            raise InvalidPrompt(f"{where}[{k}]: a media placeholder token needs its media", code="invalid_prompt")
+    if not ids:
+        raise InvalidPrompt(f"{where}: an empty prompt", code="invalid_prompt")
+    return Prepared(
+        prompt_ids=list(ids), media=[], inline=[], feature_keys=[], token_counts={"text": len(ids)}, preprocess_s=0.0
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """One step of one streamed choice: the tokens new in this step (with their log-probs) and the
+    text so far; a choice's last step carries its finished `Sample` (the engine's final answer)."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    sample: Sample | None = None
+
+
+class ChatStream:
+    """The ``n`` engine streams of one chat request, already open (so a refused prompt was an error
+    before any byte was sent): `progress` yields each choice's steps as the engines produce them,
+    choices interleaved. Holds the request's admission until closed; closing early aborts on the engines."""
+
+    def __init__(
+        self, group_id: str, prepared: Prepared, streams: list[EngineStream], held: contextlib.ExitStack
+    ) -> None:
+        self.group_id, self.prepared, self._streams, self._held = group_id, prepared, streams, held
+        self._start = time.perf_counter()
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def progress(self) -> AsyncIterator[Progress]:
+        queue: asyncio.Queue[Progress | BaseException] = asyncio.Queue()
+
+        async def pump(index: int, stream: EngineStream) -> None:
+            seen = 0
+            try:
+                async for chunk in stream.chunks():
+                    ids, lps, text, final = _chunk_parts(chunk)
+                    step = Progress(index, ids[seen:], lps[seen:], text)
+                    seen = max(seen, len(ids))
+                    if final:
+                        sample = sample_from_engine(chunk, index=index, generate_s=time.perf_counter() - self._start)
+                        if sample.status is SampleStatus.FAILED:
+                            raise EnginesUnavailable(sample.error or "a sample failed")
+                        step = dataclasses.replace(step, sample=sample)
+                    await queue.put(step)
+                    if final:
+                        return
+                raise EnginesUnavailable(f"engine {stream.engine.url} ended its stream without a final chunk")
+            except BaseException as error:  # noqa: BLE001 - handed to the reader, which raises it
+                await queue.put(error)
+
+        tasks = self._tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(self._streams)]
+        try:
+            finished = 0
+            while finished < len(tasks):
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.sample is not None:
+                    finished += 1
+                yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        try:
+            for stream in self._streams:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()
+        finally:
+            self._held.close()
+
+
+def _chunk_parts(chunk: Mapping[str, Any]) -> tuple[list[int], list[float], str, bool]:
+    """(output ids so far, their log-probs, text so far, whether this is the final chunk) of one of an
+    engine's cumulative stream chunks; an unreadable chunk is `EnginesUnavailable`."""
+    try:
+        meta = chunk["meta_info"]
+        ids = [int(t) for t in chunk.get("output_ids") or []]
+        lps = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        text = str(chunk.get("text") or "")
+        final = meta.get("finish_reason") is not None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise EnginesUnavailable(f"malformed engine stream chunk: {type(error).__name__}: {error}") from None
+    return ids, lps, text, final
+
+
+async def chat_stream(
+    ctx: RolloutContext,
+    messages: Sequence[Any],
+    *,
+    n: int,
+    sampling: Mapping[str, Any],
+    max_tokens: int | None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    prefill: str = "",
+) -> ChatStream:
+    """`chat_samples`, streamed: the prompt prepared and the ``n`` engine streams opened (each
+    choice's own seed, as there); the caller reads `ChatStream.progress` and closes it."""
+    prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
+    return await open_streams(
+        ctx, prepared, n=n, sampling=sampling, max_new_tokens=chat_max_tokens(ctx, prepared, max_tokens)
+    )
+
+
+async def open_streams(
+    ctx: RolloutContext, prepared: Prepared, *, n: int, sampling: Mapping[str, Any], max_new_tokens: int
+) -> ChatStream:
+    """The ``n`` engine streams of a prepared prompt, open (each choice its own seed when seeded)."""
+    group_id = uuid.uuid4().hex
+    held = contextlib.ExitStack()
+    held.enter_context(ctx.admission.admit(media_tokens=prepared.media_tokens * n))
+
+    async def open_one(index: int) -> EngineStream:
+        choice = sample_sampling({**sampling, "max_new_tokens": max_new_tokens}, index)
+        rid = sample_id(group_id, index)
+        return await ctx.dispatcher.stream(
+            lambda engine: engine_body(engine, prepared, choice, rid, routed_experts=False), group=group_id
+        )
+
+    tasks = [asyncio.ensure_future(open_one(i)) for i in range(n)]
+    failure: BaseException | None = None
+    try:
+        await asyncio.wait(tasks)
+    except asyncio.CancelledError as error:  # cancelled while opening (the client went away)
+        failure = error
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+        elif failure is None and (task.cancelled() or task.exception() is not None):
+            failure = asyncio.CancelledError() if task.cancelled() else task.exception()
+    if failure is not None:  # one refused: none is kept (the caller gets the refusal, as a 4xx)
+        for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                with contextlib.suppress(Exception):
+                    await task.result().aclose()
+        held.close()
+        raise failure
+    opened = [task.result() for task in tasks]
+    return ChatStream(group_id, prepared, opened, held)

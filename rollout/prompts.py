@@ -1,6 +1,8 @@
 """OpenAI-style messages → preprocess items + token ids with each placeholder expanded exactly.
 
-Content parts: ``text``; ``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
+Roles: ``system``, ``developer`` (rendered as system), ``user``, ``assistant`` (with ``tool_calls``: its
+calls rendered by the chat template) and ``tool`` (a tool's result). Content parts: ``text``;
+``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
 ``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
 URLs); ``input_audio`` (``{"data": base64, "format": ...}``). Errors are `InvalidPrompt`s that name the
 offending field. This module does not fetch or decode media (the preprocess role does) and does not
@@ -10,7 +12,7 @@ talk to any role.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,7 @@ from .errors import InvalidPrompt
 __all__ = ["PromptBuilder", "parse_messages"]
 
 _MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-_ROLES = {"system", "user", "assistant"}
+_ROLES = {"system", "user", "assistant", "tool", "developer"}
 
 
 def _source(url: str) -> dict[str, str]:
@@ -45,9 +47,17 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
         path = f"{where}[{i}]"
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise InvalidPrompt(f"{path}.role: one of {sorted(_ROLES)} is required", code="invalid_messages")
+        role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's new name for it
         content = message.get("content")
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            template.append({"role": role, "content": _text_of(content, path), "tool_calls": _tool_calls(calls, path)})
+            continue
+        if role == "tool":
+            template.append({"role": role, "content": _text_of(content, path)})
+            continue
         if isinstance(content, str):
-            template.append({"role": message["role"], "content": content})
+            template.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
             raise InvalidPrompt(f"{path}.content: a string or a list of parts is required", code="invalid_messages")
@@ -75,8 +85,44 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
             else:
                 shown = kind if isinstance(kind, str | None) else type(kind).__name__
                 raise InvalidPrompt(f"{part_path}.type: unknown content part {shown!r}", code="unknown_part_type")
-        template.append({"role": message["role"], "content": parts})
+        template.append({"role": role, "content": parts})
     return template, items
+
+
+def _text_of(content: Any, path: str) -> str:
+    """A tool result's or a tool-calling assistant turn's content: text, text parts, or none."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return "".join(str(p.get("text", "")) for p in content)
+    raise InvalidPrompt(f"{path}.content: text (a string or text parts) is required here", code="invalid_messages")
+
+
+def _tool_calls(calls: Any, path: str) -> list[dict[str, Any]]:
+    """An assistant turn's OpenAI ``tool_calls`` as chat templates take them: ``{"type": "function",
+    "function": {"name", "arguments"}}`` with the arguments' JSON string parsed into an object (as
+    Hugging Face templates expect; a string that is not a JSON object stays as given)."""
+    if not isinstance(calls, list):
+        raise InvalidPrompt(f"{path}.tool_calls: a list is required", code="invalid_messages")
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name:
+            raise InvalidPrompt(f"{path}.tool_calls[{k}].function.name: a name is required", code="invalid_messages")
+        arguments = function.get("arguments", "{}") if isinstance(function, dict) else "{}"
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            arguments = parsed if isinstance(parsed, dict) else arguments
+        elif not isinstance(arguments, dict):
+            raise InvalidPrompt(
+                f"{path}.tool_calls[{k}].function.arguments: a JSON string is required", code="invalid_messages"
+            )
+        out.append({"type": "function", "id": call.get("id"), "function": {"name": name, "arguments": arguments}})
+    return out
 
 
 class PromptBuilder:
@@ -94,10 +140,40 @@ class PromptBuilder:
         eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.eos_ids = [t for t in eos if isinstance(t, int) and t >= 0]
 
-    def build(self, template: list[dict[str, Any]], media: Sequence[tuple[str, int]]) -> list[int]:
+    def render(
+        self, template: list[dict[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None, prefill: str = ""
+    ) -> str:
+        """The templated conversation as text, ending with the generation prompt and ``prefill``.
+        ``tools`` that the model's chat template does not render are `InvalidPrompt`
+        (``tools_not_supported``), never silently left out of the prompt."""
+        text = str(self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True))
+        if tools:
+            plain = text
+            text = str(
+                self.tokenizer.apply_chat_template(
+                    template,
+                    tools=[dict(t) for t in tools],
+                    tokenize=False,
+                    add_generation_prompt=True,
+                )
+            )
+            if text == plain:
+                raise InvalidPrompt(
+                    "tools: this model's chat template does not render tools", code="tools_not_supported"
+                )
+        return text + prefill
+
+    def build(
+        self,
+        template: list[dict[str, Any]],
+        media: Sequence[tuple[str, int]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        prefill: str = "",
+    ) -> list[int]:
         """Token ids of the templated conversation, each media placeholder expanded to its count."""
-        text = self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True)
-        ids = self.tokenizer.encode(str(text), add_special_tokens=False)
+        text = self.render(template, tools=tools, prefill=prefill)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             return expand_placeholders(ids, self.placeholders, media)
         except MediaError as error:  # e.g. a text part that spells out a placeholder token

@@ -25,6 +25,11 @@ import torch
 
 __all__ = ["NcclWeightSync", "data_policy_version", "publish_weights"]
 
+# Requests in flight keep their tokens across a publish: "retract" puts them back in the queue and they go on
+# under the new weights (SGLang's default, "abort", would throw that work away; "in_place" keeps KV that a
+# weight update's cache flush cannot drop).
+PAUSE = {"mode": "retract"}
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +55,7 @@ def publish_weights(
         start = time.perf_counter()
         for url in engine_urls:
             try:
-                client.post(f"{url}/pause_generation", json={}).raise_for_status()
+                client.post(f"{url}/pause_generation", json=PAUSE).raise_for_status()
                 live.append(url)
             except httpx.TransportError:
                 logger.warning("engine %s is unreachable; publishing to the others", url)
@@ -166,7 +171,7 @@ class NcclWeightSync:
         import torch.distributed as dist
 
         for url in self.engine_urls:
-            self.client.post(f"{url}/pause_generation", json={}).raise_for_status()
+            self.client.post(f"{url}/pause_generation", json=PAUSE).raise_for_status()
         try:
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):

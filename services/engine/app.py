@@ -1,9 +1,11 @@
 """The engine role over HTTP: the subset of SGLang 0.5's native API that RL systems use.
 
-Same paths, field names and response shapes as SGLang (`POST /generate`, weight updates,
-pause/continue, abort, health, model and server info), so a client written for SGLang works
-unchanged. One documented extension: ``weir_media`` on `/generate` passes the prompt's media by
-key (`schemas.MediaRef`). Routes only: the engine, sampling, media and their errors are the
+Same paths, field names and response shapes as SGLang (`POST /generate` — single and batch, ``n``,
+log-probs, raw media —, weight updates, pause (``abort`` / ``retract`` / ``in_place``) / continue, abort,
+flush, weight version, health, model and server info under both their names), so a client written for
+SGLang works unchanged; a field it does not implement is refused naming the field (README's table).
+One documented extension: ``weir_media`` on `/generate` passes the prompt's media by key
+(`schemas.MediaRef`). Routes only: the engine, sampling, media and their errors are the
 `engines` library's; the shared middle (auth, errors, ``/healthz``, ``/readyz``, ``/metrics``)
 is `services.template`'s.
 """
@@ -15,16 +17,18 @@ import json
 import logging
 import re
 import time
-import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from concurrent.futures import Future
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import Body, FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import Body, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from transformers import AutoTokenizer
 
 import engines
-from engines import GenerateRequest, GenerateResult, MediaResolver, sampling_from
+import preprocess as pp
+from engines import GenerateRequest, GenerateResult, MediaResolver
 
 from .. import __version__
 from ..errors import ApiError
@@ -44,8 +48,18 @@ from .schemas import (
     ServerInfo,
     UpdateWeightsBody,
     UpdateWeightsResponse,
+    WeightVersion,
 )
-from .service import HEALTH_GENERATE_TIMEOUT_S, EngineRole, Probe, engine_metrics, result_json, sse
+from .service import (
+    HEALTH_GENERATE_TIMEOUT_S,
+    EngineRole,
+    Probe,
+    engine_metrics,
+    plan_generate,
+    refuse,
+    result_json,
+    sse,
+)
 from .settings import EngineSettings
 
 __all__ = ["app_factory", "create_app"]
@@ -95,6 +109,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         tokenizer=AutoTokenizer.from_pretrained(settings.model),
         config=json.loads((settings.model / "config.json").read_text()),
         media=MediaResolver.open(settings.cache_dir, settings.embedding_cache_dir, settings.cache_max_bytes),
+        spec=_spec(settings.model),
+        placeholders=_placeholders(settings.model),
     )
     probe = Probe(engine)
     metrics, counted = engine_metrics(engine)
@@ -117,61 +133,97 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     @app.post(
         "/generate",
         tags=["sglang"],
-        response_model=GenerateResponse,
+        response_model=GenerateResponse | list[GenerateResponse],
+        response_model_exclude_unset=True,
         responses={
             **_ERRORS,
             200: {"content": {"text/event-stream": {}}, "description": "JSON, or events when stream is true"},
             504: {"model": ErrorResponse, "description": "not finished within WEIR_REQUEST_TIMEOUT_S"},
         },
     )
-    async def generate(body: GenerateBody) -> Any:
-        """Generate for one prompt (SGLang's single-request form)."""
-        if (body.text is None) == (body.input_ids is None):
-            raise ApiError(422, "invalid_request", "give exactly one of text, input_ids", field="text")
-        sampling = sampling_from(body.sampling_params or {})
-        refs = [
-            engines.MediaRef(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key)
-            for r in body.weir_media
-        ]
-        media = await asyncio.to_thread(role.media.resolve, refs) if refs else ()
-        if body.input_ids is not None:
-            ids = list(body.input_ids)
-        else:
-            ids = list(await asyncio.to_thread(role.tokenizer.encode, body.text or ""))
-        request = GenerateRequest(
-            input_ids=ids,
-            sampling=sampling,
-            media=media,
-            rid=body.rid or uuid.uuid4().hex,
-            return_routed_experts=body.return_routed_experts,
-        )
+    async def generate(body: GenerateBody, http: Request) -> Any:
+        """Generate for one prompt or a batch (SGLang's ``GenerateReqInput``); a JSON list for a batch or n > 1."""
+        plan = await asyncio.to_thread(plan_generate, body, role)
+        requests = plan.requests
+        token_text = _token_text if body.return_text_in_logprobs else None
         start = time.perf_counter()
+
+        def shaped(request: GenerateRequest, result: GenerateResult, latency: float) -> dict[str, Any]:
+            return result_json(
+                result,
+                logprobs=request.return_logprob,
+                latency=latency,
+                input_ids=request.input_ids,
+                token_text=token_text,
+                prompt_token_ids=body.return_prompt_token_ids,
+            )
+
         if body.stream:
-            return StreamingResponse(_stream(request, body.return_logprob, start), media_type="text/event-stream")
-        future = engine.submit(request)  # a bad prompt is refused here, before any work
+            stream = _stream(requests[0], shaped, start)
+            return StreamingResponse(stream, media_type="text/event-stream")
+        futures: list[Future[GenerateResult]] = []
         try:
-            result = await asyncio.wait_for(asyncio.wrap_future(future), settings.request_timeout_s)
+            for index, request in enumerate(requests):  # a bad prompt is refused here, before any work
+                try:
+                    futures.append(engine.submit(request))
+                except engines.EngineError as error:
+                    raise refuse(error, item=index if plan.listed else None) from None
+        except BaseException:
+            for request in requests[: len(futures)]:
+                engine.abort(request.rid)
+            raise
+        watcher = asyncio.create_task(_abort_on_disconnect(http, requests))
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), settings.request_timeout_s
+            )
         except TimeoutError:
-            engine.abort(request.rid)
+            for request in requests:
+                engine.abort(request.rid)
             raise ApiError(
                 504, "generation_timeout", f"not finished within {settings.request_timeout_s:g}s; aborted"
             ) from None
         except asyncio.CancelledError:
-            engine.abort(request.rid)
+            for request in requests:
+                engine.abort(request.rid)
             raise
-        return result_json(counted(result), logprobs=body.return_logprob, latency=time.perf_counter() - start)
+        finally:
+            watcher.cancel()
+        latency = time.perf_counter() - start
+        out = [shaped(r, counted(x), latency) for r, x in zip(requests, results, strict=True)]
+        return out if plan.listed else out[0]
 
-    def _stream(request: GenerateRequest, logprobs: bool, start: float) -> AsyncIterator[bytes]:
+    async def _abort_on_disconnect(http: Request, requests: list[GenerateRequest]) -> None:
+        """A client that goes away before its answer: stop generating for it (as SGLang does)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+        for request in requests:
+            engine.abort(request.rid)
+
+    def _token_text(token: int) -> str:
+        return str(role.tokenizer.decode([token]))
+
+    def _stream(
+        request: GenerateRequest,
+        shaped: Callable[[GenerateRequest, GenerateResult, float], dict[str, Any]],
+        start: float,
+    ) -> AsyncIterator[bytes]:
         """SGLang's default SSE: cumulative chunks, the finished one, then ``[DONE]``. The request is
-        submitted before the response starts, so a bad prompt is a plain 4xx, not an event."""
+        submitted before the response starts, so a bad prompt is a plain 4xx, not an event; a client
+        that goes away aborts its request. Intermediate chunks carry the output log-probs so far; prompt
+        and top log-probs come with the finished chunk."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
 
         def push(token: int, logprob: float) -> None:
             loop.call_soon_threadsafe(events.put_nowait, (token, logprob))
 
-        future = engine.submit(request, on_token=push)
+        try:
+            future = engine.submit(request, on_token=push)
+        except engines.EngineError as error:
+            raise refuse(error) from None
         future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
+        params = request.sampling
 
         async def chunks() -> AsyncIterator[bytes]:
             ids: list[int] = []
@@ -187,14 +239,20 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                         finish_reason={},
                         prompt_tokens=len(request.input_ids),
                         weight_version=engine.weight_version,
-                        text=str(role.tokenizer.decode(ids, skip_special_tokens=True)),
+                        text=str(
+                            role.tokenizer.decode(
+                                ids,
+                                skip_special_tokens=params.skip_special_tokens,
+                                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                            )
+                        ),
                     )
-                    chunk = result_json(partial, logprobs=logprobs, latency=0.0)
+                    chunk = shaped(request, partial, 0.0)
                     chunk["meta_info"]["finish_reason"] = None
                     yield sse(chunk)
                 try:
                     result = counted(future.result())
-                    yield sse(result_json(result, logprobs=logprobs, latency=time.perf_counter() - start))
+                    yield sse(shaped(request, result, time.perf_counter() - start))
                 except engines.EngineError as error:  # the request's fault, found while generating
                     yield sse({"error": {"code": error.code, "message": str(error)}})
                 except Exception:  # noqa: BLE001 - the status line is sent: the failure can only be an event
@@ -234,11 +292,12 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
     @app.post("/pause_generation", tags=["sglang"], response_model=ControlResponse, responses=_BODY_ERRORS)
     async def pause(body: Annotated[PauseBody | None, Body()] = None) -> Any:
-        """Stop generating (between two decode steps); mode ``abort`` aborts running requests first."""
-        if body is not None and body.mode == "abort":
-            engine.abort_all()
-        await asyncio.to_thread(engine.pause)
-        return {"success": True, "message": "paused"}
+        """Stop generating between two decode steps (SGLang's modes; ``abort`` by default, as SGLang's):
+        ``abort`` finishes running and queued requests as aborted, ``retract`` puts running requests back
+        in the queue with their tokens, ``in_place`` freezes them. Answers once the mode is applied."""
+        mode = body.mode if body is not None else "abort"
+        await asyncio.to_thread(engine.pause, mode)
+        return {"success": True, "message": f"paused ({mode})"}
 
     @app.post("/continue_generation", tags=["sglang"], response_model=ControlResponse, responses=_BODY_ERRORS)
     async def resume(body: Annotated[ContinueBody | None, Body()] = None) -> Any:
@@ -271,7 +330,35 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return JSONResponse({}, status_code=200 if engine.paused else 503)
         return JSONResponse({})
 
+    _flush_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Cache flushed."},
+        400: {"description": "requests hold KV"},
+    }
+
+    @app.get("/flush_cache", tags=["sglang"], response_class=PlainTextResponse, responses=_flush_responses)
+    @app.post("/flush_cache", tags=["sglang"], response_class=PlainTextResponse, responses=_flush_responses)
+    async def flush_cache() -> PlainTextResponse:
+        """SGLang's: 200 ``Cache flushed.`` when no request holds KV, else 400. The transformers backend
+        keeps no prefix cache across requests, so a flush drops nothing; it refuses as SGLang does while
+        requests are running or frozen in place."""
+        if await asyncio.to_thread(engine.flush_cache):
+            return PlainTextResponse(
+                "Cache flushed.\nPlease check backend logs for more details. (When there are "
+                "running or waiting requests, the operation will not be performed.)\n"
+            )
+        return PlainTextResponse(
+            "Cache not flushed: requests are running or frozen in place (pause with mode abort or retract, or "
+            "wait for them).\n",
+            status_code=400,
+        )
+
+    @app.get("/get_weight_version", tags=["sglang"], response_model=WeightVersion)
+    async def get_weight_version() -> Any:
+        """SGLang's: the weight version now served."""
+        return {"weight_version": engine.weight_version}
+
     @app.get("/model_info", tags=["sglang"], response_model=ModelInfo)
+    @app.get("/get_model_info", tags=["sglang"], response_model=ModelInfo, description="SGLang's older name")
     async def model_info() -> Any:
         config = role.config
         return {
@@ -288,6 +375,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         }
 
     @app.get("/server_info", tags=["sglang"], response_model=ServerInfo)
+    @app.get("/get_server_info", tags=["sglang"], response_model=ServerInfo, description="SGLang's older name")
     async def server_info() -> Any:
         transformers = settings.backend == "transformers"
         return {
@@ -303,6 +391,31 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         }
 
     return app
+
+
+def _spec(model: Path) -> pp.ProcessorSpec:
+    """The served model's processor (its preprocessor_config.json), as the preprocess role reads it."""
+    if (model / "preprocessor_config.json").is_file():
+        return pp.ProcessorSpec.from_pretrained(model)
+    return pp.ProcessorSpec.qwen2_5_omni()
+
+
+def _placeholders(model: Path) -> dict[str, int]:
+    """The model's placeholder token per media kind (Qwen2.5-Omni's config names them)."""
+    config = json.loads((model / "config.json").read_text())
+    sections = [config, config.get("thinker_config") or {}]
+    out = {}
+    for kind, names in (
+        ("image", ("image_token_id", "image_token_index")),
+        ("video", ("video_token_id", "video_token_index")),
+        ("audio", ("audio_token_id", "audio_token_index")),
+    ):
+        for section in sections:
+            found = next((section[n] for n in names if isinstance(section.get(n), int)), None)
+            if found is not None:
+                out[kind] = int(found)
+                break
+    return out
 
 
 def app_factory() -> FastAPI:

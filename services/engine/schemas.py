@@ -18,6 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from ..template import FEATURE_KEY_PATTERN
 
 __all__ = [
+    "REFUSED_FIELDS",
     "WEIGHT_VERSION_PATTERN",
     "AbortBody",
     "AbortResponse",
@@ -33,6 +34,7 @@ __all__ = [
     "ServerInfo",
     "UpdateWeightsBody",
     "UpdateWeightsResponse",
+    "WeightVersion",
 ]
 
 # Each key may be null (SGLang's "the default").
@@ -46,6 +48,29 @@ _SAMPLING_SCHEMA: dict[str, Any] = {
         "stop_token_ids": {"anyOf": [{"type": "array", "items": {"type": "integer"}}, {"type": "null"}]},
         "sampling_seed": {"anyOf": [{"type": "integer"}, {"type": "null"}]},
         "ignore_eos": {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": False},
+        "min_p": {"anyOf": [{"type": "number", "minimum": 0, "maximum": 1}, {"type": "null"}], "default": 0.0},
+        "repetition_penalty": {
+            "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": 2}, {"type": "null"}],
+            "default": 1.0,
+        },
+        "presence_penalty": {
+            "anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}],
+            "default": 0,
+        },
+        "frequency_penalty": {
+            "anyOf": [{"type": "number", "minimum": -2, "maximum": 2}, {"type": "null"}],
+            "default": 0,
+        },
+        "min_new_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": 0},
+        "logit_bias": {
+            "anyOf": [{"type": "object", "additionalProperties": {"type": "number"}}, {"type": "null"}],
+            "description": "token id (a decimal string) → bias added to its logit",
+        },
+        "skip_special_tokens": {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": True},
+        "spaces_between_special_tokens": {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": True},
+        "no_stop_trim": {"anyOf": [{"type": "boolean"}, {"type": "null"}], "default": False},
+        "n": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "default": 1},
+        "custom_params": {"anyOf": [{"type": "object"}, {"type": "null"}]},
     }
 }
 
@@ -58,6 +83,24 @@ def _json_integer(value: Any) -> Any:
 
 
 TokenId = Annotated[int, BeforeValidator(_json_integer), Field(ge=0)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+Text = Annotated[str, Field(min_length=1)]
+
+REFUSED_FIELDS = frozenset(
+    {
+        "input_embeds",
+        "lora_path",
+        "custom_logit_processor",
+        "token_ids_logprob",
+        "return_hidden_states",
+        "return_entropy",
+        "return_sampling_mask",
+        "session_params",
+        "max_thinking_tokens",
+    }
+)
+"""SGLang ``GenerateReqInput`` fields that change the result and that this engine role does not implement:
+refused (400 ``unsupported_field``) unless null, false or empty."""
 
 WEIGHT_VERSION_PATTERN = r"^(default|[0-9]{1,16})$"
 """A ``weight_version`` the engine role takes: a policy version (a decimal integer of at most 16
@@ -86,13 +129,19 @@ class MediaRef(BaseModel):
 
 
 class GenerateBody(BaseModel):
-    """SGLang's ``GenerateReqInput``, the single-request form: exactly one of ``text``, ``input_ids``.
+    """SGLang's ``GenerateReqInput``: exactly one of ``text``, ``input_ids``; each a single prompt or a
+    batch (a list of strings, a list of id lists), with per-item ``sampling_params``, ``rid`` (a list, or
+    one string used as a prefix), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``.
 
-    Other SGLang fields are accepted and ignored. ``weir_media``: the prompt's media in prompt
-    order, for ``input_ids`` whose placeholders are already expanded."""
+    ``image_data`` / ``video_data`` / ``audio_data``: SGLang's media (see `services.engine.media`), one
+    item, a list, or for a batch one entry per prompt. SGLang fields that would change the result and are
+    not implemented (``REFUSED_FIELDS``) are refused with 400 ``unsupported_field`` naming them; other
+    fields are accepted and ignored (routing hints, priorities, labels, ``modalities``). ``weir_media``:
+    the prompt's media by cache key in prompt order, for ``input_ids`` whose placeholders are already
+    expanded (single requests only, not with the ``*_data`` fields)."""
 
     model_config = ConfigDict(
-        extra="ignore",
+        extra="allow",
         strict=True,
         json_schema_extra={  # the route checks it (400); the schema says it
             "oneOf": [
@@ -102,28 +151,51 @@ class GenerateBody(BaseModel):
         },
     )
 
-    text: str | None = Field(None, min_length=1)
-    input_ids: list[TokenId] | None = Field(None, min_length=1)
-    sampling_params: dict[str, Any] | None = Field(
+    text: Text | Annotated[list[Text], Field(min_length=1)] | None = Field(
+        None, description="a prompt, or a batch of prompts"
+    )
+    input_ids: Ids | Annotated[list[Ids], Field(min_length=1)] | None = Field(
+        None, description="a prompt's token ids, or a batch of them"
+    )
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
         None,
-        description="SGLang's sampling keys; supported: max_new_tokens, temperature, top_p, top_k, stop, "
-        "stop_token_ids, sampling_seed, ignore_eos (others SGLang knows are refused unless null, "
-        "detokenizer options are ignored)",
+        description="SGLang's sampling keys (one object for every item, or one per batch item); supported: "
+        "max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
+        "frequency_penalty, min_new_tokens, logit_bias, stop, stop_token_ids, sampling_seed, ignore_eos, "
+        "skip_special_tokens, spaces_between_special_tokens, no_stop_trim, n, custom_params (accepted; "
+        "return_top_p_token_ids refused when true), stream_interval (ignored); refused unless null: "
+        "json_schema, regex, ebnf, structural_tag, stop_regex, beam_width, watermark, choice",
         json_schema_extra=_SAMPLING_SCHEMA,
     )
-    return_logprob: bool = False
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = Field(
+        -1, description="-1: output log-probs only; k >= 0: also the prompt's from position k (the first null)"
+    )
+    top_logprobs_num: int | list[int] = Field(0, description="the most likely tokens at each position")
+    return_text_in_logprobs: bool = False
+    return_prompt_token_ids: bool = False
     return_routed_experts: bool = False
-    rid: str | None = None
-    stream: bool = Field(False, description="server-sent events: cumulative chunks, the final one, then [DONE]")
+    rid: str | list[str] | None = None
+    stream: bool = Field(
+        False,
+        description="server-sent events: cumulative chunks, the final one, then [DONE] (single requests, n = 1)",
+    )
+    image_data: Any = Field(None, description="SGLang's: a data URI, base64, file:// or a path under the media roots")
+    video_data: Any = Field(None, description="as image_data")
+    audio_data: Any = Field(None, description="as image_data")
     weir_media: list[MediaRef] = Field(default_factory=list)
 
 
 class GenerateResponse(BaseModel):
+    """One result; a batch or n > 1 is answered with a JSON list of these (item-major, as SGLang)."""
+
     text: str
     output_ids: list[int]
+    prompt_token_ids: list[int] | None = Field(None, description="with return_prompt_token_ids")
     meta_info: dict[str, Any] = Field(
         description="id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, "
-        "e2e_latency; output_token_logprobs ([logprob, token_id, null]) with return_logprob"
+        "num_retractions, e2e_latency; with return_logprob: output_token_logprobs and input_token_logprobs "
+        "([logprob, token_id, text or null]), with top_logprobs_num: output_top_logprobs and input_top_logprobs"
     )
 
 
@@ -166,13 +238,14 @@ class AbortResponse(BaseModel):
 
 
 class PauseBody(BaseModel):
-    """SGLang's ``PauseGenerationReqInput``. ``abort`` aborts running requests first; ``retract`` and
-    ``in_place`` keep them, to continue after ``/continue_generation`` (the default here, unlike
-    SGLang's, is to keep them: Weir's publisher pauses around a weight update)."""
+    """SGLang's ``PauseGenerationReqInput``: ``abort`` (the default, as SGLang's) finishes running and
+    queued requests as aborted; ``retract`` puts running requests back in the queue with their tokens (KV
+    recomputed when they resume); ``in_place`` freezes them with their KV (``/flush_cache`` then fails).
+    Requests that arrive while paused wait for ``/continue_generation``."""
 
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    mode: Literal["abort", "retract", "in_place"] | None = None
+    mode: Literal["abort", "retract", "in_place"] = "abort"
 
 
 class ContinueBody(BaseModel):
@@ -182,6 +255,10 @@ class ContinueBody(BaseModel):
 class ControlResponse(BaseModel):
     success: bool
     message: str
+
+
+class WeightVersion(BaseModel):
+    weight_version: str
 
 
 class ModelInfo(BaseModel):

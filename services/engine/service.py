@@ -8,18 +8,45 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from engines import Engine, GenerateRequest, GenerateResult, MediaResolver, SamplingParams
+import preprocess as pp
+from engines import (
+    Engine,
+    EngineError,
+    GenerateRequest,
+    GenerateResult,
+    MediaNotFound,
+    MediaResolver,
+    SamplingParams,
+    TopLogprobs,
+    sample_count,
+    sample_seed,
+    sampling_from,
+)
+from engines import MediaRef as MediaKey
 from experience.records import policy_version_of
 
+from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..template import Readiness
+from .media import expand_prompt, items_for, read_media
+from .schemas import REFUSED_FIELDS, GenerateBody
 from .settings import EngineSettings
 
-__all__ = ["HEALTH_GENERATE_TIMEOUT_S", "EngineRole", "Probe", "engine_metrics", "result_json", "sse"]
+__all__ = [
+    "HEALTH_GENERATE_TIMEOUT_S",
+    "EngineRole",
+    "GeneratePlan",
+    "Probe",
+    "engine_metrics",
+    "plan_generate",
+    "refuse",
+    "result_json",
+    "sse",
+]
 
 PROBE_TIMEOUT_S = 10.0  # /readyz: the 1-token probe must finish by then
 PROBE_TTL_S = 5.0  # /readyz: a probe's answer is reused this long, so probing does not load the engine
@@ -35,10 +62,22 @@ class EngineRole:
     tokenizer: Any
     config: dict[str, Any]
     media: MediaResolver
+    spec: pp.ProcessorSpec | None = None  # how image_data / video_data / audio_data are processed
+    placeholders: dict[str, int] = field(default_factory=dict)  # kind → the model's placeholder token id
 
 
-def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> dict[str, Any]:
-    """SGLang's response to one generate request."""
+def result_json(
+    result: GenerateResult,
+    *,
+    logprobs: bool,
+    latency: float,
+    input_ids: Sequence[int] = (),
+    token_text: Callable[[int], str] | None = None,
+    prompt_token_ids: bool = False,
+) -> dict[str, Any]:
+    """SGLang's response to one generate request. Log-prob entries are ``[logprob, token_id, text]``, the
+    text filled by ``token_text`` (``return_text_in_logprobs``), else null; top log-probs are lists of such
+    entries per position (null where SGLang pads the first prompt position)."""
     meta: dict[str, Any] = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -46,15 +85,33 @@ def result_json(result: GenerateResult, *, logprobs: bool, latency: float) -> di
         "completion_tokens": result.completion_tokens,
         "cached_tokens": 0,
         "weight_version": result.weight_version,
+        "num_retractions": result.num_retractions,
         "e2e_latency": latency,
     }
     if result.routed_experts is not None:
         meta["routed_experts"] = result.routed_experts
     if logprobs:
+
+        def entry(logprob: float | None, token: int) -> list[Any]:
+            return [logprob, token, token_text(token) if token_text is not None else None]
+
+        def tops(position: TopLogprobs | None) -> list[list[Any]] | None:
+            return None if position is None else [entry(lp, t) for lp, t in position]
+
         meta["output_token_logprobs"] = [
-            [lp, t, None] for lp, t in zip(result.output_logprobs, result.output_ids, strict=True)
+            entry(lp, t) for lp, t in zip(result.output_logprobs, result.output_ids, strict=True)
         ]
-    return {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+        if result.input_logprobs is not None:
+            prompt = list(input_ids)[result.input_logprob_start :]
+            meta["input_token_logprobs"] = [entry(lp, t) for lp, t in zip(result.input_logprobs, prompt, strict=False)]
+        if result.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [tops(p) for p in result.output_top_logprobs]
+        if result.input_top_logprobs is not None:
+            meta["input_top_logprobs"] = [tops(p) for p in result.input_top_logprobs]
+    out: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+    if prompt_token_ids:
+        out["prompt_token_ids"] = list(input_ids)
+    return out
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -136,3 +193,137 @@ def engine_metrics(engine: Engine) -> tuple[RoleMetrics, Callable[[GenerateResul
 
     metrics.scraped(figures)
     return metrics, counted
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GeneratePlan:
+    """A `/generate` body as engine requests: one per (batch item, sample), item-major as SGLang orders them."""
+
+    requests: list[GenerateRequest]
+    listed: bool  # the response is a JSON list (a batch, or n > 1)
+
+
+def refuse(error: EngineError, *, item: int | None = None) -> ApiError:
+    """An `engines` error as the role's 4xx, with the field it names and the batch item at fault."""
+    status = 404 if isinstance(error, MediaNotFound) else 400
+    return ApiError(status, error.code, error.message, item=error.item if item is None else item, field=error.field)
+
+
+def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
+    """Check and expand a `/generate` body (blocking: tokenizes, decodes media, reads the caches; run it in a
+    thread)."""
+    tokenizer, media = role.tokenizer, role.media
+    for name, value in (body.model_extra or {}).items():
+        if name in REFUSED_FIELDS and value not in (None, False, "") and value != [] and value != {}:
+            raise ApiError(400, "unsupported_field", f"{name} is not supported by this engine role", field=name)
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError(422, "invalid_request", "give exactly one of text, input_ids", field="text")
+    prompts: list[list[int]]
+    if body.text is not None:
+        batch = isinstance(body.text, list)
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [list(tokenizer.encode(t)) for t in texts]
+        where = "text"
+    else:
+        assert body.input_ids is not None
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = [list(p) for p in body.input_ids] if batch else [list(body.input_ids)]  # type: ignore[arg-type]
+        where = "input_ids"
+    size = len(prompts)
+    if size == 0:
+        raise ApiError(422, "invalid_request", f"{where} is an empty batch", field=where)
+    if batch and body.weir_media:
+        raise ApiError(400, "invalid_request", "weir_media is for single requests, not batches", field="weir_media")
+    raw_sampling = _per_item(body.sampling_params, size, "sampling_params", default={})
+    return_logprob = _per_item(body.return_logprob, size, "return_logprob", default=False)
+    start_len = _per_item(body.logprob_start_len, size, "logprob_start_len", default=-1)
+    top_num = _per_item(body.top_logprobs_num, size, "top_logprobs_num", default=0)
+    counts, params = [], []
+    for index, raw in enumerate(raw_sampling):
+        try:
+            params.append(sampling_from(raw))
+            counts.append(sample_count(raw))
+        except EngineError as error:
+            raise refuse(error, item=index if batch else None) from None
+    total = sum(counts)
+    if isinstance(body.rid, list) and len(body.rid) != size:
+        raise ApiError(400, "invalid_request", f"rid has {len(body.rid)} entries for {size} prompts", field="rid")
+    if body.stream and (batch or total > 1):
+        raise ApiError(400, "invalid_request", "stream is for single requests with n = 1", field="stream")
+    raw = {"image_data": body.image_data, "video_data": body.video_data, "audio_data": body.audio_data}
+    sources = items_for(raw, size, batch)
+    if body.weir_media and any(sources):
+        raise ApiError(
+            400,
+            "invalid_request",
+            "give weir_media or image_data / video_data / audio_data, not both",
+            field="weir_media",
+        )
+    per_prompt: list[tuple[Any, ...]] = []
+    for index, items in enumerate(sources):
+        if items:
+            prompts[index], refs = _raw_media(prompts[index], items, role)
+        else:
+            refs = [
+                MediaKey(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key) for r in body.weir_media
+            ]
+        try:
+            per_prompt.append(media.resolve(refs) if refs else ())
+        except EngineError as error:
+            raise refuse(error, item=index if batch else None) from None
+    requests = []
+    flat = 0
+    for index, (ids, sampling, n, resolved) in enumerate(zip(prompts, params, counts, per_prompt, strict=True)):
+        for sample in range(n):
+            if isinstance(body.rid, list):
+                rid = body.rid[index] if n == 1 else f"{body.rid[index]}_{sample}"
+            elif isinstance(body.rid, str):
+                rid = body.rid if total == 1 else f"{body.rid}_{flat}"
+            else:
+                rid = uuid.uuid4().hex
+            seed = sample_seed(sampling.sampling_seed, sample)
+            requests.append(
+                GenerateRequest(
+                    input_ids=ids,
+                    sampling=sampling if seed == sampling.sampling_seed else replace(sampling, sampling_seed=seed),
+                    media=resolved,
+                    rid=rid,
+                    return_logprob=return_logprob[index],
+                    return_routed_experts=body.return_routed_experts,
+                    logprob_start_len=start_len[index],
+                    top_logprobs_num=top_num[index],
+                )
+            )
+            flat += 1
+    if len({r.rid for r in requests}) != len(requests):
+        raise ApiError(400, "invalid_request", "rid names two requests of this batch alike", field="rid")
+    return GeneratePlan(requests=requests, listed=batch or total > 1)
+
+
+def _raw_media(ids: list[int], items: list[tuple[Any, str, str]], role: EngineRole) -> tuple[list[int], list[MediaKey]]:
+    """SGLang's raw media of one prompt → the feature cache (as the preprocess role would put them), the
+    prompt's placeholders expanded, and references by feature key in prompt order (Weir's own path)."""
+    settings = role.settings
+    spec = role.spec or pp.ProcessorSpec.qwen2_5_omni()
+    processed = []
+    for kind, source, name in items:
+        data = read_media(source, name, settings.media_roots, settings.max_media_bytes)
+        try:
+            processed.append(pp.process_bytes(data, kind, spec, store=role.media.features))
+        except pp.MediaError as error:
+            raise ApiError(400, error.code, f"{name}: {error}", field=name) from None
+    order: list[int] = []
+    sizes = [(p.features.kind, int(p.features.num_tokens)) for p in processed]
+    expanded = expand_prompt(ids, role.placeholders, sizes, order)
+    return expanded, [MediaKey(kind=processed[i].features.kind, feature_key=processed[i].key) for i in order]
+
+
+def _per_item(value: Any, size: int, field: str, *, default: Any) -> list[Any]:
+    """A field given once for every item, or as a list of one per batch item (SGLang's batch form)."""
+    if value is None:
+        return [default] * size
+    if isinstance(value, list):
+        if len(value) != size:
+            raise ApiError(400, "invalid_request", f"{field} has {len(value)} entries for {size} prompts", field=field)
+        return list(value)
+    return [value] * size

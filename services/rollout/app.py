@@ -1,4 +1,5 @@
-"""The rollout role's routes: `POST /v1/rollouts`, OpenAI-compatible chat, the model and reward lists.
+"""The rollout role's routes: `POST /v1/rollouts`, OpenAI-compatible chat and text completions (streamed
+token by token with ``stream``; their errors in OpenAI's shape), the model and reward lists.
 
 `create_app(settings)` builds the role's `rollout.RolloutContext` once (clients that carry the API
 token and the request id to the preprocess, encoder, engine and data roles; the reward registry; the
@@ -12,10 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -38,7 +40,18 @@ from rollout.errors import (
     UpstreamUnavailable,
     WorkTooLarge,
 )
-from rollout.group import PromptSpec, RolloutFunction, chat_samples, run_prompt
+from rollout.group import (
+    ChatStream,
+    PromptSpec,
+    RolloutFunction,
+    chat_samples,
+    chat_stream,
+    check_context,
+    complete_samples,
+    open_streams,
+    prepared_ids,
+    run_prompt,
+)
 from rollout.plugins import load_coroutine_function
 from rollout.rewards import BUILTIN_REWARDS
 
@@ -50,12 +63,23 @@ from .schemas import (
     UNSUPPORTED_CHAT_PARAMETERS,
     ChatCompletion,
     ChatRequest,
+    CompletionRequest,
     ModelCard,
     ModelList,
     RolloutRequest,
     RolloutResponse,
 )
-from .service import RolloutMetrics, build_context, library_reward, prompt_sampling, unsupported_parameter
+from .service import (
+    OpenAIErrors,
+    RolloutMetrics,
+    build_context,
+    chat_sampling,
+    completion_refusal,
+    library_reward,
+    prompt_sampling,
+    tool_prompt,
+    unsupported_parameter,
+)
 from .settings import RolloutSettings
 
 __all__ = ["app_factory", "create_app"]
@@ -123,6 +147,8 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         description="Rollout requests (groups of rewarded trajectories) and OpenAI-compatible chat over the "
         "preprocess, encoder and engine roles.",
     )
+
+    app.add_middleware(OpenAIErrors)  # outermost: the OpenAI routes' errors in OpenAI's shape
 
     @app.exception_handler(MediaRefused)
     async def _media_refused(_: Request, exc: MediaRefused) -> JSONResponse:
@@ -194,41 +220,148 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
                     task.cancel()
         return JSONResponse({"groups": [g.to_json() for g in groups]})
 
+    def check_model(name: str | None) -> str:
+        """The model a request names: the one this role serves (None: that one), else 404 model_not_found."""
+        if name is not None and name != settings.served_model_name:
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"The model `{name}` does not exist: this role serves `{settings.served_model_name}` (GET /v1/models)",
+                field="model",
+            )
+        return settings.served_model_name
+
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletion, responses={200: {"content": {"text/event-stream": {}}}}
     )
     async def chat_completions(body: ChatRequest, request: Request) -> Any:
-        """OpenAI-compatible chat completion (streamed as server-sent events with ``stream``)."""
+        """OpenAI-compatible chat completion; with ``stream``, server-sent events as the tokens come."""
+        model = check_model(body.model)
         refused = unsupported_parameter(body)
         if refused is not None:
             raise ApiError(
                 400, "unsupported_parameter", f"{refused}: {UNSUPPORTED_CHAT_PARAMETERS[refused]}", field=refused
             )
         if body.n > settings.max_n:
-            raise InvalidPrompt(f"n: at most {settings.max_n}", code="n_out_of_range")
-        sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
-        if body.stop is not None:
-            sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
-        if body.seed is not None:
-            sampling["sampling_seed"] = body.seed
+            raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
+        sampling = chat_sampling(body)
+        tools, prefill = tool_prompt(body)
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        include_usage = body.stream_options is not None and body.stream_options.include_usage
+        token_text = context.prompts.token_text if body.logprobs else None
+        created = int(time.time())
+        if body.stream:
+            held = contextlib.ExitStack()
+            held.enter_context(context.admission.admit(nbytes=await body_bytes(request)))
+            try:
+                streams = await chat_stream(
+                    context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill
+                )
+            except BaseException:
+                held.close()
+                raise
+            head = chat.chunk_head(f"chatcmpl-{streams.group_id}", created, model)
+            shape = functools.partial(
+                chat.ChoiceStream, stop=sampling.get("stop") or (), token_text=token_text, tools=tools is not None
+            )
+            events = _chat_events(streams, head, shape, include_usage, held, prefill)
+            return StreamingResponse(events, media_type="text/event-stream")
         with context.admission.admit(nbytes=await body_bytes(request)):
             group_id, prepared, samples = await chat_samples(
-                context, [m.model_dump() for m in body.messages], n=body.n, sampling=sampling, max_tokens=limit
+                context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill
             )
         whole = chat.completion(
             samples,
             completion_id=f"chatcmpl-{group_id}",
-            created=int(time.time()),
-            model=body.model or settings.served_model_name,
+            created=created,
+            model=model,
             prompt_tokens=len(prepared.prompt_ids),
-            token_text=context.prompts.token_text if body.logprobs else None,
+            token_text=token_text,
+            tools=tools is not None,
+            prefill=prefill,
         )
-        if not body.stream:
-            return JSONResponse(whole)
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        events = chat.sse_events(chat.stream_chunks(whole, include_usage=include_usage))
-        return StreamingResponse(_iterate(events), media_type="text/event-stream")
+        return JSONResponse(whole)
+
+    @app.post("/v1/completions", responses={200: {"content": {"text/event-stream": {}}}})
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        """OpenAI-compatible text completion: the prompt as given (text or token ids, no chat template)."""
+        model = check_model(body.model)
+        refused = completion_refusal(body)
+        if refused is not None:
+            raise ApiError(400, "unsupported_parameter", f"{refused[0]}: {refused[1]}", field=refused[0])
+        if body.n > settings.max_n:
+            raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
+        sampling = chat_sampling(body)
+        tokenizer = context.prompts.tokenizer
+        if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
+            prompts: list[Any] = [body.prompt]
+        else:
+            prompts = list(body.prompt)
+        prepared = [
+            prepared_ids(
+                context,
+                tokenizer.encode(p, add_special_tokens=False) if isinstance(p, str) else p,
+                "prompt" if len(prompts) == 1 else f"prompt[{i}]",
+            )
+            for i, p in enumerate(prompts)
+        ]
+        for one in prepared:
+            check_context(context, one, body.max_tokens, "max_tokens")
+        token_text = context.prompts.token_text if body.logprobs is not None else None
+        created = int(time.time())
+        if body.stream:
+            held = contextlib.ExitStack()
+            held.enter_context(context.admission.admit(nbytes=await body_bytes(request)))
+            try:
+                streams = await open_streams(
+                    context, prepared[0], n=body.n, sampling=sampling, max_new_tokens=body.max_tokens
+                )
+            except BaseException:
+                held.close()
+                raise
+            head = {"id": f"cmpl-{streams.group_id}", "object": "text_completion", "created": created, "model": model}
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            echo = _decode(context, prepared[0].prompt_ids) if body.echo else ""
+            events = _text_events(streams, head, sampling.get("stop") or (), token_text, include_usage, echo, held)
+            return StreamingResponse(events, media_type="text/event-stream")
+        with context.admission.admit(nbytes=await body_bytes(request)):
+            answers = await asyncio.gather(
+                *(
+                    complete_samples(context, p, n=body.n, sampling=sampling, max_new_tokens=body.max_tokens)
+                    for p in prepared
+                )
+            )
+        choices: list[dict[str, Any]] = []
+        completion_tokens = 0
+        for p, (one, (_, samples)) in enumerate(zip(prepared, answers, strict=True)):
+            whole = chat.text_completion(
+                samples,
+                completion_id="",
+                created=created,
+                model=model,
+                prompt_tokens=len(one.prompt_ids),
+                token_text=token_text,
+                echo=_decode(context, one.prompt_ids) if body.echo else "",
+            )
+            for choice in whole["choices"]:
+                choices.append({**choice, "index": p * body.n + choice["index"]})
+            completion_tokens += whole["usage"]["completion_tokens"]
+        prompt_tokens = sum(len(p.prompt_ids) for p in prepared)
+        return JSONResponse(
+            {
+                "id": f"cmpl-{answers[0][0]}",
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens,
+                },
+            }
+        )
 
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
@@ -243,9 +376,88 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     return app
 
 
-async def _iterate(events: Iterator[bytes]) -> AsyncIterator[bytes]:
-    for event in events:
-        yield event
+async def _chat_events(
+    streams: ChatStream,
+    head: dict[str, Any],
+    shape: Callable[..., chat.ChoiceStream],
+    include_usage: bool,
+    held: contextlib.ExitStack,
+    prefill: str,
+) -> AsyncIterator[bytes]:
+    """The chunks of a streamed chat completion as the engines produce them; a failure after the 200
+    is an error event (the OpenAI SDK raises it), then the stream ends."""
+    choices: dict[int, chat.ChoiceStream] = {}
+    samples = []
+    with held:
+        try:
+            async for step in streams.progress():
+                shaper = choices.get(step.index)
+                if shaper is None:
+                    shaper = choices[step.index] = shape(head, step.index, prefill=prefill)
+                for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample):
+                    yield chat.sse(item)
+                if step.sample is not None:
+                    samples.append(step.sample)
+            if include_usage:
+                yield chat.sse({**head, "choices": [], "usage": chat.usage(len(streams.prepared.prompt_ids), samples)})
+        except (RolloutError, InvalidSampling) as error:
+            yield chat.sse(error_body(error.code, str(error)))
+        except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
+            logger.exception("a chat stream failed")
+            yield chat.sse(error_body("internal_error", "the service failed on this request; see its log"))
+        finally:
+            await streams.aclose()
+        yield b"data: [DONE]\n\n"
+
+
+def _decode(context: Any, ids: list[int]) -> str:
+    return str(context.prompts.tokenizer.decode(ids))
+
+
+async def _text_events(
+    streams: ChatStream,
+    head: dict[str, Any],
+    stop: Sequence[str],
+    token_text: chat.TokenText | None,
+    include_usage: bool,
+    echo: str,
+    held: contextlib.ExitStack,
+) -> AsyncIterator[bytes]:
+    """A streamed text completion: the echoed prompt first (when asked), then each choice's text as
+    the engines produce it; a failure after the 200 is an error event."""
+    choices: dict[int, chat.TextChoiceStream] = {}
+    samples = []
+    with held:
+        try:
+            async for step in streams.progress():
+                shaper = choices.get(step.index)
+                if shaper is None:
+                    shaper = choices[step.index] = chat.TextChoiceStream(
+                        head, step.index, stop=stop, token_text=token_text
+                    )
+                    if echo:
+                        yield chat.sse(
+                            {
+                                **head,
+                                "choices": [
+                                    {"index": step.index, "text": echo, "logprobs": None, "finish_reason": None}
+                                ],
+                            }
+                        )
+                for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample):
+                    yield chat.sse(item)
+                if step.sample is not None:
+                    samples.append(step.sample)
+            if include_usage:
+                yield chat.sse({**head, "choices": [], "usage": chat.usage(len(streams.prepared.prompt_ids), samples)})
+        except (RolloutError, InvalidSampling) as error:
+            yield chat.sse(error_body(error.code, str(error)))
+        except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
+            logger.exception("a completion stream failed")
+            yield chat.sse(error_body("internal_error", "the service failed on this request; see its log"))
+        finally:
+            await streams.aclose()
+        yield b"data: [DONE]\n\n"
 
 
 async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitStack) -> AsyncIterator[bytes]:

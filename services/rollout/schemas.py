@@ -21,14 +21,17 @@ __all__ = [
     "ChatCompletion",
     "ChatMessage",
     "ChatRequest",
+    "CompletionRequest",
     "Message",
     "ModelCard",
     "ModelList",
+    "NamedToolChoice",
     "RewardSpec",
     "RolloutPrompt",
     "RolloutRequest",
     "RolloutResponse",
     "StreamOptions",
+    "Tool",
     "UNSUPPORTED_CHAT_PARAMETERS",
     "Usage",
 ]
@@ -37,8 +40,10 @@ _MAX_MESSAGES = 1024
 _MAX_PARTS = 256
 _MAX_TOKENS = 1 << 20
 _SAMPLING_DOC = (
-    "SGLang sampling_params: max_new_tokens, temperature, top_p, top_k, stop, stop_token_ids, sampling_seed, "
-    "ignore_eos (other SGLang keys are refused as unsupported, unknown keys as unknown_sampling_param)"
+    "SGLang sampling_params, as the engines implement them (max_new_tokens, temperature, top_p, top_k, stop, "
+    "stop_token_ids, ignore_eos, ...; SGLang keys they do not implement are refused as unsupported, unknown keys "
+    "as unknown_sampling_param). sampling_seed seeds the group: each sample gets its own seed derived from it "
+    "and its index (reproducible, not identical)"
 )
 
 
@@ -52,15 +57,29 @@ class Message(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    role: str = Field(max_length=32, description="system, user or assistant")
-    content: Annotated[
-        Annotated[list[dict[str, Any]], Field(max_length=_MAX_PARTS), Tag("list")] | Annotated[str, Tag("text")],
-        Discriminator(_text_or_list),
-    ] = Field(
+    role: str = Field(
+        max_length=32, description="system, developer (rendered as system), user, assistant or tool (a tool's result)"
+    )
+    content: (
+        Annotated[
+            Annotated[list[dict[str, Any]], Field(max_length=_MAX_PARTS), Tag("list")] | Annotated[str, Tag("text")],
+            Discriminator(_text_or_list),
+        ]
+        | None
+    ) = Field(
+        None,
         description="text, or a list of parts: {type: text, text}, {type: image_url | video_url | audio_url, "
         "<type>: {url}} (a data URI, a path under the preprocess role's media roots, or http(s) when allowed), "
-        "{type: input_audio, input_audio: {data: base64, format}}",
+        "{type: input_audio, input_audio: {data: base64, format}}; may be null on an assistant turn with "
+        "tool_calls",
     )
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None,
+        max_length=128,
+        description="an assistant turn's calls: [{id, type: function, function: {name, arguments: JSON string}}]",
+    )
+    tool_call_id: str | None = Field(None, max_length=256, description="a tool message: the call it answers")
+    name: str | None = Field(None, max_length=256)
 
 
 class Budget(BaseModel):
@@ -139,14 +158,13 @@ class StreamOptions(BaseModel):
 
 
 UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
-    "tools": "tool calling is not supported",
-    "tool_choice": "tool calling is not supported",
-    "functions": "function calling is not supported",
-    "function_call": "function calling is not supported",
-    "response_format": "structured output is not supported",
-    "logit_bias": "logit_bias is not supported",
-    "frequency_penalty": "frequency_penalty other than 0 is not supported",
-    "presence_penalty": "presence_penalty other than 0 is not supported",
+    "functions": "the deprecated function calling is not supported (use tools)",
+    "function_call": "the deprecated function calling is not supported (use tool_choice)",
+    "response_format": "only {type: text}: json_object and json_schema need constrained decoding, which the "
+    "engines do not do",
+    "logit_bias": "logit_bias is not supported by the engines",
+    "frequency_penalty": "frequency_penalty other than 0 is not supported by the engines",
+    "presence_penalty": "presence_penalty other than 0 is not supported by the engines",
     "top_logprobs": "top_logprobs other than 0 is not supported (logprobs gives the sampled token's)",
     "audio": "audio output is not supported",
     "modalities": "only the text modality is supported",
@@ -155,7 +173,41 @@ UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
     "reasoning_effort": "reasoning_effort is not supported",
 }
 """OpenAI fields that would change the answer if silently ignored: a request that sets one (to anything
-but its neutral value) gets 400 ``unsupported_parameter`` naming it."""
+but its neutral value) gets 400 ``unsupported_parameter`` naming it. The penalties and ``logit_bias``
+are passed to the engines instead (as SGLang sampling keys) once the engines support them
+(`engines.sampling.SUPPORTED_SAMPLING`)."""
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = Field(None, max_length=65_536)
+    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema object")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """An OpenAI function tool; rendered into the prompt by the model's chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: NamedFunction
+
 
 _Stop = Annotated[str, Field(min_length=1, max_length=256)]
 _REFUSED = "not supported: 400 unsupported_parameter unless absent, null or neutral"
@@ -167,12 +219,14 @@ class ChatRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
-    model: str | None = Field(None, max_length=256, description="echoed back; the role serves one model")
+    model: str | None = Field(
+        None, max_length=256, description="the served model (GET /v1/models); another name is 404 model_not_found"
+    )
     messages: list[Message] = Field(max_length=_MAX_MESSAGES)
     n: int = Field(1, ge=1, le=4096, description="choices (at most the role's WEIR_MAX_N)")
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS)
+    max_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS, description="default: what the context leaves")
     max_completion_tokens: int | None = Field(None, ge=1, le=_MAX_TOKENS, description="wins over max_tokens")
     stop: (
         Annotated[
@@ -185,6 +239,13 @@ class ChatRequest(BaseModel):
     logprobs: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = Field(None, max_length=128, description="function tools, rendered by the chat template")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None,
+        description="auto (the default with tools), none (tools left out of the prompt), required or a named "
+        "function (the answer is started with a <tool_call> block, naming the function when given)",
+    )
+    ignore_eos: bool = Field(False, description="an SGLang / vLLM extension: generate up to max_tokens")
     # Accepted and ignored: they do not change the answer.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
@@ -192,14 +253,18 @@ class ChatRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
     # Refused unless neutral (see UNSUPPORTED_CHAT_PARAMETERS).
-    tools: Any = Field(None, description=_REFUSED + " ([] is neutral)")
-    tool_choice: Any = Field(None, description=_REFUSED + ' ("none" is neutral)')
     functions: Any = Field(None, description=_REFUSED + " ([] is neutral)")
     function_call: Any = Field(None, description=_REFUSED)
     response_format: Any = Field(None, description=_REFUSED + " ({type: text} is neutral)")
-    logit_bias: Any = Field(None, description=_REFUSED + " ({} is neutral)")
-    frequency_penalty: Any = Field(None, description=_REFUSED + " (0 is neutral)")
-    presence_penalty: Any = Field(None, description=_REFUSED + " (0 is neutral)")
+    logit_bias: Any = Field(
+        None, description="passed to the engines when they support it; else " + _REFUSED + " ({} is neutral)"
+    )
+    frequency_penalty: Any = Field(
+        None, description="passed to the engines when they support it; else " + _REFUSED + " (0 is neutral)"
+    )
+    presence_penalty: Any = Field(
+        None, description="passed to the engines when they support it; else " + _REFUSED + " (0 is neutral)"
+    )
     top_logprobs: Any = Field(None, description=_REFUSED + " (0 is neutral)")
     audio: Any = Field(None, description=_REFUSED)
     modalities: Any = Field(None, description=_REFUSED + ' (["text"] is neutral)')
@@ -210,7 +275,10 @@ class ChatRequest(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = Field(
+        None, description="[{id, type: function, function: {name, arguments: JSON string}}]"
+    )
 
 
 class ChatChoice(BaseModel):
@@ -219,7 +287,7 @@ class ChatChoice(BaseModel):
     logprobs: dict[str, Any] | None = Field(
         None, description="{content: [{token, logprob, bytes, top_logprobs: []}]} when asked"
     )
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
 
 
 class Usage(BaseModel):
@@ -247,3 +315,58 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- OpenAI text completions ------------------------------------------------------------------------
+_Ids = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=_MAX_TOKENS)]
+
+
+def _prompt_kind(value: Any) -> str:
+    if isinstance(value, str):
+        return "text"
+    if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return "texts"
+    if isinstance(value, list) and value and all(isinstance(v, list) for v in value):
+        return "id_lists"
+    return "ids"
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's (legacy) text-completions request: a raw prompt, no chat template. OpenAI fields not
+    listed are ignored; those that would change the answer are refused by name."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = Field(None, max_length=256, description="the served model; another name is 404")
+    prompt: Annotated[
+        Annotated[str, Field(max_length=4 * _MAX_TOKENS), Tag("text")]
+        | Annotated[_Ids, Tag("ids")]
+        | Annotated[list[Annotated[str, Field(max_length=4 * _MAX_TOKENS)]], Field(max_length=256), Tag("texts")]
+        | Annotated[list[_Ids], Field(max_length=256), Tag("id_lists")],
+        Discriminator(_prompt_kind),
+    ] = Field(description="text, token ids, or a batch of either (each gets n choices, indexed prompt * n + j)")
+    max_tokens: int = Field(16, ge=1, le=_MAX_TOKENS, description="OpenAI's default: 16")
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=4096)
+    stop: (
+        Annotated[
+            Annotated[list[_Stop], Field(max_length=4), Tag("list")] | Annotated[_Stop, Tag("text")],
+            Discriminator(_text_or_list),
+        ]
+        | None
+    ) = None
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="each choice gets its own seed derived from it")
+    logprobs: int | None = Field(
+        None, ge=0, le=5, description="0: the sampled tokens' log-probs; more (top alternatives) is refused"
+    )
+    echo: bool = Field(False, description="the prompt text before each answer (without log-probs)")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    user: str | None = Field(None, max_length=256)
+    suffix: Any = Field(None, description="refused unless null")
+    best_of: Any = Field(None, description="refused unless null or 1")
+    logit_bias: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None

@@ -4,8 +4,10 @@ its metrics, and the request-level checks that come before any work. No routes h
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from engines.sampling import SUPPORTED_SAMPLING
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.dispatch import Dispatcher
@@ -15,12 +17,34 @@ from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec
 from rollout.sink import HttpSink, JsonlSink, Sink
 
+from ..errors import ApiError
 from ..http import async_client
 from ..metrics import RoleMetrics
-from .schemas import UNSUPPORTED_CHAT_PARAMETERS, ChatRequest, RewardSpec, RolloutPrompt, RolloutRequest
+from .schemas import (
+    UNSUPPORTED_CHAT_PARAMETERS,
+    ChatRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    RewardSpec,
+    RolloutPrompt,
+    RolloutRequest,
+)
 from .settings import RolloutSettings
 
-__all__ = ["RolloutMetrics", "build_context", "library_reward", "prompt_sampling", "unsupported_parameter"]
+__all__ = [
+    "ENGINE_SAMPLING_FIELDS",
+    "OPENAI_ROUTES",
+    "OpenAIErrors",
+    "RolloutMetrics",
+    "build_context",
+    "chat_sampling",
+    "completion_refusal",
+    "library_reward",
+    "openai_error",
+    "prompt_sampling",
+    "tool_prompt",
+    "unsupported_parameter",
+]
 
 
 class RolloutMetrics:
@@ -98,6 +122,11 @@ def prompt_sampling(request: RolloutRequest, prompt: RolloutPrompt, default_max_
     return sampling
 
 
+# OpenAI fields that are SGLang sampling keys of the same name and meaning: passed on when the engines
+# implement them (engines.sampling.SUPPORTED_SAMPLING), refused by name otherwise.
+ENGINE_SAMPLING_FIELDS = ("frequency_penalty", "presence_penalty", "logit_bias")
+
+
 def unsupported_parameter(body: ChatRequest) -> str | None:
     """The first OpenAI field set to something this role would otherwise silently ignore."""
     neutral: dict[str, tuple[Any, ...]] = {
@@ -107,12 +136,158 @@ def unsupported_parameter(body: ChatRequest) -> str | None:
         "logit_bias": ({},),
         "modalities": (["text"],),
         "response_format": ({"type": "text"},),
-        "tools": ([],),
         "functions": ([],),
-        "tool_choice": ("none",),
     }
     for name in UNSUPPORTED_CHAT_PARAMETERS:
         value = getattr(body, name)
-        if value is not None and not any(value == n and type(value) is type(n) for n in neutral.get(name, ())):
-            return name
+        if value is None or any(value == n and type(value) is type(n) for n in neutral.get(name, ())):
+            continue
+        if name in ENGINE_SAMPLING_FIELDS and name in SUPPORTED_SAMPLING:
+            continue
+        return name
     return None
+
+
+def completion_refusal(body: CompletionRequest) -> tuple[str, str] | None:
+    """(field, why) of the first ``/v1/completions`` field this role would otherwise silently ignore."""
+    for name in ENGINE_SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is not None and value not in (0, 0.0, {}) and name not in SUPPORTED_SAMPLING:
+            return name, UNSUPPORTED_CHAT_PARAMETERS[name]
+    if body.suffix is not None and body.suffix != "":
+        return "suffix", "insertion (suffix) is not supported"
+    if body.best_of is not None and body.best_of != 1:
+        return "best_of", "best_of is not supported (ask for n choices)"
+    if body.logprobs is not None and body.logprobs > 0:
+        return "logprobs", "only 0 (the sampled tokens' log-probs): top alternatives are not computed"
+    if body.echo and body.logprobs is not None:
+        return "echo", "echo with logprobs needs the prompt's log-probs, which are not computed"
+    if body.stream and not isinstance(body.prompt, str) and body.prompt and not isinstance(body.prompt[0], int):
+        return "stream", "a batch of prompts is not streamed: one prompt per streamed request"
+    return None
+
+
+def chat_sampling(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for a chat request (checked by `unsupported_parameter` first); a
+    ``seed`` becomes ``sampling_seed``, which gives each choice its own seed."""
+    sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
+    if body.stop is not None:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
+    if body.seed is not None:
+        sampling["sampling_seed"] = body.seed
+    if body.ignore_eos:
+        sampling["ignore_eos"] = True
+    for name in ENGINE_SAMPLING_FIELDS:
+        value = getattr(body, name)
+        if value is not None and name in SUPPORTED_SAMPLING:
+            sampling[name] = value
+    return sampling
+
+
+def tool_prompt(body: ChatRequest) -> tuple[list[dict[str, Any]] | None, str]:
+    """(the tools to render, the text the answer is forced to start with) for a chat request:
+    ``tool_choice`` none leaves the tools out; required starts the answer with a ``<tool_call>`` block,
+    a named function with a block calling it (no constrained decoding: the model writes the rest)."""
+    if not body.tools:
+        if body.tool_choice is not None and body.tool_choice != "none":
+            raise ApiError(
+                400, "invalid_tool_choice", "tool_choice: only allowed when tools are given", field="tool_choice"
+            )
+        return None, ""
+    if body.tool_choice == "none":
+        return None, ""
+    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    choice = body.tool_choice
+    if isinstance(choice, NamedToolChoice):
+        names = [t.function.name for t in body.tools]
+        if choice.function.name not in names:
+            raise ApiError(
+                400,
+                "invalid_tool_choice",
+                f"tool_choice.function.name: {choice.function.name!r} is not one of the tools {names}",
+                field="tool_choice",
+            )
+        return tools, '<tool_call>\n{"name": "' + choice.function.name + '", "arguments": '
+    if choice == "required":
+        return tools, '<tool_call>\n{"name": "'
+    return tools, ""
+
+
+# -- OpenAI's error shape ---------------------------------------------------------------------------
+OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+
+
+def openai_error(error: dict[str, Any], status: int) -> dict[str, Any]:
+    """Weir's ``{"code", "message", "field"?}`` as OpenAI's ``{"message", "type", "param", "code"}``
+    (Weir's own keys kept): ``type`` from the status, ``param`` the field named, or null."""
+    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {
+        **error,
+        "message": error.get("message"),
+        "type": kind,
+        "param": error.get("field"),
+        "code": error.get("code"),
+    }
+
+
+class OpenAIErrors:
+    """ASGI middleware: on the OpenAI routes (`OPENAI_ROUTES`), every JSON error answer — a refusal by
+    the route, the schema, the token check or the body limit — is reshaped by `openai_error`, so the
+    OpenAI SDK reads ``type`` and ``param`` as it does from OpenAI. Other routes and every 2xx pass as
+    they are (a stream is never held back)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(OPENAI_ROUTES):
+            await self.app(scope, receive, send)
+            return
+        start: dict[str, Any] = {}
+        body = bytearray()
+
+        async def wrapped(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = dict(message.get("headers") or [])
+                json_error = message["status"] >= 400 and headers.get(b"content-type", b"").startswith(
+                    b"application/json"
+                )
+                if not json_error:
+                    await send(message)
+                    return
+                start.update(message)
+                return
+            if message["type"] == "http.response.body" and start:
+                body.extend(message.get("body", b""))
+                if message.get("more_body"):
+                    return
+                await send_reshaped()
+                return
+            await send(message)
+
+        async def send_reshaped() -> None:
+            content = bytes(body)
+            try:
+                parsed = json.loads(content)
+                error = parsed.get("error") if isinstance(parsed, dict) else None
+                if isinstance(error, dict):
+                    content = json.dumps({"error": openai_error(error, start["status"])}).encode()
+            except ValueError:
+                pass
+            headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
+            headers.append((b"content-length", str(len(content)).encode()))
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": content})
+
+        await self.app(scope, receive, wrapped)

@@ -81,7 +81,10 @@ class RolloutSettings(RoleSettings):
         1 << 30, gt=0, description="request bytes in flight across requests; over it: 429 overloaded"
     )
     default_max_tokens: int = Field(
-        256, gt=0, le=1 << 20, description="max_new_tokens when a request gives none (chat: within the context)"
+        256,
+        gt=0,
+        le=1 << 20,
+        description="max_new_tokens when a rollout request gives none (chat: all the context leaves)",
     )
     reward_functions: Annotated[dict[str, str], NoDecode] = Field(
         {},

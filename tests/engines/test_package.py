@@ -20,6 +20,8 @@ def test_public_api() -> None:
         "DEFAULT_MAX_RUNNING",
         "IGNORED_SAMPLING",
         "KNOWN_SAMPLING",
+        "PAUSE_MODES",
+        "REFUSED_SAMPLING",
         "SUPPORTED_SAMPLING",
         "Backend",
         "Engine",
@@ -35,10 +37,14 @@ def test_public_api() -> None:
         "MediaRef",
         "MediaResolver",
         "ModelLimits",
+        "PauseMode",
         "SamplingParams",
         "TokenCallback",
+        "TopLogprobs",
         "WeightsError",
         "load_engine",
+        "sample_count",
+        "sample_seed",
         "sampling_from",
     }
 

@@ -9,7 +9,15 @@ import pytest
 
 from engines.errors import InvalidSampling
 from engines.protocol import SamplingParams
-from engines.sampling import IGNORED_SAMPLING, KNOWN_SAMPLING, SUPPORTED_SAMPLING, sampling_from
+from engines.sampling import (
+    IGNORED_SAMPLING,
+    KNOWN_SAMPLING,
+    REFUSED_SAMPLING,
+    SUPPORTED_SAMPLING,
+    sample_count,
+    sample_seed,
+    sampling_from,
+)
 
 
 def test_supported_keys_map_onto_sampling_params() -> None:
@@ -45,17 +53,93 @@ def test_supported_keys_map_onto_sampling_params() -> None:
 
 def test_null_means_the_default_and_ignored_keys_are_accepted() -> None:
     assert sampling_from({"temperature": None, "max_new_tokens": None}) == SamplingParams()
-    ignored = {"skip_special_tokens": False, "spaces_between_special_tokens": True, "no_stop_trim": True, "n": 4}
-    assert sampling_from({**ignored, "stream_interval": 2}) == SamplingParams()
-    assert set(ignored) <= IGNORED_SAMPLING
+    assert sampling_from({"stream_interval": 2, "n": 4}) == SamplingParams()
+    assert {"stream_interval"} == IGNORED_SAMPLING
 
 
-@pytest.mark.parametrize("key", sorted(KNOWN_SAMPLING - SUPPORTED_SAMPLING - IGNORED_SAMPLING))
+def test_detokenizer_options_penalties_and_bias_map_onto_sampling_params() -> None:
+    params = sampling_from(
+        {
+            "skip_special_tokens": False,
+            "spaces_between_special_tokens": False,
+            "no_stop_trim": True,
+            "min_p": 0.05,
+            "repetition_penalty": 1.2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "min_new_tokens": 3.0,
+            "logit_bias": {"12": 2.5, "3": -100},
+        }
+    )
+    assert params == SamplingParams(
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        no_stop_trim=True,
+        min_p=0.05,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        min_new_tokens=3,
+        logit_bias=((3, -100.0), (12, 2.5)),
+    )
+    assert params.penalized and not SamplingParams().penalized
+
+
+def test_neutral_values_are_always_accepted() -> None:
+    neutral = {
+        "repetition_penalty": 1.0,
+        "presence_penalty": 0,
+        "frequency_penalty": 0.0,
+        "min_p": 0,
+        "min_new_tokens": 0,
+        "logit_bias": {},
+        "custom_params": {},
+    }
+    assert sampling_from(neutral) == SamplingParams()
+    assert not sampling_from(neutral).penalized
+
+
+def test_custom_params_are_accepted_and_top_p_token_ids_refused_by_name() -> None:
+    assert sampling_from({"custom_params": {"return_top_p_token_ids": False, "anything": 1}}) == SamplingParams()
+    assert sampling_from({"custom_params": None}) == SamplingParams()
+    with pytest.raises(InvalidSampling) as refused:
+        sampling_from({"top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}})
+    assert refused.value.code == "unsupported_sampling_param"
+    assert refused.value.field == "custom_params.return_top_p_token_ids"
+    with pytest.raises(InvalidSampling) as bad:
+        sampling_from({"custom_params": [1]})
+    assert bad.value.code == "bad_sampling_params" and bad.value.field == "sampling_params.custom_params"
+
+
+def test_n_is_counted_and_checked() -> None:
+    assert sample_count({}) == 1 and sample_count({"n": None}) == 1 and sample_count({"n": 8.0}) == 8
+    for bad in (0, -1, 1.5, "2", True, 10**6):
+        with pytest.raises(InvalidSampling) as refused:
+            sampling_from({"n": bad})
+        assert refused.value.field == "sampling_params.n"
+
+
+def test_sample_seeds_are_distinct_and_reproducible() -> None:
+    seeds = [sample_seed(7, i) for i in range(8)]
+    assert seeds[0] == 7 and len(set(seeds)) == 8 and seeds == [sample_seed(7, i) for i in range(8)]
+    assert all(s is not None and 0 <= s < 2**63 for s in seeds)
+    assert sample_seed(None, 3) is None
+
+
+@pytest.mark.parametrize("key", sorted(REFUSED_SAMPLING))
 def test_known_but_unsupported_keys_are_refused_unless_null(key: str) -> None:
     with pytest.raises(InvalidSampling) as refused:
         sampling_from({key: 1})
     assert refused.value.code == "unsupported_sampling_param" and key in str(refused.value)
+    assert refused.value.field == f"sampling_params.{key}"
     assert sampling_from({key: None}) == SamplingParams()
+
+
+def test_every_known_key_has_one_kind() -> None:
+    assert SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"} == KNOWN_SAMPLING
+    assert {"json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "beam_width", "watermark", "choice"} == (
+        REFUSED_SAMPLING
+    )
 
 
 def test_unknown_keys_are_typos() -> None:
@@ -89,12 +173,29 @@ def test_unknown_keys_are_typos() -> None:
         {"sampling_seed": "7"},
         {"ignore_eos": "yes"},
         {"ignore_eos": 1},
+        {"min_p": -0.1},
+        {"min_p": 1.5},
+        {"repetition_penalty": 0},
+        {"repetition_penalty": 2.5},
+        {"presence_penalty": 2.5},
+        {"frequency_penalty": -3},
+        {"min_new_tokens": -1},
+        {"min_new_tokens": 10, "max_new_tokens": 5},
+        {"logit_bias": {"x": 1}},
+        {"logit_bias": {"-1": 1}},
+        {"logit_bias": {"5": "big"}},
+        {"logit_bias": {"5": math.inf}},
+        {"logit_bias": [1, 2]},
+        {"skip_special_tokens": "no"},
+        {"no_stop_trim": 1},
     ],
 )
 def test_wrong_types_and_ranges_are_bad_sampling_params(params: dict[str, Any]) -> None:
     with pytest.raises(InvalidSampling) as refused:
         sampling_from(params)
     assert refused.value.code == "bad_sampling_params"
+    assert refused.value.field is not None and refused.value.field.startswith("sampling_params.")
+    assert refused.value.field.split(".")[1] in params or refused.value.field == "sampling_params.min_new_tokens"
 
 
 def test_not_a_mapping_is_refused() -> None:

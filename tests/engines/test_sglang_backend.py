@@ -148,3 +148,70 @@ def test_the_protocol_around_sglang_engine(tmp_path: Path) -> None:
     assert engine.paused and inner.calls[-1] == "pause"
     engine.resume()
     assert not engine.paused
+
+
+def test_every_sampling_param_and_logprob_option_reaches_sglang() -> None:
+    from engines.protocol import SamplingParams
+    from engines.sglang_backend import build_request, result_from
+
+    params = SamplingParams(
+        max_new_tokens=4,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        min_new_tokens=2,
+        logit_bias=((7, 1.5),),
+        skip_special_tokens=False,
+        spaces_between_special_tokens=False,
+        no_stop_trim=True,
+    )
+    request = GenerateRequest(input_ids=[1, 2, 3], sampling=params, logprob_start_len=0, top_logprobs_num=2)
+    kwargs = build_request(request)
+    sampling = kwargs["sampling_params"]
+    assert sampling["min_p"] == 0.1 and sampling["repetition_penalty"] == 1.2 and sampling["min_new_tokens"] == 2
+    assert sampling["presence_penalty"] == 0.5 and sampling["frequency_penalty"] == 0.25
+    assert sampling["logit_bias"] == {"7": 1.5} and sampling["no_stop_trim"] is True
+    assert sampling["skip_special_tokens"] is False and sampling["spaces_between_special_tokens"] is False
+    assert kwargs["logprob_start_len"] == 0 and kwargs["top_logprobs_num"] == 2
+    neutral = build_request(GenerateRequest(input_ids=[1]))["sampling_params"]
+    assert not {"min_p", "repetition_penalty", "logit_bias", "min_new_tokens"} & set(neutral)
+    output = {
+        "text": "x",
+        "output_ids": [5],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 1},
+            "prompt_tokens": 3,
+            "weight_version": "2",
+            "num_retractions": 1,
+            "output_token_logprobs": [[-0.5, 5, None]],
+            "input_token_logprobs": [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None]],
+            "output_top_logprobs": [[[-0.5, 5, None], [-1.5, 6, None]]],
+            "input_top_logprobs": [None, [[-1.0, 2, None]], [[-2.0, 3, None]]],
+        },
+    }
+    result = result_from(output, request)
+    assert result.input_logprobs == [None, -1.0, -2.0] and result.input_logprob_start == 0
+    assert result.output_top_logprobs == [[(-0.5, 5), (-1.5, 6)]] and result.input_top_logprobs is not None
+    assert result.input_top_logprobs[0] is None and result.num_retractions == 1
+
+
+def test_pause_modes_reach_an_sglang_that_takes_them(tmp_path: Path) -> None:
+    from engines.sglang_backend import SGLangEngine
+
+    class Moded(_StandInEngine):
+        def pause_generation(self, mode: str = "abort") -> None:  # type: ignore[override]
+            self.calls.append(f"pause:{mode}")
+
+        def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+            self.calls.append("abort_all" if abort_all else f"abort:{rid}")
+
+    (tmp_path / "config.json").write_text("{}")
+    moded = Moded()
+    SGLangEngine(tmp_path, engine=moded).pause("retract")
+    assert moded.calls == ["pause:retract"]
+    plain = Moded()
+    plain.pause_generation = lambda: plain.calls.append("pause")  # type: ignore[method-assign]
+    SGLangEngine(tmp_path, engine=plain).pause("abort")
+    assert plain.calls == ["abort_all", "pause"]  # an SGLang without modes: abort ourselves, then pause

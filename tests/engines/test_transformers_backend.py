@@ -259,3 +259,25 @@ def test_load_engine_and_close_ends_what_is_left(model_dir: Path) -> None:
     assert not engine.healthy()
     with pytest.raises(ValueError, match="backend"):
         load_engine(model_dir, backend="vllm")  # type: ignore[arg-type]
+
+
+def test_a_retracted_media_request_resumes_with_the_same_tokens(engine: TransformersEngine, prompt) -> None:  # type: ignore[no-untyped-def]
+    """Retraction drops the KV; re-prefilling prompt + tokens so far (media spliced, 3-D positions
+    recomputed) continues exactly where the request was."""
+    ids, media = prompt
+    greedy = SamplingParams(max_new_tokens=30, temperature=0.0, ignore_eos=True)
+    plain = engine.generate(GenerateRequest(input_ids=ids, media=media, sampling=greedy), timeout=120)
+    seen = threading.Semaphore(0)
+    future = engine.submit(
+        GenerateRequest(input_ids=ids, media=media, sampling=greedy), on_token=lambda *_: seen.release()
+    )
+    for _ in range(5):
+        assert seen.acquire(timeout=60)
+    engine.pause("retract")
+    try:
+        assert engine.running == 0 and not future.done()
+    finally:
+        engine.resume()
+    resumed = future.result(timeout=120)
+    assert resumed.num_retractions == 1 and resumed.output_ids == plain.output_ids
+    assert resumed.output_logprobs == pytest.approx(plain.output_logprobs, abs=1e-4)

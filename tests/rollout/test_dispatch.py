@@ -183,3 +183,63 @@ def test_the_probe_is_authenticated_for_weir_engines_and_plain_health_for_sglang
     paths = {host: sorted(path for h, path, _ in engines.seen if h == host) for host in "abcde"}
     assert paths["a"] == ["/health", "/server_info"] and paths["b"] == ["/server_info"]
     assert paths["e"] == ["/health"]  # a plain SGLang server: no Weir route asked of it
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(f"data: {json.dumps(e) if not isinstance(e, str) else e}\n\n".encode() for e in events)
+
+
+def test_a_stream_is_opened_on_another_engine_when_the_first_fails_and_read_chunk_by_chunk() -> None:
+    partial = {"text": "a", "output_ids": [1], "meta_info": {"finish_reason": None}}
+    seen: list[str] = []
+    aborted: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        if request.url.path == "/abort_request":
+            aborted.append(json.loads(request.content)["rid"])
+            return httpx.Response(200, json={})
+        assert json.loads(request.content)["stream"] is True
+        if request.url.host == "bad":
+            return httpx.Response(503, json={"error": {"code": "x", "message": "down"}})
+        return httpx.Response(200, content=_sse(partial, OK, "[DONE]"), headers={"content-type": "text/event-stream"})
+
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        dispatcher = Dispatcher(["http://bad", "http://good"], timeout_s=5, client=client)
+        stream = await dispatcher.stream(body(), group="g")
+        assert stream.engine.url == "http://good" and not dispatcher.engines[0].available
+        assert dispatcher.engines[1].outstanding == 1
+        assert [c["output_ids"] for c in [c async for c in stream.chunks()]] == [[1], [1]]
+        await stream.aclose()
+        assert dispatcher.engines[1].outstanding == 0 and aborted == []  # finished: nothing to abort
+        early = await dispatcher.stream(body())
+        await early.aclose()  # closed before [DONE]: the engine is told to stop
+        assert aborted == ["g/0"] and dispatcher.engines[1].outstanding == 0
+        await client.aclose()
+
+    asyncio.run(run())
+
+
+def test_a_stream_refusal_and_an_error_event() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "refuses":
+            return httpx.Response(400, json={"error": {"code": "bad_sampling_params", "message": "no"}})
+        error = {"error": {"code": "invalid_prompt", "message": "too long"}}
+        return httpx.Response(200, content=_sse(error, "[DONE]"), headers={"content-type": "text/event-stream"})
+
+    async def run() -> None:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        refuses = Dispatcher(["http://refuses"], timeout_s=5, client=client)
+        with pytest.raises(EngineRefused) as refused:
+            await refuses.stream(body())
+        assert refused.value.code == "bad_sampling_params" and refuses.engines[0].outstanding == 0
+        fails = Dispatcher(["http://fails"], timeout_s=5, client=client)
+        stream = await fails.stream(body())
+        with pytest.raises(EngineRefused) as late:
+            [c async for c in stream.chunks()]
+        assert late.value.code == "invalid_prompt"
+        await stream.aclose()
+        await client.aclose()
+
+    asyncio.run(run())

@@ -193,7 +193,7 @@ def test_every_body_is_typed_in_the_openapi_document(stack) -> None:  # type: ig
         ("/generate", {"input_ids": [1], "sampling_params": {"tempreature": 1}}, 400, "unknown_sampling_param"),
         (
             "/generate",
-            {"input_ids": [1], "stream": True, "sampling_params": {"min_p": 0.1}},
+            {"input_ids": [1], "stream": True, "sampling_params": {"regex": "a+"}},
             400,
             "unsupported_sampling_param",
         ),

@@ -1,0 +1,464 @@
+"""The engine role driven as SGLang's own clients drive SGLang: the payloads slime sends to `/generate`
+(facts from its public source: the sampling keys, ``no_stop_trim``, ``sampling_seed``, ``custom_params``,
+``return_logprob`` over ``input_ids``), batches and ``n``, log-prob requests, and the weight-update
+sequence (pause → flush → update → continue → version) — answered in SGLang's shapes."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from encoders.embedded_model import init_model
+from services.engine.app import create_app
+from services.engine.settings import EngineSettings
+
+from .conftest import RunningServer
+
+PROMPT = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+META_KEYS = {
+    "id",
+    "finish_reason",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "weight_version",
+    "num_retractions",
+    "e2e_latency",
+}
+
+
+@pytest.fixture(scope="module")
+def engine_role(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Path, list[int]]]:
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("sglang-clients")
+    model = init_model(root / "model")
+    settings = EngineSettings(model=model, cache_dir=root / "cache", embedding_cache_dir=root / "emb", max_running=4)
+    with RunningServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client, model, list(AutoTokenizer.from_pretrained(model).encode(PROMPT))
+
+
+def _slime_sampling(top_p: float = 1.0, **extra: Any) -> dict[str, Any]:
+    """slime's ``sampling_params`` (slime/rollout/sglang_rollout.py): these keys, in this form."""
+    params: dict[str, Any] = {
+        "temperature": 1.0,
+        "top_p": top_p,
+        "top_k": -1,
+        "max_new_tokens": 8,
+        "stop": None,
+        "stop_token_ids": None,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+        "sampling_seed": 1234,
+    }
+    return {**params, **extra}
+
+
+def _check_shape(out: dict[str, Any], *, logprobs: bool) -> None:
+    assert {"text", "output_ids", "meta_info"} <= set(out) and isinstance(out["text"], str)
+    meta = out["meta_info"]
+    assert set(meta) >= META_KEYS and meta["completion_tokens"] == len(out["output_ids"])
+    assert meta["finish_reason"]["type"] in ("stop", "length", "abort")
+    if logprobs:
+        triples = meta["output_token_logprobs"]
+        assert [t for _, t, _ in triples] == out["output_ids"]  # slime: tokens = [x[1] ...]
+        assert all(isinstance(lp, float) and lp <= 0 and text is None for lp, _, text in triples)
+
+
+def test_slimes_generate_payload_gets_sglangs_answer(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    payload = {"input_ids": ids, "sampling_params": _slime_sampling(), "return_logprob": True}
+    first = client.post("/generate", json=payload)
+    assert first.status_code == 200, first.text
+    out = first.json()
+    _check_shape(out, logprobs=True)
+    assert out["meta_info"]["prompt_tokens"] == len(ids) and out["meta_info"]["weight_version"] == "0"
+    assert client.post("/generate", json=payload).json()["output_ids"] == out["output_ids"]  # sampling_seed
+    # top_p < 1: slime adds custom_params.return_top_p_token_ids; false is accepted, true refused by name.
+    off = {**payload, "sampling_params": _slime_sampling(0.9, custom_params={"return_top_p_token_ids": False})}
+    assert client.post("/generate", json=off).status_code == 200
+    on = {**payload, "sampling_params": _slime_sampling(0.9, custom_params={"return_top_p_token_ids": True})}
+    refused = client.post("/generate", json=on)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["field"] == "custom_params.return_top_p_token_ids"
+    assert refused.json()["error"]["code"] == "unsupported_sampling_param"
+    # The RL recipes' other knobs, neutral or not, are taken.
+    knobs = _slime_sampling(
+        repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0, min_new_tokens=0
+    )
+    assert client.post("/generate", json={**payload, "sampling_params": knobs}).status_code == 200
+    knobs = _slime_sampling(
+        repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.2, min_p=0.05, min_new_tokens=2
+    )
+    answered = client.post("/generate", json={**payload, "sampling_params": {**knobs, "logit_bias": {"5": -3}}})
+    assert answered.status_code == 200 and answered.json()["meta_info"]["completion_tokens"] >= 2
+
+
+def test_text_keeps_special_tokens_and_the_stop_as_slime_asks(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    im_end = 495  # <|im_end|>, the tiny model's EOS
+    bias = {str(im_end): 1000}
+    slime = _slime_sampling(logit_bias=bias)  # skip_special_tokens false, no_stop_trim true
+    out = client.post("/generate", json={"input_ids": ids, "sampling_params": slime}).json()
+    assert out["output_ids"] == [im_end] and out["text"] == "<|im_end|>"
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": im_end}
+    default = client.post("/generate", json={"input_ids": ids, "sampling_params": {"logit_bias": bias}}).json()
+    assert default["text"] == ""
+
+
+def test_batches_rids_and_n(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    batch = {
+        "input_ids": [ids, ids[:-1]],
+        "sampling_params": [{"max_new_tokens": 2, "ignore_eos": True}, {"max_new_tokens": 3, "ignore_eos": True}],
+        "rid": ["a", "b"],
+        "return_logprob": [True, False],
+    }
+    out = client.post("/generate", json=batch).json()
+    assert isinstance(out, list) and [o["meta_info"]["id"] for o in out] == ["a", "b"]
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [2, 3]
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(ids), len(ids) - 1]
+    assert "output_token_logprobs" in out[0]["meta_info"] and "output_token_logprobs" not in out[1]["meta_info"]
+    texts = client.post(
+        "/generate", json={"text": [PROMPT, PROMPT], "rid": "p", "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert [o["meta_info"]["id"] for o in texts.json()] == ["p_0", "p_1"]
+    one = client.post("/generate", json={"text": [PROMPT], "sampling_params": {"max_new_tokens": 1}}).json()
+    assert isinstance(one, list) and len(one) == 1  # a batch of one is still a batch
+    # n samples per prompt, item-major; a seeded group is reproducible and not n copies.
+    group = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "n": 4, "sampling_seed": 7, "ignore_eos": True}}
+    samples = client.post("/generate", json=group).json()
+    assert len(samples) == 4 and len({tuple(s["output_ids"]) for s in samples}) > 1
+    assert [s["output_ids"] for s in client.post("/generate", json=group).json()] == [s["output_ids"] for s in samples]
+    single = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "sampling_seed": 7, "ignore_eos": True}}
+    assert client.post("/generate", json=single).json()["output_ids"] == samples[0]["output_ids"]
+    mixed = {
+        "input_ids": [ids, ids[:-2]],
+        "sampling_params": {"max_new_tokens": 1, "n": 2},
+        "rid": ["x", "y"],
+    }
+    fanned = client.post("/generate", json=mixed).json()
+    assert [o["meta_info"]["id"] for o in fanned] == ["x_0", "x_1", "y_0", "y_1"]
+    assert [o["meta_info"]["prompt_tokens"] for o in fanned] == [len(ids)] * 2 + [len(ids) - 2] * 2
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"input_ids": [[1, 2]], "rid": ["a", "b"]}, "rid"),
+        ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "rid"),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": [{}]}, "sampling_params"),
+        ({"input_ids": [[1, 2]], "return_logprob": [True, False]}, "return_logprob"),
+        ({"input_ids": [1, 2], "stream": True, "sampling_params": {"n": 2}}, "stream"),
+        ({"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
+        ({"input_ids": [[1, 2], [3]], "weir_media": [{"type": "image", "feature_key": "0" * 40}]}, "weir_media"),
+        ({"input_ids": [1, 2], "image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
+        ({"text": "hi", "input_embeds": [[0.1, 0.2]]}, "input_embeds"),
+        ({"text": "hi", "audio_data": [["x"]]}, "audio_data"),
+        ({"input_ids": [1, 2], "lora_path": "adapter"}, "lora_path"),
+        ({"input_ids": [1, 2], "custom_logit_processor": "x"}, "custom_logit_processor"),
+        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
+        ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
+        ({"input_ids": [1, 2], "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+        ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
+        ({"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"min_p": 2}]}, "sampling_params.min_p"),
+        ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"999999": 1}}}, "sampling_params.logit_bias"),
+    ],
+)
+def test_what_is_not_supported_is_refused_by_name(engine_role, body: dict[str, Any], field: str) -> None:  # type: ignore[no-untyped-def]
+    client, _, _ = engine_role
+    refused = client.post("/generate", json=body)
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["field"] == field
+
+
+def test_neutral_or_empty_refused_fields_are_accepted(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {"input_ids": ids, "image_data": None, "lora_path": None, "return_hidden_states": False, "priority": 3}
+    assert client.post("/generate", json={**body, "sampling_params": {"max_new_tokens": 1}}).status_code == 200
+
+
+def test_logprob_requests_and_scoring(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    scored = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 0},
+        },
+    ).json()
+    meta = scored["meta_info"]
+    assert scored["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    inputs = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inputs] == ids and inputs[0][0] is None
+    assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in inputs[1:])
+    tops = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "return_logprob": True,
+            "logprob_start_len": 3,
+            "top_logprobs_num": 2,
+            "return_text_in_logprobs": True,
+            "return_prompt_token_ids": True,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+        },
+    ).json()
+    meta = tops["meta_info"]
+    assert tops["prompt_token_ids"] == ids
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[3:] and meta["input_token_logprobs"][0][0] is None
+    assert all(isinstance(text, str) for _, _, text in meta["output_token_logprobs"])
+    assert len(meta["output_top_logprobs"]) == 3 and all(len(p) == 2 for p in meta["output_top_logprobs"])
+    assert all(
+        isinstance(lp, float) and isinstance(t, int) and isinstance(s, str)
+        for p in meta["output_top_logprobs"]
+        for lp, t, s in p
+    )
+    assert meta["input_top_logprobs"][0] is None and len(meta["input_top_logprobs"]) == len(ids) - 3
+    default = client.post(
+        "/generate", json={"input_ids": ids, "return_logprob": True, "sampling_params": {"max_new_tokens": 1}}
+    )
+    assert default.json()["meta_info"]["input_token_logprobs"] == [[None, ids[-1], None]]
+
+
+def _gauge(client: httpx.Client, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", client.get("/metrics").text, re.M)
+    assert match, name
+    return float(match.group(1))
+
+
+def test_the_weight_update_sequence_slime_runs(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, model, ids = engine_role
+    long = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
+    answers: list[httpx.Response] = []
+    worker = threading.Thread(target=lambda: answers.append(client.post("/generate", json=long)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while _gauge(client, "weir_engine_running_requests") < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    # SGLang's default pause mode aborts what runs (as slime expects before it updates weights).
+    assert client.post("/pause_generation", json={}).json() == {"success": True, "message": "paused (abort)"}
+    worker.join(30)
+    assert answers and answers[0].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    for method in ("GET", "POST"):
+        flushed = client.request(method, "/flush_cache")
+        assert flushed.status_code == 200 and flushed.text.startswith("Cache flushed")
+    update = client.post("/update_weights_from_disk", json={"model_path": str(model), "weight_version": "3"})
+    assert update.json()["success"]
+    assert client.post("/continue_generation", json={}).json()["success"]
+    assert client.get("/get_weight_version").json() == {"weight_version": "3"}
+    assert client.get("/get_model_info").json() == client.get("/model_info").json()
+    assert client.get("/get_server_info").json()["weight_version"] == "3"
+    after = client.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": 1}}).json()
+    assert after["meta_info"]["weight_version"] == "3"
+    client.post("/update_weights_from_disk", json={"model_path": str(model), "weight_version": "0"})
+
+
+def test_in_place_and_retract_pauses_keep_requests(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+    for mode in ("in_place", "retract"):
+        answers: list[httpx.Response] = []
+        worker = threading.Thread(target=lambda out=answers: out.append(client.post("/generate", json=body)))
+        worker.start()
+        deadline = time.monotonic() + 30
+        while _gauge(client, "weir_engine_running_requests") < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.post("/pause_generation", json={"mode": mode}).json()["success"]
+        try:
+            flushed = client.get("/flush_cache")
+            # in place: the frozen request holds its KV, as SGLang refuses; retracted: it holds none
+            assert flushed.status_code == (400 if mode == "in_place" else 200), (mode, flushed.text)
+            time.sleep(0.2)
+            assert not answers
+        finally:
+            client.post("/continue_generation", json={})
+        worker.join(60)
+        meta = answers[0].json()["meta_info"]
+        assert meta["finish_reason"] == {"type": "length", "length": 400}
+        assert meta["num_retractions"] == (1 if mode == "retract" else 0)
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    # ~10 s of generation here; an abort ends it within a step
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True}}
+    with client.stream("POST", "/generate", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 3
+    while _gauge(client, "weir_engine_running_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(client, "weir_engine_running_requests") == 0
+
+
+@pytest.fixture(scope="module")
+def media_role(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Client, Path, Path]]:
+    root = tmp_path_factory.mktemp("sglang-media")
+    model = init_model(root / "model")
+    (root / "media").mkdir()
+    settings = EngineSettings(
+        model=model, cache_dir=root / "cache", embedding_cache_dir=root / "emb", media_roots=[root / "media"]
+    )
+    with RunningServer(create_app(settings)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        yield client, model, root
+
+
+def test_image_data_generates_as_weir_media_does(media_role) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    import preprocess as pp
+    from preprocess import samples
+
+    client, model, root = media_role
+    png = samples.encode_image(samples.test_pattern(100, 80), "PNG")
+    item = pp.process_bytes(png, "image", pp.ProcessorSpec.from_pretrained(model))
+    sampling = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    text = "<|im_start|>user\n<|vision_bos|><|IMAGE|><|vision_eos|>What is it?<|im_end|>\n<|im_start|>assistant\n"
+    uri = "data:image/png;base64," + base64.b64encode(png).decode()
+    sglang = client.post(
+        "/generate", json={"text": text, "image_data": [uri], "return_logprob": True, "sampling_params": sampling}
+    )
+    assert sglang.status_code == 200, sglang.text
+    out = sglang.json()
+    # The same image by feature key (Weir's path; the image_data request put it in the shared cache).
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    image = tokenizer.convert_tokens_to_ids("<|IMAGE|>")
+    ids = []
+    for token in tokenizer.encode(text):
+        ids.extend([token] * (item.features.num_tokens if token == image else 1))
+    weir = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "weir_media": [{"type": "image", "feature_key": item.key}],
+            "return_logprob": True,
+            "sampling_params": sampling,
+        },
+    ).json()
+    assert out["meta_info"]["prompt_tokens"] == len(ids)
+    assert out["output_ids"] == weir["output_ids"]
+    assert out["meta_info"]["output_token_logprobs"] == weir["meta_info"]["output_token_logprobs"]
+    # Other forms of the same image: bare base64, a path and a file:// URL under the media roots, input_ids
+    # with one placeholder; a batch with one list of items per prompt.
+    (root / "media" / "pattern.png").write_bytes(png)
+    collapsed = tokenizer.encode(text)
+    for body in (
+        {"text": text, "image_data": base64.b64encode(png).decode()},
+        {"text": text, "image_data": str(root / "media" / "pattern.png")},
+        {"text": text, "image_data": f"file://{root / 'media' / 'pattern.png'}"},
+        {"input_ids": collapsed, "image_data": [uri]},
+        {"input_ids": ids, "image_data": [uri]},  # already expanded
+        {"text": text, "image_data": [{"url": uri}]},  # SGLang 0.5.22's MediaRef object
+    ):
+        answer = client.post("/generate", json={**body, "sampling_params": sampling})
+        assert answer.status_code == 200, (body.get("image_data", "")[:40], answer.text)
+        assert answer.json()["output_ids"] == out["output_ids"]
+    batch = client.post(
+        "/generate", json={"text": [text, text], "image_data": [[uri], uri], "sampling_params": sampling}
+    ).json()
+    assert [b["output_ids"] for b in batch] == [out["output_ids"]] * 2
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "field"),
+    [
+        ({"text": "<|IMAGE|>", "image_data": "http://example.com/a.png"}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "/etc/passwd"}, 403, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "file:///etc/hostname"}, 403, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "data:image/png,abc"}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "not base64!"}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "aGVsbG8="}, 400, "image_data"),  # base64 of "hello": not an image
+        ({"text": "no placeholder", "image_data": "PNG"}, 400, "image_data"),
+        ({"text": ["a", "b"], "image_data": ["x"]}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": [5]}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": [{"url": "x", "max_pixels": 9}]}, 400, "image_data"),
+        ({"input_ids": [1, 2], "audio_data": "ZZZZ"}, 400, "audio_data"),
+        (
+            {"input_ids": [1], "image_data": "x", "weir_media": [{"type": "image", "feature_key": "0" * 40}]},
+            400,
+            "weir_media",
+        ),
+    ],
+)
+def test_bad_media_sources_are_refused_by_field(media_role, body: dict[str, Any], status: int, field: str) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    from preprocess import samples
+
+    client, _, _ = media_role
+    if body.get("image_data") == "PNG":
+        body = {
+            **body,
+            "image_data": base64.b64encode(samples.encode_image(samples.test_pattern(40, 40), "PNG")).decode(),
+        }
+    refused = client.post("/generate", json=body)
+    assert refused.status_code == status, refused.text
+    assert refused.json()["error"]["field"] == field
+
+
+def test_a_client_that_leaves_before_its_answer_aborts_its_request(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True, "n": 2}}
+    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=str(client.base_url), timeout=1.0) as impatient:
+        impatient.post("/generate", json=body)  # ~20 s of generation; the abort ends it within a step
+    deadline = time.monotonic() + 3
+    while _gauge(client, "weir_engine_running_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(client, "weir_engine_running_requests") == 0
+
+
+@pytest.mark.parametrize("kind", ["audio", "video"])
+def test_audio_and_video_data_generate_as_weir_media_does(media_role, kind: str) -> None:  # type: ignore[no-untyped-def]
+    import base64
+
+    from transformers import AutoTokenizer
+
+    import preprocess as pp
+    from preprocess import samples
+
+    client, model, _ = media_role
+    data = samples.make_audio(1.0) if kind == "audio" else samples.make_video(64, 64, 10, 20)
+    item = pp.process_bytes(data, kind, pp.ProcessorSpec.from_pretrained(model))  # type: ignore[arg-type]
+    wrap = "<|audio_bos|><|AUDIO|><|audio_eos|>" if kind == "audio" else "<|vision_bos|><|VIDEO|><|vision_eos|>"
+    text = f"<|im_start|>user\n{wrap}What is it?<|im_end|>\n<|im_start|>assistant\n"
+    sampling = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    answer = client.post(
+        "/generate",
+        json={
+            "text": text,
+            f"{kind}_data": base64.b64encode(data).decode(),
+            "return_logprob": True,
+            "sampling_params": sampling,
+        },
+    )
+    assert answer.status_code == 200, answer.text
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    placeholder = tokenizer.convert_tokens_to_ids("<|AUDIO|>" if kind == "audio" else "<|VIDEO|>")
+    ids: list[int] = []
+    for token in tokenizer.encode(text):
+        ids.extend([token] * (item.features.num_tokens if token == placeholder else 1))
+    weir = client.post(
+        "/generate",
+        json={
+            "input_ids": ids,
+            "weir_media": [{"type": kind, "feature_key": item.key}],
+            "return_logprob": True,
+            "sampling_params": sampling,
+        },
+    ).json()
+    assert answer.json()["output_ids"] == weir["output_ids"]
+    assert answer.json()["meta_info"]["output_token_logprobs"] == weir["meta_info"]["output_token_logprobs"]
