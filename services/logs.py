@@ -64,7 +64,7 @@ def configure_logging(level: str = "info") -> None:
     handler._weir = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter(_FORMAT))
     root.addHandler(handler)
-    for name in ("httpx", "httpcore"):  # one line per client call: the roles' access lines say it already
+    for name in ("httpx", "httpx2", "httpcore"):  # one line per client call: the access lines say it already
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
         logging.getLogger(name).handlers.clear()
