@@ -265,7 +265,14 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             shape = functools.partial(
                 chat.ChoiceStream, stop=sampling.get("stop") or (), token_text=token_text, tools=tools is not None
             )
-            events = _chat_events(streams, head, shape, include_usage, held, prefill)
+            events = _stream_events(
+                streams,
+                head,
+                lambda index: shape(head, index, prefill=prefill),
+                include_usage,
+                held,
+                what="chat",
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         with context.admission.admit(nbytes=await body_bytes(request)):
             group_id, prepared, samples = await chat_samples(
@@ -323,7 +330,17 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             head = {"id": f"cmpl-{streams.group_id}", "object": "text_completion", "created": created, "model": model}
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             echo = _decode(context, prepared[0].prompt_ids) if body.echo else ""
-            events = _text_events(streams, head, sampling.get("stop") or (), token_text, include_usage, echo, held)
+            stop = sampling.get("stop") or ()
+            echoed = [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}] if echo else []
+            events = _stream_events(
+                streams,
+                head,
+                lambda index: chat.TextChoiceStream(head, index, stop=stop, token_text=token_text),
+                include_usage,
+                held,
+                what="completion",
+                first=lambda index: [{**head, "choices": [{**c, "index": index} for c in echoed]}] if echoed else [],
+            )
             return StreamingResponse(events, media_type="text/event-stream")
         with context.admission.admit(nbytes=await body_bytes(request)):
             answers = await asyncio.gather(
@@ -376,24 +393,29 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     return app
 
 
-async def _chat_events(
+async def _stream_events(
     streams: ChatStream,
     head: dict[str, Any],
-    shape: Callable[..., chat.ChoiceStream],
+    shaper_for: Callable[[int], Any],
     include_usage: bool,
     held: contextlib.ExitStack,
-    prefill: str,
+    *,
+    what: str,
+    first: Callable[[int], list[dict[str, Any]]] = lambda _: [],
 ) -> AsyncIterator[bytes]:
-    """The chunks of a streamed chat completion as the engines produce them; a failure after the 200
-    is an error event (the OpenAI SDK raises it), then the stream ends."""
-    choices: dict[int, chat.ChoiceStream] = {}
+    """The chunks of a streamed chat or text completion as the engines produce them: per choice, what
+    ``first`` gives (the echoed prompt), then what its shaper makes of each engine step; a usage chunk
+    when asked. A failure after the 200 is an error event (the OpenAI SDK raises it), then the stream ends."""
+    shapers: dict[int, Any] = {}
     samples = []
     with held:
         try:
             async for step in streams.progress():
-                shaper = choices.get(step.index)
+                shaper = shapers.get(step.index)
                 if shaper is None:
-                    shaper = choices[step.index] = shape(head, step.index, prefill=prefill)
+                    shaper = shapers[step.index] = shaper_for(step.index)
+                    for item in first(step.index):
+                        yield chat.sse(item)
                 for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample):
                     yield chat.sse(item)
                 if step.sample is not None:
@@ -403,7 +425,7 @@ async def _chat_events(
         except (RolloutError, InvalidSampling) as error:
             yield chat.sse(error_body(error.code, str(error)))
         except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
-            logger.exception("a chat stream failed")
+            logger.exception("a %s stream failed", what)
             yield chat.sse(error_body("internal_error", "the service failed on this request; see its log"))
         finally:
             await streams.aclose()
@@ -412,52 +434,6 @@ async def _chat_events(
 
 def _decode(context: Any, ids: list[int]) -> str:
     return str(context.prompts.tokenizer.decode(ids))
-
-
-async def _text_events(
-    streams: ChatStream,
-    head: dict[str, Any],
-    stop: Sequence[str],
-    token_text: chat.TokenText | None,
-    include_usage: bool,
-    echo: str,
-    held: contextlib.ExitStack,
-) -> AsyncIterator[bytes]:
-    """A streamed text completion: the echoed prompt first (when asked), then each choice's text as
-    the engines produce it; a failure after the 200 is an error event."""
-    choices: dict[int, chat.TextChoiceStream] = {}
-    samples = []
-    with held:
-        try:
-            async for step in streams.progress():
-                shaper = choices.get(step.index)
-                if shaper is None:
-                    shaper = choices[step.index] = chat.TextChoiceStream(
-                        head, step.index, stop=stop, token_text=token_text
-                    )
-                    if echo:
-                        yield chat.sse(
-                            {
-                                **head,
-                                "choices": [
-                                    {"index": step.index, "text": echo, "logprobs": None, "finish_reason": None}
-                                ],
-                            }
-                        )
-                for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample):
-                    yield chat.sse(item)
-                if step.sample is not None:
-                    samples.append(step.sample)
-            if include_usage:
-                yield chat.sse({**head, "choices": [], "usage": chat.usage(len(streams.prepared.prompt_ids), samples)})
-        except (RolloutError, InvalidSampling) as error:
-            yield chat.sse(error_body(error.code, str(error)))
-        except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
-            logger.exception("a completion stream failed")
-            yield chat.sse(error_body("internal_error", "the service failed on this request; see its log"))
-        finally:
-            await streams.aclose()
-        yield b"data: [DONE]\n\n"
 
 
 async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitStack) -> AsyncIterator[bytes]:

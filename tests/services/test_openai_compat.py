@@ -261,6 +261,9 @@ def test_text_completions(stack: tuple[Stack, RunningServer], client: openai.Ope
     pieces = [c.choices[0].text for c in streamed if c.choices and c.choices[0].text]
     assert len(pieces) >= 2 and "".join(pieces) == by_text.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "length"
+    streamed_echo = list(client.completions.create(prompt=ids, seed=9, stream=True, echo=True, **common))
+    texts = [c.choices[0].text for c in streamed_echo if c.choices and c.choices[0].text]
+    assert texts[0] == "what colour is the circle" and "".join(texts) == echoed.choices[0].text
     for field, value in (("logprobs", 2), ("suffix", "x"), ("best_of", 3)):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(prompt="hi", **{**common, field: value})
