@@ -93,6 +93,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # slime's custom_params.return_top_p_token_ids: per generated token, the ids the filters kept (the
+    # nucleus it was sampled from), so the trainer can renormalise its log-probs over the same set.
+    return_top_p_token_ids: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -202,6 +205,9 @@ class GenerateResult:
     input_logprob_start: int = 0
     input_top_logprobs: list[TopLogprobs | None] | None = None
     output_top_logprobs: list[TopLogprobs] | None = None
+    # with ``return_top_p_token_ids``: every step's kept ids, flat, and offsets (len(output_ids) + 1) into them
+    top_p_token_ids: list[int] | None = None
+    top_p_token_offsets: list[int] | None = None
     num_retractions: int = 0
     # base64 int32 [seqlen-1, layers, top_k] as SGLang returns it; None for dense models / backends
     routed_experts: str | None = None

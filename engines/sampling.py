@@ -8,8 +8,8 @@ Every key SGLang 0.5 knows is one of these kinds here:
 * ignored — accepted because they do not change what is sampled nor what is returned here
   (`IGNORED_SAMPLING`: ``stream_interval``, a streaming cadence);
 * ``custom_params`` — a dict, accepted (SGLang hands it to a custom logit processor, which this
-  engine does not take); ``return_top_p_token_ids`` (slime's) is refused when true, with the field
-  ``custom_params.return_top_p_token_ids``;
+  engine does not take); ``return_top_p_token_ids: true`` (slime's, with its patched SGLang) is
+  honoured: ``meta_info.top_p_token_ids`` / ``top_p_token_offsets`` give each step's kept ids;
 * known but unsupported — refused with ``unsupported_sampling_param`` unless null, so a client
   never believes a grammar or a beam search was applied when it was not (`REFUSED_SAMPLING`).
 
@@ -67,8 +67,6 @@ REFUSED_SAMPLING = frozenset(
 # Every key of SGLang's SamplingParams.
 KNOWN_SAMPLING = SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"}
 
-# custom_params keys that ask for something this engine does not return.
-_REFUSED_CUSTOM = frozenset({"return_top_p_token_ids"})
 _MAX_N = 1024
 
 
@@ -96,6 +94,15 @@ def sampling_from(params: Mapping[str, Any]) -> SamplingParams:
     _check_custom(params.get("custom_params"))
     sample_count(params)
     fields: dict[str, Any] = {k: v for k, v in params.items() if k in SUPPORTED_SAMPLING and v is not None}
+    custom = params.get("custom_params") or {}
+    if custom.get("return_top_p_token_ids") not in (None, False):
+        if custom["return_top_p_token_ids"] is not True:
+            raise InvalidSampling(
+                "custom_params.return_top_p_token_ids must be a boolean",
+                code="bad_sampling_params",
+                field="custom_params.return_top_p_token_ids",
+            )
+        fields["return_top_p_token_ids"] = True
     if isinstance(fields.get("stop"), str):
         fields["stop"] = (fields["stop"],)
     for key in ("stop", "stop_token_ids"):
@@ -150,13 +157,6 @@ def _check_custom(custom: Any) -> None:
         raise InvalidSampling(
             "custom_params must be an object", code="bad_sampling_params", field="sampling_params.custom_params"
         )
-    for key in sorted(_REFUSED_CUSTOM & set(custom)):
-        if custom[key] not in (None, False):
-            raise InvalidSampling(
-                f"custom_params.{key} is not supported by this engine (send false or leave it out)",
-                code="unsupported_sampling_param",
-                field=f"custom_params.{key}",
-            )
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

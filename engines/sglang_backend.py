@@ -98,6 +98,8 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
             sampling[name] = getattr(params, name)
     if params.logit_bias:
         sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
+    if params.return_top_p_token_ids:  # honoured by slime's patched SGLang (meta_info.top_p_token_ids / _offsets)
+        sampling["custom_params"] = {"return_top_p_token_ids": True}
     if params.stop:
         sampling["stop"] = list(params.stop)
     if params.stop_token_ids:
@@ -147,6 +149,8 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
         input_top_logprobs=[_tops(p) for p in input_top] if input_top is not None else None,
         output_top_logprobs=[_tops(p) or [] for p in output_top] if output_top is not None else None,
         num_retractions=int(meta.get("num_retractions") or 0),
+        top_p_token_ids=meta.get("top_p_token_ids") if request.sampling.return_top_p_token_ids else None,
+        top_p_token_offsets=meta.get("top_p_token_offsets") if request.sampling.return_top_p_token_ids else None,
     )
 
 

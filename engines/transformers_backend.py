@@ -84,10 +84,15 @@ def penalize(
     return scores
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token from 1-D logits under temperature / top-k / top-p / min-p (greedy below 1e-6, as SGLang)."""
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator
+) -> tuple[int, list[int] | None]:
+    """One token from 1-D logits under temperature / top-k / top-p / min-p (greedy below 1e-6, as SGLang),
+    and — with ``return_top_p_token_ids`` — the ids the filters kept, most likely first (the sampled one
+    among them; greedy keeps only it)."""
     if params.temperature < 1e-6 or params.top_k == 1:
-        return int(torch.argmax(logits))
+        token = int(torch.argmax(logits))
+        return token, [token] if params.return_top_p_token_ids else None
     scores = logits.float() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
@@ -100,7 +105,12 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.min_p > 0:  # relative to the most likely token (its probability is unchanged by the filters above)
         probs = torch.softmax(logits.float() / params.temperature, dim=-1)
         scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
-    return int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+    token = int(torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator))
+    if not params.return_top_p_token_ids:
+        return token, None
+    kept = torch.nonzero(torch.isfinite(scores)).flatten()
+    kept = kept[torch.argsort(scores[kept], descending=True, stable=True)]
+    return token, [int(t) for t in kept]
 
 
 @dataclass(slots=True, kw_only=True, eq=False)  # identity: requests are compared as objects
@@ -121,6 +131,8 @@ class _Running:
     input_top: list[TopLogprobs | None] | None = None
     input_start: int = 0
     num_retractions: int = 0
+    top_p_ids: list[int] = field(default_factory=list)
+    top_p_offsets: list[int] = field(default_factory=lambda: [0])
 
 
 class TransformersEngine:
@@ -365,8 +377,11 @@ class TransformersEngine:
                 stop_ids={*params.stop_token_ids, *self.eos_ids},
             )
         allowed = scores.index_fill(0, self._banned, float("-inf"))
-        token = sample_token(allowed, params, running.generator)
+        token, kept = sample_token(allowed, params, running.generator)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # the model's own distribution (see protocol)
+        if kept is not None:
+            running.top_p_ids.extend(kept)
+            running.top_p_offsets.append(len(running.top_p_ids))
         running.output_ids.append(token)
         running.logprobs.append(float(logprobs[token]))
         if request.return_logprob and request.top_logprobs_num:
@@ -422,6 +437,8 @@ class TransformersEngine:
                 input_logprob_start=running.input_start,
                 input_top_logprobs=running.input_top,
                 output_top_logprobs=running.output_top if request.return_logprob and request.top_logprobs_num else None,
+                top_p_token_ids=running.top_p_ids if request.sampling.return_top_p_token_ids else None,
+                top_p_token_offsets=running.top_p_offsets if request.sampling.return_top_p_token_ids else None,
                 num_retractions=running.num_retractions,
             )
         )

@@ -163,7 +163,7 @@ class GenerateBody(BaseModel):
         "max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
         "frequency_penalty, min_new_tokens, logit_bias, stop, stop_token_ids, sampling_seed, ignore_eos, "
         "skip_special_tokens, spaces_between_special_tokens, no_stop_trim, n, custom_params (accepted; "
-        "return_top_p_token_ids refused when true), stream_interval (ignored); refused unless null: "
+        "return_top_p_token_ids honoured), stream_interval (ignored); refused unless null: "
         "json_schema, regex, ebnf, structural_tag, stop_regex, beam_width, watermark, choice",
         json_schema_extra=_SAMPLING_SCHEMA,
     )

@@ -90,6 +90,9 @@ def result_json(
     }
     if result.routed_experts is not None:
         meta["routed_experts"] = result.routed_experts
+    if result.top_p_token_ids is not None:  # slime's top-p replay: ids[offsets[i]:offsets[i + 1]] for token i
+        meta["top_p_token_ids"] = result.top_p_token_ids
+        meta["top_p_token_offsets"] = result.top_p_token_offsets
     if logprobs:
 
         def entry(logprob: float | None, token: int) -> list[Any]:

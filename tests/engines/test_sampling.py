@@ -99,13 +99,14 @@ def test_neutral_values_are_always_accepted() -> None:
     assert not sampling_from(neutral).penalized
 
 
-def test_custom_params_are_accepted_and_top_p_token_ids_refused_by_name() -> None:
+def test_custom_params_are_accepted_and_top_p_token_ids_honoured() -> None:
     assert sampling_from({"custom_params": {"return_top_p_token_ids": False, "anything": 1}}) == SamplingParams()
     assert sampling_from({"custom_params": None}) == SamplingParams()
-    with pytest.raises(InvalidSampling) as refused:
-        sampling_from({"top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}})
-    assert refused.value.code == "unsupported_sampling_param"
-    assert refused.value.field == "custom_params.return_top_p_token_ids"
+    asked = sampling_from({"top_p": 0.9, "custom_params": {"return_top_p_token_ids": True}})
+    assert asked.return_top_p_token_ids and asked.top_p == 0.9
+    with pytest.raises(InvalidSampling) as odd:
+        sampling_from({"custom_params": {"return_top_p_token_ids": "yes"}})
+    assert odd.value.field == "custom_params.return_top_p_token_ids"
     with pytest.raises(InvalidSampling) as bad:
         sampling_from({"custom_params": [1]})
     assert bad.value.code == "bad_sampling_params" and bad.value.field == "sampling_params.custom_params"

@@ -120,10 +120,10 @@ def test_seeded_sampling_is_reproducible(engine: TransformersEngine) -> None:
 def test_sample_token_filters() -> None:
     logits = torch.tensor([0.0, 5.0, 4.9, -3.0])
     generator = torch.Generator().manual_seed(0)
-    assert sample_token(logits, SamplingParams(temperature=0.0), generator) == 1
-    draws = {sample_token(logits, SamplingParams(top_k=2), generator) for _ in range(200)}
+    assert sample_token(logits, SamplingParams(temperature=0.0), generator)[0] == 1
+    draws = {sample_token(logits, SamplingParams(top_k=2), generator)[0] for _ in range(200)}
     assert draws == {1, 2}
-    assert {sample_token(logits, SamplingParams(top_p=0.3), generator) for _ in range(50)} == {1}
+    assert {sample_token(logits, SamplingParams(top_p=0.3), generator)[0] for _ in range(50)} == {1}
 
 
 def test_stops(engine: TransformersEngine) -> None:

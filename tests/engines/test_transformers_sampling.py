@@ -58,9 +58,9 @@ def test_penalties_follow_sglang_and_openai() -> None:
 def test_min_p_keeps_tokens_near_the_most_likely() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     generator = torch.Generator().manual_seed(0)
-    drawn = {sample_token(logits, SamplingParams(min_p=0.4), generator) for _ in range(300)}
+    drawn = {sample_token(logits, SamplingParams(min_p=0.4), generator)[0] for _ in range(300)}
     assert drawn == {0, 1}  # 0.15 and 0.05 are below 0.4 * 0.5
-    drawn = {sample_token(logits, SamplingParams(), generator) for _ in range(300)}
+    drawn = {sample_token(logits, SamplingParams(), generator)[0] for _ in range(300)}
     assert drawn == {0, 1, 2, 3}
 
 
@@ -215,3 +215,17 @@ def test_sampling_seed_reproduces(engine: TransformersEngine, ids, tmp_path: Pat
     params = SamplingParams(max_new_tokens=8, ignore_eos=True, sampling_seed=5, repetition_penalty=1.3, min_p=0.01)
     first, second = (engine.generate(GenerateRequest(input_ids=ids, sampling=params), timeout=60) for _ in range(2))
     assert first.output_ids == second.output_ids
+
+
+def test_top_p_token_ids_are_the_kept_nucleus() -> None:
+    """slime's top-p replay: the ids a step was sampled from, most likely first, the sampled one among them."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.tensor([0.0, 3.0, 2.5, 1.0, -2.0])
+    for top_p, nucleus in ((0.5, [1]), (0.85, [1, 2]), (0.9, [1, 2, 3]), (1.0, [1, 2, 3, 0, 4])):
+        params = SamplingParams(top_p=top_p, return_top_p_token_ids=True)
+        for _ in range(20):
+            token, kept = sample_token(logits, params, generator)
+            assert kept == nucleus and token in kept
+    token, kept = sample_token(logits, SamplingParams(temperature=0.0, return_top_p_token_ids=True), generator)
+    assert kept == [token] == [1]
+    assert sample_token(logits, SamplingParams(top_p=0.5), generator)[1] is None

@@ -82,14 +82,21 @@ def test_slimes_generate_payload_gets_sglangs_answer(engine_role) -> None:  # ty
     _check_shape(out, logprobs=True)
     assert out["meta_info"]["prompt_tokens"] == len(ids) and out["meta_info"]["weight_version"] == "0"
     assert client.post("/generate", json=payload).json()["output_ids"] == out["output_ids"]  # sampling_seed
-    # top_p < 1: slime adds custom_params.return_top_p_token_ids; false is accepted, true refused by name.
+    # top_p < 1: slime adds custom_params.return_top_p_token_ids and reads, for response token i, the
+    # nucleus it was sampled from as top_p_token_ids[offsets[i]:offsets[i + 1]].
     off = {**payload, "sampling_params": _slime_sampling(0.9, custom_params={"return_top_p_token_ids": False})}
-    assert client.post("/generate", json=off).status_code == 200
+    plain = client.post("/generate", json=off)
+    assert plain.status_code == 200 and "top_p_token_ids" not in plain.json()["meta_info"]
     on = {**payload, "sampling_params": _slime_sampling(0.9, custom_params={"return_top_p_token_ids": True})}
-    refused = client.post("/generate", json=on)
-    assert refused.status_code == 400
-    assert refused.json()["error"]["field"] == "custom_params.return_top_p_token_ids"
-    assert refused.json()["error"]["code"] == "unsupported_sampling_param"
+    replay = client.post("/generate", json=on)
+    assert replay.status_code == 200, replay.text
+    meta, output = replay.json()["meta_info"], replay.json()["output_ids"]
+    ids, offsets = meta["top_p_token_ids"], meta["top_p_token_offsets"]
+    assert len(offsets) == len(output) + 1 and offsets[0] == 0 and offsets[-1] == len(ids)
+    for i, token in enumerate(output):
+        kept = ids[offsets[i] : offsets[i + 1]]
+        assert token in kept and len(kept) == len(set(kept))
+    assert output == plain.json()["output_ids"]  # asking for the nucleus changes nothing that is sampled
     # The RL recipes' other knobs, neutral or not, are taken.
     knobs = _slime_sampling(
         repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0, min_p=0.0, min_new_tokens=0
