@@ -51,7 +51,7 @@ from .schemas import (
 )
 from .settings import DataSettings
 
-__all__ = ["DataSettings", "DataState", "app_factory", "create_app"]
+__all__ = ["DataSettings", "DataState", "create_app"]
 
 LIBRARY_ERRORS: Mapping[type[Exception], int] = {
     InvalidRequest: 422,
@@ -240,8 +240,3 @@ def create_app(settings: DataSettings | None = None) -> FastAPI:
         return StatsOut(**asdict(await asyncio.to_thread(store.stats, consumer)))
 
     return app
-
-
-def app_factory() -> FastAPI:
-    """The app from ``WEIR_*`` variables (``uvicorn --factory``)."""
-    return create_app(load_settings(DataSettings))

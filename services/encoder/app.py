@@ -99,8 +99,3 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
         return WeightsResponse(success=True, version=towers.version)
 
     return app
-
-
-def app_factory() -> FastAPI:
-    """Entry for ``uvicorn --factory``: settings from the environment."""
-    return create_app(load_settings(EncoderSettings))

@@ -62,7 +62,7 @@ from .service import (
 )
 from .settings import EngineSettings
 
-__all__ = ["app_factory", "create_app"]
+__all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -416,8 +416,3 @@ def _placeholders(model: Path) -> dict[str, int]:
                 out[kind] = int(found)
                 break
     return out
-
-
-def app_factory() -> FastAPI:
-    """For ``uvicorn --factory`` (``weir serve engine``): settings from the environment."""
-    return create_app(load_settings(EngineSettings))

@@ -77,8 +77,3 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
         return Response(memoryview(buffer), media_type=ARROW_STREAM)  # type: ignore[arg-type]
 
     return app
-
-
-def app_factory() -> FastAPI:
-    """Entry for ``uvicorn --factory``: settings from the environment."""
-    return create_app(load_settings(PreprocessSettings))

@@ -82,7 +82,7 @@ from .service import (
 )
 from .settings import RolloutSettings
 
-__all__ = ["app_factory", "create_app"]
+__all__ = ["create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -452,8 +452,3 @@ async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitSt
         finally:  # a client that went away stops the groups still running
             for task in tasks:
                 task.cancel()
-
-
-def app_factory() -> FastAPI:
-    """Entry for ``uvicorn --factory``: settings from the environment."""
-    return create_app(load_settings(RolloutSettings))
