@@ -26,9 +26,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 
@@ -37,6 +37,8 @@ from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, ref
 __all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineStream"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BodyFor = Callable[["EngineEndpoint"], dict[str, Any]]
 EngineHealth = Literal["up", "down", "unauthorized"]
@@ -94,28 +96,22 @@ class Dispatcher:
 
     async def generate(self, body: BodyFor, *, group: str | None = None) -> dict[str, Any]:
         """POST /generate on one engine, retried once on another if that engine fails."""
-        engine = self._pick(group)
-        try:
-            return await self._call(engine, body(engine))
-        except (httpx.RequestError, _EngineFailed) as error:
-            logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
-            engine.down_until = time.monotonic() + self.cooldown_s
-            if group:
-                self._affinity.pop(group, None)
-            other = self._pick(group, exclude=engine)
-            try:
-                return await self._call(other, body(other))
-            except (httpx.RequestError, _EngineFailed) as again:
-                other.down_until = time.monotonic() + self.cooldown_s
-                raise EnginesUnavailable(f"two engines failed: {again}") from None
+        return await self._on_one_then_another(lambda engine: self._call(engine, body(engine)), group)
 
     async def stream(self, body: BodyFor, *, group: str | None = None) -> EngineStream:
         """POST /generate with ``stream: true`` on one engine: an open `EngineStream` (its status
         checked: a refusal is raised here, before any chunk). Opening is retried once on another
         engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`)."""
+        return await self._on_one_then_another(
+            lambda engine: self._open(engine, {**body(engine), "stream": True}), group
+        )
+
+    async def _on_one_then_another(self, attempt: Callable[[EngineEndpoint], Awaitable[T]], group: str | None) -> T:
+        """``attempt`` on the engine `_pick` chooses; if that engine fails for its own reasons (connection,
+        timeout, 5xx), it sits out a cool-down and ``attempt`` runs once more on another."""
         engine = self._pick(group)
         try:
-            return await self._open(engine, {**body(engine), "stream": True})
+            return await attempt(engine)
         except (httpx.RequestError, _EngineFailed) as error:
             logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
             engine.down_until = time.monotonic() + self.cooldown_s
@@ -123,7 +119,7 @@ class Dispatcher:
                 self._affinity.pop(group, None)
             other = self._pick(group, exclude=engine)
             try:
-                return await self._open(other, {**body(other), "stream": True})
+                return await attempt(other)
             except (httpx.RequestError, _EngineFailed) as again:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise EnginesUnavailable(f"two engines failed: {again}") from None
