@@ -25,6 +25,7 @@ import preprocess as pp
 from preprocess.placeholders import expand_placeholders
 
 from ..errors import ApiError
+from ..media_roots import locate
 
 __all__ = ["MEDIA_FIELDS", "MediaItem", "items_for", "read_media", "expand_prompt"]
 
@@ -116,14 +117,11 @@ def _base64(payload: str, field: str, max_bytes: int) -> bytes:
 def _read_path(path: str, field: str, roots: Sequence[Path], max_bytes: int) -> bytes:
     if not roots:
         raise ApiError(403, "path_not_allowed", f"{field}: paths are off (no WEIR_MEDIA_ROOTS)", field=field)
-    candidate = Path(path)
-    for root in roots:
-        base = root.resolve()
-        target = (candidate if candidate.is_absolute() else base / candidate).resolve()
-        if target.is_relative_to(base) and target.is_file():
-            if target.stat().st_size > max_bytes:
-                raise ApiError(413, "media_too_large", f"{field}: {path!r} is over {max_bytes} bytes", field=field)
-            return target.read_bytes()
+    target = locate(path, roots).file
+    if target is not None:
+        if target.stat().st_size > max_bytes:
+            raise ApiError(413, "media_too_large", f"{field}: {path!r} is over {max_bytes} bytes", field=field)
+        return target.read_bytes()
     raise ApiError(403, "path_not_allowed", f"{field}: no file {path!r} under the media roots", field=field)
 
 

@@ -7,11 +7,11 @@ never a quietly created random model — ``weir up`` and ``weir init-model`` mak
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
+from pydantic import Field
 
+from ..media_roots import MediaRoots
 from ..settings import ModelFolder, RoleSettings
 
 __all__ = ["EngineSettings"]
@@ -38,17 +38,9 @@ class EngineSettings(RoleSettings):
     request_timeout_s: float = Field(
         600.0, gt=0, description="a /generate that has not finished by then is aborted (504 generation_timeout)"
     )
-    media_roots: Annotated[list[Path], NoDecode] = Field(
+    media_roots: MediaRoots = Field(
         [],
         description="folders image_data / video_data / audio_data paths (and file:// URLs) may name, "
         "':'-separated; none: paths are refused",
     )
     max_media_bytes: int = Field(128 << 20, gt=0, description="the largest media item /generate decodes")
-
-    @field_validator("media_roots", mode="before")
-    @classmethod
-    def _split_roots(cls, value: object) -> object:
-        # WEIR_MEDIA_ROOTS=/data/a:/data/b (':'-separated, like PATH), as the preprocess role reads it.
-        if isinstance(value, str):
-            return [p for p in value.split(":") if p]
-        return value

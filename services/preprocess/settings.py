@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import NoDecode
 
 import preprocess as pp
 
+from ..media_roots import MediaRoots
 from ..settings import RoleSettings
 
 __all__ = ["PreprocessSettings"]
@@ -24,7 +24,7 @@ class PreprocessSettings(RoleSettings):
     model: Path | None = None
     spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl"] = "qwen2_5_omni"
     # Media sources.
-    media_roots: Annotated[list[Path], NoDecode] = []
+    media_roots: MediaRoots = []
     allow_urls: bool = False
     allow_private_urls: bool = False
     url_max_bytes: int = Field(64 << 20, gt=0)
@@ -38,14 +38,6 @@ class PreprocessSettings(RoleSettings):
     max_sample_tokens: int | None = Field(None, gt=0)
     budget_policy: Literal["shrink", "refuse"] = "shrink"
     max_decode_pixels: int = Field(1 << 27, gt=0)
-
-    @field_validator("media_roots", mode="before")
-    @classmethod
-    def _split_roots(cls, value: object) -> object:
-        # WEIR_MEDIA_ROOTS=/data/a:/data/b (os.pathsep-separated, like PATH).
-        if isinstance(value, str):
-            return [p for p in value.split(":") if p]
-        return value
 
     @field_validator("model")
     @classmethod

@@ -22,6 +22,7 @@ from urllib.parse import urljoin, urlsplit
 import httpx
 
 from ..errors import ApiError
+from ..media_roots import locate
 
 __all__ = ["decode_inline", "fetch_url", "read_path"]
 
@@ -50,21 +51,13 @@ def read_path(path: str, roots: list[Path], index: int, max_bytes: int) -> bytes
     """A file under one of ``roots``; relative paths are taken relative to each root in turn."""
     if not roots:
         raise ApiError(403, "path_not_allowed", "paths are disabled: no media roots are configured", item=index)
-    candidate = Path(path)
-    inside = False
-    for root in roots:
-        base = root.resolve()
-        target = (candidate if candidate.is_absolute() else base / candidate).resolve()
-        if not target.is_relative_to(base):
-            continue
-        inside = True
-        if not target.is_file():
-            continue  # a relative path may be under the next root
-        size = target.stat().st_size
+    found = locate(path, roots)
+    if found.file is not None:
+        size = found.file.stat().st_size
         if size > max_bytes:
             raise ApiError(413, "media_too_large", f"{path!r} is {size} bytes, over {max_bytes}", item=index)
-        return target.read_bytes()
-    if inside:
+        return found.file.read_bytes()
+    if found.inside:
         raise ApiError(404, "media_not_found", f"no file at {path!r} under the media roots", item=index)
     raise ApiError(403, "path_not_allowed", f"{path!r} is outside the configured media roots", item=index)
 
