@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench clean gpu-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# Every `gpu`-marked check, on a machine with a CUDA GPU (one verdict line per check; see tests/gpu/run.sh).
+gpu-check:
+	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) tests/gpu/run.sh
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/bench_preprocess.py

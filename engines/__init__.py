@@ -10,6 +10,7 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
       protocol.py             the records (SamplingParams, MediaInput, GenerateRequest/Result) and the Engine contract
       errors.py               the exception tree (EngineError and its codes)
       sampling.py             SGLang's sampling_params → SamplingParams: supported, ignored, refused keys
+      grammar.py              constrained decoding (json_schema / regex / ebnf) with xgrammar: compiled, cached, matched
       media.py                MediaRef (by feature or embedding key) → MediaInput, from the two caches
       limits.py               a model's vocabulary and context; prompts outside them are refused at submit
       factory.py              load_engine(model, backend=..., device=..., max_running=...)

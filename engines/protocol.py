@@ -6,11 +6,12 @@ carry ``output_ids``, per-token log-probs of the sampled tokens (and, when asked
 and the top alternatives), ``finish_reason`` as SGLang shapes it, and the weight version that produced them.
 
 Log-probs are those of the model's own distribution: temperature 1, no top-p / top-k / min-p, and
-**before** every penalty (repetition, presence, frequency), ``logit_bias`` and the ``min_new_tokens``
-mask — the distribution an RL trainer recomputes from the weights and compares against. That is what
-`TransformersEngine` reports, whatever the sampling parameters. `SGLangEngine` passes on what SGLang
-reports, which is not checked here: SGLang's sampler may report log-probs after temperature scaling,
-and its penalties act on the logits it samples from.
+**before** every penalty (repetition, presence, frequency), ``logit_bias``, the ``min_new_tokens``
+mask and a grammar's mask (``json_schema`` / ``regex`` / ``ebnf``) — the distribution an RL trainer
+recomputes from the weights and compares against. That is what `TransformersEngine` reports, whatever
+the sampling parameters. `SGLangEngine` passes on what SGLang reports, which is not checked here:
+SGLang's sampler may report log-probs after temperature scaling, and its penalties and grammar masks
+act on the logits it samples from.
 
 This module holds records and the `Engine` contract only: mapping SGLang's sampling dict is
 `engines.sampling`, resolving cache keys to media is `engines.media`, running a model is the backends'.
@@ -71,10 +72,13 @@ class SamplingParams:
     so far: a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` /
     ``presence_penalty`` (OpenAI's: subtracted per occurrence / once, over output tokens),
     ``min_new_tokens`` (EOS and ``stop_token_ids`` masked, stop strings not checked, until that many
-    tokens), ``logit_bias`` (added); then ``temperature``, ``top_k``, ``top_p``, ``min_p`` (relative to
-    the most likely token). ``skip_special_tokens``, ``spaces_between_special_tokens`` and
-    ``no_stop_trim`` shape the returned text only: as SGLang, the text of a request stopped by a token
-    leaves that token out, and the text of one stopped by a string ends before it, unless ``no_stop_trim``."""
+    tokens), ``logit_bias`` (added), the grammar of ``json_schema`` / ``regex`` / ``ebnf`` (at most one:
+    every token it does not allow next masked; should nothing be left, the grammar alone decides); then
+    ``temperature``, ``top_k``, ``top_p``, ``min_p`` (relative to the most likely token). A grammar that
+    ends (on an EOS) ends the request, even with ``ignore_eos``. ``skip_special_tokens``,
+    ``spaces_between_special_tokens`` and ``no_stop_trim`` shape the returned text only: as SGLang, the
+    text of a request stopped by a token leaves that token out, and the text of one stopped by a string
+    ends before it, unless ``no_stop_trim``."""
 
     max_new_tokens: int = 128
     temperature: float = 1.0
@@ -93,6 +97,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
+    # SGLang's constrained decoding (`engines.grammar`): a JSON Schema (or "$$ANY$$"), a regular
+    # expression, or a GBNF grammar; at most one.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # slime's custom_params.return_top_p_token_ids: per generated token, the ids the filters kept (the
     # nucleus it was sampled from), so the trainer can renormalise its log-probs over the same set.
     return_top_p_token_ids: bool = False
@@ -107,6 +116,17 @@ class SamplingParams:
             or self.min_new_tokens
             or self.logit_bias
         )
+
+    @property
+    def grammar(self) -> tuple[Literal["json_schema", "regex", "ebnf"], str] | None:
+        """``(kind, source)`` of the grammar the output must follow, or None."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.ebnf is not None:
+            return "ebnf", self.ebnf
+        return None
 
     def __post_init__(self) -> None:
         problems = []
@@ -146,6 +166,12 @@ class SamplingParams:
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 problems.append(f"{name} must be true or false")
+        grammars = [name for name in ("json_schema", "regex", "ebnf") if getattr(self, name) is not None]
+        for name in grammars:
+            if not isinstance(getattr(self, name), str):
+                problems.append(f"{name} must be a string")
+        if len(grammars) > 1:
+            problems.append(f"{grammars[-1]}: give at most one of json_schema, regex, ebnf (also given: {grammars[0]})")
         if problems:
             raise InvalidSampling("; ".join(problems), code="bad_sampling_params")
 
@@ -258,6 +284,36 @@ class Engine(Protocol):
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult: ...
 
     def update_weights(self, path: str, version: str | None = None) -> str: ...
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """SGLang's ``/init_weights_update_group``: join a process group of its own (not the default one)
+        rendezvoused at ``tcp://master_address:master_port``, the trainer rank 0 and this engine's ranks
+        from ``rank_offset``. Blocks until every rank has joined (call it from a thread); `WeightsError`
+        (``weights_group``) when it cannot join."""
+        ...
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
+    ) -> str:
+        """SGLang's ``/update_weights_from_distributed``: receive each named tensor by a broadcast from rank 0
+        of ``group_name``, in order, then load them all between two decode steps; returns the weight version
+        now served. Blocks until rank 0 has sent them. `WeightsError` (``weights_mismatch``) when a name,
+        shape or dtype does not fit the model: nothing is loaded, and the tensors are still received so
+        the group stays in step with the sender."""
+        ...
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        """SGLang's ``/destroy_weights_update_group``; `WeightsError` (``weights_group``) for a group it is not in."""
+        ...
 
     def pause(self, mode: PauseMode = "in_place") -> None:
         """Stop generating. ``abort``: running and queued requests finish as aborted; ``retract``: running

@@ -2,7 +2,10 @@
 
 Every key SGLang 0.5 knows is one of these kinds here:
 
-* supported — mapped onto `SamplingParams` (`SUPPORTED_SAMPLING`);
+* supported — mapped onto `SamplingParams` (`SUPPORTED_SAMPLING`), the grammars of constrained
+  decoding among them: ``json_schema`` (a JSON Schema as a string — valid JSON — or ``"$$ANY$$"``),
+  ``regex``, ``ebnf``; strings, at most one per request, as SGLang (compiled by the backend:
+  `engines.grammar`, where one that does not compile is ``bad_grammar``);
 * fanned out — ``n``: the caller runs that many samples (`sample_count`), as SGLang's tokenizer
   manager does before its scheduler;
 * ignored — accepted because they do not change what is sampled nor what is returned here
@@ -11,16 +14,18 @@ Every key SGLang 0.5 knows is one of these kinds here:
   engine does not take); ``return_top_p_token_ids: true`` (slime's, with its patched SGLang) is
   honoured: ``meta_info.top_p_token_ids`` / ``top_p_token_offsets`` give each step's kept ids;
 * known but unsupported — refused with ``unsupported_sampling_param`` unless null, so a client
-  never believes a grammar or a beam search was applied when it was not (`REFUSED_SAMPLING`).
+  never believes a structural tag or a beam search was applied when it was not (`REFUSED_SAMPLING`).
 
 Neutral values (``repetition_penalty`` 1, penalties 0, ``min_p`` 0, ``min_new_tokens`` 0, an empty
 ``logit_bias``) are always accepted. Any other key is a typo: ``unknown_sampling_param``. Values of
-the wrong type or range: ``bad_sampling_params``. All are `InvalidSampling`, naming the field.
+the wrong type or range, or two grammars at once: ``bad_sampling_params``; a ``json_schema`` that is
+not JSON: ``bad_grammar``. All are `InvalidSampling`, naming the field.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,14 +61,15 @@ SUPPORTED_SAMPLING = frozenset(
         "skip_special_tokens",
         "spaces_between_special_tokens",
         "no_stop_trim",
+        "json_schema",
+        "regex",
+        "ebnf",
     }
 )
 # SGLang sampling keys that change neither what is sampled nor what is returned here; accepted and ignored.
 IGNORED_SAMPLING = frozenset({"stream_interval"})
 # SGLang sampling keys this engine does not implement: refused unless null.
-REFUSED_SAMPLING = frozenset(
-    {"stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "beam_width", "watermark", "choice"}
-)
+REFUSED_SAMPLING = frozenset({"stop_regex", "structural_tag", "beam_width", "watermark", "choice"})
 # Every key of SGLang's SamplingParams.
 KNOWN_SAMPLING = SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"}
 
@@ -118,6 +124,7 @@ def sampling_from(params: Mapping[str, Any]) -> SamplingParams:
         fields["stop_token_ids"] = tuple(_integral(t) for t in fields["stop_token_ids"])
     if "logit_bias" in fields:
         fields["logit_bias"] = _logit_bias(fields["logit_bias"])
+    _check_grammars(fields)
     try:
         return SamplingParams(**fields)  # checks each value's type and range
     except InvalidSampling as error:
@@ -157,6 +164,31 @@ def _check_custom(custom: Any) -> None:
         raise InvalidSampling(
             "custom_params must be an object", code="bad_sampling_params", field="sampling_params.custom_params"
         )
+
+
+_GRAMMARS = ("json_schema", "regex", "ebnf")  # SGLang's order
+
+
+def _check_grammars(fields: Mapping[str, Any]) -> None:
+    """Strings, at most one (SGLang refuses more), a ``json_schema`` valid JSON unless ``"$$ANY$$"``."""
+    given = [key for key in _GRAMMARS if key in fields]
+    for key in given:
+        if not isinstance(fields[key], str):
+            raise InvalidSampling(f"{key} must be a string", code="bad_sampling_params", field=f"sampling_params.{key}")
+    if len(given) > 1:
+        raise InvalidSampling(
+            f"only one of json_schema, regex, ebnf can be set (got {', '.join(given)})",
+            code="bad_sampling_params",
+            field=f"sampling_params.{given[1]}",
+        )
+    schema = fields.get("json_schema")
+    if schema is not None and schema != "$$ANY$$":
+        try:
+            json.loads(schema)
+        except ValueError as error:
+            raise InvalidSampling(
+                f"json_schema is not JSON: {error}", code="bad_grammar", field="sampling_params.json_schema"
+            ) from None
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -9,7 +9,8 @@ are already expanded. `build_request` is pure and unit-tested on CPU; the engine
 where a GPU and the ``sglang`` extra exist (tests marked ``gpu``).
 
 Every `SamplingParams` field is passed on under SGLang's own name (penalties, ``min_p``, ``logit_bias``
-with string keys, the detokenizer options), and so are ``logprob_start_len`` / ``top_logprobs_num``;
+with string keys, the detokenizer options, the grammar of ``json_schema`` / ``regex`` / ``ebnf`` as
+given, which SGLang compiles with its own grammar backend), and so are ``logprob_start_len`` / ``top_logprobs_num``;
 the pause mode goes to SGLang's ``pause_generation`` when its signature takes one.
 
 What this backend does not do: per-token callbacks (``on_token`` is not called; a stream gets the
@@ -106,6 +107,9 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         sampling["stop_token_ids"] = list(params.stop_token_ids)
     if params.sampling_seed is not None:
         sampling["sampling_seed"] = params.sampling_seed
+    if params.grammar is not None:
+        grammar_key, source = params.grammar
+        sampling[grammar_key] = source
     kwargs: dict[str, Any] = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling,
@@ -236,6 +240,59 @@ class SGLangEngine:
             raise WeightsError(message, code="weights_rejected")
         self.weight_version = version or self.weight_version
         return self.weight_version
+
+    def _weights_call(self, method: str, **kwargs: Any) -> None:
+        """SGLang's Engine method of that name, given the keyword arguments its version takes (older
+        ones lack ``weight_version``); its ``(success, message)`` refusal is `WeightsError`."""
+        call = getattr(self.engine, method, None)
+        if call is None:
+            raise WeightsError(f"this SGLang's Engine has no {method}", code="weights_rejected")
+        try:
+            accepted = inspect.signature(call).parameters
+            kwargs = {k: v for k, v in kwargs.items() if k in accepted or k in ("names", "dtypes", "shapes")}
+        except (TypeError, ValueError):
+            pass
+        outcome = call(**kwargs)
+        ok, message = outcome if isinstance(outcome, tuple) else (True, "")
+        if not ok:
+            raise WeightsError(str(message), code="weights_rejected")
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        self._weights_call(
+            "init_weights_update_group",
+            master_address=master_address,
+            master_port=master_port,
+            rank_offset=rank_offset,
+            world_size=world_size,
+            group_name=group_name,
+            backend=backend,
+        )
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
+    ) -> str:
+        self._weights_call(
+            "update_weights_from_distributed",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            weight_version=version,
+        )
+        self.weight_version = version or self.weight_version
+        return self.weight_version
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        self._weights_call("destroy_weights_update_group", group_name=group_name)
 
     def pause(self, mode: PauseMode = "in_place") -> None:
         try:

@@ -16,6 +16,15 @@ running requests back at the head of the queue with their tokens, their KV dropp
 prompt + tokens so far when they are admitted again, counted in ``num_retractions``); ``in_place``
 freezes them with their KV. This backend keeps no prefix cache across requests, so `flush_cache`
 drops nothing; it answers as SGLang does, False while a request holds KV (running, or frozen in place).
+
+Weights change from a folder (`update_weights`) or by broadcast from a trainer (SGLang's distributed
+update: `init_weights_update_group` joins a process group of its own — gloo on CPU, NCCL on CUDA — and
+`update_weights_from_distributed` receives each named tensor from rank 0, checks it against the
+model's parameters, and loads them all at once between two decode steps, as a folder is loaded).
+
+Constrained decoding (``json_schema`` / ``regex`` / ``ebnf``) is `engines.grammar` over xgrammar, as
+SGLang's default backend: the grammar is compiled at submit (one that does not compile is
+`InvalidSampling` from `submit`), each sample walks its own matcher, and the grammar's end ends the request.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniThinkerForCondi
 from encoders.towers import Towers
 
 from .errors import EngineError, InvalidMedia, WeightsError
+from .grammar import Grammar, Grammars
 from .limits import ModelLimits
 from .protocol import GenerateRequest, GenerateResult, MediaInput, PauseMode, SamplingParams, TokenCallback, TopLogprobs
+from .weights_group import join_weights_group
 
 __all__ = ["TransformersEngine", "penalize", "sample_token"]
 
@@ -133,6 +144,7 @@ class _Running:
     num_retractions: int = 0
     top_p_ids: list[int] = field(default_factory=list)
     top_p_offsets: list[int] = field(default_factory=lambda: [0])
+    grammar: Grammar | None = None  # the request's own matcher (json_schema / regex / ebnf)
 
 
 class TransformersEngine:
@@ -155,9 +167,8 @@ class TransformersEngine:
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = int(config.get_text_config().max_position_embeddings)
-        self.limits = ModelLimits(
-            vocab_size=int(self.model.get_input_embeddings().num_embeddings), max_context=self.max_context
-        )
+        vocab_size = int(self.model.get_input_embeddings().num_embeddings)
+        self.limits = ModelLimits(vocab_size=vocab_size, max_context=self.max_context)
         # Media structure tokens are never generated: a placeholder or a media bos/eos in a response is
         # read as a media slot when the trainer recomputes the sequence (the model's 3-D positions
         # count them). They keep their probability mass in the reported log-probs.
@@ -167,6 +178,8 @@ class TransformersEngine:
             if isinstance(getattr(config, name, None), int)
         }
         self._banned = torch.tensor(sorted(structural), device=self.device)
+        # A grammar ends on the model's EOS ids; its width is the logits', which may exceed the tokenizer's.
+        self.grammars = Grammars(self.tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_ids)
         self.weight_version = weight_version
         self.towers = Towers.from_modules(self.model.visual, self.model.audio_tower, weight_version)
         self.max_running = max_running
@@ -180,6 +193,8 @@ class TransformersEngine:
         self._pause_mode: PauseMode = "in_place"
         self._pause_applied = threading.Event()
         self._stopping = False
+        self._groups: dict[str, Any] = {}  # weights update groups joined (SGLang's group_name → process group)
+        self._groups_lock = threading.Lock()
         self.started = time.monotonic()
         self.busy_s = 0.0  # wall time spent in forward steps: the engine-idle share is 1 - busy / uptime
         self._thread = threading.Thread(target=self._loop, name="transformers-engine", daemon=True)
@@ -192,13 +207,14 @@ class TransformersEngine:
             raise RuntimeError("the engine is closed")
         self.limits.check(request)
         self._check_media(request)
+        grammar = self.grammars.constraint(request.sampling)
         rid = request.rid or uuid.uuid4().hex
         future: Future[GenerateResult] = Future()
         future.set_running_or_notify_cancel()  # a caller's cancel must not break the engine's set_result
         seed = request.sampling.sampling_seed
         generator = torch.Generator().manual_seed(seed if seed is not None else int(uuid.uuid4().int % 2**63))
         request = request if request.rid == rid else replace(request, rid=rid)
-        running = _Running(request=request, future=future, generator=generator, on_token=on_token)
+        running = _Running(request=request, future=future, generator=generator, on_token=on_token, grammar=grammar)
         self._by_rid[rid] = running
         self._inbox.put(running)
         return future
@@ -252,6 +268,9 @@ class TransformersEngine:
             raise WeightsError(
                 f"weights in {path} have other shapes than the model's: {reshaped[:3]}", code="weights_mismatch"
             )
+        return self._load(state, version)
+
+    def _load(self, state: dict[str, torch.Tensor], version: str | None) -> str:
         with self._model_lock:
             self.model.load_state_dict(state, strict=False)
             # As SGLang: without a version the weights change and the version stays (a timestamp here
@@ -260,6 +279,118 @@ class TransformersEngine:
             self.weight_version = version or self.weight_version
             self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        """Join ``group_name`` as rank ``rank_offset`` (one rank: no tensor parallelism here). ``gloo`` on a
+        CPU engine, ``nccl`` on a CUDA one — NCCL cannot move CPU tensors, so it is refused on CPU."""
+        if backend not in ("gloo", "nccl"):
+            raise WeightsError(f"backend {backend!r}: give gloo or nccl", code="weights_group")
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightsError(
+                "backend 'nccl' needs a CUDA engine; this one runs on CPU: use 'gloo'", code="weights_group"
+            )
+        if not 1 <= rank_offset < world_size:
+            raise WeightsError(
+                f"rank_offset {rank_offset} is not in [1, world_size {world_size}): rank 0 is the trainer",
+                code="weights_group",
+            )
+        with self._groups_lock:
+            if group_name in self._groups:
+                raise WeightsError(
+                    f"already in a weights update group named {group_name!r}: destroy it first", code="weights_group"
+                )
+            self._groups[group_name] = None  # reserved while joining: a second init of the name is refused
+        try:
+            group = join_weights_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        except Exception as error:  # noqa: BLE001 - a rendezvous fails in many ways (timeout, refused, bad address)
+            with self._groups_lock:
+                self._groups.pop(group_name, None)
+            raise WeightsError(
+                f"cannot join {group_name!r} at {master_address}:{master_port}: {type(error).__name__}: {error}",
+                code="weights_group",
+            ) from None
+        with self._groups_lock:
+            self._groups[group_name] = group
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
+    ) -> str:
+        """Receive every tensor (in order, as rank 0 broadcasts them), then load them all or none.
+
+        A name the model lacks, or a shape or dtype other than its parameter's, loads nothing — the
+        tensors are still received, so the sender is not left waiting and the group can be used
+        again. The dtype must be the parameter's own: a cast would make the engine serve other
+        weights than the trainer sent. A dtype or shape that cannot be received at all (an unknown
+        dtype, a negative size) leaves the group, as the sender's broadcasts can no longer be matched."""
+        import torch.distributed as dist
+
+        with self._groups_lock:
+            group = self._groups.get(group_name)
+        if group is None:
+            raise WeightsError(
+                f"not in a weights update group named {group_name!r}: call /init_weights_update_group first",
+                code="weights_group",
+            )
+        if not len(names) == len(dtypes) == len(shapes):
+            raise WeightsError(
+                f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})",
+                code="weights_mismatch",
+            )
+        specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
+        for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+            dtype = getattr(torch, dtype_name, None) if dtype_name.isidentifier() else None
+            if not isinstance(dtype, torch.dtype) or any(size < 0 for size in shape):
+                self.destroy_weights_update_group(group_name)
+                raise WeightsError(
+                    f"{name}: cannot receive dtype {dtype_name!r} of shape {shape}; left {group_name!r} (its "
+                    "broadcasts can no longer be matched): join it again",
+                    code="weights_mismatch",
+                )
+            specs.append((dtype, tuple(shape)))
+        own = self.model.state_dict()
+        problems = []
+        for name, (dtype, dims) in zip(names, specs, strict=True):
+            if name not in own:
+                problems.append(f"{name}: not a parameter of the model")
+            elif tuple(own[name].shape) != dims or own[name].dtype != dtype:
+                problems.append(
+                    f"{name}: sent {str(dtype).removeprefix('torch.')} {list(dims)}, the model's is "
+                    f"{str(own[name].dtype).removeprefix('torch.')} {list(own[name].shape)}"
+                )
+        received = {}
+        pending = []
+        for name, (dtype, dims) in zip(names, specs, strict=True):
+            tensor = torch.empty(dims, dtype=dtype, device=self.device)
+            pending.append(dist.broadcast(tensor, group=group, group_src=0, async_op=True))
+            received[name] = tensor
+        for work in pending:
+            if work is not None:  # async_op always gives one; None is only the synchronous call's
+                work.wait()
+        if problems:
+            raise WeightsError(
+                f"the weights do not fit the model ({len(problems)} of {len(names)}; none loaded): "
+                + "; ".join(problems[:3]),
+                code="weights_mismatch",
+            )
+        return self._load(received, version)
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        with self._groups_lock:
+            group = self._groups.pop(group_name, None)
+        if group is None:
+            raise WeightsError(f"not in a weights update group named {group_name!r}", code="weights_group")
+        import torch.distributed as dist
+
+        dist.destroy_process_group(group)
 
     @property
     def running(self) -> int:
@@ -272,6 +403,11 @@ class TransformersEngine:
         self._stopping = True
         self._unpaused.set()
         self._thread.join(10)
+        for name in [n for n, g in list(self._groups.items()) if g is not None]:
+            try:
+                self.destroy_weights_update_group(name)
+            except Exception:  # noqa: BLE001 - closing: a group already broken must not stop the rest
+                logger.warning("could not leave weights update group %s", name, exc_info=True)
 
     # -- checks at submission ------------------------------------------------------------------
     def _check_media(self, request: GenerateRequest) -> None:
@@ -377,7 +513,16 @@ class TransformersEngine:
                 stop_ids={*params.stop_token_ids, *self.eos_ids},
             )
         allowed = scores.index_fill(0, self._banned, float("-inf"))
+        if running.grammar is not None:  # after SGLang's logit processing, before temperature and the filters
+            running.grammar.mask(allowed)
+            if not bool(torch.isfinite(allowed).any()):
+                # The penalties / bias / min_new_tokens left no token the grammar allows (min_new_tokens
+                # masking the EOS a finished grammar needs): the grammar decides alone, so the output
+                # still parses.
+                allowed = running.grammar.mask(logits.float().index_fill(0, self._banned, float("-inf")))
         token, kept = sample_token(allowed, params, running.generator)
+        if running.grammar is not None:
+            running.grammar.accept(token)
         logprobs = torch.log_softmax(logits.float(), dim=-1)  # the model's own distribution (see protocol)
         if kept is not None:
             running.top_p_ids.extend(kept)
@@ -394,6 +539,8 @@ class TransformersEngine:
 
     def _stop_reason(self, running: _Running, token: int) -> dict[str, Any] | None:
         params = running.request.sampling
+        if running.grammar is not None and running.grammar.done:  # SGLang's: the grammar's end token matched
+            return {"type": "stop", "matched": token}
         stoppable = len(running.output_ids) >= params.min_new_tokens  # stop tokens were masked before
         if stoppable and (token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_ids)):
             return {"type": "stop", "matched": token}

@@ -6,7 +6,7 @@ The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a 
     prompts     OpenAI messages → preprocess items; chat template + exact placeholder expansion
     dispatch    engines: least outstanding, group affinity, one retry elsewhere, health probes
     group       the rollout itself: prepare → generate n (each seeded sample its own seed) → reward →
-                `Group`; the context; chat samples, whole or streamed
+                `Group`; the context; chat samples, whole or streamed (with top / prompt log-probs)
     rewards     built-in rewards and the registry of custom ones (named, registered at start-up)
     admission   bounds on in-flight media tokens and request bytes
     chat        OpenAI chat / text-completion shaping: objects, streamed deltas, tool calls
@@ -35,6 +35,8 @@ from .errors import (
 from .group import (
     DEFAULT_ROLLOUT_FUNCTION,
     ChatStream,
+    ChoiceLogprobs,
+    LogprobAsk,
     Prepared,
     Progress,
     PromptSpec,
@@ -60,6 +62,7 @@ __all__ = [
     "ENTRY_POINT_GROUP",
     "Admission",
     "ChatStream",
+    "ChoiceLogprobs",
     "Dispatcher",
     "EngineEndpoint",
     "EngineHealth",
@@ -70,6 +73,7 @@ __all__ = [
     "HttpSink",
     "InvalidPrompt",
     "JsonlSink",
+    "LogprobAsk",
     "MediaRefused",
     "Overloaded",
     "PluginError",

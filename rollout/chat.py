@@ -4,7 +4,8 @@ calls and SSE chunks.
 Pure functions over `Sample`s (the chat route gets them from `rollout.group.chat_samples`) and, for
 true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.group.Progress`) into
 ``chat.completion.chunk`` deltas as the tokens come: one delta per engine step (a token, or the few
-an engine sends at once), with their log-probs; text that may still turn out to be a stop string is
+an engine sends at once), with their log-probs (and, when asked, each token's most likely alternatives:
+`rollout.group.ChoiceLogprobs`); text that may still turn out to be a stop string is
 held back until the engine's next step says it is not. Tool calls are parsed from Qwen's format —
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks — into ``message.tool_calls``.
 The shapes are OpenAI's ``chat.completion`` and ``chat.completion.chunk``. This module does not
@@ -17,9 +18,12 @@ import json
 import re
 import uuid
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from experience.records import Sample
+
+if TYPE_CHECKING:
+    from .group import ChoiceLogprobs, Top
 
 __all__ = [
     "ChoiceStream",
@@ -30,6 +34,7 @@ __all__ = [
     "legacy_logprobs",
     "logprobs_content",
     "parse_tool_calls",
+    "prompt_logprobs",
     "sse",
     "sse_events",
     "stream_chunks",
@@ -88,17 +93,42 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return content if content.strip() else None, calls
 
 
-def logprobs_content(sample: Sample, token_text: TokenText) -> list[dict[str, Any]]:
-    """``choices[i].logprobs.content``: one entry per generated token (no alternatives are computed)."""
-    return token_logprobs(sample.response_ids, sample.logprobs, token_text)
+def logprobs_content(sample: Sample, token_text: TokenText, top: Sequence[Top] | None = None) -> list[dict[str, Any]]:
+    """``choices[i].logprobs.content``: one entry per generated token, with its ``top`` alternatives
+    (most likely first) when they were asked for, else none."""
+    return token_logprobs(sample.response_ids, sample.logprobs, token_text, top)
 
 
-def token_logprobs(tokens: Sequence[int], logprobs: Sequence[float], token_text: TokenText) -> list[dict[str, Any]]:
+def token_logprobs(
+    tokens: Sequence[int],
+    logprobs: Sequence[float | None],
+    token_text: TokenText,
+    top: Sequence[Top | None] | None = None,
+) -> list[dict[str, Any]]:
+    """OpenAI's per-token entries ``{token, logprob, bytes, top_logprobs}``; ``top`` (one per token):
+    the alternatives, ``[{token, logprob, bytes}]`` most likely first (None where there are none: a
+    prompt's first token)."""
+    tops = top if top is not None else [[]] * len(tokens)
     content = []
-    for token, logprob in zip(tokens, logprobs, strict=True):
+    for token, logprob, alternatives in zip(tokens, logprobs, tops, strict=True):
         piece = token_text(token)
-        content.append({"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": []})
+        entry: dict[str, Any] = {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
+        if alternatives is None:
+            entry["top_logprobs"] = None
+        else:
+            entry["top_logprobs"] = [
+                {"token": (text := token_text(t)), "logprob": lp, "bytes": list(text.encode())}
+                for lp, t in alternatives
+            ]
+        content.append(entry)
     return content
+
+
+def prompt_logprobs(details: ChoiceLogprobs, token_text: TokenText) -> list[dict[str, Any]]:
+    """The prompt's tokens as `token_logprobs` entries (``echo``): the first has no log-prob and no
+    alternatives (nothing predicts it)."""
+    prompt = details.prompt or []
+    return token_logprobs([t for _, t in prompt], [lp for lp, _ in prompt], token_text, details.prompt_top)
 
 
 def usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict[str, int]:
@@ -120,12 +150,17 @@ def completion(
     token_text: TokenText | None = None,
     tools: bool = False,
     prefill: str = "",
+    details: Sequence[ChoiceLogprobs] | None = None,
 ) -> dict[str, Any]:
-    """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs; ``tools``: tool
-    calls parsed from each answer (``prefill`` + its text: the start the prompt forced on it)."""
+    """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs, and each token's
+    alternatives from ``details`` (one per sample) when they were asked for; ``tools``: tool calls
+    parsed from each answer (``prefill`` + its text: the start the prompt forced on it)."""
     choices = []
-    for sample in samples:
-        logprobs = {"content": logprobs_content(sample, token_text)} if token_text is not None else None
+    for k, sample in enumerate(samples):
+        logprobs = None
+        if token_text is not None:
+            top = details[k].top if details is not None else None
+            logprobs = {"content": logprobs_content(sample, token_text, top)}
         message: dict[str, Any] = {"role": "assistant", "content": sample.text}
         calls: list[dict[str, Any]] = []
         if tools:
@@ -210,14 +245,21 @@ class ChoiceStream:
         self.started = False
 
     def step(
-        self, token_ids: Sequence[int], logprobs: Sequence[float], text: str, sample: Sample | None
+        self,
+        token_ids: Sequence[int],
+        logprobs: Sequence[float],
+        text: str,
+        sample: Sample | None,
+        top: Sequence[Top] | None = None,
     ) -> list[dict[str, Any]]:
+        """The chunks for one engine step: its new tokens (``top``: their alternatives, when asked),
+        the text so far, and on the last step the finished sample."""
         out = []
         if not self.started:
             self.started = True
             out.extend(self._opening())
         if self.token_text is not None:
-            self.pending.extend(token_logprobs(token_ids, logprobs, self.token_text))
+            self.pending.extend(token_logprobs(token_ids, logprobs, self.token_text, top))
         final = sample is not None
         calls: list[dict[str, Any]] = []
         if sample is not None:
@@ -266,13 +308,29 @@ class ChoiceStream:
 
 class TextChoiceStream(ChoiceStream):
     """`ChoiceStream` for ``/v1/completions``: ``text_completion`` chunks (``choices[i].text``, the
-    legacy log-probs shape), no role chunk."""
+    legacy log-probs shape: alternatives with ``top``), no role chunk; ``offset``: where the answer
+    starts in the choice's text (after an echoed prompt)."""
+
+    def __init__(
+        self,
+        head: dict[str, Any],
+        index: int,
+        *,
+        stop: Sequence[str] = (),
+        token_text: TokenText | None = None,
+        top: bool = False,
+        offset: int = 0,
+    ) -> None:
+        super().__init__(head, index, stop=stop, token_text=token_text)
+        self.top, self.offset = top, offset
 
     def _opening(self) -> list[dict[str, Any]]:
         return []
 
     def _content(self, new: str, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
-        logprobs = legacy_logprobs(entries, offset=len(self.sent)) if entries is not None else None
+        logprobs = None
+        if entries is not None:
+            logprobs = legacy_logprobs(entries, offset=self.offset + len(self.sent), top=self.top)
         return _text_choice(self.head, self.index, new, logprobs, None)
 
     def _finish(self, sample: Sample, *, tool_calls: bool = False) -> dict[str, Any]:
@@ -283,17 +341,31 @@ def _text_choice(head: dict[str, Any], index: int, text: str, logprobs: Any, fin
     return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def legacy_logprobs(entries: Sequence[dict[str, Any]], *, offset: int = 0) -> dict[str, Any]:
-    """The completions API's log-probs: ``tokens``, ``token_logprobs``, ``text_offset`` (each token's
-    start in the text) and ``top_logprobs`` null (no alternatives are computed)."""
+def legacy_logprobs(entries: Sequence[dict[str, Any]], *, offset: int = 0, top: bool = False) -> dict[str, Any]:
+    """The completions API's log-probs of `token_logprobs` entries: ``tokens``, ``token_logprobs``,
+    ``text_offset`` (each token's start in the text) and ``top_logprobs``: with ``top`` one dict per
+    token, token text → log-prob, most likely first (null for a token with none: an echoed prompt's
+    first), else null (``logprobs: 0``)."""
     offsets = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry["token"])
+    tops: list[dict[str, float] | None] | None = None
+    if top:
+        tops = []
+        for entry in entries:
+            alternatives = entry.get("top_logprobs")
+            if alternatives is None:
+                tops.append(None)
+                continue
+            by_text: dict[str, float] = {}
+            for alternative in alternatives:  # two ids may decode alike: the likelier one's
+                by_text.setdefault(alternative["token"], alternative["logprob"])
+            tops.append(by_text)
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": None,
+        "top_logprobs": tops,
         "text_offset": offsets,
     }
 
@@ -307,14 +379,24 @@ def text_completion(
     prompt_tokens: int,
     token_text: TokenText | None = None,
     echo: str = "",
+    details: Sequence[ChoiceLogprobs] | None = None,
+    top: bool = False,
 ) -> dict[str, Any]:
     """The ``text_completion`` object (``/v1/completions``); ``echo``: the prompt text put before each
-    answer; ``token_text`` given: the legacy per-token log-probs of the generated tokens."""
+    answer; ``token_text`` given: the legacy per-token log-probs of the generated tokens, with ``top``
+    their alternatives, and with ``echo`` the prompt's tokens first — all from ``details`` (one per
+    sample)."""
     choices = []
-    for sample in samples:
+    for k, sample in enumerate(samples):
         logprobs = None
         if token_text is not None:
-            logprobs = legacy_logprobs(logprobs_content(sample, token_text), offset=len(echo))
+            detail = details[k] if details is not None else None
+            entries = logprobs_content(sample, token_text, detail.top if detail is not None else None)
+            logprobs = legacy_logprobs(entries, offset=len(echo), top=top)
+            if echo and detail is not None and detail.prompt is not None:
+                # Offsets into the choice's text: the answer's start after the echoed text as decoded whole.
+                prompt = legacy_logprobs(prompt_logprobs(detail, token_text), top=top)
+                logprobs = {k: None if v is None else [*v, *logprobs[k]] for k, v in prompt.items()}
         choices.append(
             {
                 "index": sample.index,

@@ -15,7 +15,9 @@ A role that refuses this role's API token (401/403 from the preprocess, encoder 
 Recording a group (the sink) is `run_prompt`'s job, not the rollout function's. A ``sampling_seed``
 gives each sample of a group its own seed derived from it (`sample_seed`): reproducible, not identical.
 For OpenAI requests, `chat_samples` / `complete_samples` return whole answers and `chat_stream` /
-`open_streams` the engines' token streams (`ChatStream`). This module does not speak to clients (no
+`open_streams` the engines' token streams (`ChatStream`); what such an answer shows beyond its samples —
+each token's most likely alternatives, the prompt's own log-probs (``echo``) — comes with them as
+`ChoiceLogprobs`, never in a `Sample` (the data role does not store it). This module does not speak to clients (no
 HTTP server, no wire schemas) and keeps no metrics.
 """
 
@@ -60,7 +62,10 @@ __all__ = [
     "RolloutContext",
     "RolloutFunction",
     "ChatStream",
+    "ChoiceLogprobs",
+    "LogprobAsk",
     "Progress",
+    "Top",
     "chat_max_tokens",
     "chat_samples",
     "chat_stream",
@@ -75,6 +80,7 @@ __all__ = [
     "reward_samples",
     "rollout_group",
     "run_prompt",
+    "choice_logprobs",
     "sample_from_engine",
     "sample_sampling",
     "sample_seed",
@@ -160,6 +166,42 @@ class RolloutFunction(Protocol):
         sampling: dict[str, Any],
         budget: dict[str, Any] | None,
     ) -> Group: ...
+
+
+Top = list[tuple[float, int]]
+"""One position's most likely tokens, ``(logprob, token id)``, most likely first."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogprobAsk:
+    """What an OpenAI request asks the engines for beyond the sampled tokens' log-probs: the ``top``
+    most likely tokens at each position (SGLang's ``top_logprobs_num``), and the prompt's own
+    log-probs (``prompt``: SGLang's ``logprob_start_len`` 0, for ``echo``)."""
+
+    top: int = 0
+    prompt: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top < 0:
+            raise ValueError("top must be at least 0")
+
+    @property
+    def extra(self) -> bool:
+        return bool(self.top or self.prompt)
+
+
+_SAMPLED_ONLY = LogprobAsk()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChoiceLogprobs:
+    """What one OpenAI choice shows beyond its `Sample`: each response token's `Top` (``top``, when
+    asked), and with ``echo`` the prompt's tokens with their log-probs (``prompt``: ``(logprob, id)``, the
+    first None: nothing predicts it) and their `Top` (``prompt_top``, the first None)."""
+
+    top: list[Top] | None = None
+    prompt: list[tuple[float | None, int]] | None = None
+    prompt_top: list[Top | None] | None = None
 
 
 # -- prompt → prepared ------------------------------------------------------------------------------
@@ -266,11 +308,18 @@ def check_context(ctx: RolloutContext, prepared: Prepared, max_new_tokens: int, 
 
 # -- prepared → samples ---------------------------------------------------------------------------
 def engine_body(
-    engine: EngineEndpoint, prepared: Prepared, sampling: Mapping[str, Any], rid: str, *, routed_experts: bool
+    engine: EngineEndpoint,
+    prepared: Prepared,
+    sampling: Mapping[str, Any],
+    rid: str,
+    *,
+    routed_experts: bool,
+    ask: LogprobAsk = _SAMPLED_ONLY,
 ) -> dict[str, Any]:
     """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
     server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
-    paths the server can read), which SGLang's own processor turns into the same token counts."""
+    paths the server can read), which SGLang's own processor turns into the same token counts.
+    ``ask``: the top log-probs and prompt log-probs an OpenAI answer shows (both SGLang keys)."""
     body: dict[str, Any] = {
         "input_ids": prepared.prompt_ids,
         "sampling_params": dict(sampling),
@@ -278,6 +327,10 @@ def engine_body(
         "rid": rid,
         "return_routed_experts": routed_experts,
     }
+    if ask.top:
+        body["top_logprobs_num"] = ask.top
+    if ask.prompt:
+        body["logprob_start_len"] = 0
     if engine.kind == "weir":
         body["weir_media"] = prepared.media
         return body
@@ -336,6 +389,53 @@ def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float)
         return _failed(index, reason, timings, text=text)
 
 
+def choice_logprobs(out: Mapping[str, Any], ask: LogprobAsk, *, prompt_ids: Sequence[int]) -> ChoiceLogprobs:
+    """What ``ask`` asked for, read from an engine's (final) /generate answer. An answer without it,
+    or whose positions do not match the tokens (``output_ids``, ``prompt_ids``), is ``ValueError``:
+    an engine that ignored the request must not pass for one that answered it."""
+    meta = out.get("meta_info") if isinstance(out, Mapping) else None
+    if not isinstance(meta, Mapping):
+        raise ValueError("the engine's answer has no meta_info")
+    top = prompt = prompt_top = None
+    if ask.top:
+        top = [_top(p, ask.top, "output_top_logprobs") for p in _listed(meta, "output_top_logprobs")]
+        tokens = len(out.get("output_ids") or [])
+        if len(top) != tokens:
+            raise ValueError(f"the engine returned {len(top)} top log-prob positions for {tokens} tokens")
+    if ask.prompt:
+        try:
+            prompt = [(None if e[0] is None else float(e[0]), int(e[1])) for e in _listed(meta, "input_token_logprobs")]
+        except (TypeError, ValueError, IndexError) as error:
+            raise ValueError(f"unreadable input_token_logprobs: {error}") from None
+        if [t for _, t in prompt] != list(prompt_ids):
+            raise ValueError(f"the engine's input_token_logprobs do not cover the {len(prompt_ids)} prompt tokens")
+        prompt[0] = (None, prompt[0][1])  # nothing predicts the first token (SGLang pads it)
+        if ask.top:
+            rows = _listed(meta, "input_top_logprobs")
+            if len(rows) != len(prompt):
+                raise ValueError(f"the engine returned {len(rows)} prompt top log-prob positions for {len(prompt)}")
+            prompt_top = [None, *(_top(p, ask.top, "input_top_logprobs") for p in rows[1:])]
+    return ChoiceLogprobs(top=top, prompt=prompt, prompt_top=prompt_top)
+
+
+def _listed(meta: Mapping[str, Any], key: str) -> list[Any]:
+    value = meta.get(key)
+    if not isinstance(value, list):
+        raise ValueError(f"the engine's answer has no {key}")
+    return value
+
+
+def _top(position: Any, k: int, key: str) -> Top:
+    """One position of SGLang's top log-probs (``[[logprob, id, text?], ...]``), most likely first."""
+    try:
+        top = [(float(e[0]), int(e[1])) for e in position or []]
+    except (TypeError, ValueError, IndexError) as error:
+        raise ValueError(f"unreadable {key}: {error}") from None
+    if not 0 < len(top) <= k or any(not math.isfinite(lp) for lp, _ in top):
+        raise ValueError(f"{key}: {len(top)} finite entries where 1 to {k} were asked")
+    return sorted(top, key=lambda e: -e[0])
+
+
 def _failed(index: int, error: str, timings: dict[str, float], *, text: str = "") -> Sample:
     """A failed sample keeping nothing of the engine's answer but its text (any string is valid)."""
     return Sample(index=index, status=SampleStatus.FAILED, error=error, text=text, timings=timings)
@@ -352,22 +452,46 @@ async def generate(
     ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, index: int
 ) -> Sample:
     """One sample from the engines; engines that fail or refuse give a ``failed`` sample, not an error."""
+    sample, _ = await _generate(ctx, prepared, sampling, group_id=group_id, index=index, ask=_SAMPLED_ONLY)
+    return sample
+
+
+async def _generate(
+    ctx: RolloutContext,
+    prepared: Prepared,
+    sampling: Mapping[str, Any],
+    *,
+    group_id: str,
+    index: int,
+    ask: LogprobAsk,
+) -> tuple[Sample, ChoiceLogprobs]:
+    """`generate`, with what ``ask`` asked for; an answer without it is a ``failed`` sample."""
     start = time.perf_counter()
     rid = sample_id(group_id, index)
+    routed = ctx.return_routed_experts
     try:
         out = await ctx.dispatcher.generate(
-            lambda engine: engine_body(engine, prepared, sampling, rid, routed_experts=ctx.return_routed_experts),
+            lambda engine: engine_body(engine, prepared, sampling, rid, routed_experts=routed, ask=ask),
             group=group_id,
         )
     except (EnginesUnavailable, EngineRefused) as error:
         logger.warning("sample %s failed: %s: %s", rid, error.code, error)
-        return Sample(
+        failed = Sample(
             index=index,
             status=SampleStatus.FAILED,
             error=f"{error.code}: {error}",
             timings={"generate_s": time.perf_counter() - start},
         )
-    return sample_from_engine(out, index=index, generate_s=time.perf_counter() - start)
+        return failed, ChoiceLogprobs()
+    sample = sample_from_engine(out, index=index, generate_s=time.perf_counter() - start)
+    if sample.status is SampleStatus.FAILED or not ask.extra:
+        return sample, ChoiceLogprobs()
+    try:
+        return sample, choice_logprobs(out, ask, prompt_ids=prepared.prompt_ids)
+    except ValueError as error:
+        return _failed(index, f"the engine did not return the log-probs asked for: {error}", sample.timings), (
+            ChoiceLogprobs()
+        )
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -516,32 +640,46 @@ async def chat_samples(
     max_tokens: int | None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     prefill: str = "",
-) -> tuple[str, Prepared, list[Sample]]:
-    """(completion group id, prepared prompt, ``n`` samples) for an OpenAI chat request; no reward,
-    nothing recorded. ``max_tokens`` None: what the context leaves (`chat_max_tokens`). ``tools``
-    are rendered by the chat template; ``prefill`` starts the assistant's answer. A ``sampling_seed``
-    gives each choice its own seed (`sample_seed`). A failed sample is `EnginesUnavailable` (a chat
-    client cannot use a partial answer)."""
+    ask: LogprobAsk = _SAMPLED_ONLY,
+) -> tuple[str, Prepared, list[Sample], list[ChoiceLogprobs]]:
+    """(completion group id, prepared prompt, ``n`` samples, what ``ask`` asked for of each) for an
+    OpenAI chat request; no reward, nothing recorded. ``max_tokens`` None: what the context leaves
+    (`chat_max_tokens`). ``tools`` are rendered by the chat template; ``prefill`` starts the
+    assistant's answer. A ``sampling_seed`` gives each choice its own seed (`sample_seed`). A failed
+    sample is `EnginesUnavailable` (a chat client cannot use a partial answer)."""
     prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
     max_new = chat_max_tokens(ctx, prepared, max_tokens)
-    group_id, samples = await complete_samples(ctx, prepared, n=n, sampling=sampling, max_new_tokens=max_new)
-    return group_id, prepared, samples
+    group_id, samples, details = await complete_samples(
+        ctx, prepared, n=n, sampling=sampling, max_new_tokens=max_new, ask=ask
+    )
+    return group_id, prepared, samples, details
 
 
 async def complete_samples(
-    ctx: RolloutContext, prepared: Prepared, *, n: int, sampling: Mapping[str, Any], max_new_tokens: int
-) -> tuple[str, list[Sample]]:
-    """(a fresh group id, ``n`` samples) for an OpenAI request's prepared prompt (each its own seed
-    when seeded); a failed sample is `EnginesUnavailable` (a client cannot use a partial answer)."""
+    ctx: RolloutContext,
+    prepared: Prepared,
+    *,
+    n: int,
+    sampling: Mapping[str, Any],
+    max_new_tokens: int,
+    ask: LogprobAsk = _SAMPLED_ONLY,
+) -> tuple[str, list[Sample], list[ChoiceLogprobs]]:
+    """(a fresh group id, ``n`` samples, what ``ask`` asked for of each) for an OpenAI request's
+    prepared prompt (each its own seed when seeded); a failed sample is `EnginesUnavailable` (a
+    client cannot use a partial answer)."""
     group_id = uuid.uuid4().hex
+    choice = {**sampling, "max_new_tokens": max_new_tokens}
     with ctx.admission.admit(media_tokens=prepared.media_tokens * n):
-        samples = await generate_n(
-            ctx, prepared, {**sampling, "max_new_tokens": max_new_tokens}, group_id=group_id, n=n
+        answers = await asyncio.gather(
+            *(
+                _generate(ctx, prepared, sample_sampling(choice, i), group_id=group_id, index=i, ask=ask)
+                for i in range(n)
+            )
         )
-    failed = [s for s in samples if s.status is SampleStatus.FAILED]
+    failed = [s for s, _ in answers if s.status is SampleStatus.FAILED]
     if failed:
         raise EnginesUnavailable(failed[0].error or "a sample failed")
-    return group_id, samples
+    return group_id, [s for s, _ in answers], [d for _, d in answers]
 
 
 def prepared_ids(ctx: RolloutContext, ids: Sequence[int], where: str) -> Prepared:
@@ -566,13 +704,16 @@ def prepared_ids(ctx: RolloutContext, ids: Sequence[int], where: str) -> Prepare
 @dataclass(frozen=True, slots=True)
 class Progress:
     """One step of one streamed choice: the tokens new in this step (with their log-probs) and the
-    text so far; a choice's last step carries its finished `Sample` (the engine's final answer)."""
+    text so far; a choice's last step carries its finished `Sample` (the engine's final answer).
+    ``details``: what the stream's `LogprobAsk` asked for, the tokens' `Top` (``details.top``) those
+    of this step's tokens, and the prompt's log-probs (``details.prompt``) on the choice's first step."""
 
     index: int
     token_ids: list[int]
     logprobs: list[float]
     text: str
     sample: Sample | None = None
+    details: ChoiceLogprobs | None = None
 
 
 class ChatStream:
@@ -581,9 +722,15 @@ class ChatStream:
     choices interleaved. Holds the request's admission until closed; closing early aborts on the engines."""
 
     def __init__(
-        self, group_id: str, prepared: Prepared, streams: list[EngineStream], held: contextlib.ExitStack
+        self,
+        group_id: str,
+        prepared: Prepared,
+        streams: list[EngineStream],
+        held: contextlib.ExitStack,
+        ask: LogprobAsk = _SAMPLED_ONLY,
     ) -> None:
         self.group_id, self.prepared, self._streams, self._held = group_id, prepared, streams, held
+        self.ask = ask
         self._start = time.perf_counter()
         self._tasks: list[asyncio.Future[None]] = []
 
@@ -592,10 +739,27 @@ class ChatStream:
 
         async def pump(index: int, stream: EngineStream) -> None:
             seen = 0
+            prompt_sent = False
             try:
                 async for chunk in stream.chunks():
                     ids, lps, text, final = _chunk_parts(chunk)
-                    step = Progress(index, ids[seen:], lps[seen:], text)
+                    details = None
+                    if self.ask.extra:
+                        ask = dataclasses.replace(self.ask, prompt=self.ask.prompt and not prompt_sent)
+                        try:
+                            details = choice_logprobs(chunk, ask, prompt_ids=self.prepared.prompt_ids)
+                        except ValueError as error:
+                            # An engine may send these only with its final chunk (Weir's does): the
+                            # tokens wait for them, so every delta carries its tokens' log-probs.
+                            if not final:
+                                continue
+                            raise EnginesUnavailable(
+                                f"the engine did not return the log-probs asked for: {error}"
+                            ) from None
+                        if details.top is not None:
+                            details = dataclasses.replace(details, top=details.top[seen:])
+                        prompt_sent = True
+                    step = Progress(index, ids[seen:], lps[seen:], text, details=details)
                     seen = max(seen, len(ids))
                     if final:
                         sample = sample_from_engine(chunk, index=index, generate_s=time.perf_counter() - self._start)
@@ -658,19 +822,28 @@ async def chat_stream(
     max_tokens: int | None,
     tools: Sequence[Mapping[str, Any]] | None = None,
     prefill: str = "",
+    ask: LogprobAsk = _SAMPLED_ONLY,
 ) -> ChatStream:
     """`chat_samples`, streamed: the prompt prepared and the ``n`` engine streams opened (each
     choice's own seed, as there); the caller reads `ChatStream.progress` and closes it."""
     prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
     return await open_streams(
-        ctx, prepared, n=n, sampling=sampling, max_new_tokens=chat_max_tokens(ctx, prepared, max_tokens)
+        ctx, prepared, n=n, sampling=sampling, max_new_tokens=chat_max_tokens(ctx, prepared, max_tokens), ask=ask
     )
 
 
 async def open_streams(
-    ctx: RolloutContext, prepared: Prepared, *, n: int, sampling: Mapping[str, Any], max_new_tokens: int
+    ctx: RolloutContext,
+    prepared: Prepared,
+    *,
+    n: int,
+    sampling: Mapping[str, Any],
+    max_new_tokens: int,
+    ask: LogprobAsk = _SAMPLED_ONLY,
 ) -> ChatStream:
-    """The ``n`` engine streams of a prepared prompt, open (each choice its own seed when seeded)."""
+    """The ``n`` engine streams of a prepared prompt, open (each choice its own seed when seeded);
+    with ``ask``, each step's `Progress.details`. An engine that sends those only with its final chunk
+    streams such a choice in one step."""
     group_id = uuid.uuid4().hex
     held = contextlib.ExitStack()
     held.enter_context(ctx.admission.admit(media_tokens=prepared.media_tokens * n))
@@ -679,7 +852,7 @@ async def open_streams(
         choice = sample_sampling({**sampling, "max_new_tokens": max_new_tokens}, index)
         rid = sample_id(group_id, index)
         return await ctx.dispatcher.stream(
-            lambda engine: engine_body(engine, prepared, choice, rid, routed_experts=False), group=group_id
+            lambda engine: engine_body(engine, prepared, choice, rid, routed_experts=False, ask=ask), group=group_id
         )
 
     tasks = [asyncio.ensure_future(open_one(i)) for i in range(n)]
@@ -701,4 +874,4 @@ async def open_streams(
         held.close()
         raise failure
     opened = [task.result() for task in tasks]
-    return ChatStream(group_id, prepared, opened, held)
+    return ChatStream(group_id, prepared, opened, held, ask)

@@ -157,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"with --demo: text-only supervised steps teaching the answer format {unset}",
     )
+    train.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel trainer ranks, one process each (FSDP2; under torchrun, each process is one rank)",
+    )
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
@@ -375,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     from .settings import SettingsError
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
     if args.command in ("up", "train", "prep", "demo"):  # `serve` configures its own, from the role's settings
         from .logs import configure_logging
 

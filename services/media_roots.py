@@ -3,7 +3,8 @@
 One policy for every role that reads paths (the preprocess role's items, the engine role's SGLang
 ``image_data``): `MediaRoots` parses the setting (``/data/a:/data/b``, like ``PATH``) and `locate`
 resolves a path under the roots with symlinks and ``..`` resolved, so nothing outside them is ever
-opened. The roles word their own refusals (item index or field name); the rule is here.
+opened. The roles word their own refusals (item index or field name); the rule is here. Media URLs
+have their own one rule, `services.media_urls`.
 """
 
 from __future__ import annotations

@@ -4,13 +4,23 @@ With ``--demo`` the task is generated locally (`trainer.demo_task`): pictures of
 "What colour is the picture?", rewarded by exact match. The random-weight model first gets a short
 supervised warm-up on text-only prompts that teaches the answer format (a colour name), never the
 picture → name mapping; greedy accuracy on held-out pictures is measured before and after RL.
+
+``--nproc N``: N data-parallel trainer ranks (`trainer.data_parallel`). This process runs the same
+command N times with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…), so running
+``weir train`` under ``torchrun`` works the same way. Rank 0 starts (or attaches to) the stack,
+evaluates, prints and plots; the other ranks attach to it once rank 0 has it ready.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +28,7 @@ from rich.table import Table
 
 import preprocess as pp
 from preprocess.dataset import iter_rows
+from trainer.data_parallel import DataParallel
 from trainer.loop import LoopConfig, evaluate, run_loop
 from trainer.plot import plot_runs
 from trainer.publish import data_policy_version, publish_weights
@@ -98,12 +109,15 @@ def _warm_up(
     text = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
     for _ in range(args.warmup_steps):
         loss = trainer.supervised_step(text, lr=_WARMUP_LR)
-    console.print(
-        f"Warm-up: {args.warmup_steps} supervised steps on text-only prompts (answer format), loss {loss:.3f}"
-    )
+    if trainer.parallel is None or trainer.parallel.is_main:
+        console.print(
+            f"Warm-up: {args.warmup_steps} supervised steps on text-only prompts (answer format), loss {loss:.3f}"
+        )
     # An attached data role may already hold a policy: versions only go up from it.
     trainer.policy_version = max(trainer.policy_version, data_policy_version(urls["data"], token=token)) + 1
-    folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")
+    folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")  # collective with several ranks
+    if trainer.parallel is not None and not trainer.parallel.is_main:
+        return
     engines = [u for k, u in urls.items() if k.startswith("engine")]
     publish_weights(
         folder,
@@ -123,7 +137,54 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def _launch_ranks(args: argparse.Namespace) -> int:
+    """Run this same command once per rank, as torchrun would, and wait for all (rank 0 prints)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = []
+    for rank in range(args.nproc):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(args.nproc),
+            "LOCAL_WORLD_SIZE": str(args.nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
+        }
+        quiet = {} if rank == 0 else {"stdout": subprocess.DEVNULL}
+        ranks.append(subprocess.Popen([sys.executable, "-m", "services.cli", *args.argv], env=env, **quiet))  # type: ignore[call-overload]
+    try:
+        while any(process.poll() is None for process in ranks):
+            if any(process.poll() not in (None, 0) for process in ranks):
+                break  # one rank failed: the others would wait for it in a collective until gloo times out
+            time.sleep(0.5)
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.terminate()
+    codes = [process.wait() for process in ranks]
+    failed = [rank for rank, code in enumerate(codes) if code]
+    if failed:
+        console.print(f"[red]ranks {failed} failed[/red] (exit codes {[codes[r] for r in failed]})")
+    return codes[0] or (1 if failed else 0)
+
+
 def run_training(args: argparse.Namespace) -> int:
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(args)
+    parallel = DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    main = parallel is None or parallel.is_main
+    try:
+        return _run(args, parallel, main)
+    finally:
+        if parallel is not None:
+            parallel.close()
+
+
+def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
@@ -134,7 +195,7 @@ def run_training(args: argparse.Namespace) -> int:
         console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
         return 2
     out = args.home / "train" / args.mode
-    if not args.resume:  # a new run: no experience or metrics of an earlier one
+    if main and not args.resume:  # a new run: no experience or metrics of an earlier one
         if not args.attach:
             shutil.rmtree(args.home / "data", ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
@@ -145,22 +206,26 @@ def run_training(args: argparse.Namespace) -> int:
     if args.demo:
         from trainer.demo_task import write_demo_task
 
-        rows, held_out = write_demo_task(args.home / "media")
+        rows, held_out = write_demo_task(args.home / "media")  # deterministic: every rank writes the same
     else:
         rows = list(iter_rows(args.dataset))
     stack = LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
-    if args.attach:  # its data role keeps its own settings (staleness) and experience
+    if args.attach or not main:  # its data role keeps its own settings (staleness) and experience
+        if parallel is not None and not main:
+            parallel.barrier()  # rank 0 has the stack ready
         urls = stack.attach()
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
         urls = stack.start()
+    if parallel is not None and main:
+        parallel.barrier()
     try:
         trainer = ReferenceTrainer(
-            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr
+            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr, parallel=parallel
         )
         if args.warmup_steps and not args.resume:
             _warm_up(trainer, args, urls, out, stack.token)
-        before = evaluate(urls["rollout"], held_out, token=stack.token) if held_out else None
+        before = evaluate(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
             console.print(f"Greedy accuracy on {len(held_out)} held-out pictures before RL: {before:.0%}")
         config = LoopConfig(
@@ -176,8 +241,12 @@ def run_training(args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
         )
-        console.print(f"[bold]RL ({args.mode})[/bold]: {args.steps} steps, n={args.n}, lr={args.lr}")
-        records = run_loop(trainer, rows, config, on_step=_show)
+        ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
+        if main:
+            console.print(f"[bold]RL ({args.mode})[/bold]: {args.steps} steps, n={args.n}, lr={args.lr}{ranks}")
+        records = run_loop(trainer, rows, config, on_step=_show if main else None)
+        if not main:
+            return 0
         after = evaluate(urls["rollout"], held_out, token=stack.token) if held_out else None
         plot = plot_runs({args.mode: records}, out / "reward.png")
         if records:
@@ -189,4 +258,6 @@ def run_training(args: argparse.Namespace) -> int:
             console.print(f"compared ({', '.join(runs)}): {plot_runs(runs, args.home / 'train' / 'compare.png')}")
         return 0
     finally:
+        if parallel is not None:
+            parallel.barrier()  # every rank is done with the stack before rank 0 stops it
         stack.stop()  # an attached stack has no children here: nothing is stopped

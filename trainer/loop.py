@@ -20,6 +20,13 @@ would otherwise be trained again silently.
 
 Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI prints it live).
 Every request carries the stack's API token (``LoopConfig.token``; None sends none).
+
+Data-parallel (the trainer has a `trainer.data_parallel.DataParallel`): every rank runs this loop as a
+consumer rank of the feed, and the ranks stay in lockstep — each round every rank asks for one
+micro-batch (at most its share of what the step still needs), the counts are summed over ranks, and
+ranks that got none run a zero-weight filler; a step ends when the ranks together trained the step's
+samples. Rank 0 alone drives rollouts, reads the data role's stats, tells the engines of new weights
+and writes metrics; checkpoints and weight exports are collective (each rank its shard).
 """
 
 from __future__ import annotations
@@ -120,6 +127,18 @@ def run_loop(
 ) -> list[dict[str, Any]]:
     urls = config.urls
     engines = [u for k, u in urls.items() if k.startswith("engine")]
+    parallel = trainer.parallel
+    main = parallel is None or parallel.is_main
+    world = 1 if parallel is None else parallel.world_size
+
+    def everywhere(values: list[float]) -> list[float]:
+        """Each value summed over ranks (as is, with one rank)."""
+        return values if parallel is None else parallel.total(values)
+
+    def from_main(value: float) -> float:
+        """Rank 0's value on every rank."""
+        return everywhere([value if main else 0.0])[0]
+
     config.out.mkdir(parents=True, exist_ok=True)
     metrics_path = config.out / "metrics.jsonl"
     checkpoint = config.out / "checkpoint"
@@ -141,6 +160,8 @@ def run_loop(
     feed = MicroBatchFeed(
         urls["data"],
         consumer=config.consumer,
+        rank=0 if parallel is None else parallel.rank,
+        world_size=world,
         max_tokens=config.max_tokens_per_batch,
         wait_s=2.0,
         prefetch=0,
@@ -150,7 +171,9 @@ def run_loop(
 
     def publish() -> None:
         trainer.policy_version += 1
-        folder = trainer.export(config.out / "weights" / f"v{trainer.policy_version}")
+        folder = trainer.export(config.out / "weights" / f"v{trainer.policy_version}")  # collective
+        if not main:
+            return
         result = publish_weights(
             folder,
             trainer.policy_version,
@@ -186,18 +209,27 @@ def run_loop(
             acknowledge(batch_id)
         feed.release()  # what the previous run fetched but never committed comes back now
         first_step = int(state.get("step", 0)) + 1
-        trainer.policy_version = max(trainer.policy_version, int(stats()["policy_version"]))
+        data_version = int(from_main(stats()["policy_version"] if main else 0))
+        trainer.policy_version = max(trainer.policy_version, data_version)
         publish()  # the engines may hold weights from steps that were lost: bring them back to this one
         logger.info("resumed from %s at step %d", checkpoint, first_step)
     else:  # a data role that already holds a policy (`weir train --attach`): versions only go up from it
-        trainer.policy_version = max(trainer.policy_version, int(stats()["policy_version"]))
+        data_version = int(from_main(stats()["policy_version"] if main else 0))
+        trainer.policy_version = max(trainer.policy_version, data_version)
 
-    def next_batch(max_samples: int) -> FeedBatch:
+    def next_batch(max_samples: int) -> FeedBatch | None:
+        """This rank's next micro-batch; with several ranks, None when this round brought this rank
+        none while another rank got one (the caller then runs a lockstep filler)."""
         deadline = time.monotonic() + config.batch_timeout_s
         while time.monotonic() < deadline:
-            driver.check()
-            batch = feed.next(timeout=0.5, max_samples=max_samples)
-            if batch is not None:
+            if main:
+                driver.check()
+            share = max(1, -(-max_samples // world))  # ceil: the ranks together may take the whole rest
+            batch = feed.next(timeout=0.5, max_samples=share)
+            if parallel is None:
+                if batch is not None:
+                    return batch
+            elif everywhere([0.0 if batch is None else 1.0])[0] > 0:
                 return batch
         raise TimeoutError(f"no micro-batch within {config.batch_timeout_s} s")
 
@@ -207,58 +239,72 @@ def run_loop(
     uncommitted: list[str] = []
     started_at = time.time()
     first_forward_at = 0.0  # wall clock (comparable with the data role's group times); 0: not yet
-    if config.mode == "async":
+    if config.mode == "async" and main:
         driver.start()
     try:
         for step in range(first_step, config.steps + 1):
             target = per_step
             if config.mode == "colocate":
                 waited = time.perf_counter()
-                target = stats()["queue_samples"]
-                for _ in range(5):  # a batch can come back with nothing trainable (every sample failed)
-                    if target > 0:
-                        break
-                    # The barrier: the whole batch is generated before anything trains on it.
-                    driver.generate(config.groups_per_step)
+                if main:
                     target = stats()["queue_samples"]
+                    for _ in range(5):  # a batch can come back with nothing trainable (every sample failed)
+                        if target > 0:
+                            break
+                        # The barrier: the whole batch is generated before anything trains on it.
+                        driver.generate(config.groups_per_step)
+                        target = stats()["queue_samples"]
+                target = int(from_main(target))
                 trainer_wait += time.perf_counter() - waited
                 if target == 0:
                     raise RuntimeError("five generated batches in a row held no trainable sample")
             rewards: list[float] = []
             versions: list[int] = []
             tokens = 0
-            while len(rewards) < target:  # stream: train on each micro-batch as soon as it is cut
+            trained = 0  # samples of this step, on all ranks
+            while trained < target:  # stream: train on each micro-batch as soon as it is cut
                 waited = time.perf_counter()
-                batch = next_batch(target - len(rewards))  # steps of exactly `target` samples
+                batch = next_batch(target - trained)  # steps of `target` samples (one rank: exactly)
                 trainer_wait += time.perf_counter() - waited
                 if not first_forward_at:
                     first_forward_at = time.time()
-                trainer.accumulate(batch)
-                uncommitted.append(batch.batch_id)
-                rewards += batch.tensors["rewards"].tolist()
-                versions.append(int(batch.tensors["policy_versions"].min()))
-                tokens += int(batch.tensors["input_ids"].numel())
+                trainer.accumulate(batch)  # None: a lockstep filler (another rank got a batch)
+                got = 0
+                if batch is not None:
+                    uncommitted.append(batch.batch_id)
+                    got = len(batch.tensors["rewards"])
+                    rewards += batch.tensors["rewards"].tolist()
+                    versions.append(int(batch.tensors["policy_versions"].min()))
+                    tokens += int(batch.tensors["input_ids"].numel())
+                trained += int(everywhere([float(got)])[0])
             result = trainer.apply()
-            staleness = trainer.policy_version - min(versions)  # versions behind the weights it trained
+            reward_sum, samples, tokens_all = everywhere([sum(rewards), float(len(rewards)), float(tokens)])
+            oldest = min(versions, default=1 << 40)  # a rank that trained only fillers has no versions
+            if parallel is not None:
+                oldest = -parallel.most(-oldest)
+            staleness = trainer.policy_version - oldest  # versions behind the weights it trained
             if config.checkpoint_every and step % config.checkpoint_every == 0:
-                trainer.save(checkpoint, {"step": step, "commit": uncommitted})
+                trainer.save(checkpoint, {"step": step, "commit": uncommitted})  # every rank: its commits
             if not config.checkpoint_every or step % config.checkpoint_every == 0:
                 for batch_id in uncommitted:
                     acknowledge(batch_id)
                 uncommitted = []
             if config.mode == "colocate" or step % config.publish_every == 0:
                 publish()
-            counts["samples"] += len(rewards)
-            counts["tokens"] += tokens
+            counts["samples"] += int(samples)
+            counts["tokens"] += int(tokens_all)
+            if not main:  # rank 0 reports the step for all ranks
+                continue
             elapsed = time.perf_counter() - start
             current = stats()
             record = {
                 "step": step,
                 "time_s": elapsed,
                 "mode": config.mode,
-                "mean_reward": sum(rewards) / max(1, len(rewards)),
-                "samples": len(rewards),
-                "tokens": tokens,
+                "mean_reward": reward_sum / max(1, samples),
+                "samples": int(samples),
+                "tokens": int(tokens_all),
+                "ranks": world,
                 "samples_per_s": counts["samples"] / max(1e-9, elapsed),
                 "tokens_per_s": counts["tokens"] / max(1e-9, elapsed),
                 "loss": result.loss,
@@ -280,7 +326,8 @@ def run_loop(
             if on_step is not None:
                 on_step(record)
     finally:
-        driver.close()
+        if main:
+            driver.close()
         feed.close()
         client.close()
     return records

@@ -5,9 +5,10 @@ so a run that starts against a data role that already holds a policy continues f
 `data_policy_version`.
 
 Engines are told through SGLang's own endpoints, so the same call updates Weir's engine role and a
-plain SGLang server. `NcclWeightSync` is the GPU path (``init_weights_update_group`` /
-``update_weights_from_distributed``): tensors broadcast from the trainer, no files. Both send the
-stack's API token (``token``) to every role they call; None sends none.
+plain SGLang server. `BroadcastWeightSync` (formerly `NcclWeightSync`) is the path without files
+(``init_weights_update_group`` / ``update_weights_from_distributed``): tensors broadcast from the
+trainer, gloo on CPU, NCCL on CUDA. Both send the stack's API token (``token``) to every role they
+call; None sends none.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 import httpx
 import torch
 
-__all__ = ["NcclWeightSync", "data_policy_version", "publish_weights"]
+from engines.weights_group import join_weights_group
+
+__all__ = ["BroadcastWeightSync", "NcclWeightSync", "data_policy_version", "publish_weights"]
 
 # Requests in flight keep their tokens across a publish: "retract" puts them back in the queue and they go on
 # under the new weights (SGLang's default, "abort", would throw that work away; "in_place" keeps KV that a
@@ -104,16 +107,26 @@ def _buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> It
         yield bucket
 
 
-class NcclWeightSync:
-    """The fast path on GPUs: the trainer (rank 0) broadcasts its tensors straight into every SGLang
-    engine's TP ranks over NCCL — no files.
+class BroadcastWeightSync:
+    """Weights by collective broadcast, no files: the trainer (rank 0) broadcasts its tensors straight
+    into every engine — gloo on CPU, NCCL on CUDA (``backend``; by default NCCL when CUDA is there).
 
     ``connect()`` asks each engine to join a process group (SGLang's ``/init_weights_update_group``;
-    engine i's TP ranks are ``1 + i * tp_size + tp_rank``) while the trainer joins as rank 0.
-    ``publish(named_tensors, version)`` pauses the engines, then per bucket posts
-    ``/update_weights_from_distributed`` (names, dtypes, shapes) to every engine *while* broadcasting
-    the bucket's tensors from rank 0 — the engines block in that call until they have received them —
-    and continues the engines. Needs CUDA and SGLang engines; its test is marked ``gpu``.
+    engine i's ranks are ``1 + i * tp_size + tp_rank``, world size ``1 + len(engine_urls) * tp_size``)
+    while the trainer joins as rank 0: both sides rendezvous, so the engines' calls are posted first
+    and answered once the trainer has joined. ``publish(named_tensors, version)`` pauses the engines
+    (``retract``), then per bucket posts ``/update_weights_from_distributed`` (names, dtypes, shapes,
+    in the order the tensors go) to every engine *while* broadcasting the bucket's tensors from rank 0
+    — the engines block in that call until they have received them —, continues the engines, and
+    tells the data role the new policy version. Every tensor of the engine's model goes, towers
+    included: pass the whole state dict (`ReferenceTrainer.full_state_dict`).
+
+    The version (and the cache flush) ride on the last bucket only, so an engine never reports the new
+    version before it holds all of it; a bucket an engine refuses (a name, shape or dtype that does
+    not fit its model) is a `RuntimeError` after the bucket's broadcast — the engines drain it, so the
+    group stays usable — and the engines are continued with what they loaded so far. Unlike
+    `publish_weights`, an engine that cannot be reached fails the publish: it is a rank of the group.
+    Weir's engine role and SGLang servers answer alike; the test against SGLang is marked ``gpu``.
     """
 
     def __init__(
@@ -122,16 +135,20 @@ class NcclWeightSync:
         *,
         master_address: str,
         master_port: int,
+        backend: str | None = None,
         tp_size: int = 1,
         group_name: str = "weight_update_group",
         bucket_bytes: int = 512 << 20,
+        data_url: str | None = None,
         timeout_s: float = 600.0,
         token: str | None = None,
     ) -> None:
         self.engine_urls, self.tp_size, self.group_name = list(engine_urls), tp_size, group_name
         self.master_address, self.master_port = master_address, master_port
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.world_size = 1 + len(self.engine_urls) * tp_size
         self.bucket_bytes = bucket_bytes
+        self.data_url = data_url
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
@@ -144,10 +161,13 @@ class NcclWeightSync:
 
     @staticmethod
     def _check(futures: list[Future[httpx.Response]]) -> None:
-        for future in futures:
+        failed = []
+        for future in futures:  # every answer awaited, so no call is left running behind the error
             response = future.result()
             if response.status_code != 200 or not response.json().get("success", False):
-                raise RuntimeError(f"{response.request.url} failed: {response.text}")
+                failed.append(f"{response.request.url} failed: {response.text}")
+        if failed:
+            raise RuntimeError("; ".join(failed))
 
     def connect(self) -> None:
         bodies = [
@@ -157,39 +177,67 @@ class NcclWeightSync:
                 "rank_offset": 1 + i * self.tp_size,
                 "world_size": self.world_size,
                 "group_name": self.group_name,
-                "backend": "nccl",
+                "backend": self.backend,
             }
             for i in range(len(self.engine_urls))
         ]
         pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
-        self.group = _join_group(self.master_address, self.master_port, self.world_size, self.group_name)
+        # Should rank 0 fail to join, its error is raised at once: the engines' calls then end on their own
+        # rendezvous timeout, and waiting for them here would only hide the cause.
+        self.group = join_weights_group(
+            self.master_address, self.master_port, 0, self.world_size, self.group_name, self.backend
+        )
         self._check(pending)
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def _device_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The tensor where the backend moves it from: NCCL sends CUDA tensors, gloo CPU ones."""
+        tensor = tensor.detach()
+        if self.backend == "nccl" and tensor.device.type != "cuda":
+            tensor = tensor.cuda()
+        elif self.backend == "gloo" and tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        return tensor.contiguous()
+
+    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
+        """Broadcast ``named_tensors`` to every engine as weight version ``version``; returns the seconds
+        the engines took (``engines_s``), as `publish_weights` does."""
         if self.group is None:
             raise RuntimeError("connect() first")
         import torch.distributed as dist
 
+        out: dict[str, Any] = {"unreachable": []}
+        start = time.perf_counter()
         for url in self.engine_urls:
             self.client.post(f"{url}/pause_generation", json=PAUSE).raise_for_status()
         try:
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):
+                last = i == len(buckets) - 1
                 body = {
                     "names": [name for name, _ in bucket],
                     "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
                     "shapes": [list(t.shape) for _, t in bucket],
                     "group_name": self.group_name,
-                    "flush_cache": i == len(buckets) - 1,
-                    "weight_version": str(version),
+                    "flush_cache": last,
+                    "weight_version": str(version) if last else None,
                 }
                 pending = self._post_all("update_weights_from_distributed", [body] * len(self.engine_urls))
-                for _, tensor in bucket:
-                    dist.broadcast(tensor.detach().contiguous(), src=0, group=self.group)
+                works = [
+                    dist.broadcast(self._device_tensor(tensor), group=self.group, group_src=0, async_op=True)
+                    for _, tensor in bucket
+                ]
+                for work in works:
+                    if work is not None:  # async_op always gives one; None is only the synchronous call's
+                        work.wait()
                 self._check(pending)
         finally:
             for url in self.engine_urls:
-                self.client.post(f"{url}/continue_generation", json={})
+                with contextlib.suppress(httpx.TransportError):
+                    self.client.post(f"{url}/continue_generation", json={})
+        out["engines_s"] = time.perf_counter() - start
+        if self.data_url:
+            self.client.post(f"{self.data_url}/v1/policy", json={"version": version}).raise_for_status()
+        return out
 
     def close(self) -> None:
         for url in self.engine_urls:
@@ -199,27 +247,10 @@ class NcclWeightSync:
             import torch.distributed as dist
 
             dist.destroy_process_group(self.group)
+            self.group = None
         self.pool.shutdown(wait=False)
         self.client.close()
 
 
-def _join_group(address: str, port: int, world_size: int, group_name: str) -> Any:
-    """Rank 0 of a NCCL group rendezvoused over ``tcp://address:port`` under ``group_name`` — the
-    same rendezvous SGLang's engines use for ``init_weights_update_group`` — without touching the
-    trainer's own default process group."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    store, rank, size = next(c10d.rendezvous(f"tcp://{address}:{port}", 0, world_size))
-    store.set_timeout(c10d.default_pg_timeout)
-    group, _ = c10d._new_process_group_helper(
-        size,
-        rank,
-        [],
-        "nccl",
-        dist.PrefixStore(group_name, store),
-        group_name=c10d.GroupName(group_name),
-        timeout=c10d.default_pg_timeout,
-    )
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(size)}
-    return group
+NcclWeightSync = BroadcastWeightSync
+"""The earlier name (NCCL only); `BroadcastWeightSync` picks gloo on CPU."""

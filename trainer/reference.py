@@ -6,6 +6,13 @@ micro-batch (media from the feature cache by key, through the model's own towers
 gradient norm and takes an AdamW step. Checkpoints hold the model, the optimizer, the policy
 version and whatever feed state the caller passes (the acknowledged batch ids), written to a
 temporary folder and renamed into place so a crash never leaves half a checkpoint.
+
+Data-parallel (`trainer.data_parallel.DataParallel`): the model is sharded with FSDP2, each
+micro-batch's sequences go through one padded forward (every rank runs the same number of
+forwards: they are collectives), and the step divides by the loss units summed over ranks, so N
+ranks step exactly as one rank on the union of their batches. Checkpoints are then written with
+``torch.distributed.checkpoint`` (each rank its shard), committed by one rename on rank 0 after
+every rank has written.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGenerati
 
 import preprocess as pp
 
+from .data_parallel import DataParallel
 from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
 
@@ -69,10 +77,16 @@ class ReferenceTrainer:
         max_grad_norm: float = 1.0,
         loss: LossConfig | None = None,
         seed: int = 0,
+        parallel: DataParallel | None = None,
     ) -> None:
         torch.manual_seed(seed)
+        self.parallel = parallel
+        self.device = parallel.device if parallel is not None else torch.device("cpu")
         self.model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
         self.model.train()
+        if parallel is not None:  # before the optimizer: it must hold the sharded parameters
+            parallel.shard(self.model, list(self.model.model.layers))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
@@ -82,45 +96,80 @@ class ReferenceTrainer:
         self._units, self._loss = 0.0, 0.0
         self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
 
+    def _media(self, feature_keys: list[str], media: list[pp.Features] | None) -> list[pp.Features]:
+        """One sequence's features: ``media`` when given (fetched inline with the batch), else read
+        by key from the feature cache."""
+        if media is not None:
+            return list(media)
+        found = []
+        for key in feature_keys:
+            item = self.features.get(key) if self.features is not None else None
+            if item is None:
+                raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
+            found.append(item)
+        return found
+
+    def _inputs(self, media: list[pp.Features]) -> dict[str, torch.Tensor]:
+        return {name: value.to(self.device) for name, value in media_inputs(media).items()}
+
     def sequence_logprobs(
         self, input_ids: torch.Tensor, feature_keys: list[str], media: list[pp.Features] | None = None
     ) -> torch.Tensor:
         """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it).
 
-        The media are ``media`` when given (fetched inline with the batch), else read by key from the
-        feature cache.
-        """
-        keys = feature_keys if media is None else []
-        media = list(media or [])
-        for key in keys:
-            item = self.features.get(key) if self.features is not None else None
-            if item is None:
-                raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
-            media.append(item)
-        ids = input_ids[None]
-        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **media_inputs(media)).logits[0]
-        picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, input_ids[1:, None])[:, 0]
-        return torch.cat([torch.zeros(1), picked])
+        One forward per sequence: the exactness reference for `batch_logprobs`."""
+        ids = input_ids.to(self.device)[None]
+        inputs = self._inputs(self._media(feature_keys, media))
+        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0]
+        picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+        return torch.cat([torch.zeros(1, device=self.device), picked])
 
-    def accumulate(self, batch: FeedBatch) -> dict[str, float]:
+    def batch_logprobs(self, batch: FeedBatch) -> torch.Tensor:
+        """`sequence_logprobs` of every sequence of a packed micro-batch, in one right-padded forward
+        (the media of all sequences in order; Qwen's 3-D positions skip the padding through the
+        attention mask). Returned packed, as the batch's token tensors."""
+        t = batch.tensors
+        cu = t["cu_seqlens"].tolist()
+        lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+        ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        media: list[pp.Features] = []
+        for i, length in enumerate(lengths):
+            ids[i, :length], mask[i, :length] = t["input_ids"][cu[i] : cu[i + 1]], 1
+            media += self._media(batch.feature_keys[i], None if batch.media is None else batch.media[i])
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media)).logits
+        picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
+        zero = torch.zeros(1, device=self.device)
+        return torch.cat([torch.cat([zero, picked[i, : length - 1]]) for i, length in enumerate(lengths)])
+
+    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
         """Forward and backward one micro-batch, adding to the gradients of the current step.
 
         Each micro-batch's loss is weighted by its share of the step's normalisation units (loss
         tokens for ``token_mean``, sequences for ``sequence_mean``), so a step over micro-batches
         streamed in any split equals one loss over all of them (`apply` divides by the total).
+        ``None`` (data-parallel only): a zero-weight forward and backward that keeps this rank in
+        lockstep with ranks that have one more micro-batch in this step.
         """
-        t = batch.tensors
+        if batch is None:
+            self._lockstep_filler()
+            return {}
+        t = {name: value.to(self.device) for name, value in batch.tensors.items()}
         cu = t["cu_seqlens"].tolist()
-        logprobs = torch.cat(
-            [
-                self.sequence_logprobs(
-                    t["input_ids"][cu[i] : cu[i + 1]],
-                    batch.feature_keys[i],
-                    None if batch.media is None else batch.media[i],
-                )
-                for i in range(len(cu) - 1)
-            ]
-        )
+        if self.parallel is not None:  # one forward per micro-batch: forwards are collectives here
+            logprobs = self.batch_logprobs(batch)
+        else:
+            logprobs = torch.cat(
+                [
+                    self.sequence_logprobs(
+                        t["input_ids"][cu[i] : cu[i + 1]],
+                        batch.feature_keys[i],
+                        None if batch.media is None else batch.media[i],
+                    )
+                    for i in range(len(cu) - 1)
+                ]
+            )
         out = policy_loss(
             logprobs,
             logprobs.detach(),
@@ -141,14 +190,19 @@ class ReferenceTrainer:
         return out.metrics
 
     def apply(self) -> StepResult:
-        """The optimizer step over everything accumulated since the last one."""
-        units = max(self._units, 1e-9)
+        """The optimizer step over everything accumulated since the last one (on every rank: the
+        units, loss and metrics are summed over ranks first, as the gradients are)."""
+        names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
+        sums = [self._units, self._loss, *(self._metrics.get(name, 0.0) for name in names)]
+        if self.parallel is not None:
+            sums = self.parallel.total(sums)
+        units = max(sums[0], 1e-9)
         divisor = 1.0 if self.loss_config.aggregation == "sum" else units
         norm = self._optimizer_step(grad_scale=1.0 / divisor)
         result = StepResult(
-            loss=self._loss / divisor,
+            loss=sums[1] / divisor,
             grad_norm=norm,
-            metrics={name: value / units for name, value in self._metrics.items()},  # per-unit means
+            metrics={name: value / units for name, value in zip(names, sums[2:], strict=True)},  # per-unit means
         )
         self._units, self._loss, self._metrics = 0.0, 0.0, {}
         return result
@@ -187,20 +241,40 @@ class ReferenceTrainer:
         return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
 
     def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
-        """One cross-entropy step on (prompt ids, response ids, feature keys) — the warm-up before RL."""
-        losses = []
-        for prompt, response, keys in pairs:
-            logprobs = self.sequence_logprobs(torch.tensor(prompt + response), keys)
-            losses.append(-logprobs[len(prompt) :].mean())
-        loss = torch.stack(losses).mean()
+        """One cross-entropy step on (prompt ids, response ids, feature keys) — the warm-up before RL: the
+        mean over pairs of each response's mean token loss. Data-parallel: each rank takes every N-th
+        pair, and the gradients (summed over ranks) are divided by the number of all pairs."""
+        mine = pairs if self.parallel is None else pairs[self.parallel.rank :: self.parallel.world_size]
+        rounds = len(mine) if self.parallel is None else self.parallel.most(len(mine))
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self._optimizer_step(lr=lr)
-        return float(loss.detach())
+        total = 0.0
+        for i in range(rounds):  # one forward and backward per pair: under FSDP each is a collective
+            if i >= len(mine):
+                self._lockstep_filler()
+                continue
+            prompt, response, keys = mine[i]
+            loss = -self.sequence_logprobs(torch.tensor(prompt + response), keys)[len(prompt) :].mean()
+            loss.backward()
+            total += float(loss.detach())
+        if self.parallel is not None:
+            total = self.parallel.total([total])[0]
+        self._optimizer_step(grad_scale=1.0 / max(1, len(pairs)), lr=lr)
+        return total / max(1, len(pairs))
+
+    def _lockstep_filler(self) -> None:
+        """A zero-weight forward and backward: a rank with nothing more to train in this step still
+        takes part in the collectives the others' forwards and backwards make."""
+        ids = torch.ones(1, 1, dtype=torch.long, device=self.device)
+        (self.model(input_ids=ids, attention_mask=ids).logits.sum() * 0.0).backward()
 
     # -- checkpoints and export -----------------------------------------------------------------
     def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint (model, optimizer, policy version, this rank's feed state) to a staging
+        folder and rename it into place. Data-parallel: every rank writes its shards and its feed state;
+        rank 0 renames once all have written, so the checkpoint exists for all ranks or for none."""
         final = Path(folder)
+        if self.parallel is not None:
+            return self._save_sharded(final, feed_state or {})
         staging = final.parent / f".{final.name}.tmp-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
@@ -216,20 +290,82 @@ class ReferenceTrainer:
         os.rename(staging, final)
         return final
 
+    def _save_sharded(self, final: Path, feed_state: dict[str, Any]) -> Path:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        assert self.parallel is not None
+        staging = final.parent / f".{final.name}.tmp"  # one name for all ranks: they write into it together
+        if self.parallel.is_main:
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+        self.parallel.barrier()
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
+        _write_synced(staging / f"feed-{self.parallel.rank}.json", json.dumps(feed_state))
+        if self.parallel.is_main:
+            meta = {"policy_version": self.policy_version, "world_size": self.parallel.world_size}
+            _write_synced(staging / "trainer.json", json.dumps(meta))
+        self.parallel.barrier()  # every rank's shards and feed state are on disk
+        if self.parallel.is_main:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
+        self.parallel.barrier()
+        return final
+
     def load(self, folder: str | Path) -> dict[str, Any]:
-        """Restore a checkpoint written by `save`; returns the feed state stored with it."""
+        """Restore a checkpoint written by `save`; returns the feed state stored with it (this rank's)."""
         root = Path(folder)
+        meta = json.loads((root / "trainer.json").read_text())
+        self.policy_version = int(meta["policy_version"])
+        if self.parallel is not None:
+            import torch.distributed.checkpoint as dcp
+            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+            if meta.get("world_size") != self.parallel.world_size:
+                written = meta.get("world_size")
+                raise ValueError(f"{root} was written by {written} ranks, not {self.parallel.world_size}")
+            model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+            dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=root)  # in place
+            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
+            return dict(json.loads((root / f"feed-{self.parallel.rank}.json").read_text()))
         state = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(root, dtype=torch.float32).state_dict()
         self.model.load_state_dict(state)
         saved = torch.load(root / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(saved["optimizer"])
         torch.random.set_rng_state(saved["rng"])
-        meta = json.loads((root / "trainer.json").read_text())
-        self.policy_version = int(meta["policy_version"])
         return dict(meta["feed"])
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, on the CPU (data-parallel: gathered from the shards — a collective,
+        so every rank calls it)."""
+        if self.parallel is None:
+            return {name: value.detach().cpu() for name, value in self.model.state_dict().items()}
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {
+            name: value
+            for name, value in get_model_state_dict(self.model, options=options).items()
+            if isinstance(value, torch.Tensor)
+        }
+
     def export(self, folder: str | Path) -> Path:
-        """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk."""
+        """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk
+        (data-parallel: every rank calls it; rank 0 writes)."""
         root = Path(folder)
-        self.model.save_pretrained(root, safe_serialization=True)
+        if self.parallel is None:
+            self.model.save_pretrained(root, safe_serialization=True)
+            return root
+        state = self.full_state_dict()
+        if self.parallel.is_main:
+            self.model.save_pretrained(root, state_dict=state, safe_serialization=True)
+        self.parallel.barrier()
         return root
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

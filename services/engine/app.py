@@ -4,8 +4,13 @@ Same paths, field names and response shapes as SGLang (`POST /generate` — sing
 log-probs, raw media —, weight updates, pause (``abort`` / ``retract`` / ``in_place``) / continue, abort,
 flush, weight version, health, model and server info under both their names), so a client written for
 SGLang works unchanged; a field it does not implement is refused naming the field (README's table).
+Weights come from a folder (``/update_weights_from_disk``) or by broadcast from a trainer
+(``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``:
+gloo on CPU, NCCL on CUDA); ``/update_weights_from_tensor`` is refused by its field (pickled tensors).
 One documented extension: ``weir_media`` on `/generate` passes the prompt's media by key
-(`schemas.MediaRef`). Routes only: the engine, sampling, media and their errors are the
+(`schemas.MediaRef`). SGLang endpoints RL clients call but this role does not serve
+(`UNSUPPORTED_ENDPOINTS`: memory release, IPC weight updates, ``/classify``) answer 400
+``unsupported_endpoint`` naming themselves. Routes only: the engine, sampling, media and their errors are the
 `engines` library's; the shared middle (auth, errors, ``/healthz``, ``/readyz``, ``/metrics``)
 is `services.template`'s.
 """
@@ -31,7 +36,7 @@ import preprocess as pp
 from engines import GenerateRequest, GenerateResult, MediaResolver
 
 from .. import __version__
-from ..errors import ApiError
+from ..errors import ApiError, error_body
 from ..settings import load_settings
 from ..template import build_app
 from .schemas import (
@@ -40,13 +45,17 @@ from .schemas import (
     AbortResponse,
     ContinueBody,
     ControlResponse,
+    DestroyWeightsGroupBody,
     ErrorResponse,
     GenerateBody,
     GenerateResponse,
+    InitWeightsGroupBody,
     ModelInfo,
     PauseBody,
     ServerInfo,
     UpdateWeightsBody,
+    UpdateWeightsFromDistributedBody,
+    UpdateWeightsFromTensorBody,
     UpdateWeightsResponse,
     WeightVersion,
 )
@@ -62,7 +71,7 @@ from .service import (
 )
 from .settings import EngineSettings
 
-__all__ = ["create_app"]
+__all__ = ["UNSUPPORTED_ENDPOINTS", "create_app"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +79,19 @@ LIBRARY_ERRORS: Mapping[type[Exception], int] = {
     engines.EngineError: 400,  # InvalidSampling, InvalidPrompt, InvalidMedia, WeightsError
     engines.MediaNotFound: 404,
 }
+UNSUPPORTED_ENDPOINTS: Mapping[str, str] = {
+    "/release_memory_occupation": "a standalone engine keeps its weights and KV (verl calls it to put a colocated "
+    "engine to sleep; its standalone mode skips it)",
+    "/resume_memory_occupation": "a standalone engine keeps its weights and KV (nothing was released)",
+    "/update_weights_from_ipc": "no checkpoint-engine IPC; use /update_weights_from_disk",
+    "/classify": "a generation model, not a reward or embedding model",
+    "/encode": "a generation model, not an embedding model",
+}
+"""SGLang endpoints RL clients call (verl's ``http_server_engine.py``, slime's weight sync) that this
+role does not serve: each answers 400 ``unsupported_endpoint`` naming itself, with SGLang's
+``success: false`` too, rather than a bare 404. Release / resume of memory are not faked as no-ops:
+a client that releases memory to train in it would be told it did when it did not."""
+
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "malformed JSON; bad sampling params, prompt or media"},
     404: {"model": ErrorResponse, "description": "a weir_media key is not in its cache"},
@@ -138,6 +160,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         responses={
             **_ERRORS,
             200: {"content": {"text/event-stream": {}}, "description": "JSON, or events when stream is true"},
+            403: {"model": ErrorResponse, "description": "a media path outside WEIR_MEDIA_ROOTS"},
+            413: {"model": ErrorResponse, "description": "a media item over WEIR_MAX_MEDIA_BYTES"},
+            502: {"model": ErrorResponse, "description": "a media URL's host failed, timed out or refused"},
             504: {"model": ErrorResponse, "description": "not finished within WEIR_REQUEST_TIMEOUT_S"},
         },
     )
@@ -159,7 +184,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             )
 
         if body.stream:
-            stream = _stream(requests[0], shaped, start)
+            stream = _stream(requests, plan.listed, shaped, start)
             return StreamingResponse(stream, media_type="text/event-stream")
         futures: list[Future[GenerateResult]] = []
         try:
@@ -204,64 +229,102 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         return str(role.tokenizer.decode([token]))
 
     def _stream(
-        request: GenerateRequest,
+        requests: list[GenerateRequest],
+        listed: bool,
         shaped: Callable[[GenerateRequest, GenerateResult, float], dict[str, Any]],
         start: float,
     ) -> AsyncIterator[bytes]:
-        """SGLang's default SSE: cumulative chunks, the finished one, then ``[DONE]``. The request is
-        submitted before the response starts, so a bad prompt is a plain 4xx, not an event; a client
-        that goes away aborts its request. Intermediate chunks carry the output log-probs so far; prompt
-        and top log-probs come with the finished chunk."""
+        """SGLang's default SSE: cumulative chunks, the finished one, then ``[DONE]``. A batch or n > 1
+        streams every request at once, as SGLang does: each chunk is one request's cumulative output with
+        its ``index`` (its place in the JSON list the same body would get), the requests' chunks
+        interleaved as they come, one ``[DONE]`` after the last finishes. The requests are submitted
+        before the response starts, so a bad prompt is a plain 4xx, not an event; a client that goes
+        away aborts every request still running. Intermediate chunks carry the output log-probs so far;
+        prompt and top log-probs come with the finished chunk. A request that fails while generating
+        is an error event (with its ``index`` in a list); the others go on."""
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue[tuple[int, float] | None] = asyncio.Queue()
+        # (request index, token, logprob) as tokens come; (request index, None, 0.0) when it is done
+        events: asyncio.Queue[tuple[int, int | None, float]] = asyncio.Queue()
+        futures: list[Future[GenerateResult]] = []
 
-        def push(token: int, logprob: float) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, (token, logprob))
+        def pusher(index: int) -> Callable[[int, float], None]:
+            def push(token: int, logprob: float) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (index, token, logprob))
+
+            return push
+
+        def finisher(index: int) -> Callable[[Future[GenerateResult]], None]:
+            def finish(_: Future[GenerateResult]) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (index, None, 0.0))
+
+            return finish
 
         try:
-            future = engine.submit(request, on_token=push)
-        except engines.EngineError as error:
-            raise refuse(error) from None
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(events.put_nowait, None))
-        params = request.sampling
+            for index, request in enumerate(requests):
+                try:
+                    futures.append(engine.submit(request, on_token=pusher(index)))
+                except engines.EngineError as error:
+                    raise refuse(error, item=index if listed else None) from None
+        except BaseException:
+            for request in requests[: len(futures)]:
+                engine.abort(request.rid)
+            raise
+        for index, future in enumerate(futures):
+            future.add_done_callback(finisher(index))
+
+        def tagged(index: int, chunk: dict[str, Any]) -> bytes:
+            return sse({**chunk, "index": index} if listed else chunk)
+
+        def partial(request: GenerateRequest, ids: list[int], lps: list[float]) -> dict[str, Any]:
+            params = request.sampling
+            result = GenerateResult(
+                rid=request.rid,
+                output_ids=list(ids),
+                output_logprobs=list(lps),
+                finish_reason={},
+                prompt_tokens=len(request.input_ids),
+                weight_version=engine.weight_version,
+                text=str(
+                    role.tokenizer.decode(
+                        ids,
+                        skip_special_tokens=params.skip_special_tokens,
+                        spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    )
+                ),
+            )
+            chunk = shaped(request, result, 0.0)
+            chunk["meta_info"]["finish_reason"] = None
+            return chunk
+
+        def finished(index: int) -> dict[str, Any]:
+            request = requests[index]
+            try:
+                return shaped(request, counted(futures[index].result()), time.perf_counter() - start)
+            except engines.EngineError as error:  # the request's fault, found while generating
+                return {"error": {"code": error.code, "message": str(error)}}
+            except Exception:  # noqa: BLE001 - the status line is sent: the failure can only be an event
+                logger.exception("request %s failed while streaming", request.rid)
+                return {"error": {"code": "internal_error", "message": "the engine failed; see its log"}}
 
         async def chunks() -> AsyncIterator[bytes]:
-            ids: list[int] = []
-            lps: list[float] = []
+            ids: list[list[int]] = [[] for _ in requests]
+            lps: list[list[float]] = [[] for _ in requests]
+            running = len(requests)
             try:
-                while (event := await events.get()) is not None:
-                    ids.append(event[0])
-                    lps.append(event[1])
-                    partial = GenerateResult(
-                        rid=request.rid,
-                        output_ids=list(ids),
-                        output_logprobs=list(lps),
-                        finish_reason={},
-                        prompt_tokens=len(request.input_ids),
-                        weight_version=engine.weight_version,
-                        text=str(
-                            role.tokenizer.decode(
-                                ids,
-                                skip_special_tokens=params.skip_special_tokens,
-                                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                            )
-                        ),
-                    )
-                    chunk = shaped(request, partial, 0.0)
-                    chunk["meta_info"]["finish_reason"] = None
-                    yield sse(chunk)
-                try:
-                    result = counted(future.result())
-                    yield sse(shaped(request, result, time.perf_counter() - start))
-                except engines.EngineError as error:  # the request's fault, found while generating
-                    yield sse({"error": {"code": error.code, "message": str(error)}})
-                except Exception:  # noqa: BLE001 - the status line is sent: the failure can only be an event
-                    logger.exception("request %s failed while streaming", request.rid)
-                    yield sse({"error": {"code": "internal_error", "message": "the engine failed; see its log"}})
+                while running:
+                    index, token, logprob = await events.get()
+                    if token is None:
+                        running -= 1
+                        yield tagged(index, finished(index))
+                        continue
+                    ids[index].append(token)
+                    lps[index].append(logprob)
+                    yield tagged(index, partial(requests[index], ids[index], lps[index]))
                 yield b"data: [DONE]\n\n"
             finally:
-                if not future.done():  # the client went away: stop generating for it
-                    engine.abort(request.rid)
+                for request, future in zip(requests, futures, strict=True):
+                    if not future.done():  # the client went away: stop generating for it
+                        engine.abort(request.rid)
 
         return chunks()
 
@@ -276,12 +339,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
 
         ``weight_version`` must be a policy version (a decimal integer) or ``default``: every sample the
         engine generates reports it, and the rollout fails samples whose version is not one."""
-        if body.weight_version is not None and not re.fullmatch(WEIGHT_VERSION_PATTERN, body.weight_version):
-            message = (
-                f"weight_version {body.weight_version[:64]!r} is not a policy version: give a decimal integer "
-                "(at most 16 digits) or 'default'"
-            )
-            return JSONResponse({"success": False, "message": message}, status_code=400)
+        refused = _bad_version(body.weight_version)
+        if refused is not None:
+            return refused
         if body.abort_all_requests:
             engine.abort_all()
         try:
@@ -289,6 +349,96 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         except engines.WeightsError as error:
             return JSONResponse({"success": False, "message": str(error)}, status_code=400)
         return {"success": True, "message": f"weights loaded, version {version}", "num_paused_requests": 0}
+
+    @app.post("/init_weights_update_group", tags=["sglang"], response_model=ControlResponse, responses=_WEIGHTS_ERRORS)
+    async def init_weights_update_group(body: InitWeightsGroupBody) -> Any:
+        """Join a process group with the trainer (rank 0) as rank ``rank_offset``, for
+        `/update_weights_from_distributed`. Answers once every rank has joined: the trainer joins
+        while this call waits (gloo on a CPU engine, NCCL on a CUDA one)."""
+        try:
+            await asyncio.to_thread(
+                engine.init_weights_update_group,
+                master_address=body.master_address,
+                master_port=body.master_port,
+                rank_offset=body.rank_offset,
+                world_size=body.world_size,
+                group_name=body.group_name,
+                backend=body.backend,
+            )
+        except engines.WeightsError as error:
+            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
+
+    @app.post(
+        "/update_weights_from_distributed",
+        tags=["sglang"],
+        response_model=ControlResponse,
+        responses=_WEIGHTS_ERRORS,
+    )
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Any:
+        """Receive ``names`` (of ``dtypes`` and ``shapes``) as rank 0 broadcasts them, in order, then load
+        them all between two decode steps, as `/update_weights_from_disk` loads a folder (pausing first is
+        the caller's: Weir's publisher pauses with ``retract``). Answers once they are loaded; SGLang's
+        ``success: false`` when a name, shape or dtype does not fit the model — nothing loaded, the old
+        weights still served."""
+        refused = _bad_version(body.weight_version)
+        if refused is not None:
+            return refused
+        if body.abort_all_requests:
+            engine.abort_all()
+        try:
+            version = await asyncio.to_thread(
+                engine.update_weights_from_distributed,
+                body.names,
+                body.dtypes,
+                body.shapes,
+                group_name=body.group_name,
+                version=body.weight_version,
+            )
+        except engines.WeightsError as error:
+            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        if body.flush_cache:
+            # False only while requests hold KV; the transformers backend caches no prefix to drop.
+            await asyncio.to_thread(engine.flush_cache)
+        return {"success": True, "message": f"{len(body.names)} tensors loaded, version {version}"}
+
+    @app.post(
+        "/destroy_weights_update_group",
+        tags=["sglang"],
+        response_model=ControlResponse,
+        responses=_WEIGHTS_ERRORS,
+    )
+    async def destroy_weights_update_group(body: DestroyWeightsGroupBody) -> Any:
+        """Leave a group joined by `/init_weights_update_group`; ``success: false`` for one not joined."""
+        try:
+            await asyncio.to_thread(engine.destroy_weights_update_group, body.group_name)
+        except engines.WeightsError as error:
+            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        return {"success": True, "message": f"left {body.group_name}"}
+
+    @app.post(
+        "/update_weights_from_tensor",
+        tags=["sglang"],
+        response_model=ControlResponse,
+        responses=_WEIGHTS_ERRORS,
+    )
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> Any:
+        """Always refused (400 ``unsupported_field``, field ``serialized_named_tensors``). SGLang's
+        ``serialized_named_tensors`` are its ``MultiprocessingSerializer``'s output: a pickle (base64 over
+        HTTP) of tensors, CUDA IPC handles or shared-memory descriptors. Unpickling a request body runs
+        whatever code its sender chose, so this role never reads one; there is no pickle-free form of the
+        field. Send the tensors by broadcast (`/update_weights_from_distributed`) or as a folder."""
+        message = (
+            "serialized_named_tensors is SGLang's pickle of tensors, and this engine role does not unpickle "
+            "request bodies (unpickling runs the sender's code): use /update_weights_from_distributed or "
+            "/update_weights_from_disk"
+        )
+        body_json = {
+            "success": False,
+            "message": message,
+            **error_body("unsupported_field", message, field="serialized_named_tensors"),
+        }
+        return JSONResponse(body_json, status_code=400)
 
     @app.post("/pause_generation", tags=["sglang"], response_model=ControlResponse, responses=_BODY_ERRORS)
     async def pause(body: Annotated[PauseBody | None, Body()] = None) -> Any:
@@ -313,6 +463,18 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         elif body is not None and body.rid:
             engine.abort(body.rid)
         return {}
+
+    def unsupported(path: str, why: str) -> Callable[[], Any]:
+        async def refuse_endpoint() -> JSONResponse:
+            message = f"{path} is SGLang's but this engine role does not serve it: {why}"
+            # SGLang's weight and memory endpoints answer {success, message}; an SGLang client reads those.
+            body = {"success": False, "message": message, **error_body("unsupported_endpoint", message)}
+            return JSONResponse(body, status_code=400)
+
+        return refuse_endpoint
+
+    for path, why in UNSUPPORTED_ENDPOINTS.items():
+        app.add_api_route(path, unsupported(path, why), methods=["GET", "POST"], include_in_schema=False)
 
     @app.get("/health", tags=["sglang"], responses={503: {"description": "the engine's scheduler stopped"}})
     async def health() -> JSONResponse:
@@ -391,6 +553,17 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         }
 
     return app
+
+
+def _bad_version(version: str | None) -> JSONResponse | None:
+    """SGLang's ``success: false`` refusal of a ``weight_version`` that is not a policy version, or None."""
+    if version is None or re.fullmatch(WEIGHT_VERSION_PATTERN, version):
+        return None
+    message = (
+        f"weight_version {version[:64]!r} is not a policy version: give a decimal integer (at most 16 digits) "
+        "or 'default'"
+    )
+    return JSONResponse({"success": False, "message": message}, status_code=400)
 
 
 def _spec(model: Path) -> pp.ProcessorSpec:

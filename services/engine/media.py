@@ -3,9 +3,12 @@ shared feature cache out, the prompt's placeholders expanded — the same featur
 own ``weir_media`` path, so generation is the same.
 
 Sources taken: a ``data:<mime>;base64,`` URI, bare base64, a ``file://`` URL or a path under one of
-``WEIR_MEDIA_ROOTS`` (symlinks resolved, so ``..`` and links cannot leave the roots). ``http(s)://``
-URLs are refused (400 naming the field): the engine role does not fetch; send the bytes, or let the
-preprocess role fetch and send ``weir_media``.
+``WEIR_MEDIA_ROOTS`` (symlinks resolved, so ``..`` and links cannot leave the roots), and an
+``http(s)://`` URL under the one URL rule of every role (`services.media_urls`: off unless
+``WEIR_ALLOW_URLS``, public addresses only unless ``WEIR_ALLOW_PRIVATE_URLS``, the hosts of
+``WEIR_MEDIA_URL_HOSTS`` when set, every redirect hop checked again), fetched as SGLang's loaders fetch
+it (a GET, the body is the item) and cut at ``WEIR_MAX_MEDIA_BYTES`` (413 ``media_too_large``, as for
+paths). Refusals name the field. No other scheme is fetched.
 
 Placeholders (SGLang's rule for Qwen2.5-Omni): the prompt holds the item's placeholder token once
 (``<|vision_bos|><|IMAGE|><|vision_eos|>``, ``<|VIDEO|>``, ``<|audio_bos|><|AUDIO|><|audio_eos|>``),
@@ -17,6 +20,8 @@ from __future__ import annotations
 import base64
 import binascii
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -26,8 +31,9 @@ from preprocess.placeholders import expand_placeholders
 
 from ..errors import ApiError
 from ..media_roots import locate
+from ..media_urls import MediaUrls, fetch_url
 
-__all__ = ["MEDIA_FIELDS", "MediaItem", "items_for", "read_media", "expand_prompt"]
+__all__ = ["MEDIA_FIELDS", "MediaItem", "MediaSources", "items_for", "read_media", "expand_prompt"]
 
 MEDIA_FIELDS: Mapping[str, pp.MediaKind] = {"image_data": "image", "video_data": "video", "audio_data": "audio"}
 MediaItem = tuple[pp.MediaKind, str, str]  # (kind, source, field)
@@ -84,11 +90,22 @@ def items_for(body_fields: Mapping[str, Any], size: int, batch: bool) -> list[li
     return per_prompt
 
 
-def read_media(source: str, field: str, roots: Sequence[Path], max_bytes: int) -> bytes:
+@dataclass(frozen=True, slots=True)
+class MediaSources:
+    """Where raw media may come from (the engine settings' media fields): ``urls`` is the settings object
+    itself (an `EngineSettings` is a `MediaUrls`)."""
+
+    roots: Sequence[Path] = ()
+    max_bytes: int = 128 << 20
+    urls: MediaUrls = dataclass_field(default_factory=MediaUrls)  # URLs off unless given
+
+
+def read_media(source: str, field: str, allowed: MediaSources) -> bytes:
     """The bytes of one SGLang media source (see the module's doc for what is taken)."""
+    roots, max_bytes = allowed.roots, allowed.max_bytes
     scheme = urlsplit(source).scheme.lower() if "://" in source[:16] else ""
     if scheme in ("http", "https"):
-        raise ApiError(400, "unsupported_media_source", f"{field}: the engine role does not fetch URLs", field=field)
+        return fetch_url(source, allowed.urls, max_bytes, field=field)
     if source.startswith("data:"):
         header, sep, payload = source.partition(",")
         if not sep or not header.endswith(";base64"):

@@ -24,15 +24,19 @@ __all__ = [
     "AbortResponse",
     "ContinueBody",
     "ControlResponse",
+    "DestroyWeightsGroupBody",
     "ErrorDetail",
     "ErrorResponse",
     "GenerateBody",
     "GenerateResponse",
+    "InitWeightsGroupBody",
     "MediaRef",
     "ModelInfo",
     "PauseBody",
     "ServerInfo",
     "UpdateWeightsBody",
+    "UpdateWeightsFromDistributedBody",
+    "UpdateWeightsFromTensorBody",
     "UpdateWeightsResponse",
     "WeightVersion",
 ]
@@ -162,9 +166,10 @@ class GenerateBody(BaseModel):
         description="SGLang's sampling keys (one object for every item, or one per batch item); supported: "
         "max_new_tokens, temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty, "
         "frequency_penalty, min_new_tokens, logit_bias, stop, stop_token_ids, sampling_seed, ignore_eos, "
-        "skip_special_tokens, spaces_between_special_tokens, no_stop_trim, n, custom_params (accepted; "
+        "skip_special_tokens, spaces_between_special_tokens, no_stop_trim, json_schema, regex, ebnf (at most "
+        'one: constrained decoding; json_schema a JSON Schema string or "$$ANY$$"), n, custom_params (accepted; '
         "return_top_p_token_ids honoured), stream_interval (ignored); refused unless null: "
-        "json_schema, regex, ebnf, structural_tag, stop_regex, beam_width, watermark, choice",
+        "structural_tag, stop_regex, beam_width, watermark, choice",
         json_schema_extra=_SAMPLING_SCHEMA,
     )
     return_logprob: bool | list[bool] = False
@@ -178,9 +183,14 @@ class GenerateBody(BaseModel):
     rid: str | list[str] | None = None
     stream: bool = Field(
         False,
-        description="server-sent events: cumulative chunks, the final one, then [DONE] (single requests, n = 1)",
+        description="server-sent events: cumulative chunks, the final one, then [DONE]; for a batch or n > 1 "
+        "every request's chunks interleaved, each with its index in the list the JSON answer would be",
     )
-    image_data: Any = Field(None, description="SGLang's: a data URI, base64, file:// or a path under the media roots")
+    image_data: Any = Field(
+        None,
+        description="SGLang's: a data URI, base64, file:// or a path under the media roots, or an http(s) URL "
+        "when the operator allows URLs (WEIR_ALLOW_URLS; services/media_urls.py)",
+    )
     video_data: Any = Field(None, description="as image_data")
     audio_data: Any = Field(None, description="as image_data")
     weir_media: list[MediaRef] = Field(default_factory=list)
@@ -216,6 +226,59 @@ class UpdateWeightsBody(BaseModel):
     torch_empty_cache: bool = False
     keep_pause: bool = False
     flush_cache: bool = True
+
+
+class InitWeightsGroupBody(BaseModel):
+    """SGLang's ``InitWeightsUpdateGroupReqInput``: join a process group rendezvoused at
+    ``tcp://master_address:master_port``, whose rank 0 is the trainer; this engine's rank is ``rank_offset``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="this engine's rank in the group (the trainer is 0)")
+    world_size: int = Field(ge=2, description="1 (the trainer) + every engine rank")
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["gloo", "nccl"] = Field("nccl", description="SGLang's default; a CPU engine takes gloo only")
+
+
+class UpdateWeightsFromDistributedBody(BaseModel):
+    """SGLang's ``UpdateWeightsFromDistributedReqInput``: the tensors rank 0 broadcasts next, in order."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(description="torch dtype names without 'torch.' (bfloat16, float32, ...)")
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = Field(False, description="abort running requests before loading")
+    weight_version: str | None = Field(
+        None,
+        description="the version to report from now on: a policy version (a decimal integer) or 'default'",
+        json_schema_extra={"pattern": WEIGHT_VERSION_PATTERN},
+    )
+    load_format: str | None = None
+
+
+class UpdateWeightsFromTensorBody(BaseModel):
+    """SGLang's ``UpdateWeightsFromTensorReqInput``, read only to be refused (see the route)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    serialized_named_tensors: list[Any] = Field(default_factory=list)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+
+
+class DestroyWeightsGroupBody(BaseModel):
+    """SGLang's ``DestroyWeightsUpdateGroupReqInput``."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    group_name: str = "weight_update_group"
 
 
 class UpdateWeightsResponse(BaseModel):
@@ -286,13 +349,22 @@ class ServerInfo(BaseModel):
 
 
 class ErrorDetail(BaseModel):
-    code: str
-    message: str
-    item: int | None = None
-    field: str | None = None
+    code: str = Field(description="Weir's stable code (a string), e.g. url_not_allowed")
+    message: str = Field(description="what went wrong, for people (SGLang's one key)")
+    item: int | None = Field(None, description="the batch item (or the request of n > 1) at fault")
+    field: str | None = Field(None, description="the body field at fault, e.g. image_data, sampling_params.top_k")
 
 
 class ErrorResponse(BaseModel):
-    """Every refusal but ``/update_weights_from_disk``'s (SGLang's ``success: false`` shape there)."""
+    """Every refusal but ``/update_weights_from_disk``'s (SGLang's ``success: false`` shape there).
+
+    A superset of SGLang 0.5's own: its `/generate` answers a request it cannot take (a ``ValueError``)
+    with 400 ``{"error": {"message": ...}}`` (``_create_error_response`` in
+    ``sglang/srt/entrypoints/http_server.py``), and a failure while streaming as a ``data:`` event of the
+    same shape before ``[DONE]``; both have ``error.message`` here too, so a client that reads it works
+    unchanged. Weir adds ``code`` (a stable string, not SGLang's numeric status — the HTTP status says
+    that), ``item`` and ``field``. Not copied: SGLang answers a body its schema refuses with 400 and
+    OpenAI's flat ``{"object": "error", "message", "type", "param", "code": 400}``; Weir keeps this one
+    shape everywhere, with 422 ``invalid_request`` (400 ``malformed_json`` for JSON it cannot parse)."""
 
     error: ErrorDetail

@@ -32,7 +32,7 @@ from experience.records import policy_version_of
 from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..template import Readiness
-from .media import expand_prompt, items_for, read_media
+from .media import MediaSources, expand_prompt, items_for, read_media
 from .schemas import REFUSED_FIELDS, GenerateBody
 from .settings import EngineSettings
 
@@ -251,8 +251,6 @@ def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
     total = sum(counts)
     if isinstance(body.rid, list) and len(body.rid) != size:
         raise ApiError(400, "invalid_request", f"rid has {len(body.rid)} entries for {size} prompts", field="rid")
-    if body.stream and (batch or total > 1):
-        raise ApiError(400, "invalid_request", "stream is for single requests with n = 1", field="stream")
     raw = {"image_data": body.image_data, "video_data": body.video_data, "audio_data": body.audio_data}
     sources = items_for(raw, size, batch)
     if body.weir_media and any(sources):
@@ -265,7 +263,12 @@ def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
     per_prompt: list[tuple[Any, ...]] = []
     for index, items in enumerate(sources):
         if items:
-            prompts[index], refs = _raw_media(prompts[index], items, role)
+            try:
+                prompts[index], refs = _raw_media(prompts[index], items, role)
+            except ApiError as error:
+                if batch and error.item is None:
+                    error.item = index  # which prompt's media failed (a URL's, a path's)
+                raise
         else:
             refs = [
                 MediaKey(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key) for r in body.weir_media
@@ -308,9 +311,14 @@ def _raw_media(ids: list[int], items: list[tuple[Any, str, str]], role: EngineRo
     prompt's placeholders expanded, and references by feature key in prompt order (Weir's own path)."""
     settings = role.settings
     spec = role.spec or pp.ProcessorSpec.qwen2_5_omni()
+    allowed = MediaSources(
+        roots=settings.media_roots,
+        max_bytes=settings.max_media_bytes,
+        urls=settings,
+    )
     processed = []
     for kind, source, name in items:
-        data = read_media(source, name, settings.media_roots, settings.max_media_bytes)
+        data = read_media(source, name, allowed)
         try:
             processed.append(pp.process_bytes(data, kind, spec, store=role.media.features))
         except pp.MediaError as error:

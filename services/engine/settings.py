@@ -12,12 +12,16 @@ from typing import Literal
 from pydantic import Field
 
 from ..media_roots import MediaRoots
+from ..media_urls import MediaUrls
 from ..settings import ModelFolder, RoleSettings
 
 __all__ = ["EngineSettings"]
 
 
-class EngineSettings(RoleSettings):
+class EngineSettings(RoleSettings, MediaUrls):
+    """Every field is ``WEIR_<NAME>``; the media URL rule's (``WEIR_ALLOW_URLS``, ``WEIR_ALLOW_PRIVATE_URLS``,
+    ``WEIR_MEDIA_URL_HOSTS``, ``WEIR_MEDIA_URL_TIMEOUT_S``) come from `MediaUrls`, as in every role."""
+
     model: ModelFolder = Field(
         Path(".weir/model"), description="the model folder served (a Qwen2.5-Omni thinker for transformers)"
     )
@@ -43,4 +47,6 @@ class EngineSettings(RoleSettings):
         description="folders image_data / video_data / audio_data paths (and file:// URLs) may name, "
         "':'-separated; none: paths are refused",
     )
-    max_media_bytes: int = Field(128 << 20, gt=0, description="the largest media item /generate decodes")
+    max_media_bytes: int = Field(
+        128 << 20, gt=0, description="the largest media item /generate decodes (or reads from a media URL)"
+    )

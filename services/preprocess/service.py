@@ -17,11 +17,12 @@ from starlette.datastructures import UploadFile
 import preprocess as pp
 
 from ..errors import ApiError, media_error_status, validation_error
+from ..media_urls import fetch_url
 from ..metrics import RoleMetrics
 from .metrics import PreprocessMetrics
 from .schemas import BudgetIn, ItemResult, PreprocessRequest, PreprocessResponse
 from .settings import PreprocessSettings
-from .sources import decode_inline, fetch_url, read_path
+from .sources import decode_inline, read_path
 
 __all__ = ["REQUEST_DOC", "PreprocessState", "item_result", "parse_request"]
 
@@ -58,14 +59,7 @@ class PreprocessState:
                 raw = read_path(item.path, s.media_roots, index, s.max_item_bytes)
             else:
                 assert item.url is not None
-                raw = fetch_url(
-                    item.url,
-                    index=index,
-                    enabled=s.allow_urls,
-                    allow_private=s.allow_private_urls,
-                    max_bytes=s.url_max_bytes,
-                    timeout_s=s.url_timeout_s,
-                )
+                raw = fetch_url(item.url, s, s.url_max_bytes, item=index)
             if not raw:
                 raise ApiError(400, "empty_media", "the media item is empty (0 bytes)", item=index)
             if len(raw) > s.max_item_bytes:

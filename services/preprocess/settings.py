@@ -10,13 +10,16 @@ from pydantic import Field, field_validator
 import preprocess as pp
 
 from ..media_roots import MediaRoots
+from ..media_urls import MediaUrls
 from ..settings import RoleSettings
 
 __all__ = ["PreprocessSettings"]
 
 
-class PreprocessSettings(RoleSettings):
-    """Every field is ``WEIR_<NAME>``; defaults serve the embedded (laptop) mode."""
+class PreprocessSettings(RoleSettings, MediaUrls):
+    """Every field is ``WEIR_<NAME>``; defaults serve the embedded (laptop) mode. The media URL rule's
+    (``WEIR_ALLOW_URLS``, ``WEIR_ALLOW_PRIVATE_URLS``, ``WEIR_MEDIA_URL_HOSTS``, ``WEIR_MEDIA_URL_TIMEOUT_S``)
+    come from `MediaUrls`, as in every role."""
 
     cache_dir: Path = Path(".weir/cache")
     cache_max_bytes: int = Field(10 << 30, gt=0)
@@ -25,10 +28,7 @@ class PreprocessSettings(RoleSettings):
     spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl"] = "qwen2_5_omni"
     # Media sources.
     media_roots: MediaRoots = []
-    allow_urls: bool = False
-    allow_private_urls: bool = False
-    url_max_bytes: int = Field(64 << 20, gt=0)
-    url_timeout_s: float = Field(10.0, gt=0)
+    url_max_bytes: int = Field(64 << 20, gt=0)  # the cap on a fetched URL's body (decompressed)
     max_item_bytes: int = Field(128 << 20, gt=0)
     max_items: int = Field(64, gt=0)
     # Default budget, applied when a request names none.

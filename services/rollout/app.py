@@ -42,6 +42,7 @@ from rollout.errors import (
 )
 from rollout.group import (
     ChatStream,
+    Progress,
     PromptSpec,
     RolloutFunction,
     chat_samples,
@@ -73,10 +74,13 @@ from .service import (
     OpenAIErrors,
     RolloutMetrics,
     build_context,
+    chat_logprobs,
     chat_sampling,
+    completion_logprobs,
     completion_refusal,
     library_reward,
     prompt_sampling,
+    response_format_sampling,
     tool_prompt,
     unsupported_parameter,
 )
@@ -244,8 +248,9 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             )
         if body.n > settings.max_n:
             raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
-        sampling = chat_sampling(body)
+        ask = chat_logprobs(body)
         tools, prefill = tool_prompt(body)
+        sampling = {**chat_sampling(body), **response_format_sampling(body, prefill=prefill)}
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
         include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -256,7 +261,14 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             held.enter_context(context.admission.admit(nbytes=await body_bytes(request)))
             try:
                 streams = await chat_stream(
-                    context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill
+                    context,
+                    messages,
+                    n=body.n,
+                    sampling=sampling,
+                    max_tokens=limit,
+                    tools=tools,
+                    prefill=prefill,
+                    ask=ask,
                 )
             except BaseException:
                 held.close()
@@ -275,8 +287,15 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             )
             return StreamingResponse(events, media_type="text/event-stream")
         with context.admission.admit(nbytes=await body_bytes(request)):
-            group_id, prepared, samples = await chat_samples(
-                context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill
+            group_id, prepared, samples, details = await chat_samples(
+                context,
+                messages,
+                n=body.n,
+                sampling=sampling,
+                max_tokens=limit,
+                tools=tools,
+                prefill=prefill,
+                ask=ask,
             )
         whole = chat.completion(
             samples,
@@ -287,6 +306,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             token_text=token_text,
             tools=tools is not None,
             prefill=prefill,
+            details=details,
         )
         return JSONResponse(whole)
 
@@ -316,13 +336,15 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         for one in prepared:
             check_context(context, one, body.max_tokens, "max_tokens")
         token_text = context.prompts.token_text if body.logprobs is not None else None
+        ask = completion_logprobs(body)
+        top = bool(ask.top)
         created = int(time.time())
         if body.stream:
             held = contextlib.ExitStack()
             held.enter_context(context.admission.admit(nbytes=await body_bytes(request)))
             try:
                 streams = await open_streams(
-                    context, prepared[0], n=body.n, sampling=sampling, max_new_tokens=body.max_tokens
+                    context, prepared[0], n=body.n, sampling=sampling, max_new_tokens=body.max_tokens, ask=ask
                 )
             except BaseException:
                 held.close()
@@ -331,27 +353,38 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             echo = _decode(context, prepared[0].prompt_ids) if body.echo else ""
             stop = sampling.get("stop") or ()
-            echoed = [{"index": 0, "text": echo, "logprobs": None, "finish_reason": None}] if echo else []
+
+            def echoed(step: Progress) -> list[dict[str, Any]]:
+                if not echo:
+                    return []
+                logprobs = None
+                if token_text is not None and step.details is not None:
+                    logprobs = chat.legacy_logprobs(chat.prompt_logprobs(step.details, token_text), top=top)
+                choice = {"index": step.index, "text": echo, "logprobs": logprobs, "finish_reason": None}
+                return [{**head, "choices": [choice]}]
+
             events = _stream_events(
                 streams,
                 head,
-                lambda index: chat.TextChoiceStream(head, index, stop=stop, token_text=token_text),
+                lambda index: chat.TextChoiceStream(
+                    head, index, stop=stop, token_text=token_text, top=top, offset=len(echo)
+                ),
                 include_usage,
                 held,
                 what="completion",
-                first=lambda index: [{**head, "choices": [{**c, "index": index} for c in echoed]}] if echoed else [],
+                first=echoed,
             )
             return StreamingResponse(events, media_type="text/event-stream")
         with context.admission.admit(nbytes=await body_bytes(request)):
             answers = await asyncio.gather(
                 *(
-                    complete_samples(context, p, n=body.n, sampling=sampling, max_new_tokens=body.max_tokens)
+                    complete_samples(context, p, n=body.n, sampling=sampling, max_new_tokens=body.max_tokens, ask=ask)
                     for p in prepared
                 )
             )
         choices: list[dict[str, Any]] = []
         completion_tokens = 0
-        for p, (one, (_, samples)) in enumerate(zip(prepared, answers, strict=True)):
+        for p, (one, (_, samples, details)) in enumerate(zip(prepared, answers, strict=True)):
             whole = chat.text_completion(
                 samples,
                 completion_id="",
@@ -360,6 +393,8 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
                 prompt_tokens=len(one.prompt_ids),
                 token_text=token_text,
                 echo=_decode(context, one.prompt_ids) if body.echo else "",
+                details=details,
+                top=top,
             )
             for choice in whole["choices"]:
                 choices.append({**choice, "index": p * body.n + choice["index"]})
@@ -401,11 +436,12 @@ async def _stream_events(
     held: contextlib.ExitStack,
     *,
     what: str,
-    first: Callable[[int], list[dict[str, Any]]] = lambda _: [],
+    first: Callable[[Progress], list[dict[str, Any]]] = lambda _: [],
 ) -> AsyncIterator[bytes]:
     """The chunks of a streamed chat or text completion as the engines produce them: per choice, what
-    ``first`` gives (the echoed prompt), then what its shaper makes of each engine step; a usage chunk
-    when asked. A failure after the 200 is an error event (the OpenAI SDK raises it), then the stream ends."""
+    ``first`` makes of its first step (the echoed prompt), then what its shaper makes of each engine step
+    (with the tokens' alternatives, when asked); a usage chunk when asked. A failure after the 200 is an
+    error event (the OpenAI SDK raises it), then the stream ends."""
     shapers: dict[int, Any] = {}
     samples = []
     with held:
@@ -414,9 +450,10 @@ async def _stream_events(
                 shaper = shapers.get(step.index)
                 if shaper is None:
                     shaper = shapers[step.index] = shaper_for(step.index)
-                    for item in first(step.index):
+                    for item in first(step):
                         yield chat.sse(item)
-                for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample):
+                top = step.details.top if step.details is not None else None
+                for item in shaper.step(step.token_ids, step.logprobs, step.text, step.sample, top):
                     yield chat.sse(item)
                 if step.sample is not None:
                     samples.append(step.sample)

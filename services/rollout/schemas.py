@@ -22,10 +22,12 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "JsonSchemaFormat",
     "Message",
     "ModelCard",
     "ModelList",
     "NamedToolChoice",
+    "ResponseFormat",
     "RewardSpec",
     "RolloutPrompt",
     "RolloutRequest",
@@ -160,12 +162,9 @@ class StreamOptions(BaseModel):
 UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
     "functions": "the deprecated function calling is not supported (use tools)",
     "function_call": "the deprecated function calling is not supported (use tool_choice)",
-    "response_format": "only {type: text}: json_object and json_schema need constrained decoding, which the "
-    "engines do not do",
     "logit_bias": "logit_bias is not supported by the engines",
     "frequency_penalty": "frequency_penalty other than 0 is not supported by the engines",
     "presence_penalty": "presence_penalty other than 0 is not supported by the engines",
-    "top_logprobs": "top_logprobs other than 0 is not supported (logprobs gives the sampled token's)",
     "audio": "audio output is not supported",
     "modalities": "only the text modality is supported",
     "prediction": "predicted outputs are not supported",
@@ -176,6 +175,36 @@ UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
 but its neutral value) gets 400 ``unsupported_parameter`` naming it. The penalties and ``logit_bias``
 are passed to the engines instead (as SGLang sampling keys) once the engines support them
 (`engines.sampling.SUPPORTED_SAMPLING`)."""
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's ``response_format.json_schema``."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = Field(None, max_length=65_536)
+    schema_: dict[str, Any] | None = Field(
+        None,
+        alias="schema",
+        description="the JSON Schema the answer must follow (required here: without one there is nothing to "
+        "constrain the answer to)",
+    )
+    strict: bool | None = Field(None, description="accepted: the engines always follow the schema exactly")
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: the answer's shape, enforced by the engines' constrained decoding
+    (SGLang's ``json_schema`` sampling key)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: str = Field(
+        max_length=64,
+        description='text (as without it), json_object (valid JSON: SGLang\'s json_schema "$$ANY$$") or '
+        "json_schema (the answer follows json_schema.schema); another is 400 unsupported_parameter",
+    )
+    json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: {name, schema, strict}")
 
 
 class FunctionSpec(BaseModel):
@@ -237,6 +266,12 @@ class ChatRequest(BaseModel):
     ) = Field(None, description="up to 4 stop strings")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="the most likely tokens at each position, with logprobs (400 without it)"
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="{type: text | json_object | json_schema, json_schema: {name, schema, strict}}"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = Field(None, max_length=128, description="function tools, rendered by the chat template")
@@ -255,7 +290,6 @@ class ChatRequest(BaseModel):
     # Refused unless neutral (see UNSUPPORTED_CHAT_PARAMETERS).
     functions: Any = Field(None, description=_REFUSED + " ([] is neutral)")
     function_call: Any = Field(None, description=_REFUSED)
-    response_format: Any = Field(None, description=_REFUSED + " ({type: text} is neutral)")
     logit_bias: Any = Field(
         None, description="passed to the engines when they support it; else " + _REFUSED + " ({} is neutral)"
     )
@@ -265,7 +299,6 @@ class ChatRequest(BaseModel):
     presence_penalty: Any = Field(
         None, description="passed to the engines when they support it; else " + _REFUSED + " (0 is neutral)"
     )
-    top_logprobs: Any = Field(None, description=_REFUSED + " (0 is neutral)")
     audio: Any = Field(None, description=_REFUSED)
     modalities: Any = Field(None, description=_REFUSED + ' (["text"] is neutral)')
     prediction: Any = Field(None, description=_REFUSED)
@@ -285,7 +318,9 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     logprobs: dict[str, Any] | None = Field(
-        None, description="{content: [{token, logprob, bytes, top_logprobs: []}]} when asked"
+        None,
+        description="{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} when asked "
+        "(top_logprobs entries, most likely first, with top_logprobs k > 0)",
     )
     finish_reason: Literal["stop", "length", "tool_calls"]
 
@@ -358,9 +393,11 @@ class CompletionRequest(BaseModel):
     ) = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="each choice gets its own seed derived from it")
     logprobs: int | None = Field(
-        None, ge=0, le=5, description="0: the sampled tokens' log-probs; more (top alternatives) is refused"
+        None, ge=0, le=5, description="the sampled tokens' log-probs, and (k > 0) the k most likely tokens' at each"
     )
-    echo: bool = Field(False, description="the prompt text before each answer (without log-probs)")
+    echo: bool = Field(
+        False, description="the prompt text before each answer; with logprobs its tokens too (the first's null)"
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False

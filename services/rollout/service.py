@@ -11,7 +11,7 @@ from engines.sampling import SUPPORTED_SAMPLING
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.dispatch import Dispatcher
-from rollout.group import RolloutContext
+from rollout.group import LogprobAsk, RolloutContext
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec
@@ -32,16 +32,20 @@ from .schemas import (
 from .settings import RolloutSettings
 
 __all__ = [
+    "ANY_JSON_OBJECT",
     "ENGINE_SAMPLING_FIELDS",
     "OPENAI_ROUTES",
     "OpenAIErrors",
     "RolloutMetrics",
     "build_context",
+    "chat_logprobs",
     "chat_sampling",
+    "completion_logprobs",
     "completion_refusal",
     "library_reward",
     "openai_error",
     "prompt_sampling",
+    "response_format_sampling",
     "tool_prompt",
     "unsupported_parameter",
 ]
@@ -132,10 +136,8 @@ def unsupported_parameter(body: ChatRequest) -> str | None:
     neutral: dict[str, tuple[Any, ...]] = {
         "frequency_penalty": (0, 0.0),
         "presence_penalty": (0, 0.0),
-        "top_logprobs": (0,),
         "logit_bias": ({},),
         "modalities": (["text"],),
-        "response_format": ({"type": "text"},),
         "functions": ([],),
     }
     for name in UNSUPPORTED_CHAT_PARAMETERS:
@@ -158,10 +160,6 @@ def completion_refusal(body: CompletionRequest) -> tuple[str, str] | None:
         return "suffix", "insertion (suffix) is not supported"
     if body.best_of is not None and body.best_of != 1:
         return "best_of", "best_of is not supported (ask for n choices)"
-    if body.logprobs is not None and body.logprobs > 0:
-        return "logprobs", "only 0 (the sampled tokens' log-probs): top alternatives are not computed"
-    if body.echo and body.logprobs is not None:
-        return "echo", "echo with logprobs needs the prompt's log-probs, which are not computed"
     if body.stream and not isinstance(body.prompt, str) and body.prompt and not isinstance(body.prompt[0], int):
         return "stream", "a batch of prompts is not streamed: one prompt per streamed request"
     return None
@@ -182,6 +180,54 @@ def chat_sampling(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
         if value is not None and name in SUPPORTED_SAMPLING:
             sampling[name] = value
     return sampling
+
+
+def chat_logprobs(body: ChatRequest) -> LogprobAsk:
+    """What a chat request asks the engines for beyond the sampled tokens' log-probs: ``top_logprobs``
+    alternatives, which (as OpenAI) need ``logprobs: true`` (400 ``invalid_top_logprobs`` without)."""
+    top = body.top_logprobs or 0
+    if top and not body.logprobs:
+        raise ApiError(
+            400, "invalid_top_logprobs", "top_logprobs: logprobs must be true to use top_logprobs", field="top_logprobs"
+        )
+    return LogprobAsk(top=top if body.logprobs else 0)
+
+
+def completion_logprobs(body: CompletionRequest) -> LogprobAsk:
+    """A text completion's ``logprobs: k``: the k most likely alternatives, and with ``echo`` the prompt's
+    own log-probs (from its first token)."""
+    if body.logprobs is None:
+        return LogprobAsk()
+    return LogprobAsk(top=body.logprobs, prompt=body.echo)
+
+
+ANY_JSON_OBJECT = "$$ANY$$"
+"""SGLang's ``json_schema`` that admits any JSON object (its own OpenAI server's ``json_object``)."""
+
+
+def response_format_sampling(body: ChatRequest, *, prefill: str = "") -> dict[str, str]:
+    """SGLang sampling keys for ``response_format``: none for ``text``; ``json_schema`` (constrained
+    decoding) for ``json_object`` (any object) and ``json_schema`` (its schema, as JSON text). Another
+    type, a ``json_schema`` without a schema, or JSON asked for an answer forced to start with a tool call
+    (``prefill``) is 400 naming ``response_format``."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return {}
+
+    def refuse(why: str, code: str = "invalid_response_format") -> ApiError:
+        return ApiError(400, code, f"response_format: {why}", field="response_format")
+
+    if fmt.type not in ("json_object", "json_schema"):
+        raise refuse(
+            f"type {fmt.type!r} is not supported (text, json_object or json_schema)", code="unsupported_parameter"
+        )
+    if prefill:
+        raise refuse("a JSON answer cannot also be forced to start with a tool call (tool_choice required or named)")
+    if fmt.type == "json_object":
+        return {"json_schema": ANY_JSON_OBJECT}
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise refuse("type json_schema needs json_schema: {name, schema}, with the schema the answer must follow")
+    return {"json_schema": json.dumps(fmt.json_schema.schema_)}
 
 
 def tool_prompt(body: ChatRequest) -> tuple[list[dict[str, Any]] | None, str]:

@@ -138,9 +138,18 @@ def test_known_but_unsupported_keys_are_refused_unless_null(key: str) -> None:
 
 def test_every_known_key_has_one_kind() -> None:
     assert SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"} == KNOWN_SAMPLING
-    assert {"json_schema", "regex", "ebnf", "structural_tag", "stop_regex", "beam_width", "watermark", "choice"} == (
-        REFUSED_SAMPLING
-    )
+    assert {"structural_tag", "stop_regex", "beam_width", "watermark", "choice"} == REFUSED_SAMPLING
+    assert {"json_schema", "regex", "ebnf"} <= SUPPORTED_SAMPLING  # constrained decoding (engines.grammar)
+
+
+def test_grammars_map_onto_sampling_params() -> None:
+    assert sampling_from({"json_schema": '{"type": "object"}'}).grammar == ("json_schema", '{"type": "object"}')
+    assert sampling_from({"regex": "[0-9]+", "json_schema": None}) == SamplingParams(regex="[0-9]+")
+    assert sampling_from({"ebnf": 'root ::= "a"'}).grammar == ("ebnf", 'root ::= "a"')
+    assert sampling_from({}).grammar is None
+    with pytest.raises(InvalidSampling) as refused:
+        sampling_from({"regex": "a", "ebnf": 'root ::= "a"'})
+    assert refused.value.code == "bad_sampling_params" and refused.value.field == "sampling_params.ebnf"
 
 
 def test_unknown_keys_are_typos() -> None:

@@ -262,3 +262,143 @@ def test_a_streamed_tool_call_is_sent_whole_once_parsed() -> None:
     last = forced.step([], [], "get_", _sample("get_ broken", [1, 2]))
     assert last[0]["choices"][0]["delta"] == {"content": '<tool_call>\n{"name": "get_ broken'}
     assert last[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+# -- top log-probs and the prompt's log-probs -----------------------------------------------------
+def _answer(ids: list[int], *, final: bool = True, tops: int | None = None, prompt: bool = False) -> dict[str, Any]:
+    """An engine's /generate answer (or stream chunk) in SGLang's shape, with ``tops`` positions of top log-probs."""
+    meta: dict[str, Any] = {
+        "finish_reason": {"type": "length"} if final else None,
+        "weight_version": "0",
+        "output_token_logprobs": [[-0.5, t, None] for t in ids],
+    }
+    if tops is not None:
+        meta["output_top_logprobs"] = [[[-0.25, 7, None], [-0.5, ids[k], None]] for k in range(tops)]
+    if prompt:
+        meta["input_token_logprobs"] = [[None, 1, None], [-1.0, 2, None], [-2.0, 3, None]]
+        meta["input_top_logprobs"] = [None, [[-0.5, 2, None]], [[-1.5, 4, None]]]
+    return {"text": "x" * len(ids), "output_ids": ids, "meta_info": meta}
+
+
+def test_the_engines_top_and_prompt_logprobs_are_read_and_checked() -> None:
+    from rollout.group import LogprobAsk, choice_logprobs
+
+    both = LogprobAsk(top=2, prompt=True)
+    details = choice_logprobs(_answer([5, 6], tops=2, prompt=True), both, prompt_ids=[1, 2, 3])
+    assert details.top == [[(-0.25, 7), (-0.5, 5)], [(-0.25, 7), (-0.5, 6)]]
+    assert details.prompt == [(None, 1), (-1.0, 2), (-2.0, 3)]
+    assert details.prompt_top == [None, [(-0.5, 2)], [(-1.5, 4)]]
+    for answer, why in (
+        (_answer([5, 6], tops=1, prompt=True), "1 top log-prob positions for 2 tokens"),
+        (_answer([5, 6], prompt=True), "no output_top_logprobs"),
+        (_answer([5, 6], tops=2), "no input_token_logprobs"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            choice_logprobs(answer, both, prompt_ids=[1, 2, 3])
+    with pytest.raises(ValueError, match="do not cover"):
+        choice_logprobs(_answer([5], tops=1, prompt=True), both, prompt_ids=[1, 2, 9])
+    with pytest.raises(ValueError, match="where 1 to 1 were asked"):  # more alternatives than asked
+        choice_logprobs(_answer([5], tops=1), LogprobAsk(top=1), prompt_ids=[1])
+
+
+def test_the_engine_body_asks_for_what_the_request_shows() -> None:
+    from rollout.dispatch import EngineEndpoint
+    from rollout.group import LogprobAsk, Prepared, engine_body
+
+    prepared = Prepared(prompt_ids=[1, 2], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
+    for url in ("http://e:1", "sglang+http://e:1"):
+        body = engine_body(EngineEndpoint.parse(url), prepared, {}, "g/0", routed_experts=False)
+        assert "top_logprobs_num" not in body and "logprob_start_len" not in body
+        asked = engine_body(
+            EngineEndpoint.parse(url), prepared, {}, "g/0", routed_experts=False, ask=LogprobAsk(top=3, prompt=True)
+        )
+        assert asked["top_logprobs_num"] == 3 and asked["logprob_start_len"] == 0 and asked["return_logprob"]
+
+
+class _FakeStream:
+    def __init__(self, chunks: list[dict[str, Any]]) -> None:
+        self._chunks = chunks
+        self.engine = type("E", (), {"url": "http://e"})()
+
+    async def chunks(self) -> Any:
+        for chunk in self._chunks:
+            yield chunk
+
+    async def aclose(self) -> None:
+        return None
+
+
+def test_a_stream_step_waits_for_its_tokens_top_logprobs() -> None:
+    import asyncio
+    import contextlib
+
+    from rollout.group import ChatStream, LogprobAsk, Prepared
+
+    prepared = Prepared(prompt_ids=[1, 2, 3], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
+    chunks = [
+        _answer([5], final=False, tops=1),  # a plain SGLang server: each chunk has them
+        _answer([5, 6], final=False),  # Weir's engine: only the final one has them; this one waits
+        _answer([5, 6, 8], final=False, tops=2),  # still one short: waits
+        _answer([5, 6, 8, 9], tops=4, prompt=True),
+    ]
+    stream: Any = _FakeStream(chunks)
+
+    async def steps(ask: LogprobAsk) -> list[Any]:
+        streams = ChatStream(
+            "g", prepared, [_FakeStream(chunks) if ask.prompt else stream], contextlib.ExitStack(), ask
+        )
+        return [step async for step in streams.progress()]
+
+    out = asyncio.run(steps(LogprobAsk(top=2)))
+    assert [s.token_ids for s in out] == [[5], [6, 8, 9]]
+    assert [len(s.details.top) for s in out] == [1, 3] and out[-1].sample is not None
+    assert out[1].details.top[0] == [(-0.25, 7), (-0.5, 6)]
+    echoed = asyncio.run(steps(LogprobAsk(top=2, prompt=True)))  # the prompt's come with the final chunk
+    assert [s.token_ids for s in echoed] == [[5, 6, 8, 9]]
+    assert echoed[0].details.prompt == [(None, 1), (-1.0, 2), (-2.0, 3)]
+
+
+def test_response_format_and_top_logprobs_of_a_request() -> None:
+    from services.errors import ApiError
+    from services.rollout.schemas import ChatRequest, CompletionRequest
+    from services.rollout.service import (
+        chat_logprobs,
+        completion_logprobs,
+        response_format_sampling,
+        unsupported_parameter,
+    )
+
+    def request(**fields: Any) -> ChatRequest:
+        return ChatRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields})
+
+    assert response_format_sampling(request()) == {}
+    assert response_format_sampling(request(response_format={"type": "text"})) == {}
+    assert response_format_sampling(request(response_format={"type": "json_object"})) == {"json_schema": "$$ANY$$"}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    shaped = request(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    assert json.loads(response_format_sampling(shaped)["json_schema"]) == schema
+    assert unsupported_parameter(shaped) is None
+    for fmt, code in (
+        ({"type": "xml"}, "unsupported_parameter"),
+        ({"type": "json_schema", "json_schema": {"name": "s"}}, "invalid_response_format"),
+        ({"type": "json_schema"}, "invalid_response_format"),
+    ):
+        with pytest.raises(ApiError) as refused:
+            response_format_sampling(request(response_format=fmt))
+        assert refused.value.code == code and refused.value.field == "response_format"
+    with pytest.raises(ApiError) as forced:
+        response_format_sampling(request(response_format={"type": "json_object"}), prefill="<tool_call>")
+    assert forced.value.field == "response_format"
+    assert chat_logprobs(request(logprobs=True, top_logprobs=4)).top == 4
+    assert chat_logprobs(request(top_logprobs=0)).top == 0  # 0 is neutral without logprobs
+    with pytest.raises(ApiError) as alone:
+        chat_logprobs(request(top_logprobs=2))
+    assert alone.value.field == "top_logprobs" and alone.value.status == 400
+
+    def completion(**fields: Any) -> CompletionRequest:
+        return CompletionRequest.model_validate({"prompt": "hi", **fields})
+
+    assert completion_logprobs(completion()) == completion_logprobs(completion(echo=True))
+    assert not completion_logprobs(completion()).extra
+    ask = completion_logprobs(completion(logprobs=2, echo=True))
+    assert (ask.top, ask.prompt) == (2, True)

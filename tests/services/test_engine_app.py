@@ -95,7 +95,7 @@ def test_errors_and_control_endpoints(stack) -> None:  # type: ignore[no-untyped
     ids = [1, 2, 3]
     bad = client.post("/generate", json={"input_ids": ids, "sampling_params": {"tempreature": 1}})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "unknown_sampling_param"
-    unsupported = client.post("/generate", json={"input_ids": ids, "sampling_params": {"regex": "a+"}})
+    unsupported = client.post("/generate", json={"input_ids": ids, "sampling_params": {"structural_tag": "{}"}})
     assert unsupported.json()["error"]["code"] == "unsupported_sampling_param"
     missing = client.post(
         "/generate", json={"input_ids": ids, "weir_media": [{"type": "image", "feature_key": "0" * 40}]}
@@ -193,7 +193,7 @@ def test_every_body_is_typed_in_the_openapi_document(stack) -> None:  # type: ig
         ("/generate", {"input_ids": [1], "sampling_params": {"tempreature": 1}}, 400, "unknown_sampling_param"),
         (
             "/generate",
-            {"input_ids": [1], "stream": True, "sampling_params": {"regex": "a+"}},
+            {"input_ids": [1], "stream": True, "sampling_params": {"structural_tag": "{}"}},
             400,
             "unsupported_sampling_param",
         ),

@@ -1,10 +1,13 @@
 """The engine role driven as SGLang's own clients drive SGLang: the payloads slime sends to `/generate`
 (facts from its public source: the sampling keys, ``no_stop_trim``, ``sampling_seed``, ``custom_params``,
-``return_logprob`` over ``input_ids``), batches and ``n``, log-prob requests, and the weight-update
-sequence (pause → flush → update → continue → version) — answered in SGLang's shapes."""
+``return_logprob`` over ``input_ids``), batches and ``n`` (streamed too, with SGLang's ``index``),
+log-prob requests, and the weight-update sequence (pause → flush → update → continue → version); verl's
+payloads and the other endpoints it calls (its ``sglang_rollout``) — answered in SGLang's shapes, or,
+for what the role does not serve, refused by name."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -164,8 +167,6 @@ def test_batches_rids_and_n(engine_role) -> None:  # type: ignore[no-untyped-def
         ({"input_ids": [[1, 2], [3]], "rid": ["a", "a"]}, "rid"),
         ({"input_ids": [[1, 2], [3]], "sampling_params": [{}]}, "sampling_params"),
         ({"input_ids": [[1, 2]], "return_logprob": [True, False]}, "return_logprob"),
-        ({"input_ids": [1, 2], "stream": True, "sampling_params": {"n": 2}}, "stream"),
-        ({"input_ids": [[1, 2], [3]], "stream": True}, "stream"),
         ({"input_ids": [[1, 2], [3]], "weir_media": [{"type": "image", "feature_key": "0" * 40}]}, "weir_media"),
         ({"input_ids": [1, 2], "image_data": ["data:image/png;base64,AAAA"]}, "image_data"),
         ({"text": "hi", "input_embeds": [[0.1, 0.2]]}, "input_embeds"),
@@ -174,7 +175,7 @@ def test_batches_rids_and_n(engine_role) -> None:  # type: ignore[no-untyped-def
         ({"input_ids": [1, 2], "custom_logit_processor": "x"}, "custom_logit_processor"),
         ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
         ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": -1}, "top_logprobs_num"),
-        ({"input_ids": [1, 2], "sampling_params": {"json_schema": "{}"}}, "sampling_params.json_schema"),
+        ({"input_ids": [1, 2], "sampling_params": {"structural_tag": "{}"}}, "sampling_params.structural_tag"),
         ({"input_ids": [1, 2], "sampling_params": {"n": 0}}, "sampling_params.n"),
         ({"input_ids": [[1, 2], [3]], "sampling_params": [{}, {"min_p": 2}]}, "sampling_params.min_p"),
         ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"999999": 1}}}, "sampling_params.logit_bias"),
@@ -383,7 +384,7 @@ def test_image_data_generates_as_weir_media_does(media_role) -> None:  # type: i
 @pytest.mark.parametrize(
     ("body", "status", "field"),
     [
-        ({"text": "<|IMAGE|>", "image_data": "http://example.com/a.png"}, 400, "image_data"),
+        ({"text": "<|IMAGE|>", "image_data": "http://example.com/a.png"}, 403, "image_data"),  # URLs off
         ({"text": "<|IMAGE|>", "image_data": "/etc/passwd"}, 403, "image_data"),
         ({"text": "<|IMAGE|>", "image_data": "file:///etc/hostname"}, 403, "image_data"),
         ({"text": "<|IMAGE|>", "image_data": "data:image/png,abc"}, 400, "image_data"),
@@ -469,3 +470,141 @@ def test_audio_and_video_data_generate_as_weir_media_does(media_role, kind: str)
     ).json()
     assert answer.json()["output_ids"] == weir["output_ids"]
     assert answer.json()["meta_info"]["output_token_logprobs"] == weir["meta_info"]["output_token_logprobs"]
+
+
+def _events(client: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
+    with client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and "[DONE]" not in data[:-1]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_a_batch_and_n_stream_as_sglang_streams_them(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {
+        "input_ids": [ids, ids[:-1]],
+        "rid": ["a", "b"],
+        "return_logprob": True,
+        "sampling_params": [
+            {"max_new_tokens": 12, "n": 2, "sampling_seed": 3, "ignore_eos": True},
+            {"max_new_tokens": 3, "sampling_seed": 4, "ignore_eos": True},
+        ],
+    }
+    whole = client.post("/generate", json=body).json()
+    assert [w["meta_info"]["id"] for w in whole] == ["a_0", "a_1", "b"]
+    chunks = _events(client, {**body, "stream": True})
+    # SGLang's batch stream (tokenizer_manager's _handle_batch_request): each chunk one request's cumulative
+    # output, tagged with its index in the list the same body answers with; requests interleaved.
+    assert {c["index"] for c in chunks} == {0, 1, 2}
+    for index, answer in enumerate(whole):
+        mine = [c for c in chunks if c["index"] == index]
+        assert all(c["meta_info"]["id"] == answer["meta_info"]["id"] for c in mine)
+        lengths = [len(c["output_ids"]) for c in mine]
+        assert lengths == [*range(1, len(answer["output_ids"]) + 1), len(answer["output_ids"])]
+        assert [c["meta_info"]["finish_reason"] for c in mine[:-1]] == [None] * (len(mine) - 1)
+        assert mine[-1]["output_ids"] == answer["output_ids"]
+        final, expected = mine[-1]["meta_info"], answer["meta_info"]
+        assert final["finish_reason"] == expected["finish_reason"]
+        assert final["output_token_logprobs"] == expected["output_token_logprobs"]
+    order = [c["index"] for c in chunks]
+    assert order.index(2) < len(order) - 1 - order[::-1].index(0)  # b started before a_0 finished
+    single = _events(client, {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 2}})
+    assert all("index" not in c for c in single)  # a single request's stream is as before
+
+
+def test_a_client_that_leaves_a_batch_stream_aborts_every_request(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True, "n": 3}}
+    with client.stream("POST", "/generate", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                break
+    deadline = time.monotonic() + 3
+    while _gauge(client, "weir_engine_running_requests") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gauge(client, "weir_engine_running_requests") == 0
+
+
+def test_refusals_carry_sglangs_error_message(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    # SGLang (entrypoints/http_server.py, _create_error_response): 400 {"error": {"message": str(e)}}.
+    refused = client.post("/generate", json={"input_ids": ids, "sampling_params": {"top_k": 0}})
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert isinstance(error["message"], str) and error["message"] and isinstance(error["code"], str)
+
+
+def _verl_sampling(**extra: Any) -> dict[str, Any]:
+    """verl's ``sampling_params`` (verl/experimental/agent_loop/agent_loop.py, with the rollout config's
+    defaults from verl/trainer/config/rollout/rollout.yaml: temperature 1.0, top_p 1 — an integer —,
+    top_k -1), after verl/workers/rollout/sglang_rollout/async_sglang_server.py's ``generate`` has set
+    ``max_new_tokens`` and moved ``logprobs`` out into ``return_logprob``."""
+    return {"temperature": 1.0, "top_p": 1, "top_k": -1, "repetition_penalty": 1.0, "max_new_tokens": 8, **extra}
+
+
+def test_verls_generate_payloads_get_sglangs_answer(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    # async_sglang_server.py's request: rid (uuid4().hex, from the agent loop), input_ids, sampling_params,
+    # return_logprob, image_data (None without images; SGLang's dataclass default, null in JSON).
+    agent = {
+        "rid": "0" * 31 + "1",
+        "input_ids": ids,
+        "sampling_params": _verl_sampling(),
+        "return_logprob": True,
+        "image_data": None,
+    }
+    answer = client.post("/generate", json=agent)
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    _check_shape(out, logprobs=True)
+    # verl reads (log_prob, token_id, _) triples from output_token_logprobs, else output_ids.
+    log_probs, token_ids = zip(*[(lp, t) for lp, t, _ in out["meta_info"]["output_token_logprobs"]], strict=True)
+    assert list(token_ids) == out["output_ids"] and out["meta_info"]["id"] == agent["rid"]
+    # http_server_engine.py's HttpServerAdapter.generate: None fields dropped, return_logprob always sent;
+    # logprob_start_len / top_logprobs_num when given.
+    for adapter in (
+        {"input_ids": ids, "sampling_params": _verl_sampling(), "return_logprob": False},
+        {
+            "input_ids": ids,
+            "sampling_params": _verl_sampling(temperature=0),
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        },
+        {"text": PROMPT, "sampling_params": _verl_sampling(), "return_logprob": False},
+    ):
+        answered = client.post("/generate", json=adapter)
+        assert answered.status_code == 200, answered.text
+        _check_shape(answered.json(), logprobs=adapter["return_logprob"])
+
+
+def test_verls_other_endpoints(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, _ = engine_role
+    # http_server_engine.py: launch_server_process polls GET /health, /health_generate, /flush_cache;
+    # flush_cache() retries GET /flush_cache until 200; abort_request posts {"rid", "abort_all"}.
+    for path in ("/health", "/health_generate", "/flush_cache"):
+        assert client.get(path).status_code == 200, path
+    for abort in ({"rid": "", "abort_all": True}, {"rid": "gone", "abort_all": False}):
+        assert client.post("/abort_request", json=abort).status_code == 200
+    # What it posts that this role does not serve: refused by name, in SGLang's success: false shape too.
+    for path, payload in (
+        ("/release_memory_occupation", {"tags": ["kv_cache", "weights"]}),  # sleep (sglang_rollout.py)
+        ("/resume_memory_occupation", {"tags": ["weights"]}),  # wake up for the update (fsdp_workers.py)
+        ("/resume_memory_occupation", {"tags": ["kv_cache"]}),
+        ("/release_memory_occupation", {"tags": None}),  # the adapter's default
+        ("/classify", {"input_ids": [1, 2, 3]}),  # reward_score(), for embedding models
+    ):
+        refused = client.post(path, json=payload)
+        assert refused.status_code == 400, (path, refused.text)
+        body = refused.json()
+        assert body["error"]["code"] == "unsupported_endpoint" and path in body["error"]["message"]
+        assert body["success"] is False and body["message"] == body["error"]["message"]
+    # Base64 of serialized tensors, as the adapter sends them: a pickle, refused by its field.
+    payload = {"serialized_named_tensors": ["AAAA"], "load_format": None, "flush_cache": True}
+    refused = client.post("/update_weights_from_tensor", json=payload)
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert refused.json()["error"]["code"] == "unsupported_field"
+    assert refused.json()["error"]["field"] == "serialized_named_tensors"
+    assert client.get("/release_memory_occupation").status_code == 400  # SGLang takes GET there too
+    assert client.post("/no_such_endpoint", json={}).json()["error"]["code"] == "not_found"

@@ -1,6 +1,7 @@
 """The rollout role as the OpenAI chat API, driven by the real ``openai`` package over a stack of real
-roles on loopback: per-choice seeds, true token streaming, tool calling, OpenAI's errors; and
-per-sample seeds in ``POST /v1/rollouts``."""
+roles on loopback: per-choice seeds, true token streaming, tool calling, top log-probs (chat and
+completions, echo with the prompt's log-probs), JSON mode, OpenAI's errors; and per-sample seeds in
+``POST /v1/rollouts``."""
 
 from __future__ import annotations
 
@@ -179,10 +180,28 @@ def test_openai_errors(client: openai.OpenAI) -> None:
         client.chat.completions.create(model="gpt-4o", messages=hi, max_tokens=2)
     assert missing.value.code == "model_not_found" and missing.value.type == "invalid_request_error"
     assert missing.value.param == "model"
-    for response_format in ({"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}):
+    for response_format, code in (
+        ({"type": "xml"}, "unsupported_parameter"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "invalid_response_format"),  # no schema
+    ):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, response_format=response_format)  # type: ignore[arg-type]
-        assert refused.value.param == "response_format" and refused.value.code == "unsupported_parameter"
+        assert refused.value.param == "response_format" and refused.value.code == code
+    with pytest.raises(openai.BadRequestError) as forced_call:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=hi,
+            tools=TOOLS,
+            tool_choice="required",
+            response_format={"type": "json_object"},
+            max_tokens=2,
+        )
+    assert forced_call.value.param == "response_format"
+    with pytest.raises(openai.BadRequestError) as no_logprobs:
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, top_logprobs=3)
+    assert no_logprobs.value.param == "top_logprobs"
+    with pytest.raises(openai.UnprocessableEntityError):  # OpenAI's range: 0 to 20
+        client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, logprobs=True, top_logprobs=21)
     with pytest.raises(openai.BadRequestError) as unknown_tool:
         client.chat.completions.create(
             model=MODEL,
@@ -264,13 +283,10 @@ def test_text_completions(stack: tuple[Stack, RunningServer], client: openai.Ope
     streamed_echo = list(client.completions.create(prompt=ids, seed=9, stream=True, echo=True, **common))
     texts = [c.choices[0].text for c in streamed_echo if c.choices and c.choices[0].text]
     assert texts[0] == "what colour is the circle" and "".join(texts) == echoed.choices[0].text
-    for field, value in (("logprobs", 2), ("suffix", "x"), ("best_of", 3)):
+    for field, value in (("suffix", "x"), ("best_of", 3)):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(prompt="hi", **{**common, field: value})
         assert refused.value.param == field
-    with pytest.raises(openai.BadRequestError) as echo_logprobs:
-        client.completions.create(prompt="hi", echo=True, logprobs=0, **common)
-    assert echo_logprobs.value.param == "echo"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(prompt=[10**6], **common)  # not a token id of this model
     with pytest.raises(openai.NotFoundError):
@@ -323,3 +339,144 @@ def test_a_client_that_leaves_a_stream_frees_its_engines(stack: tuple[Stack, Run
     while any(e.outstanding for e in dispatcher.engines) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [e.outstanding for e in dispatcher.engines] == [0]
+
+
+def _check_top(entries: list[Any], k: int) -> None:
+    """Each chat log-prob entry has ``k`` alternatives, most likely first; where the sampled token is
+    one of them, its log-prob is that alternative's."""
+    assert entries
+    for entry in entries:
+        tops = entry.top_logprobs
+        assert len(tops) == k
+        values = [t.logprob for t in tops]
+        assert values == sorted(values, reverse=True)
+        assert all(t.bytes == list(t.token.encode()) for t in tops)
+        if "\ufffd" in entry.token:  # part of a character: other ids decode alike
+            continue
+        same = [t.logprob for t in tops if t.token == entry.token]
+        if same:
+            assert any(abs(entry.logprob - v) < 1e-4 for v in same)
+        else:  # not among the k most likely: no likelier than the last of them
+            assert entry.logprob <= values[-1] + 1e-4
+
+
+def test_streamed_chat_with_top_logprobs(client: openai.OpenAI) -> None:
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count to ten"}],
+        "n": 2,
+        "seed": 11,
+        "temperature": 1.0,
+        "max_tokens": 12,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "extra_body": {"ignore_eos": True},
+    }
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    for index in (0, 1):
+        choices = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        streamed = [e for c in choices if c.logprobs for e in c.logprobs.content or []]
+        assert len(streamed) == 12
+        _check_top(streamed, 3)
+        expected = whole.choices[index].logprobs
+        assert expected is not None and expected.content is not None
+        assert [t.logprob for e in streamed for t in e.top_logprobs] == pytest.approx(
+            [t.logprob for e in expected.content for t in e.top_logprobs]
+        )
+        assert "".join(c.delta.content or "" for c in choices) == whole.choices[index].message.content
+    # Greedy: the sampled token is always the most likely one.
+    greedy = list(client.chat.completions.create(**{**request, "n": 1, "temperature": 0.0}, stream=True))
+    entries = [e for c in greedy if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    _check_top(entries, 3)
+    assert [e.logprob for e in entries] == pytest.approx([e.top_logprobs[0].logprob for e in entries], abs=1e-4)
+
+
+def test_chat_top_logprobs(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        n=2,
+        seed=5,
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=5,
+        extra_body={"ignore_eos": True},
+    )
+    for choice in reply.choices:
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        assert len(choice.logprobs.content) == 6
+        _check_top(choice.logprobs.content, 5)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, logprobs=True, top_logprobs=0
+    )
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.content is not None
+    assert all(e.top_logprobs == [] for e in plain.choices[0].logprobs.content)
+
+
+def test_completions_with_top_logprobs_and_echo(client: openai.OpenAI) -> None:
+    prompt = "what colour is the circle"
+    common: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": 5,
+        "temperature": 1.0,
+        "seed": 3,
+        "logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    plain = client.completions.create(**common)
+    [choice] = plain.choices
+    logprobs = choice.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.top_logprobs is not None
+    assert len(logprobs.tokens) == len(logprobs.top_logprobs) == 5 and logprobs.text_offset is not None
+    assert logprobs.text_offset[0] == 0
+    for top in logprobs.top_logprobs:
+        assert 1 <= len(top) <= 2 and list(top.values()) == sorted(top.values(), reverse=True)
+    assert plain.usage is not None
+    echoed = client.completions.create(**common, echo=True)
+    [echo] = echoed.choices
+    assert echo.text == prompt + choice.text  # the same seed: the same answer
+    logprobs = echo.logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert logprobs.top_logprobs is not None and logprobs.text_offset is not None
+    assert "".join(logprobs.tokens) == prompt + choice.text
+    assert len(logprobs.tokens) == plain.usage.prompt_tokens + 5
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(isinstance(v, float) for v in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset[0] == 0 and logprobs.text_offset[-5] == len(prompt)
+    assert all(1 <= len(top) <= 2 for top in logprobs.top_logprobs[1:])
+    assert logprobs.token_logprobs[-5:] == pytest.approx(choice.logprobs.token_logprobs)  # type: ignore[union-attr]
+    streamed = [c.choices[0] for c in client.completions.create(**common, echo=True, stream=True) if c.choices]
+    assert streamed[0].text == prompt and streamed[0].logprobs is not None
+    assert streamed[0].logprobs.token_logprobs is not None and streamed[0].logprobs.token_logprobs[0] is None
+    tokens = [t for c in streamed if c.logprobs for t in c.logprobs.tokens or []]
+    assert "".join(tokens) == "".join(c.text for c in streamed) == echo.text
+    offsets = [o for c in streamed if c.logprobs for o in c.logprobs.text_offset or []]
+    assert offsets == logprobs.text_offset
+
+
+def test_json_mode(client: openai.OpenAI) -> None:
+    """response_format json_object and json_schema: the engines' constrained decoding (SGLang's
+    ``json_schema`` sampling key) makes every choice parse."""
+    hi: list[Any] = [{"role": "user", "content": "describe a circle as JSON"}]
+    # Room for the tiny random model to close its JSON (seeded: the same answers each run).
+    common: dict[str, Any] = {"model": MODEL, "messages": hi, "n": 2, "seed": 7, "max_tokens": 1024}
+    reply = client.chat.completions.create(**common, response_format={"type": "json_object"})
+    for choice in reply.choices:
+        assert choice.finish_reason == "stop"
+        json.loads(choice.message.content or "")  # any JSON value, as SGLang's json_object ("$$ANY$$")
+    schema = {
+        "type": "object",
+        "properties": {"round": {"type": "boolean"}, "sides": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["round", "sides"],
+        "additionalProperties": False,
+    }
+    shaped = client.chat.completions.create(
+        **common,
+        response_format={"type": "json_schema", "json_schema": {"name": "shape", "schema": schema, "strict": True}},
+    )
+    for choice in shaped.choices:
+        answer = json.loads(choice.message.content or "")
+        assert set(answer) == {"round", "sides"} and isinstance(answer["round"], bool)
+        assert isinstance(answer["sides"], int) and 0 <= answer["sides"] <= 9

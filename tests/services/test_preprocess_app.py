@@ -198,6 +198,10 @@ def test_urls_off_by_default_and_guarded(serve, media_site: str) -> None:  # typ
     assert big.status_code == 413
     missing = trusting.post("/v1/preprocess", json={"items": [{"type": "image", "url": f"{media_site}/none"}]})
     assert missing.json()["error"]["code"] == "url_fetch_failed"
+    port = media_site.rsplit(":", 1)[1]
+    _, listed = serve(allow_urls=True, allow_private_urls=True, media_url_hosts=f"127.0.0.1:{int(port) + 1}")
+    off_list = listed.post("/v1/preprocess", json=url)  # the allowlist holds on top of WEIR_ALLOW_PRIVATE_URLS
+    assert off_list.status_code == 403 and off_list.json()["error"]["code"] == "url_not_allowed"
 
 
 def test_bearer_token(serve) -> None:  # type: ignore[no-untyped-def]

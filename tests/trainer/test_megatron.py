@@ -99,9 +99,44 @@ def test_forward_step_loss_equals_the_reference_trainers(model: Path, aggregatio
             config=config,
             packed=lambda b: {"cu_seqlens": b["cu_seqlens"]},
         )
-        loss, metrics = loss_of(output)
-    torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=1e-6)
+        loss_sum, units, metrics = loss_of(output)
+    assert units.dtype == torch.int32 and int(units) == (6 if aggregation == "token_mean" else 3)  # padding: none
+    torch.testing.assert_close(loss_sum / units, expected.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(metrics["policy loss"], torch.stack([loss_sum, units.float()]))
     assert float(metrics["rollout_trainer_kl"]) == pytest.approx(expected.metrics["rollout_trainer_kl"], rel=1e-5)
+    loss_sum.div_(2)  # megatron divides in place (calculate_per_token_loss=False): metrics must not follow
+    assert float(metrics["policy loss"][0]) == pytest.approx(float(loss_sum) * 2)
+
+
+def test_the_sum_aggregation_asks_megatron_for_no_scaling() -> None:
+    output = torch.rand(1, 16)
+    loss_sum, units, metrics = forward_step(
+        iter([megatron_batch(_batch(), pad_to_multiple=8)]),
+        lambda *args, **kwargs: output,
+        config=LossConfig(aggregation="sum"),
+        packed=lambda b: None,
+    )[1](output)
+    assert int(units) == 0 and units.dtype == torch.int32  # finalize_model_grads skips 1 / 0 tokens
+    expected = forward_step(
+        iter([megatron_batch(_batch())]),
+        lambda *args, **kwargs: output[:, :15],
+        config=LossConfig(aggregation="token_mean"),
+        packed=lambda b: None,
+    )[1](output[:, :15])[0]
+    torch.testing.assert_close(loss_sum, expected)
+
+
+def test_forward_step_takes_megatrons_third_positional_argument() -> None:
+    """schedules.py calls ``forward_step_func(data_iterator, model, checkpoint_activations_microbatch)``
+    when partial activation checkpointing is configured."""
+    calls: list[Any] = []
+
+    def model(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs)
+        return torch.zeros(1, 16)
+
+    output, loss_of = forward_step(iter([megatron_batch(_batch(), pad_to_multiple=8)]), model, True)
+    assert output.shape == (1, 16) and len(loss_of(output)) == 3 and "labels" in calls[0]
 
 
 def test_qkv_is_grouped_per_kv_head_as_megatron_core_stores_it() -> None:
@@ -157,54 +192,32 @@ def test_export_writes_a_folder_the_engine_loads(model: Path, tmp_path: Path) ->
 
 @pytest.mark.gpu
 def test_megatron_core_schedules_train_on_fed_batches(model: Path) -> None:  # pragma: no cover - needs CUDA
-    """megatron-core's get_forward_backward_func runs forward_step/loss_func on a GPTModel built from
-    the tiny model's language model (weights via hf_to_megatron), and the loss matches the reference."""
-    from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    """On CUDA with only torch and megatron-core (local spec, no transformer-engine or apex): the
+    schedule's loss over two micro-batches is the reference trainer's over both, and the gradients
+    equal those of one micro-batch holding both (token mean, any split). The CPU version of this is
+    test_megatron_cpu.py; the per-segment core attention stands in for TE's packed attention."""
+    from megatron.core import parallel_state, tensor_parallel
 
-    torch.distributed.init_process_group("nccl", init_method="tcp://127.0.0.1:29511", world_size=1, rank=0)
-    parallel_state.initialize_model_parallel(1, 1)
-    trainer = ReferenceTrainer(model)
-    text = trainer.model.config.get_text_config()
-    layout = QwenLayout.from_hf_config(trainer.model.config)
-    config = TransformerConfig(
-        num_layers=text.num_hidden_layers,
-        hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads,
-        num_query_groups=text.num_key_value_heads,
-        ffn_hidden_size=text.intermediate_size,
-        add_qkv_bias=True,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        layernorm_epsilon=text.rms_norm_eps,
-        bf16=False,
-        params_dtype=torch.float32,
-    )
-    gpt = GPTModel(
-        config,
-        get_gpt_layer_with_transformer_engine_spec(),
-        vocab_size=text.vocab_size,
-        max_sequence_length=4096,
-        position_embedding_type="rope",
-        rotary_base=int(text.rope_parameters["rope_theta"]),
-        share_embeddings_and_output_weights=False,
-    ).cuda()
-    hf = {k: v for k, v in trainer.model.state_dict().items() if k.startswith(("model.", "lm_head"))}
-    gpt.load_state_dict(hf_to_megatron(hf, layout), strict=False)
-    batch = megatron_batch(_batch(), pad_to_multiple=8)
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    losses = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([batch]),
-        model=[gpt],
-        num_microbatches=1,
-        seq_length=batch["tokens"].shape[1],
-        micro_batch_size=1,
-        forward_only=False,
-    )
-    assert losses and torch.isfinite(losses[0]["policy loss"])
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in gpt.parameters())
+    from tests.trainer.conftest import free_port, gpt_from_hf
+    from tests.trainer.test_megatron_cpu import batches, main_grads, megatron_step, reference_loss, wrap_ddp
+
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1, rank=0)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+        trainer = ReferenceTrainer(model)
+        gpt = gpt_from_hf(trainer.model, calculate_per_token_loss=True).cuda()
+        ddp = wrap_ddp(gpt)
+        a, b, ab = batches()
+        metrics, _ = megatron_step(ddp, [a, b], "token_mean", device="cuda")
+        split = main_grads(ddp)
+        total = torch.stack([m["policy loss"] for m in metrics]).sum(0).cpu()
+        _, expected = reference_loss(trainer, ab, "token_mean")
+        torch.testing.assert_close(total[0] / total[1], expected.loss, rtol=1e-4, atol=1e-5)
+        megatron_step(ddp, [ab], "token_mean", pad_to_multiple=1, device="cuda")
+        for name, grad in main_grads(ddp).items():
+            assert torch.isfinite(grad).all(), name
+            torch.testing.assert_close(split[name], grad, rtol=1e-3, atol=1e-5, msg=name)
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

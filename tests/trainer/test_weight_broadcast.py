@@ -1,0 +1,163 @@
+"""Weights by broadcast into real engine role processes (gloo on CPU): what the engines serve afterwards
+is the trainer's, bit for bit — their greedy log-probs equal those of an engine that loaded the same
+weights from disk —, and weights that do not fit are refused while the old ones go on being served."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from encoders.embedded_model import init_model
+from trainer.publish import BroadcastWeightSync
+from trainer.reference import ReferenceTrainer
+
+pytestmark = pytest.mark.integration
+
+GREEDY = {
+    "input_ids": [1, 2, 3, 4, 5],
+    "return_logprob": True,
+    "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_engine(model: Path, root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """``weir serve engine`` in its own process, as a deployment runs it."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WEIR_")}  # no token, no stray settings
+    env.update(
+        WEIR_MODEL=str(model),
+        WEIR_CACHE_DIR=str(root / f"cache-{port}"),
+        WEIR_EMBEDDING_CACHE_DIR=str(root / f"emb-{port}"),
+        WEIR_LOG_LEVEL="warning",
+    )
+    command = [sys.executable, "-m", "services.cli", "serve", "engine", "--host", "127.0.0.1", "--port", str(port)]
+    log = (root / f"engine-{port}.log").open("wb")
+    return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(process: subprocess.Popen[bytes], url: str, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"the engine at {url} did not start (exit {process.poll()})")
+        time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """The tiny model, two engine processes on it, and a broadcast group joined by both."""
+    root = tmp_path_factory.mktemp("broadcast")
+    model = init_model(root / "model")
+    engines = [start_engine(model, root) for _ in range(2)]
+    try:
+        for process, url in engines:
+            wait_healthy(process, url)
+        urls = [url for _, url in engines]
+        sync = BroadcastWeightSync(urls, master_address="127.0.0.1", master_port=free_port(), bucket_bytes=1 << 20)
+        assert sync.backend == "gloo" or torch.cuda.is_available()
+        sync.connect()
+        try:
+            yield {"root": root, "model": model, "urls": urls, "sync": sync}
+        finally:
+            sync.close()
+    finally:
+        for process, _ in engines:
+            process.terminate()
+        for process, _ in engines:
+            process.wait(30)
+
+
+def greedy(url: str) -> list[Any]:
+    response = httpx.post(f"{url}/generate", json=GREEDY, timeout=60)
+    assert response.status_code == 200, response.text
+    return list(response.json()["meta_info"]["output_token_logprobs"])
+
+
+def version(url: str) -> str:
+    return str(httpx.get(f"{url}/get_weight_version", timeout=10).json()["weight_version"])
+
+
+def test_a_broadcast_puts_the_trainers_weights_into_every_engine_bit_for_bit(stack: dict[str, Any]) -> None:
+    urls, sync = stack["urls"], stack["sync"]
+    before = greedy(urls[0])
+    trainer = ReferenceTrainer(stack["model"])
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    state = trainer.full_state_dict()
+    assert any(name.startswith(("visual.", "audio_tower.")) for name in state)  # the towers go too
+
+    out = sync.publish(state.items(), version=3)
+
+    assert out["engines_s"] > 0
+    assert [version(url) for url in urls] == ["3", "3"]
+    broadcast = [greedy(url) for url in urls]
+    assert broadcast[0] != before  # the weights did change
+    assert broadcast[0] == broadcast[1]
+    # The same weights through a folder: exactly the same log-probs, so the engines hold exactly them.
+    folder = trainer.export(stack["root"] / "exported")
+    loaded = httpx.post(
+        f"{urls[0]}/update_weights_from_disk", json={"model_path": str(folder), "weight_version": "3"}, timeout=120
+    )
+    assert loaded.json()["success"] is True
+    assert greedy(urls[0]) == broadcast[0]
+
+
+def test_weights_that_do_not_fit_are_refused_and_the_old_ones_still_served(stack: dict[str, Any]) -> None:
+    urls, sync = stack["urls"], stack["sync"]
+    served = [greedy(url) for url in urls]
+    versions = [version(url) for url in urls]
+    state = ReferenceTrainer(stack["model"]).full_state_dict()
+    name = "lm_head.weight" if "lm_head.weight" in state else next(iter(state))
+    small = sorted(state, key=lambda n: state[n].numel())[:3]  # one bucket with the misfit: all or nothing
+    wrong = [(n, state[n] + 1) for n in small] + [(name, torch.zeros(3, 5))]
+
+    with pytest.raises(RuntimeError, match="do not fit the model") as refused:
+        sync.publish(wrong, version=9)
+
+    assert name in str(refused.value) and "[3, 5]" in str(refused.value)
+    assert [version(url) for url in urls] == versions
+    assert [greedy(url) for url in urls] == served  # nothing of the refused bucket was loaded
+    # The refused tensors were drained, so the group still works: a good publish goes through.
+    sync.publish(state.items(), version=10)
+    assert [version(url) for url in urls] == ["10", "10"]
+
+
+def test_the_engine_refuses_nccl_on_cpu_and_pickled_tensors(stack: dict[str, Any]) -> None:
+    url = stack["urls"][0]
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    nccl = httpx.post(f"{url}/init_weights_update_group", json={**body, "group_name": "other"}, timeout=30)
+    assert nccl.status_code == 400 and nccl.json()["success"] is False and "gloo" in nccl.json()["message"]
+    again = httpx.post(f"{url}/init_weights_update_group", json={**body, "backend": "gloo"}, timeout=30)
+    assert again.status_code == 400 and "already in" in again.json()["message"]  # the fixture's group
+    gone = httpx.post(f"{url}/destroy_weights_update_group", json={"group_name": "never"}, timeout=30)
+    assert gone.status_code == 400 and gone.json()["success"] is False
+    pickled = httpx.post(f"{url}/update_weights_from_tensor", json={"serialized_named_tensors": ["gASV"]}, timeout=30)
+    assert pickled.status_code == 400 and pickled.json()["success"] is False
+    assert pickled.json()["error"] == {
+        "code": "unsupported_field",
+        "message": pickled.json()["message"],
+        "field": "serialized_named_tensors",
+    }
