@@ -39,7 +39,9 @@ __all__ = [
     "MediaInput",
     "PauseMode",
     "SamplingParams",
+    "StepCallback",
     "TokenCallback",
+    "TokenStep",
     "TopLogprobs",
 ]
 
@@ -53,7 +55,38 @@ TopLogprobs = list[tuple[float, int]]
 _SEED_RANGE = range(-(2**63), 2**64)
 
 TokenCallback = Callable[[int, float], None]
-"""``on_token(token_id, logprob)``, called from the engine's own thread for each sampled token."""
+"""``on_token(token_id, logprob)``, called from the engine's own thread for each sampled token. A
+`StepCallback` passed as one gets each step's `TokenStep` instead, from an engine that reports them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenStep:
+    """One sampled token as an engine reports it while generating: its log-prob, its ``top`` alternatives
+    (with ``top_logprobs_num``), and on the first step (the prompt's log-probs are known from prefill)
+    the prompt's log-probs as `GenerateResult` carries them (``input_logprobs`` from ``input_logprob_start``,
+    ``input_top_logprobs`` with ``top_logprobs_num``). None: not asked for, or not this step's."""
+
+    token_id: int
+    logprob: float
+    top: TopLogprobs | None = None
+    input_logprobs: list[float | None] | None = None
+    input_logprob_start: int = 0
+    input_top_logprobs: list[TopLogprobs | None] | None = None
+
+
+class StepCallback:
+    """A `TokenCallback` that takes each step's full `TokenStep`: an engine that reports steps (the
+    transformers backend) calls ``step``; one that only knows ``on_token(token_id, logprob)`` calls the
+    object itself, which passes a bare `TokenStep` on; one that calls neither (SGLang's) leaves the
+    caller with the finished result alone."""
+
+    __slots__ = ("step",)
+
+    def __init__(self, step: Callable[[TokenStep], None]) -> None:
+        self.step = step
+
+    def __call__(self, token_id: int, logprob: float) -> None:
+        self.step(TokenStep(token_id=token_id, logprob=logprob))
 
 
 def _is_int(value: object) -> bool:

@@ -51,7 +51,17 @@ from encoders.towers import Towers
 from .errors import EngineError, InvalidMedia, WeightsError
 from .grammar import Grammar, Grammars
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, MediaInput, PauseMode, SamplingParams, TokenCallback, TopLogprobs
+from .protocol import (
+    GenerateRequest,
+    GenerateResult,
+    MediaInput,
+    PauseMode,
+    SamplingParams,
+    StepCallback,
+    TokenCallback,
+    TokenStep,
+    TopLogprobs,
+)
 from .weights_group import join_weights_group
 
 __all__ = ["TransformersEngine", "penalize", "sample_token"]
@@ -202,7 +212,8 @@ class TransformersEngine:
 
     # -- the protocol --------------------------------------------------------------------------
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
-        """Check and queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token."""
+        """Check and queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token
+        (a `StepCallback`'s ``step`` with the token's `TokenStep`)."""
         if self._stopping:
             raise RuntimeError("the engine is closed")
         self.limits.check(request)
@@ -531,11 +542,28 @@ class TransformersEngine:
         running.logprobs.append(float(logprobs[token]))
         if request.return_logprob and request.top_logprobs_num:
             running.output_top.append(_top(logprobs, request.top_logprobs_num))
-        if running.on_token is not None:
+        if isinstance(running.on_token, StepCallback):
+            running.on_token.step(self._token_step(running))
+        elif running.on_token is not None:
             running.on_token(token, running.logprobs[-1])
         reason = self._stop_reason(running, token)
         if reason is not None:
             self._finish(running, reason=reason)
+
+    @staticmethod
+    def _token_step(running: _Running) -> TokenStep:
+        """The step just taken, as a `StepCallback` gets it: the prompt's log-probs with the first token."""
+        request = running.request
+        top = running.output_top[-1] if request.return_logprob and request.top_logprobs_num else None
+        first = len(running.output_ids) == 1
+        return TokenStep(
+            token_id=running.output_ids[-1],
+            logprob=running.logprobs[-1],
+            top=top,
+            input_logprobs=running.input_logprobs if first else None,
+            input_logprob_start=running.input_start,
+            input_top_logprobs=running.input_top if first else None,
+        )
 
     def _stop_reason(self, running: _Running, token: int) -> dict[str, Any] | None:
         params = running.request.sampling

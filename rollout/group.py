@@ -749,8 +749,10 @@ class ChatStream:
                         try:
                             details = choice_logprobs(chunk, ask, prompt_ids=self.prepared.prompt_ids)
                         except ValueError as error:
-                            # An engine may send these only with its final chunk (Weir's does): the
-                            # tokens wait for them, so every delta carries its tokens' log-probs.
+                            # An engine may send these only with its final chunk (SGLang's and Weir's
+                            # send them in every chunk, cumulatively; the SGLang backend under Weir's
+                            # role only at the end): the tokens wait for them, so every delta carries
+                            # its tokens' log-probs.
                             if not final:
                                 continue
                             raise EnginesUnavailable(

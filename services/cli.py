@@ -163,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="data-parallel trainer ranks, one process each (FSDP2; under torchrun, each process is one rank)",
     )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="with --nproc: times every rank is started again (with --resume) after one fails",
+    )
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")

@@ -17,10 +17,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +25,7 @@ from rich.table import Table
 
 import preprocess as pp
 from preprocess.dataset import iter_rows
-from trainer.data_parallel import DataParallel
+from trainer.data_parallel import DataParallel, run_ranks
 from trainer.loop import LoopConfig, evaluate, run_loop
 from trainer.plot import plot_runs
 from trainer.publish import data_policy_version, publish_weights
@@ -138,38 +135,32 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def _launch_ranks(args: argparse.Namespace) -> int:
-    """Run this same command once per rank, as torchrun would, and wait for all (rank 0 prints)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = []
-    for rank in range(args.nproc):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(args.nproc),
-            "LOCAL_WORLD_SIZE": str(args.nproc),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc))),
-        }
-        quiet = {} if rank == 0 else {"stdout": subprocess.DEVNULL}
-        ranks.append(subprocess.Popen([sys.executable, "-m", "services.cli", *args.argv], env=env, **quiet))  # type: ignore[call-overload]
+    """This command once per rank, as torchrun runs it (rank 0 prints); the stack runs here, so it
+    outlives rank restarts: after a failed rank, every rank starts again with ``--resume``."""
+    out = args.home / "train" / args.mode
+    if not args.resume:
+        if not args.attach:
+            shutil.rmtree(args.home / "data", ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
+    if args.max_staleness is not None:
+        settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
+    stack = LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
+    if args.attach:
+        stack.attach()
+    else:
+        console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
+        stack.start()
+    ranks_argv = [*args.argv, *([] if args.attach else ["--attach"])]
+
+    def command(attempt: int) -> list[str]:
+        again = ["--resume"] if attempt and not args.resume else []
+        return [sys.executable, "-m", "services.cli", *ranks_argv, *again]
+
     try:
-        while any(process.poll() is None for process in ranks):
-            if any(process.poll() not in (None, 0) for process in ranks):
-                break  # one rank failed: the others would wait for it in a collective until gloo times out
-            time.sleep(0.5)
+        return run_ranks(command, args.nproc, max_restarts=args.max_restarts)
     finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.terminate()
-    codes = [process.wait() for process in ranks]
-    failed = [rank for rank, code in enumerate(codes) if code]
-    if failed:
-        console.print(f"[red]ranks {failed} failed[/red] (exit codes {[codes[r] for r in failed]})")
-    return codes[0] or (1 if failed else 0)
+        stack.stop()  # an attached stack has no children here: nothing is stopped
 
 
 def run_training(args: argparse.Namespace) -> int:

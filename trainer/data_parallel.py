@@ -14,14 +14,22 @@ makes N ranks equal to one rank stepping on the union of their batches:
   tower on a text-only batch) contribute zero gradients instead of desynchronising the reduction.
 
 Backends: NCCL when CUDA is available, else gloo (CPU). One process per rank, started by
-``torchrun`` or by ``weir train --nproc N``; ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``torchrun`` or by `run_ranks` (``weir train --nproc N``); ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` are read from the environment, as torchrun sets them.
+
+`run_ranks` is torchrun's agent in small: it starts the ranks, and when one dies it stops the others
+(they would wait for it in a collective) and, while restarts remain, starts them all again — the
+command for a restart resumes from the last checkpoint, so every sample is still trained once.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Iterable
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +37,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "run_ranks"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,3 +107,61 @@ class DataParallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ranks(
+    command: Callable[[int], list[str]],
+    nproc: int,
+    *,
+    max_restarts: int = 0,
+    quiet_ranks: bool = True,
+    poll_s: float = 0.5,
+) -> int:
+    """Run ``command(attempt)`` as ``nproc`` ranks on this host (torchrun's variables set); returns the
+    exit code of the last attempt (0 when every rank succeeded).
+
+    When a rank fails, the others are stopped; while restarts remain, every rank starts again with
+    ``command(attempt + 1)`` (on a fresh rendezvous port). ``quiet_ranks``: only rank 0 prints."""
+    threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    for attempt in range(max_restarts + 1):
+        port = _free_port()
+        ranks = []
+        for rank in range(nproc):
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(nproc),
+                "LOCAL_WORLD_SIZE": str(nproc),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": threads,
+                "WEIR_RESTART": str(attempt),
+            }
+            output = subprocess.DEVNULL if quiet_ranks and rank else None
+            ranks.append(subprocess.Popen(command(attempt), env=env, stdout=output))
+        try:
+            while any(p.poll() is None for p in ranks) and not any(p.poll() not in (None, 0) for p in ranks):
+                time.sleep(poll_s)
+        finally:
+            for process in ranks:
+                if process.poll() is None:
+                    process.terminate()  # one rank failed: the others would wait for it until gloo times out
+        codes = [process.wait() for process in ranks]
+        failed = {rank: code for rank, code in enumerate(codes) if code}
+        if not failed:
+            return 0
+        first = next(iter(failed))
+        if attempt < max_restarts:
+            logger.warning("rank %d exited with %d: restarting all %d ranks (%d of %d)", first, failed[first],
+                           nproc, attempt + 1, max_restarts)  # fmt: skip
+        else:
+            logger.error("ranks failed (exit codes %s); no restarts left", failed)
+            return codes[0] or failed[first]
+    return 1

@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 import engines
 import preprocess as pp
 from engines import GenerateRequest, GenerateResult, MediaResolver
+from engines.protocol import StepCallback, TokenStep
 
 from .. import __version__
 from ..errors import ApiError, error_body
@@ -239,23 +240,26 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         its ``index`` (its place in the JSON list the same body would get), the requests' chunks
         interleaved as they come, one ``[DONE]`` after the last finishes. The requests are submitted
         before the response starts, so a bad prompt is a plain 4xx, not an event; a client that goes
-        away aborts every request still running. Intermediate chunks carry the output log-probs so far;
-        prompt and top log-probs come with the finished chunk. A request that fails while generating
-        is an error event (with its ``index`` in a list); the others go on."""
+        away aborts every request still running. As SGLang's, every chunk carries what was asked for so
+        far, cumulatively like the text: the output log-probs, the output top log-probs
+        (``top_logprobs_num``), and from the first chunk the prompt's log-probs (``logprob_start_len``),
+        where the engine reports them per token (the transformers backend; an engine that does not
+        sends them with the finished chunk). A request that fails while generating is an error event
+        (with its ``index`` in a list); the others go on."""
         loop = asyncio.get_running_loop()
-        # (request index, token, logprob) as tokens come; (request index, None, 0.0) when it is done
-        events: asyncio.Queue[tuple[int, int | None, float]] = asyncio.Queue()
+        # (request index, step) as tokens come; (request index, None) when it is done
+        events: asyncio.Queue[tuple[int, TokenStep | None]] = asyncio.Queue()
         futures: list[Future[GenerateResult]] = []
 
-        def pusher(index: int) -> Callable[[int, float], None]:
-            def push(token: int, logprob: float) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (index, token, logprob))
+        def pusher(index: int) -> StepCallback:
+            def push(step: TokenStep) -> None:
+                loop.call_soon_threadsafe(events.put_nowait, (index, step))
 
-            return push
+            return StepCallback(push)
 
         def finisher(index: int) -> Callable[[Future[GenerateResult]], None]:
             def finish(_: Future[GenerateResult]) -> None:
-                loop.call_soon_threadsafe(events.put_nowait, (index, None, 0.0))
+                loop.call_soon_threadsafe(events.put_nowait, (index, None))
 
             return finish
 
@@ -275,24 +279,17 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         def tagged(index: int, chunk: dict[str, Any]) -> bytes:
             return sse({**chunk, "index": index} if listed else chunk)
 
-        def partial(request: GenerateRequest, ids: list[int], lps: list[float]) -> dict[str, Any]:
+        def partial(request: GenerateRequest, so_far: GenerateResult) -> dict[str, Any]:
             params = request.sampling
-            result = GenerateResult(
-                rid=request.rid,
-                output_ids=list(ids),
-                output_logprobs=list(lps),
-                finish_reason={},
-                prompt_tokens=len(request.input_ids),
-                weight_version=engine.weight_version,
-                text=str(
-                    role.tokenizer.decode(
-                        ids,
-                        skip_special_tokens=params.skip_special_tokens,
-                        spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    )
-                ),
+            so_far.weight_version = engine.weight_version
+            so_far.text = str(
+                role.tokenizer.decode(
+                    so_far.output_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                )
             )
-            chunk = shaped(request, result, 0.0)
+            chunk = shaped(request, so_far, 0.0)
             chunk["meta_info"]["finish_reason"] = None
             return chunk
 
@@ -306,20 +303,42 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
                 logger.exception("request %s failed while streaming", request.rid)
                 return {"error": {"code": "internal_error", "message": "the engine failed; see its log"}}
 
+        def accumulate(so_far: GenerateResult, step: TokenStep) -> None:
+            """One step into a request's result so far (its lists only grow: a chunk is serialised at once)."""
+            so_far.output_ids.append(step.token_id)
+            so_far.output_logprobs.append(step.logprob)
+            if step.top is not None:
+                if so_far.output_top_logprobs is None:
+                    so_far.output_top_logprobs = []
+                so_far.output_top_logprobs.append(step.top)
+            if step.input_logprobs is not None:
+                so_far.input_logprobs = step.input_logprobs
+                so_far.input_logprob_start = step.input_logprob_start
+            if step.input_top_logprobs is not None:
+                so_far.input_top_logprobs = step.input_top_logprobs
+
         async def chunks() -> AsyncIterator[bytes]:
-            ids: list[list[int]] = [[] for _ in requests]
-            lps: list[list[float]] = [[] for _ in requests]
+            results = [
+                GenerateResult(
+                    rid=request.rid,
+                    output_ids=[],
+                    output_logprobs=[],
+                    finish_reason={},
+                    prompt_tokens=len(request.input_ids),
+                    weight_version=engine.weight_version,
+                )
+                for request in requests
+            ]
             running = len(requests)
             try:
                 while running:
-                    index, token, logprob = await events.get()
-                    if token is None:
+                    index, step = await events.get()
+                    if step is None:
                         running -= 1
                         yield tagged(index, finished(index))
                         continue
-                    ids[index].append(token)
-                    lps[index].append(logprob)
-                    yield tagged(index, partial(requests[index], ids[index], lps[index]))
+                    accumulate(results[index], step)
+                    yield tagged(index, partial(requests[index], results[index]))
                 yield b"data: [DONE]\n\n"
             finally:
                 for request, future in zip(requests, futures, strict=True):

@@ -513,6 +513,34 @@ def test_a_batch_and_n_stream_as_sglang_streams_them(engine_role) -> None:  # ty
     assert all("index" not in c for c in single)  # a single request's stream is as before
 
 
+def test_a_stream_carries_the_log_probs_so_far_in_every_chunk(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    body = {
+        "input_ids": ids,
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
+    whole = client.post("/generate", json=body).json()["meta_info"]
+    chunks = _events(client, {**body, "stream": True})
+    # SGLang's default (not incremental_streaming_output): every chunk's meta_info carries the log-prob lists
+    # so far, cumulatively like text and output_ids; the prompt's from the first chunk on.
+    assert [len(c["output_ids"]) for c in chunks] == [1, 2, 3, 4, 5, 6, 6]
+    for chunk in chunks:
+        meta, n = chunk["meta_info"], len(chunk["output_ids"])
+        assert len(meta["output_token_logprobs"]) == n and len(meta["output_top_logprobs"]) == n
+        assert all(len(p) == 2 for p in meta["output_top_logprobs"])
+        assert meta["output_token_logprobs"] == whole["output_token_logprobs"][:n]
+        assert meta["output_top_logprobs"] == whole["output_top_logprobs"][:n]
+        assert meta["input_token_logprobs"] == whole["input_token_logprobs"]
+        assert meta["input_top_logprobs"] == whole["input_top_logprobs"]
+    assert [t for _, t, _ in chunks[0]["meta_info"]["input_token_logprobs"]] == ids[2:]
+    plain = _events(client, {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 2}})
+    assert all("output_top_logprobs" not in c["meta_info"] for c in plain)  # only when asked
+
+
 def test_a_client_that_leaves_a_batch_stream_aborts_every_request(engine_role) -> None:  # type: ignore[no-untyped-def]
     client, _, ids = engine_role
     body = {"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 8000, "ignore_eos": True, "n": 3}}

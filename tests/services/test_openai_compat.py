@@ -392,6 +392,43 @@ def test_streamed_chat_with_top_logprobs(client: openai.OpenAI) -> None:
     assert [e.logprob for e in entries] == pytest.approx([e.top_logprobs[0].logprob for e in entries], abs=1e-4)
 
 
+def test_streamed_top_logprobs_come_token_by_token(client: openai.OpenAI) -> None:
+    # The engine role's stream carries the top log-probs so far in every chunk (as SGLang's), so a
+    # streamed choice with top_logprobs is sent as it is generated, not in one delta at its end.
+    request: dict[str, Any] = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "count to ten"}],
+        "seed": 5,
+        "temperature": 1.0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    with_logprobs = [c.choices[0] for c in chunks if c.choices and c.choices[0].logprobs]
+    counts = [len(c.logprobs.content or []) for c in with_logprobs]  # type: ignore[union-attr]
+    assert len(with_logprobs) > 1 and sum(counts) == 8
+    assert counts[0] < 8  # the first content chunk came before the last token was generated
+    entries = [e for c in with_logprobs for e in c.logprobs.content or []]  # type: ignore[union-attr]
+    _check_top(entries, 2)
+    # A streamed completion with echo: the prompt's log-probs first, then the answer's tokens as they come.
+    completion: dict[str, Any] = {
+        "model": MODEL,
+        "prompt": "what colour is the circle",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 5,
+        "logprobs": 2,
+        "echo": True,
+        "extra_body": {"ignore_eos": True},
+    }
+    streamed = [c.choices[0] for c in client.completions.create(**completion, stream=True) if c.choices]
+    answer_counts = [len(c.logprobs.tokens or []) for c in streamed[1:] if c.logprobs]
+    assert streamed[0].text == completion["prompt"] and sum(answer_counts) == 8
+    assert len(answer_counts) > 1 and answer_counts[0] < 8
+
+
 def test_chat_top_logprobs(client: openai.OpenAI) -> None:
     reply = client.chat.completions.create(
         model=MODEL,

@@ -51,6 +51,14 @@ def _events(log: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
 
+def _acknowledged(data_dir: Path) -> list[tuple[str, str]]:
+    """(sample id, batch id) of every sample the data role recorded as trained by the trainer."""
+    query = (
+        "SELECT sample_id, batch_id FROM consumed WHERE consumer = 'trainer' AND batch_id NOT IN ('stale', 'too_long')"
+    )
+    return ExperienceStore(data_dir)._db.execute(query).fetchall()
+
+
 def _child(tmp_path: Path, name: str, urls: dict[str, str], token: str | None, **spec: Any) -> subprocess.Popen[bytes]:
     config = {
         "mode": "async",
@@ -124,10 +132,7 @@ def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Pat
     lost = {e["batch_id"]: e["sample_ids"] for e in first_events if e["event"] == "batch"}.keys() - committed.keys()
     assert lost, "the killed step had fetched micro-batches"
     committed.update({e["batch_id"]: e["sample_ids"] for e in second_events if e["event"] == "batch"})
-    store = ExperienceStore(tmp_path / "weir" / "data")
-    consumed = store._db.execute(
-        "SELECT sample_id, batch_id FROM consumed WHERE consumer = 'trainer' AND batch_id NOT IN ('stale', 'too_long')"
-    ).fetchall()
+    consumed = _acknowledged(tmp_path / "weir" / "data")
     trained = [s for ids in committed.values() for s in ids]
     assert len(trained) == len(set(trained)), "a sample was trained twice"
     assert sorted(trained) == sorted(s for s, _ in consumed)  # exactly the acknowledged samples
@@ -200,3 +205,87 @@ def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: P
     store = ExperienceStore(tmp_path / "weir" / "data")
     consumed = {s for (s,) in store._db.execute("SELECT sample_id FROM consumed WHERE consumer = 'trainer'")}
     assert consumed == set(trained)  # every acknowledged sample survived the kill, and only those
+
+
+@pytest.mark.integration
+def test_a_rank_killed_mid_step_restarts_every_rank_and_each_sample_is_trained_once(tmp_path: Path) -> None:
+    """Two data-parallel ranks under `run_ranks`: rank 1 is killed inside step 3; rank 0 is stopped, both
+    start again from the step-2 checkpoint (each rank its own commits), and every sample the data role
+    recorded as trained was trained exactly once."""
+    import threading
+
+    from trainer.data_parallel import run_ranks
+
+    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    urls = stack.start()
+    config = {
+        "mode": "async",
+        "n": 2,
+        "groups_per_step": 2,
+        "max_new_tokens": 4,
+        "max_tokens_per_batch": 64,  # several micro-batches per step and rank
+        "urls": urls,
+        "token": stack.token,
+        "out": str(tmp_path / "train"),
+        "checkpoint_every": 1,
+        "steps": 5,
+    }
+    first, second = tmp_path / "first", tmp_path / "second"
+    spec = {
+        "home": str(tmp_path / "weir"),
+        "rows": ROWS,
+        "config": config,
+        "log": str(first),
+        "result": str(tmp_path / "result"),
+        "hang_in_step": 3,
+        "hang_rank": 1,
+        "after_restart": {"log": str(second), "hang_in_step": None, "config": {**config, "resume": True}},
+    }
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec))
+    hung = Path(f"{first}.1")
+
+    def kill_the_hanging_rank() -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            hanging = [e for e in _events(hung) if e["event"] == "hanging"]
+            if hanging:
+                os.kill(hanging[0]["pid"], signal.SIGKILL)
+                return
+            time.sleep(0.2)
+
+    killer = threading.Thread(target=kill_the_hanging_rank, daemon=True)
+    killer.start()
+    try:
+        code = run_ranks(
+            lambda attempt: [sys.executable, "-m", "tests.trainer.loop_child", str(path)],
+            2,
+            max_restarts=1,
+            quiet_ranks=False,
+        )
+        assert code == 0
+        assert any(e["event"] == "hanging" for e in _events(hung)), "rank 1 never reached step 3"
+        records = json.loads((tmp_path / "result").read_text())
+        assert [r["step"] for r in records] == [3, 4, 5]  # resumed right after the committed step
+    finally:
+        stack.stop()
+
+    committed: dict[str, list[str]] = {}
+    lost: set[str] = set()
+    for rank in (0, 1):
+        applied = 0
+        for event in _events(Path(f"{first}.{rank}")):
+            if event["event"] == "apply":
+                applied += 1
+            elif event["event"] == "batch" and applied < 2:
+                committed[event["batch_id"]] = event["sample_ids"]
+            elif event["event"] == "batch":
+                lost.add(event["batch_id"])
+        second_events = _events(Path(f"{second}.{rank}"))
+        committed.update({e["batch_id"]: e["sample_ids"] for e in second_events if e["event"] == "batch"})
+    assert lost, "the killed step had fetched micro-batches"
+    consumed = _acknowledged(tmp_path / "weir" / "data")
+    trained = [s for ids in committed.values() for s in ids]
+    assert len(trained) == len(set(trained)), "a sample was trained twice"
+    assert sorted(trained) == sorted(s for s, _ in consumed)  # exactly the acknowledged samples
+    assert not lost & {b for _, b in consumed}  # the killed step's batches were never acknowledged
