@@ -11,6 +11,25 @@ into one row in THD format with ``PackedSeqParams(cu_seqlens)``, so no attention
 ``GPTModel.forward(..., labels=labels)`` returns the per-token cross-entropy computed vocab-parallel
 across tensor-parallel ranks; that is ``-logprob`` of each label, which is all the policy loss needs.
 
+Media (`QwenMedia`, passed as ``media=`` to `megatron_batch` / `MegatronBatchIterator`): for
+sequences with images, video or audio the model must see what the engine's model saw. The batch then
+carries the towers' outputs (Hugging Face's towers of the thinker via `encoders.towers.Towers`, or
+any encoder callable) with the pack positions of the placeholders they replace, and Qwen's 3-D
+positions (3, 1, T), computed per sequence by the thinker's own ``get_rope_index``. `forward_step`
+hands GPTModel ``decoder_input`` (`decoder_input`: the word embeddings with the media rows spliced
+in, [T, 1, H]) and those positions; build the GPTModel with ``position_embedding_type="mrope"`` and
+``TransformerConfig(mrope_section=mrope_section(hf_config))``. megatron-core's THD RoPE applies a
+per-token table of the whole pack at each sequence's offset, so packed 3-D positions need no more.
+The towers run without gradient here (only the language model trains; `export_hf` keeps the base
+model's towers).
+
+Context parallelism: ``megatron_batch(..., cp_size=, cp_rank=)`` cuts a THD pack as megatron-core
+does (each sequence padded to ``2 * cp_size`` chunks, rank r keeps chunks r and 2cp-1-r:
+`thd_cp_partition_index`, plain torch for transformer-engine's ``thd_get_partitioned_indices``).
+Running attention over such a cut needs transformer-engine; ``sequence_mean`` is refused under it
+(a sequence's tokens span ranks), and mrope under it meets a megatron-core 0.16.1 limitation (see
+`megatron_batch`).
+
 The loss contract (megatron-core 0.16): `loss_func` returns ``(loss_sum, num_tokens, metrics)``; set
 ``TransformerConfig.calculate_per_token_loss=True`` and use megatron's ``DistributedDataParallel``
 with ``finalize_model_grads`` so that a step's gradients are those of the reference trainer's loss
@@ -25,6 +44,8 @@ needs test-only shims for megatron's CUDA assumptions (RNG tracker, ``torch.cuda
 refuses packed sequences; with transformer-engine installed its spec handles THD itself
 (``hf_to_megatron(..., fused_norms=True)``, the default, names the weights for that spec). The
 ``gpu`` test runs the same step on CUDA with only torch and megatron-core installed.
+tests/trainer/test_megatron_media.py checks that an image + audio sequence packed with a text-only
+one gets, through an mrope GPTModel, the reference trainer's log-probs, and the context-parallel cut.
 """
 
 from __future__ import annotations
@@ -32,7 +53,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -46,12 +67,16 @@ from .losses import LossConfig, policy_loss
 __all__ = [
     "MegatronBatchIterator",
     "QwenLayout",
+    "QwenMedia",
+    "decoder_input",
     "export_hf",
     "forward_step",
     "hf_to_megatron",
     "loss_func",
     "megatron_batch",
     "megatron_to_hf",
+    "mrope_section",
+    "thd_cp_partition_index",
 ]
 
 logger = logging.getLogger(__name__)
@@ -66,12 +91,38 @@ def _shift(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float | int = 0
     return out
 
 
-def megatron_batch(batch: FeedBatch, *, pad_to_multiple: int = 1) -> dict[str, Any]:
+def megatron_batch(
+    batch: FeedBatch,
+    *,
+    pad_to_multiple: int = 1,
+    media: QwenMedia | None = None,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+) -> dict[str, Any]:
     """A fed micro-batch as Megatron's packed-sequence batch (leading batch dimension 1).
 
     ``pad_to_multiple`` pads the pack's end (with a masked padding sequence of its own) to a length
-    sequence parallelism / context parallelism can split.
+    sequence parallelism can split.
+
+    ``media`` (a `QwenMedia`): the batch also carries what `decoder_input` splices into the word
+    embeddings (``media_embeds`` [M, H], the towers' outputs, and ``media_index`` [M], their pack
+    positions) and ``position_ids`` become Qwen's 3-D positions, shape (3, 1, T), for a GPTModel
+    built with ``position_embedding_type="mrope"`` and ``mrope_section=mrope_section(hf_config)``.
+
+    ``cp_size`` > 1 (context parallelism, THD): each sequence is padded to a multiple of
+    ``2 * cp_size`` (``cu_seqlens_padded``; ``cu_seqlens`` keeps the real lengths, as
+    transformer-engine's THD attention expects), then this rank keeps chunks ``cp_rank`` and
+    ``2 * cp_size - 1 - cp_rank`` of every sequence (`thd_cp_partition_index`, what megatron-core's
+    ``get_thd_batch_on_this_cp_rank`` takes from transformer-engine). ``position_ids`` stay those of
+    the whole padded pack: megatron-core's THD RoPE (``_apply_rotary_pos_emb_thd``) selects each
+    rank's chunks of a per-token table that size. Running the attention of such a batch needs
+    transformer-engine (megatron's local attention has no context parallelism); and with mrope,
+    megatron-core 0.16.1's ``MultimodalRotaryEmbedding`` first cuts its table as for BSHD
+    (``get_pos_emb_on_this_cp_rank`` over the whole pack), which does not match THD's per-sequence
+    cut: mrope + THD + context parallelism needs that step skipped (not done here; untested).
     """
+    if cp_size > 1 and pad_to_multiple != 1:
+        raise ValueError("with context parallelism each sequence is padded to 2 * cp_size: leave pad_to_multiple 1")
     t = batch.tensors
     cu = t["cu_seqlens"].to(torch.int32)
     tokens = t["input_ids"]
@@ -81,18 +132,30 @@ def megatron_batch(batch: FeedBatch, *, pad_to_multiple: int = 1) -> dict[str, A
         "loss_mask": _shift(t["loss_mask"].float(), cu),
         "advantages": _shift(t["advantages"], cu),
         "rollout_logprobs": _shift(t["rollout_logprobs"], cu),
-        "position_ids": t["position_ids"],
+        "sequence_ids": torch.repeat_interleave(torch.arange(cu.numel() - 1), (cu[1:] - cu[:-1]).long()),
     }
+    # Per-token fields, last dimension the pack: 1-D positions (T,) or Qwen's 3-D positions (3, T).
+    positions = t["position_ids"] if media is None else media.position_ids(batch)
+    extra_out: dict[str, Any] = {}
+    if media is not None:
+        embeds, index = media.embeddings(batch)
+        extra_out.update(media_embeds=embeds, media_index=index)
+    if cp_size > 1:
+        return _cp_slice(fields, positions, cu, cp_size, cp_rank, batch, extra_out)
     length = int(tokens.numel())
     padded = -(-length // pad_to_multiple) * pad_to_multiple
     if padded != length:
         extra = padded - length
         for name, value in fields.items():
-            fill = torch.arange(extra) if name == "position_ids" else torch.zeros(extra, dtype=value.dtype)
+            fill = torch.full((extra,), int(cu.numel()) - 1) if name == "sequence_ids" else torch.zeros(extra)
             fields[name] = torch.cat([value, fill.to(value.dtype)])
+        steps = torch.arange(extra, dtype=positions.dtype).expand(*positions.shape[:-1], extra)
+        positions = torch.cat([positions, steps], dim=-1)
         cu = torch.cat([cu, torch.tensor([padded], dtype=torch.int32)])
     seqlens = cu[1:] - cu[:-1]
     out: dict[str, Any] = {name: value[None] for name, value in fields.items()}
+    out["position_ids"] = positions.unsqueeze(-2)  # (1, T) or (3, 1, T)
+    out.update(extra_out)
     out.update(
         cu_seqlens=cu,
         max_seqlen=int(seqlens.max()) if seqlens.numel() else 0,
@@ -102,15 +165,87 @@ def megatron_batch(batch: FeedBatch, *, pad_to_multiple: int = 1) -> dict[str, A
     return out
 
 
+def thd_cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The pack positions context-parallel rank ``cp_rank`` holds of a THD pack: every sequence (each
+    a multiple of ``2 * cp_size`` long in ``cu_seqlens_padded``) in ``2 * cp_size`` equal chunks, of
+    which this rank takes chunk ``cp_rank`` and chunk ``2 * cp_size - 1 - cp_rank`` (balancing causal
+    attention's work), sequence after sequence. Plain torch for transformer-engine's
+    ``thd_get_partitioned_indices``."""
+    cu = cu_seqlens_padded.long().tolist()
+    parts: list[torch.Tensor] = []
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        if (end - start) % (2 * cp_size):
+            raise ValueError(f"a sequence of {end - start} tokens does not split into {2 * cp_size} chunks")
+        chunk = (end - start) // (2 * cp_size)
+        for c in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+
+def _cp_slice(
+    fields: dict[str, torch.Tensor],
+    positions: torch.Tensor,
+    cu: torch.Tensor,
+    cp_size: int,
+    cp_rank: int,
+    batch: FeedBatch,
+    extra_out: dict[str, Any],
+) -> dict[str, Any]:
+    """Pad every sequence to a multiple of ``2 * cp_size`` and keep this rank's chunks of it."""
+    lengths = (cu[1:] - cu[:-1]).long()
+    padded_lengths = -(-lengths // (2 * cp_size)) * (2 * cp_size)
+    cu_padded = torch.zeros_like(cu)
+    cu_padded[1:] = torch.cumsum(padded_lengths, 0).to(cu.dtype)
+    # Where each real token lands in the padded layout.
+    where = torch.cat(
+        [torch.arange(int(s), int(s) + int(n)) for s, n in zip(cu_padded[:-1], lengths, strict=True)]
+        or [torch.zeros(0, dtype=torch.long)]
+    )
+    total = int(cu_padded[-1])
+    sequence_of_slot = torch.repeat_interleave(torch.arange(lengths.numel()), padded_lengths)
+    out_fields: dict[str, torch.Tensor] = {}
+    for name, value in fields.items():
+        laid = sequence_of_slot.to(value.dtype) if name == "sequence_ids" else torch.zeros(total, dtype=value.dtype)
+        laid[where] = value
+        out_fields[name] = laid
+    laid_positions = torch.zeros(*positions.shape[:-1], total, dtype=positions.dtype)
+    laid_positions[..., where] = positions
+    index = thd_cp_partition_index(cu_padded, cp_size, cp_rank)
+    out: dict[str, Any] = {name: value[index][None] for name, value in out_fields.items()}
+    # Not cut: megatron's THD RoPE takes a per-token table of the whole padded pack
+    # (size cu_seqlens_padded[-1]) and picks each rank's chunks of each sequence from it itself.
+    out["position_ids"] = laid_positions.unsqueeze(-2)
+    if "media_index" in extra_out:  # keep the media rows whose tokens this rank holds, at their local slots
+        local = torch.full((total,), -1, dtype=torch.long)
+        local[index] = torch.arange(index.numel())
+        slot = local[where[extra_out["media_index"]]]
+        kept = slot >= 0
+        extra_out = {"media_embeds": extra_out["media_embeds"][kept], "media_index": slot[kept]}
+    out.update(extra_out)
+    out.update(
+        cu_seqlens=cu,
+        cu_seqlens_padded=cu_padded,
+        max_seqlen=int(padded_lengths.max()) if padded_lengths.numel() else 0,
+        cp_size=cp_size,
+        batch_id=batch.batch_id,
+        feature_keys=batch.feature_keys,
+    )
+    return out
+
+
 def packed_seq_params(batch: Mapping[str, Any]) -> Any:
-    """megatron-core's ``PackedSeqParams`` (THD) for a `megatron_batch`."""
+    """megatron-core's ``PackedSeqParams`` (THD) for a `megatron_batch` (with the padded offsets when
+    the batch was cut for context parallelism)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = batch["cu_seqlens"]
+    padded = batch.get("cu_seqlens_padded")
     return PackedSeqParams(
         qkv_format="thd",
         cu_seqlens_q=cu,
         cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
         max_seqlen_q=batch["max_seqlen"],
         max_seqlen_kv=batch["max_seqlen"],
     )
@@ -136,10 +271,12 @@ class MegatronBatchIterator:
         *,
         device: str | torch.device = "cpu",
         pad_to_multiple: int = 1,
+        media: QwenMedia | None = None,
         group: Any = None,
         src: int | None = None,
     ) -> None:
         self.feed, self.device, self.pad_to_multiple = feed, torch.device(device), pad_to_multiple
+        self.media = media  # only the leasing rank uses it: the others receive its tensors
         self.group, self.src = group, src
         if self.group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
             from megatron.core import parallel_state
@@ -164,7 +301,7 @@ class MegatronBatchIterator:
             assert self.feed is not None
             self._batches = iter(self.feed)
         fed = next(self._batches, None)
-        return None if fed is None else megatron_batch(fed, pad_to_multiple=self.pad_to_multiple)
+        return None if fed is None else megatron_batch(fed, pad_to_multiple=self.pad_to_multiple, media=self.media)
 
     def __next__(self) -> dict[str, Any]:
         if not self.broadcasting:
@@ -228,6 +365,188 @@ class MegatronBatchIterator:
         self.pending = []
 
 
+# -- media: the towers' embeddings spliced into the word embeddings, and Qwen's 3-D positions ----------
+
+
+def mrope_section(config: Any) -> list[int]:
+    """The rotary channels (pairs) given to time, height and width in Qwen's 3-D RoPE, from a Hugging
+    Face config (``rope_parameters``, or ``rope_scaling`` in older ones): ``TransformerConfig``'s
+    ``mrope_section``, with ``GPTModel(position_embedding_type="mrope")``."""
+    config = getattr(config, "thinker_config", config)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for name in ("rope_parameters", "rope_scaling"):
+        params = getattr(text, name, None) or {}
+        if "mrope_section" in params:
+            return [int(x) for x in params["mrope_section"]]
+    raise ValueError("the config has no mrope_section (not a Qwen multimodal model?)")
+
+
+class _RopeIndex:
+    """The thinker's own ``get_rope_index`` (and the two helpers it calls), run over its config alone,
+    without building the model: the very code Hugging Face's forward uses for its 3-D positions."""
+
+    def __init__(self, config: Any) -> None:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniPreTrainedModelForConditionalGeneration as Owner,
+        )
+
+        self.config = config
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+        self.get_llm_pos_ids_for_vision = Owner.get_llm_pos_ids_for_vision.__get__(self)
+        self.get_chunked_index = Owner.get_chunked_index.__get__(self)
+        self.get_rope_index = Owner.get_rope_index.__get__(self)
+
+
+Encode = Callable[[Sequence[Any]], list[torch.Tensor]]
+
+
+class QwenMedia:
+    """What a Megatron GPTModel needs beyond token ids for samples with media: the towers' embeddings
+    at the placeholder positions and Qwen's 3-D (mrope) positions. Pass it to `megatron_batch` /
+    `MegatronBatchIterator` (``media=``); `forward_step` then hands GPTModel ``decoder_input``
+    (`decoder_input`) and the 3-D ``position_ids``.
+
+    ``encode`` maps a sequence's media items (``preprocess`` features, in prompt order) to one
+    embedding per item, (placeholder tokens, hidden): `encoders.towers.Towers.encode` (the default
+    of `from_folder` / `from_thinker`: the Hugging Face towers of the thinker, exactly what the
+    reference trainer's model runs). A user with a Megatron vision / audio encoder passes its own
+    callable here (its outputs after the merger/projection, one tensor per item). Media come by
+    feature key from ``features`` (the feature cache) or inline from ``FeedBatch.media``, as for the
+    reference trainer. The towers run without gradient, when the batch is made (on the leasing rank,
+    whose tensor-parallel peers receive the embeddings): only the language model trains in the
+    Megatron path (`export_hf` takes the towers' weights from the base model). To train an encoder
+    too, compute ``media_embeds`` inside the forward step instead: `decoder_input` splices whatever
+    tensor it is given, gradients included.
+    """
+
+    def __init__(self, config: Any, encode: Encode, *, features: Any = None) -> None:
+        self.config = getattr(config, "thinker_config", config)
+        self.encode, self.features = encode, features
+        self._rope = _RopeIndex(self.config)
+
+    @classmethod
+    def from_folder(
+        cls, model_dir: str | Path, *, features: Any = None, device: str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> QwenMedia:
+        """The towers of a thinker (or whole Omni) folder, loaded alone (`encoders.towers.Towers`)."""
+        from transformers import AutoConfig
+
+        from encoders.towers import Towers
+
+        towers = Towers(model_dir, device=device, dtype=dtype)
+        return cls(AutoConfig.from_pretrained(model_dir), towers.encode, features=features)
+
+    @classmethod
+    def from_thinker(cls, thinker: Any, *, features: Any = None) -> QwenMedia:
+        """The towers of a loaded ``Qwen2_5OmniThinkerForConditionalGeneration`` (shared, not copied)."""
+        from encoders.towers import Towers
+
+        towers = Towers.from_modules(thinker.visual, thinker.audio_tower, "thinker")
+        return cls(thinker.config, towers.encode, features=features)
+
+    def sequence_media(self, batch: FeedBatch) -> list[list[Any]]:
+        """Each sequence's media items, in prompt order (inline ``batch.media``, else the cache)."""
+        out = []
+        for i, keys in enumerate(batch.feature_keys):
+            if batch.media is not None and batch.media[i] is not None:
+                out.append(list(batch.media[i]))
+                continue
+            items = []
+            for key in keys:
+                item = self.features.get(key) if self.features is not None else None
+                if item is None:
+                    raise KeyError(f"no cached features {key} (give QwenMedia the feature cache)")
+                items.append(item)
+            out.append(items)
+        return out
+
+    def sequence_positions(self, input_ids: torch.Tensor, media: list[Any]) -> torch.Tensor:
+        """(3, L) positions of one sequence: the thinker's ``get_rope_index`` with the arguments its
+        forward gives it (grids, audio lengths, seconds per grid, no audio-in-video)."""
+        from .reference import media_inputs
+
+        inputs = media_inputs(media)
+        mask = inputs.get("feature_attention_mask")
+        ids = input_ids.long()[None]
+        positions, _ = self._rope.get_rope_index(
+            ids,
+            inputs.get("image_grid_thw"),
+            inputs.get("video_grid_thw"),
+            torch.ones_like(ids),
+            False,
+            None if mask is None else mask.sum(1),
+            inputs.get("video_second_per_grid"),
+        )
+        return positions[:, 0]
+
+    def position_ids(self, batch: FeedBatch) -> torch.Tensor:
+        """(3, T): every sequence's 3-D positions (each from 0), concatenated as the pack is."""
+        ids, cu = batch.tensors["input_ids"], batch.tensors["cu_seqlens"].tolist()
+        media = self.sequence_media(batch)
+        spans = zip(cu[:-1], cu[1:], strict=True)
+        parts = [self.sequence_positions(ids[a:b], media[i]) for i, (a, b) in enumerate(spans)]
+        return torch.cat(parts, dim=-1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+    def embeddings(self, batch: FeedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``media_embeds`` [M, H], ``media_index`` [M]): the towers' outputs and the pack positions
+        of the placeholder tokens they replace — per sequence, images fill the image placeholders in
+        order, videos the video ones, audio the audio ones, as the thinker's forward does."""
+        from preprocess import AudioFeatures, ImageFeatures, VideoFeatures
+
+        token = {
+            ImageFeatures: self.config.image_token_id,
+            VideoFeatures: self.config.video_token_id,
+            AudioFeatures: self.config.audio_token_id,
+        }
+        ids, cu = batch.tensors["input_ids"], batch.tensors["cu_seqlens"].tolist()
+        rows: list[torch.Tensor] = []
+        where: list[torch.Tensor] = []
+        for i, items in enumerate(self.sequence_media(batch)):
+            if not items:
+                continue
+            encoded = self.encode(items)
+            sequence = ids[cu[i] : cu[i + 1]]
+            for kind, token_id in token.items():
+                mine = [e for item, e in zip(items, encoded, strict=True) if isinstance(item, kind)]
+                slots = torch.nonzero(sequence == token_id)[:, 0]
+                count = sum(int(e.shape[0]) for e in mine)
+                if count != slots.numel():
+                    raise ValueError(
+                        f"sequence {i}: {slots.numel()} {kind.__name__} placeholders, {count} embedding rows"
+                    )
+                if mine:
+                    rows += mine
+                    where.append(slots + cu[i])
+        hidden = self.config.get_text_config().hidden_size
+        if not rows:
+            return torch.zeros(0, hidden), torch.zeros(0, dtype=torch.long)
+        return torch.cat(rows).float().detach(), torch.cat(where)
+
+
+def decoder_input(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:
+    """GPTModel's ``decoder_input`` for a `megatron_batch` built with ``media``: the language model's
+    word embeddings of the tokens (``model.embedding.word_embeddings``, so they train as usual) with
+    ``media_embeds`` in place of the placeholder rows, as [T, 1, H] (sequence first), then what
+    megatron's ``LanguageModelEmbedding`` does after the lookup (fp32 residual, dropout). ``None``
+    on a pipeline stage without the embedding (it takes the previous stage's output)."""
+    from megatron.core.utils import get_attr_wrapped_model
+
+    embedding = get_attr_wrapped_model(model, "embedding", allow_none=True)
+    if embedding is None:
+        return None
+    if embedding.config.sequence_parallel:
+        raise NotImplementedError("decoder_input with sequence parallelism: splice before the reduce-scatter")
+    tokens = batch["tokens"]
+    words = embedding.word_embeddings(tokens)  # [1, T, H]
+    index = batch["media_index"].to(words.device)
+    rows = torch.zeros_like(index)
+    words = words.index_put((rows, index), batch["media_embeds"].to(words.device, words.dtype))
+    out = words.transpose(0, 1).contiguous()
+    if embedding.config.fp32_residual_connection:
+        out = out.float()
+    return embedding.embedding_dropout(out)
+
+
 def _units(mask: torch.Tensor, sequence_ids: torch.Tensor, aggregation: str) -> torch.Tensor:
     """What a micro-batch's loss sum is normalised by: its loss tokens, its sequences with at least one
     loss token (padding sequences have none), or nothing (0) for ``sum``."""
@@ -270,8 +589,13 @@ def loss_func(
     config = config or LossConfig()
     logprobs = -output_tensor.float().reshape(-1)
     mask = batch["loss_mask"].reshape(-1)
-    cu = batch["cu_seqlens"].long()
-    sequence_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), cu[1:] - cu[:-1])
+    if batch.get("cp_size", 1) > 1 and config.aggregation == "sequence_mean":
+        raise NotImplementedError("sequence_mean under context parallelism: a sequence's tokens span ranks")
+    if "sequence_ids" in batch:
+        sequence_ids = batch["sequence_ids"].reshape(-1).long()
+    else:
+        cu = batch["cu_seqlens"].long()
+        sequence_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), cu[1:] - cu[:-1])
     units = _units(mask, sequence_ids, config.aggregation)
     # token_mean's sum is summed directly rather than a mean times its count, to keep it exact.
     summed = replace(config, aggregation="sum") if config.aggregation == "token_mean" else config
@@ -306,11 +630,14 @@ def forward_step(
     recomputation on the ``TransformerConfig``). Bind ``config`` with ``functools.partial``.
 
     ``model`` is called as ``GPTModel`` is: ``(tokens, position_ids, attention_mask, labels=...,
-    packed_seq_params=...)``, returning the per-token cross-entropy.
+    packed_seq_params=...)``, returning the per-token cross-entropy; for a batch built with
+    ``media`` (`QwenMedia`) also ``decoder_input=`` (`decoder_input`), its ``position_ids`` Qwen's
+    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``.
     """
     batch = next(data_iterator)
+    extra = {"decoder_input": decoder_input(model, batch)} if "media_embeds" in batch else {}
     output = model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed(batch)
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed(batch), **extra
     )
     return output, partial(loss_func, batch, config=config)
 

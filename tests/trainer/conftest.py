@@ -71,13 +71,14 @@ class SegmentAttention(torch.nn.Module):
         return torch.cat(outs)  # (t, heads, d); megatron reshapes to (t, 1, hidden)
 
 
-def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True) -> Any:
-    """A megatron-core GPTModel (local spec, CPU, dropout 0) holding the HF thinker's language model."""
+def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True, mrope: bool = False) -> Any:
+    """A megatron-core GPTModel (local spec, CPU, dropout 0) holding the HF thinker's language model;
+    ``mrope``: with Qwen's 3-D rotary positions (``mrope_section`` from the HF config), as the thinker."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from trainer.megatron import QwenLayout, hf_to_megatron
+    from trainer.megatron import QwenLayout, hf_to_megatron, mrope_section
 
     text = hf_model.config.get_text_config()
     config = TransformerConfig(
@@ -98,6 +99,7 @@ def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True) -> Any:
         params_dtype=torch.float32,
         use_cpu_initialization=True,
         calculate_per_token_loss=calculate_per_token_loss,
+        mrope_section=mrope_section(hf_model.config) if mrope else None,
     )
     spec = get_gpt_layer_local_spec()
     spec.submodules.self_attention.submodules.core_attention = SegmentAttention
@@ -106,7 +108,7 @@ def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True) -> Any:
         spec,
         vocab_size=text.vocab_size,
         max_sequence_length=4096,
-        position_embedding_type="rope",
+        position_embedding_type="mrope" if mrope else "rope",
         rotary_base=int(text.rope_parameters["rope_theta"]),
         share_embeddings_and_output_weights=False,
     )

@@ -18,8 +18,9 @@ import torch.multiprocessing as mp
 from encoders.embedded_model import init_model
 from tests.trainer.conftest import free_port, gpt_from_hf, megatron_cpu
 from tests.trainer.test_megatron_cpu import batches, main_grads, megatron_step, wrap_ddp
+from tests.trainer.test_megatron_media import media_batch, media_items
 from trainer.feed import FeedBatch
-from trainer.megatron import MegatronBatchIterator
+from trainer.megatron import MegatronBatchIterator, QwenMedia
 
 AGGREGATIONS = ("token_mean", "sequence_mean")
 
@@ -66,6 +67,14 @@ def _rank(rank: int, port: int, model_dir: str, out: str) -> None:
         feed = _Feed([a, b]) if rank == 0 else None
         iterator = MegatronBatchIterator(feed, pad_to_multiple=4)  # type: ignore[arg-type]
         seen = list(iterator)
+        # With media: the leasing rank runs the towers; its peer receives embeddings and 3-D positions.
+        media = QwenMedia.from_thinker(hf) if rank == 0 else None
+        with_media = _Feed([media_batch(hf.config, media_items(), inline=True), a]) if rank == 0 else None
+        media_seen = list(MegatronBatchIterator(with_media, media=media))  # type: ignore[arg-type]
+        torch.save(
+            [{k: s[k] for k in ("tokens", "position_ids", "media_embeds", "media_index")} for s in media_seen],
+            root / f"media-{rank}.pt",
+        )
         pending = list(iterator.pending)
         iterator.ack()
         failing = MegatronBatchIterator(_Failing() if rank == 0 else None)  # type: ignore[arg-type]
@@ -137,3 +146,16 @@ def test_a_failed_lease_fails_the_whole_tensor_parallel_group(two_ranks: tuple[P
     first, second = (json.loads((out / f"tp-{r}.json").read_text()) for r in (0, 1))
     assert first["failure"] == "ConnectionError: the data role is down"
     assert second["failure"].startswith("RuntimeError") and "the data role is down" in second["failure"]
+
+
+def test_a_tensor_parallel_group_receives_the_leasers_media_inputs(two_ranks: tuple[Path, Path]) -> None:
+    _, out = two_ranks
+    first, second = (torch.load(out / f"media-{r}.pt") for r in (0, 1))
+    assert len(first) == len(second) == 2
+    for mine, theirs in zip(first, second, strict=True):
+        for name in mine:
+            assert torch.equal(mine[name], theirs[name]), name
+    with_media, text_only = first
+    assert with_media["position_ids"].shape == (3, 1, with_media["tokens"].shape[1])
+    assert with_media["media_embeds"].shape[0] == with_media["media_index"].numel() > 0
+    assert text_only["media_embeds"].shape[0] == 0  # an empty broadcast for a batch without media
