@@ -87,6 +87,7 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
         if s.policy_version is None or s.policy_version > _INT64_MAX:
             raise refuse(f"samples[{s.index}].policy_version: {s.policy_version} is not a storable version")
         assert s.reward is not None  # trainable
+        mask = s.response_mask()
         floats = [s.reward, advantage, *s.logprobs]
         if not all(math.isfinite(x) and abs(x) <= _FLOAT32_MAX for x in floats):
             raise refuse(f"samples[{s.index}]: reward, advantage and logprobs must fit float32")
@@ -95,12 +96,14 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
                 "sample_id": sample_id(group.group_id, s.index),
                 "group_id": group.group_id,
                 "input_ids": [*prompt, *s.response_ids],
-                "loss_mask": [0] * len(prompt) + [1] * len(s.response_ids),
-                "rollout_logprobs": [0.0] * len(prompt) + list(s.logprobs),
+                "loss_mask": [0] * len(prompt) + mask,
+                "rollout_logprobs": [0.0] * len(prompt)
+                + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)],
                 "advantage": advantage,
                 "reward": s.reward,
                 "policy_version": s.policy_version,
-                "feature_keys": list(group.feature_keys),
+                "policy_versions": [s.policy_version] * len(prompt) + s.response_versions(),
+                "feature_keys": [*group.feature_keys, *s.feature_keys],
             }
         )
     return pa.Table.from_pylist(rows, schema=MICROBATCH_SCHEMA)
@@ -120,6 +123,11 @@ def read_entry(data: pa.Buffer | bytes | None) -> pa.Table:
     if data is None:
         return MICROBATCH_SCHEMA.empty_table()
     table = pa.ipc.open_stream(data).read_all()
+    if "policy_versions" not in table.schema.names:  # microbatch/1: one version per sequence
+        lengths = pc.list_value_length(table.column("input_ids")).to_pylist()
+        versions = table.column("policy_version").to_pylist()
+        per_token = pa.array([[v] * n for v, n in zip(versions, lengths, strict=True)], pa.list_(pa.int64()))
+        table = table.append_column("policy_versions", per_token)
     if not table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True):
         table = table.select(MICROBATCH_SCHEMA.names).cast(MICROBATCH_SCHEMA)
     return table

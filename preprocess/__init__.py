@@ -1,9 +1,9 @@
-"""Token-budgeted multimodal preprocessing, bit-compatible with Qwen2.5-VL / Qwen2.5-Omni.
+"""Token-budgeted multimodal preprocessing, bit-compatible with Qwen2.5-VL / Qwen2.5-Omni / Qwen3-VL.
 
 The public API (used by tools outside the project)::
 
     import preprocess as pp
-    spec = pp.ProcessorSpec.qwen2_5_omni()
+    spec = pp.ProcessorSpec.qwen2_5_omni()  # or .qwen2_5_vl(), .qwen3_vl(), .from_pretrained(folder)
     plan = pp.plan_media("photo.jpg", spec, pp.TokenBudget(max_image_tokens=1024))  # headers only
     feats = pp.process_image("photo.jpg", spec, store=pp.FeatureStore("/cache", 10 << 30))
     feats.pixel_values, feats.grid_thw, feats.num_tokens

@@ -4,6 +4,10 @@ Pure arithmetic, no I/O. Two `smart_resize` variants exist upstream and disagree
 14 px, so both are here under the names of the libraries they reproduce:
 `smart_resize` (transformers ≥ 4.53, images) and `smart_resize_qwen_vl_utils` (qwen-vl-utils
 0.0.14, videos). Python's `round` (half to even) is required: 70×70 → 56×56, not 84×84.
+
+Transformers' own Qwen3-VL video processor (frames sampled and resized by `Qwen3VLVideoProcessor`,
+without qwen-vl-utils) follows other rules again: `smart_nframes_qwen3_vl`, `frame_indices_numpy`
+and `smart_resize_video` (one pixel budget for the whole clip), together in `qwen3_vl_video_geometry`.
 """
 
 from __future__ import annotations
@@ -18,9 +22,13 @@ __all__ = [
     "audio_num_tokens",
     "audio_samples_for_tokens",
     "frame_indices",
+    "frame_indices_numpy",
+    "qwen3_vl_video_geometry",
     "smart_nframes",
+    "smart_nframes_qwen3_vl",
     "smart_resize",
     "smart_resize_qwen_vl_utils",
+    "smart_resize_video",
     "video_frame_max_pixels",
 ]
 
@@ -109,6 +117,95 @@ def video_frame_max_pixels(
     """Per-frame pixel cap: the total budget shared across frames, floored at 1.05 × min."""
     cap = max(min(max_pixels, total_pixels / nframes * frame_factor), int(min_pixels * 1.05))
     return min(max_pixels, cap)
+
+
+def smart_nframes_qwen3_vl(
+    total_frames: int, video_fps: float, *, fps: float = 2.0, min_frames: int = 4, max_frames: int = 768
+) -> int:
+    """Frames `Qwen3VLVideoProcessor.sample_frames` keeps (transformers 5.19).
+
+    ``int(T / video_fps · fps)`` (truncated), then at least ``min_frames`` and at most
+    ``min(max_frames, T)``. Unlike qwen-vl-utils the count is *not* made even: an odd count is
+    padded to the temporal patch with the last frame (`patches.patchify_frames` does the same).
+    """
+    n = int(total_frames / video_fps * fps)
+    return min(max(n, min_frames), max_frames, total_frames)
+
+
+def frame_indices_numpy(total_frames: int, nframes: int) -> list[int]:
+    """``np.linspace(0, T-1, n).round()`` in float64 (transformers' samplers), not torch's float32."""
+    import numpy as np
+
+    return [int(i) for i in np.linspace(0, total_frames - 1, nframes).round().astype(int)]
+
+
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    factor: int = 32,
+    temporal_factor: int = 2,
+    min_pixels: int = 4096,
+    max_pixels: int = 25165824,
+) -> tuple[int, int]:
+    """(h', w') as `transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize` computes it.
+
+    ``min_pixels`` / ``max_pixels`` bound the *whole clip* (frames × h × w, frames rounded to the
+    temporal factor), and sides under ``factor`` are first scaled up (truncated to int) so the
+    shorter one reaches it.
+    """
+    if num_frames < temporal_factor:
+        raise ValueError(f"t:{num_frames} must be larger than temporal_factor:{temporal_factor}")
+    if min(height, width) <= 0:
+        raise AspectRatioError(f"video size {width}x{height} has an empty side")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    _check_aspect(height, width)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def qwen3_vl_video_geometry(
+    total_frames: int,
+    video_fps: float,
+    height: int,
+    width: int,
+    *,
+    fps: float = 2.0,
+    min_frames: int = 4,
+    max_frames: int = 768,
+    factor: int = 32,
+    temporal_factor: int = 2,
+    min_pixels: int = 4096,
+    max_pixels: int = 25165824,
+    max_frame_tokens: int | None = None,
+) -> tuple[list[int], int, int]:
+    """(frame indices, h', w') of `Qwen3VLVideoProcessor` sampling and resizing a decoded clip.
+
+    The defaults are the released checkpoints' ``video_preprocessor_config.json``. ``max_frame_tokens``
+    is its ``cap_pixels_per_frame=True`` mode (``max_video_tokens``); transformers 5.19 defaults to
+    no cap (with a warning).
+    """
+    n = smart_nframes_qwen3_vl(total_frames, video_fps, fps=fps, min_frames=min_frames, max_frames=max_frames)
+    if max_frame_tokens is not None:
+        per_frame = max(min(max_frame_tokens * factor * factor, max_pixels // n), int(min_pixels * 1.05))
+        max_pixels = per_frame * n
+    h, w = smart_resize_video(
+        n, height, width, factor=factor, temporal_factor=temporal_factor, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+    return frame_indices_numpy(total_frames, n), h, w
 
 
 def audio_num_frames(num_samples: int, hop_length: int = 160) -> int:

@@ -1,7 +1,7 @@
 """The processor configuration: what the model expects, as plain numbers.
 
-`ProcessorSpec` owns the constants of Qwen2-VL / Qwen2.5-VL / Qwen2.5-Omni preprocessing and its
-fingerprint (part of every cache key). It does not decode or resize anything.
+`ProcessorSpec` owns the constants of Qwen2-VL / Qwen2.5-VL / Qwen2.5-Omni / Qwen3-VL preprocessing and
+its fingerprint (part of every cache key). It does not decode or resize anything.
 """
 
 from __future__ import annotations
@@ -25,6 +25,29 @@ PIPELINE_VERSION = 1
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+# Qwen3-VL's checkpoints normalize with IMAGENET_STANDARD_MEAN / _STD.
+HALF = (0.5, 0.5, 0.5)
+
+# qwen-vl-utils 0.0.14 `fetch_video`: per-frame pixel limits in LLM tokens (times factor²) and the
+# whole clip's budget, MODEL_SEQ_LEN (128000) tokens × 0.9. They scale with the spec's factor.
+VIDEO_MIN_TOKENS = 128
+VIDEO_MAX_TOKENS = 768
+MODEL_SEQ_LEN = 128000
+
+# Fields that change no feature byte (only how a prompt is laid out): not in the fingerprint, so
+# specs that differ only there share cache entries (and the Qwen2.5 fingerprints stay as pinned).
+_NOT_FINGERPRINTED = ("video_timestamps",)
+# Model folders whose processor is Qwen3-VL's (`processor_class`, `video_processor_type`, model_type).
+_QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe"})
+
+
+def _video_pixels(factor: int) -> dict[str, Any]:
+    """qwen-vl-utils' video pixel limits for a factor (it derives them from ``image_patch_size``)."""
+    return {
+        "video_min_pixels": VIDEO_MIN_TOKENS * factor * factor,
+        "video_max_pixels": VIDEO_MAX_TOKENS * factor * factor,
+        "video_total_pixels": MODEL_SEQ_LEN * factor * factor * 0.9,
+    }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +82,10 @@ class ProcessorSpec:
     # "torchvision" backends match transformers' default (torchvision) processors on CPU instead.
     image_backend: ImageBackend = "pil"
     video_backend: VideoBackend = "qwen_vl_utils"
+    # Qwen3-VL: a video placeholder expands to "<t seconds>" text + one vision_start / pads /
+    # vision_end block per temporal patch (see `placeholders.timestamped_video_ids`), not to pads
+    # alone. Prompt layout only: not fingerprinted.
+    video_timestamps: bool = False
 
     @property
     def factor(self) -> int:
@@ -80,13 +107,54 @@ class ProcessorSpec:
         return cls(max_audio_seconds=300.0)
 
     @classmethod
+    def qwen3_vl(cls) -> ProcessorSpec:
+        """Qwen3-VL-*-Instruct / -Thinking checkpoints (dense and MoE; no audio tower).
+
+        Images: transformers' Qwen2-VL image processor with the checkpoint's numbers (patch 16, so
+        32 px per token; size 65536…16777216 px, i.e. 64…16384 tokens; mean = std = 0.5). Videos:
+        the model card's pipeline, qwen-vl-utils 0.0.14 ``fetch_video(image_patch_size=16)`` then
+        `Qwen3VLVideoProcessor` with ``do_resize=False`` — per-frame 128…768 tokens, frames at
+        2 fps (4…768, even), and the timestamped prompt layout.
+        """
+        return cls(
+            patch_size=16,
+            image_mean=HALF,
+            image_std=HALF,
+            min_pixels=65536,
+            max_pixels=16777216,
+            max_audio_seconds=30.0,
+            video_timestamps=True,
+            **_video_pixels(32),
+        )
+
+    @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ProcessorSpec:
-        """Read a model folder's ``preprocessor_config.json`` (and video config if present)."""
+        """Read a model folder's ``preprocessor_config.json`` (and video config if present).
+
+        A Qwen3-VL folder (named by its processor class, video processor type or model_type) starts
+        from `qwen3_vl`. Transformers 5 may instead write one ``processor_config.json`` holding the
+        image and video processors' configs: that is read too.
+        """
         root = Path(model_dir)
         path = root / "preprocessor_config.json"
-        if not path.is_file():
+        combined = root / "processor_config.json"
+        nested: dict[str, Any] = json.loads(combined.read_text()) if combined.is_file() else {}
+        if path.is_file():
+            cfg: dict[str, Any] = json.loads(path.read_text())
+        elif isinstance(nested.get("image_processor"), dict):
+            cfg = {"processor_class": nested.get("processor_class"), **nested["image_processor"]}
+        else:
             raise FileNotFoundError(f"{path} not found: is {root} a Hugging Face model folder?")
-        cfg: dict[str, Any] = json.loads(path.read_text())
+        video_path = root / "video_preprocessor_config.json"
+        vcfg: dict[str, Any] = {}
+        if video_path.is_file():
+            vcfg = json.loads(video_path.read_text())
+        elif isinstance(nested.get("video_processor"), dict):
+            vcfg = nested["video_processor"]
+        config_path = root / "config.json"
+        model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
+        names = {cfg.get("processor_class"), vcfg.get("processor_class"), vcfg.get("video_processor_type"), model_type}
+        base = cls.qwen3_vl() if names & _QWEN3_VL_NAMES else cls()
         fields: dict[str, Any] = {}
         size = cfg.get("size") or {}
         for name, size_key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
@@ -108,15 +176,16 @@ class ProcessorSpec:
             fields["max_audio_seconds"] = int(cfg["n_samples"]) / fields.get("sampling_rate", 16000)
         elif cfg.get("chunk_length") is not None:
             fields["max_audio_seconds"] = float(cfg["chunk_length"])
-        video_path = root / "video_preprocessor_config.json"
-        if video_path.is_file():
-            vcfg: dict[str, Any] = json.loads(video_path.read_text())
-            for name, key in (("video_min_frames", "min_frames"), ("video_max_frames", "max_frames")):
-                if vcfg.get(key) is not None:
-                    fields[name] = int(vcfg[key])
-            if vcfg.get("fps") is not None:
-                fields["video_fps"] = float(vcfg["fps"])
-        return cls(**fields)
+        # The video config's `size` is the video processor's own resize, which the qwen-vl-utils
+        # pipeline turns off (do_resize=False): its frames come sized by the factor-derived limits.
+        for name, key in (("video_min_frames", "min_frames"), ("video_max_frames", "max_frames")):
+            if vcfg.get(key) is not None:
+                fields[name] = int(vcfg[key])
+        if vcfg.get("fps") is not None:
+            fields["video_fps"] = float(vcfg["fps"])
+        factor = fields.get("patch_size", base.patch_size) * fields.get("merge_size", base.merge_size)
+        fields.update(_video_pixels(factor))
+        return dataclasses.replace(base, **fields)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -124,5 +193,6 @@ class ProcessorSpec:
     @property
     def fingerprint(self) -> str:
         """Stable across processes and runs: sha256 of the canonical JSON of every field."""
-        payload = json.dumps({"pipeline": PIPELINE_VERSION, **self.to_dict()}, sort_keys=True, separators=(",", ":"))
+        fields = {k: v for k, v in self.to_dict().items() if k not in _NOT_FINGERPRINTED}
+        payload = json.dumps({"pipeline": PIPELINE_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

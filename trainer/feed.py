@@ -77,7 +77,11 @@ def pack(table: pa.Table) -> dict[str, torch.Tensor]:
         "rollout_logprobs": _flat(table, "rollout_logprobs", torch.float32),
         "advantages": per_sequence("advantage", torch.float32),
         "rewards": torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32),
-        "policy_versions": per_sequence("policy_version", torch.long),
+        "policy_versions": (
+            _flat(table, "policy_versions", torch.long)
+            if "policy_versions" in table.schema.names
+            else per_sequence("policy_version", torch.long)  # a data role of microbatch/1
+        ),
         "sequence_ids": torch.repeat_interleave(torch.arange(len(lengths)), lengths),
     }
 

@@ -34,6 +34,7 @@ from transformers import AutoTokenizer
 import engines
 import preprocess as pp
 from engines import GenerateRequest, GenerateResult, MediaResolver
+from engines.limits import ModelLimits
 from engines.protocol import StepCallback, TokenStep
 
 from .. import __version__
@@ -52,6 +53,7 @@ from .schemas import (
     GenerateResponse,
     InitWeightsGroupBody,
     ModelInfo,
+    ModelList,
     PauseBody,
     ServerInfo,
     UpdateWeightsBody,
@@ -87,6 +89,8 @@ UNSUPPORTED_ENDPOINTS: Mapping[str, str] = {
     "/update_weights_from_ipc": "no checkpoint-engine IPC; use /update_weights_from_disk",
     "/classify": "a generation model, not a reward or embedding model",
     "/encode": "a generation model, not an embedding model",
+    "/start_profile": "no profiler in this role (SGLang's torch profiler); profile the process from outside",
+    "/stop_profile": "no profiler in this role (SGLang's torch profiler); profile the process from outside",
 }
 """SGLang endpoints RL clients call (verl's ``http_server_engine.py``, slime's weight sync) that this
 role does not serve: each answers 400 ``unsupported_endpoint`` naming itself, with SGLang's
@@ -554,6 +558,20 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             "model_type": config.get("model_type"),
             "architectures": list(config.get("architectures") or []),
         }
+
+    listed = {
+        "id": settings.model.name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "weir",
+        "root": str(settings.model),
+        "max_model_len": ModelLimits.read(settings.model).max_context,
+    }
+
+    @app.get("/v1/models", tags=["sglang"], response_model=ModelList)
+    async def models() -> Any:
+        """SGLang's OpenAI-compatible model list (bench_serving reads ``data[0].id`` when no model is given)."""
+        return {"object": "list", "data": [listed]}
 
     @app.get("/server_info", tags=["sglang"], response_model=ServerInfo)
     @app.get("/get_server_info", tags=["sglang"], response_model=ServerInfo, description="SGLang's older name")

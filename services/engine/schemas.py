@@ -324,6 +324,22 @@ class WeightVersion(BaseModel):
     weight_version: str
 
 
+class ListedModel(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None
+
+
+class ModelList(BaseModel):
+    """SGLang's OpenAI-compatible ``GET /v1/models``."""
+
+    object: Literal["list"]
+    data: list[ListedModel]
+
+
 class ModelInfo(BaseModel):
     model_path: str
     served_model_name: str

@@ -31,12 +31,56 @@ def test_rows_follow_the_schema() -> None:
             "advantage": 0.5,
             "reward": 1.0,
             "policy_version": 2,
+            "policy_versions": [2, 2, 2],
             "feature_keys": [],
         }
     ]
     assert group_of("g.1/3") == "g.1" and group_of("a:b/12") == "a:b"
     with pytest.raises(ValueError):
         group_of("no-slash")
+
+
+def test_a_multi_turn_sample_keeps_its_segments() -> None:
+    """Observation tokens are masked (log-prob 0), each token keeps the version that generated it, the
+    sample's version is its oldest generated token's, and the observations' media follow the prompt's."""
+    keys = ["a" * 40, "b" * 40]
+    sample = {
+        "response_ids": [9, 10, 11, 12, 13],
+        "logprobs": [-0.5, -0.25, 0.0, 0.0, -0.125],
+        "loss_mask": [1, 1, 0, 0, 1],  # model, model, tool output, tool output, model
+        "token_versions": [2, 2, 2, 2, 3],  # continued under version 3 after a publish
+        "feature_keys": [keys[1]],
+    }
+    group = Group(
+        group_id="g.1",
+        prompt_ids=[5, 6],
+        feature_keys=[keys[0]],
+        samples=[Sample(index=0, status=SampleStatus.OK, reward=1.0, policy_version=2, **sample)],  # type: ignore[arg-type]
+    )
+    row = group_table(group, [0.5]).to_pylist()[0]
+    assert row["loss_mask"] == [0, 0, 1, 1, 0, 0, 1]
+    assert row["rollout_logprobs"] == [0.0, 0.0, -0.5, -0.25, 0.0, 0.0, -0.125]
+    assert row["policy_versions"] == [2, 2, 2, 2, 2, 2, 3] and row["policy_version"] == 2
+    assert row["feature_keys"] == keys
+    with pytest.raises(ValueError, match="oldest"):  # the version must be the oldest generated token's
+        Sample(index=0, status=SampleStatus.OK, reward=1.0, policy_version=3, **sample)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="loss_mask has 2 entries"):
+        Sample(
+            index=0,
+            status=SampleStatus.OK,
+            policy_version=2,
+            response_ids=[1, 2, 3],
+            logprobs=[0.0] * 3,
+            loss_mask=[1, 0],
+        )
+
+
+def test_entries_stored_before_per_token_versions_are_read_with_one_version_per_sequence() -> None:
+    new = group_table(_group(response_ids=[9, 10], logprobs=[-0.25, -0.5]), [0.5])
+    old = new.drop_columns(["policy_versions"]).replace_schema_metadata({"weir.schema": "microbatch/1"})
+    table = read_entry(ipc_bytes(old))
+    assert table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True)
+    assert table.column("policy_versions").to_pylist() == [[2, 2, 2, 2]]
 
 
 @pytest.mark.parametrize(

@@ -68,3 +68,67 @@ def test_fingerprint_is_stable_and_discriminating() -> None:
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == omni.fingerprint  # not salted per process (cache keys are shared across processes)
     assert omni.fingerprint == "36f95d572cdc970c"  # pinned: a change here orphans every cache entry
+
+
+# The released Qwen3-VL-*-Instruct processor files (transformers 5 names).
+QWEN3_VL_IMAGE = {
+    "size": {"longest_edge": 16777216, "shortest_edge": 65536},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+QWEN3_VL_VIDEO = {
+    "size": {"longest_edge": 25165824, "shortest_edge": 4096},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "fps": 2,
+    "min_frames": 4,
+    "max_frames": 768,
+    "processor_class": "Qwen3VLProcessor",
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
+def test_from_pretrained_reads_a_qwen3_vl_folder(tmp_path: Path) -> None:
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(QWEN3_VL_IMAGE))
+    (tmp_path / "video_preprocessor_config.json").write_text(json.dumps(QWEN3_VL_VIDEO))
+    assert pp.ProcessorSpec.from_pretrained(tmp_path) == pp.ProcessorSpec.qwen3_vl()
+    # Recognised by model_type alone too (a hand-made folder without the class names).
+    bare = {k: v for k, v in QWEN3_VL_IMAGE.items() if k not in ("processor_class", "image_processor_type")}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(bare))
+    (tmp_path / "video_preprocessor_config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_vl_moe"}))
+    assert pp.ProcessorSpec.from_pretrained(tmp_path) == pp.ProcessorSpec.qwen3_vl()
+
+
+def test_from_pretrained_reads_one_processor_config(tmp_path: Path) -> None:
+    """transformers 5 `save_pretrained` may write a single processor_config.json with both processors."""
+    nested = {
+        "processor_class": "Qwen3VLProcessor",
+        "image_processor": QWEN3_VL_IMAGE,
+        "video_processor": QWEN3_VL_VIDEO,
+    }
+    (tmp_path / "processor_config.json").write_text(json.dumps(nested))
+    spec = pp.ProcessorSpec.from_pretrained(tmp_path)
+    assert spec == pp.ProcessorSpec.qwen3_vl()
+    # Video limits follow the factor as qwen-vl-utils derives them from image_patch_size.
+    assert (spec.video_min_pixels, spec.video_max_pixels) == (128 * 32 * 32, 768 * 32 * 32)
+
+
+def test_qwen3_vl_fingerprint() -> None:
+    import dataclasses
+
+    qwen3 = pp.ProcessorSpec.qwen3_vl()
+    assert qwen3.fingerprint not in {
+        pp.ProcessorSpec.qwen2_5_vl().fingerprint,
+        pp.ProcessorSpec.qwen2_5_omni().fingerprint,
+    }
+    # The prompt layout changes no feature byte: it is not part of the cache key.
+    assert dataclasses.replace(qwen3, video_timestamps=False).fingerprint == qwen3.fingerprint

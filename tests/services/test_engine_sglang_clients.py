@@ -636,3 +636,215 @@ def test_verls_other_endpoints(engine_role) -> None:  # type: ignore[no-untyped-
     assert refused.json()["error"]["field"] == "serialized_named_tensors"
     assert client.get("/release_memory_occupation").status_code == 400  # SGLang takes GET there too
     assert client.post("/no_such_endpoint", json={}).json()["error"]["code"] == "not_found"
+
+
+# SGLang's own clients. Facts from SGLang's public source (sgl-project/sglang), no code copied:
+# python/sglang/lang/backend/runtime_endpoint.py (RuntimeEndpoint, the frontend language's backend, and Runtime),
+# python/sglang/lang/ir.py (SglSamplingParams.to_srt_kwargs and its defaults), python/sglang/bench_serving.py
+# (the ``sglang`` / ``sglang-native`` backend, async_request_sglang_generate, and benchmark()).
+
+
+def _frontend_sampling(**extra: Any) -> dict[str, Any]:
+    """RuntimeEndpoint.generate's ``sampling_params``: skip_special_tokens and spaces_between_special_tokens from
+    global_config (both true by default), then SglSamplingParams.to_srt_kwargs() (python/sglang/lang/ir.py) with
+    the dataclass defaults — max_new_tokens 128, stop () and stop_token_ids () (JSON lists), temperature 1.0,
+    top_p 1.0, top_k -1, min_p 0.0, the penalties 0.0, ignore_eos false, regex null; later versions also send
+    min_new_tokens, n, stop_regex and json_schema (null when unset)."""
+    params: dict[str, Any] = {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "max_new_tokens": 128,
+        "stop": [],
+        "stop_token_ids": [],
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "min_p": 0.0,
+        "frequency_penalty": 0.0,
+        "presence_penalty": 0.0,
+        "ignore_eos": False,
+        "regex": None,
+    }
+    return {**params, **extra}
+
+
+def _frontend_stream(client: httpx.Client, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """RuntimeEndpoint.generate_stream's parse: lines that start with ``data:``; ``data: [DONE]`` ends it; the
+    rest of the line is JSON whose ``text`` is cumulative — it yields ``text[pos:]`` and the chunk's meta_info."""
+    pieces: list[tuple[str, dict[str, Any]]] = []
+    pos = 0
+    with client.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line and line.startswith("data:"):
+                if line == "data: [DONE]":
+                    break
+                data = json.loads(line[5:].strip("\n"))
+                piece = data["text"][pos:]
+                pos += len(piece)
+                pieces.append((piece, data["meta_info"]))
+    return pieces
+
+
+def test_runtime_endpoints_start_and_housekeeping(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, model, _ = engine_role
+    # Runtime polls GET /health_generate until 200, then RuntimeEndpoint GETs /get_model_info and picks its
+    # chat template from model_info["model_path"] (get_model_name returns it too).
+    assert client.get("/health_generate").status_code == 200
+    info = client.get("/get_model_info")
+    assert info.status_code == 200 and isinstance(info.json()["model_path"], str)
+    assert info.json()["model_path"] == str(model)
+    # get_server_info(): GET, any JSON object back; flush_cache(): POST {"empty_cache": true}, status 200.
+    server = client.get("/get_server_info")
+    assert server.status_code == 200 and isinstance(server.json(), dict)
+    assert client.post("/flush_cache", json={"empty_cache": True}).status_code == 200
+    # cache_prefix / commit_lazy_operations / fill_image: POST /generate {"text", max_new_tokens 0}; only the
+    # status is checked.
+    cached = client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+    assert cached.status_code == 200, cached.text
+
+
+def test_runtime_endpoint_generate_and_generate_stream(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, _ = engine_role
+    # generate(): {"text", "sampling_params"} plus return_logprob / logprob_start_len / top_logprobs_num /
+    # return_text_in_logprobs when the program set them; it reads obj["text"] and obj["meta_info"].
+    body = {"text": PROMPT, "sampling_params": _frontend_sampling(max_new_tokens=8, temperature=0, ignore_eos=True)}
+    answer = client.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    assert isinstance(out["text"], str) and isinstance(out["meta_info"], dict)
+    assert out["meta_info"]["completion_tokens"] == 8
+    with_logprobs = {
+        **body,
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "return_text_in_logprobs": True,
+    }
+    scored = client.post("/generate", json=with_logprobs)
+    assert scored.status_code == 200, scored.text
+    meta = scored.json()["meta_info"]
+    assert scored.json()["text"] == out["text"]
+    assert len(meta["output_token_logprobs"]) == 8 and len(meta["output_top_logprobs"]) == 8
+    assert all(isinstance(text, str) for _, _, text in meta["output_token_logprobs"])
+    # generate_stream(): the same body with "stream": true; the pieces put together are the text.
+    for streamed in (body, with_logprobs):
+        pieces = _frontend_stream(client, {**streamed, "stream": True})
+        assert "".join(piece for piece, _ in pieces) == out["text"]
+        assert all(isinstance(meta, dict) for _, meta in pieces)
+        assert pieces[-1][1]["completion_tokens"] == 8
+    # Later SglSamplingParams also send min_new_tokens, n, stop_regex and json_schema (unset: 0, 1, null, null).
+    later = {**body, "sampling_params": {**body["sampling_params"], "min_new_tokens": 0, "n": 1}}
+    later["sampling_params"].update(stop_regex=None, json_schema=None)
+    again = client.post("/generate", json=later)
+    assert again.status_code == 200, again.text
+    assert again.json()["text"] == out["text"]
+
+
+def test_runtime_endpoint_select_scores_choices(engine_role) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    client, model, _ = engine_role
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    choices = ["4", "5", " four"]
+    # select(): first caches the common prefix and reads meta_info["prompt_tokens"] ...
+    first = client.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}})
+    assert first.status_code == 200, first.text
+    prompt_len = first.json()["meta_info"]["prompt_tokens"]
+    assert prompt_len == len(tokenizer.encode(PROMPT))
+    # ... then scores every choice in one batch, from two tokens before the prompt's end (token healing).
+    start = max(prompt_len - 2, 0)
+    body = {
+        "text": [PROMPT + c for c in choices],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+        "return_logprob": True,
+        "return_text_in_logprobs": True,
+        "logprob_start_len": start,
+    }
+    answer = client.post("/generate", json=body)
+    assert answer.status_code == 200, answer.text
+    obj = answer.json()
+    assert isinstance(obj, list) and len(obj) == len(choices)
+    normalized = []
+    for choice, result in zip(choices, obj, strict=True):
+        inputs = result["meta_info"]["input_token_logprobs"]
+        assert result["meta_info"]["output_token_logprobs"] == []  # read, and empty: nothing generated
+        assert [t for _, t, _ in inputs] == tokenizer.encode(PROMPT + choice)[start:]
+        assert all(isinstance(text, str) for _, _, text in inputs)  # inputs[0][-1]: the healed token's text
+        assert all(isinstance(lp, float) and lp <= 0 for lp, _, _ in inputs[1:])
+        # compute_normalized_prompt_logprobs: the mean of the truthy log-probs (a null first one is skipped).
+        values = [lp for lp, _, _ in inputs if lp]
+        normalized.append(sum(values) / len(values))
+    assert all(isinstance(v, float) and v <= 0 for v in normalized)
+    # Choice methods that need unconditional log-probs post the scored token ids back, as a batch.
+    input_ids = [[t for _, t, _ in r["meta_info"]["input_token_logprobs"]] for r in obj]
+    unconditional = client.post(
+        "/generate", json={"input_ids": input_ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+    )
+    assert unconditional.status_code == 200, unconditional.text
+    rows = unconditional.json()
+    assert isinstance(rows, list) and len(rows) == len(choices)
+    assert all(isinstance(r["meta_info"]["input_token_logprobs"], list) for r in rows)
+
+
+def _bench_serving_stream(client: httpx.Client, payload: dict[str, Any]) -> tuple[str, int, list[int]]:
+    """bench_serving.py's async_request_sglang_generate parse: each line stripped, blank ones skipped, the
+    ``data: `` prefix removed; ``[DONE]`` passed over; otherwise JSON, and when its ``text`` is non-empty the
+    generated text is that (cumulative) text and the output length meta_info.completion_tokens."""
+    generated, output_len, lengths = "", 0, []
+    with client.stream("POST", "/generate", json=payload) as response:
+        assert response.status_code == 200
+        for raw in response.iter_lines():
+            line = raw.strip()
+            if not line:
+                continue
+            chunk = line.removeprefix("data: ")
+            if chunk == "[DONE]":
+                continue
+            data = json.loads(chunk)
+            if "text" in data and data["text"]:
+                generated = data["text"]
+                output_len = data["meta_info"]["completion_tokens"]
+                lengths.append(output_len)
+    return generated, output_len, lengths
+
+
+def test_bench_serving_sglang_backend(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, ids = engine_role
+    # The payload: "text" (or "input_ids" with --tokenize-prompt), sampling_params {temperature 0.0,
+    # max_new_tokens, ignore_eos: not --disable-ignore-eos}, stream: not --disable-stream, lora_path (the LoRA
+    # name, null without one), return_logprob and return_routed_experts (false by default), logprob_start_len -1.
+    for prompt_key, prompt in (("text", PROMPT), ("input_ids", ids)):
+        payload = {
+            prompt_key: prompt,
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True},
+            "stream": True,
+            "lora_path": None,
+            "return_logprob": False,
+            "return_routed_experts": False,
+            "logprob_start_len": -1,
+        }
+        whole = client.post("/generate", json={**payload, "stream": False})
+        assert whole.status_code == 200, whole.text
+        generated, output_len, lengths = _bench_serving_stream(client, payload)
+        assert generated == whole.json()["text"] and output_len == 12 == whole.json()["meta_info"]["completion_tokens"]
+        assert lengths == sorted(lengths)  # cumulative: ITL divides the gap by the new tokens since the last
+    # After the run: GET /get_server_info, kept whole in the result; "internal_states" read only when present
+    # (for the speculative accept length), a "decode" list only from a PD router.
+    server = client.get("/get_server_info")
+    assert server.status_code == 200 and isinstance(server.json(), dict)
+    states = server.json().get("internal_states")
+    assert states is None or isinstance(states, list)
+
+
+def test_bench_serving_finds_the_model_and_is_told_there_is_no_profiler(engine_role) -> None:  # type: ignore[no-untyped-def]
+    client, _, _ = engine_role
+    # bench_serving without --model: GET /v1/models, then data[0].id (python/sglang/bench_serving.py).
+    listed = client.get("/v1/models").json()
+    info = client.get("/get_model_info").json()
+    assert listed["object"] == "list" and listed["data"][0]["id"] == Path(info["model_path"]).name
+    # --profile: POST /start_profile and /stop_profile; RuntimeEndpoint GETs them. Refused by name, not a bare 404.
+    for method, path in (("POST", "/start_profile"), ("GET", "/stop_profile")):
+        answer = client.request(method, path, json={} if method == "POST" else None)
+        assert answer.status_code == 400 and answer.json()["error"]["code"] == "unsupported_endpoint", path
+        assert answer.json()["success"] is False
