@@ -1,4 +1,5 @@
-"""Generation engines: one contract (`Engine`), two backends (transformers on CPU, SGLang on GPU),
+"""Generation engines: one contract (`Engine`), three backends (transformers on CPU, SGLang on GPU, and a
+simulated one that sleeps a cost model's time for capacity twins),
 and what an engine role needs around them — SGLang's sampling dict mapped (`sampling_from`), media
 resolved from the caches by key (`MediaResolver`), a model's limits checked (`ModelLimits`).
 
@@ -13,9 +14,10 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
       grammar.py              constrained decoding (json_schema / regex / ebnf) with xgrammar: compiled, cached, matched
       media.py                MediaRef (by feature or embedding key) → MediaInput, from the two caches
       limits.py               a model's vocabulary and context; prompts outside them are refused at submit
-      factory.py              load_engine(model, backend=..., device=..., max_running=...)
+      factory.py              load_engine(model, backend=..., device=..., max_running=..., profile=...)
       transformers_backend.py TransformersEngine: a scheduler thread over a transformers model (CPU)
       sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), build_request / result_from
+      sim_backend.py          SimEngine: no model; a profile's continuous-batching cost model, slept (SimProfile)
 """
 
 from __future__ import annotations

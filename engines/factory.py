@@ -1,7 +1,8 @@
 """`load_engine`: a model folder and a backend name → a running `Engine`.
 
 The backend modules are imported here only when chosen, so the CPU install never imports SGLang
-and the GPU image never pays for a transformers model it does not serve.
+and the GPU image never pays for a transformers model it does not serve. ``sim`` loads no model at all:
+a profile file (`engines.sim_backend.SimProfile`) gives its vocabulary, context and cost model.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from .protocol import Engine
 
 __all__ = ["Backend", "DEFAULT_MAX_RUNNING", "load_engine"]
 
-Backend = Literal["transformers", "sglang"]
+Backend = Literal["transformers", "sglang", "sim"]
 DEFAULT_MAX_RUNNING = 8  # the transformers backend's default; SGLang sizes its own batch from GPU memory
 
 
@@ -23,12 +24,19 @@ def load_engine(
     backend: Backend = "transformers",
     device: str | None = None,
     max_running: int | None = None,
+    profile: str | Path | None = None,
+    compression: float | None = None,
 ) -> Engine:
     """The engine for ``model`` (a Qwen model folder with ``config.json``).
 
     ``device``: a torch device for transformers (default ``cpu``); for SGLang, its ``device`` server
     argument (default: SGLang's choice). ``max_running``: requests generated at once (default 8 for
-    transformers; SGLang's own default, sized from GPU memory, when None)."""
+    transformers; SGLang's own default, sized from GPU memory, when None).
+
+    ``sim``: ``model`` is not read; ``profile`` names the profile file (required) and ``compression``
+    overrides its simulated seconds per wall second (default: the profile's); ``max_running`` overrides
+    the profile's. (The engine role reads them from its settings, ``WEIR_SIM_PROFILE`` and
+    ``WEIR_SIM_COMPRESSION``: a library reads no environment.)"""
     if backend == "transformers":
         from .transformers_backend import TransformersEngine
 
@@ -42,4 +50,10 @@ def load_engine(
         if max_running is not None:
             args["max_running_requests"] = max_running
         return SGLangEngine(model, **args)
-    raise ValueError(f"unknown engine backend {backend!r}; use 'transformers' or 'sglang'")
+    if backend == "sim":
+        from .sim_backend import SimEngine
+
+        if profile is None:
+            raise ValueError("the sim backend needs a profile (a YAML or JSON file of its cost model)")
+        return SimEngine(profile, compression=compression, max_running=max_running)
+    raise ValueError(f"unknown engine backend {backend!r}; use 'transformers', 'sglang' or 'sim'")

@@ -16,6 +16,9 @@ running requests back at the head of the queue with their tokens, their KV dropp
 prompt + tokens so far when they are admitted again, counted in ``num_retractions``); ``in_place``
 freezes them with their KV. This backend keeps no prefix cache across requests, so `flush_cache`
 drops nothing; it answers as SGLang does, False while a request holds KV (running, or frozen in place).
+An abort's finish_reason says its cause in its ``message``: ``paused (abort mode)`` (``Abort before
+prefill`` for one the pause caught before it started) for a pause, ``aborted by request`` for a client's
+abort — so a rollout can continue only what a pause cut short (`rollout.partial`).
 
 Weights change from a folder (`update_weights`) or by broadcast from a trainer (SGLang's distributed
 update: `init_weights_update_group` joins a process group of its own — gloo on CPU, NCCL on CUDA — and
@@ -67,6 +70,13 @@ from .weights_group import join_weights_group
 __all__ = ["TransformersEngine", "penalize", "sample_token"]
 
 PAUSE_ACK_TIMEOUT_S = 30.0
+# The ``message`` of an abort's finish_reason ``{"type": "abort", "message": ...}`` says its cause, so a
+# caller can tell an abort it may continue (a pause in ``abort`` mode: a weight update) from one it must
+# not (a client's /abort_request, the engine closing). SGLang's own message for a request aborted before
+# it started is kept ("Abort before prefill"); it is used only for pause aborts here.
+ABORT_PAUSED = "paused (abort mode)"
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+ABORT_BY_REQUEST = "aborted by request"
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +156,7 @@ class _Running:
     length: int = 0  # tokens in the cache
     rope_delta: int = 0
     aborted: bool = False
+    abort_message: str = ABORT_BY_REQUEST  # why it was aborted (the first cause wins)
     on_token: TokenCallback | None = None
     output_top: list[TopLogprobs] = field(default_factory=list)
     input_logprobs: list[float | None] | None = None
@@ -233,23 +244,25 @@ class TransformersEngine:
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)
 
-    def abort(self, rid: str) -> bool:
+    def abort(self, rid: str, *, message: str = ABORT_BY_REQUEST) -> bool:
         running = self._by_rid.get(rid)
         if running is None:
             return False
+        if not running.aborted:
+            running.abort_message = message
         running.aborted = True
         return True
 
-    def abort_all(self) -> None:
+    def abort_all(self, *, message: str = ABORT_BY_REQUEST) -> None:
         for rid in list(self._by_rid):
-            self.abort(rid)
+            self.abort(rid, message=message)
 
     def pause(self, mode: PauseMode = "in_place") -> None:
         """Stop between two decode steps; returns once the scheduler has applied ``mode``."""
         self._pause_mode = mode
         self._pause_applied.clear()
         if mode == "abort":
-            self.abort_all()
+            self.abort_all(message=ABORT_PAUSED)
         self._unpaused.clear()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._pause_applied.wait(PAUSE_ACK_TIMEOUT_S)
@@ -475,12 +488,13 @@ class TransformersEngine:
         self._reap_aborted()
 
     def _reap_aborted(self) -> None:
-        message = "paused (abort mode)" if self._pause_mode == "abort" and self.paused else "aborted by request"
         for running in [*self._running, *self._waiting]:
             if running.aborted:
-                # SGLang's message for a request that never started (AReaL resubmits those as they are)
+                # SGLang's message for a request a pause aborted before it started (AReaL resubmits those
+                # as they are); a client's abort says so whenever it lands.
                 never_started = running.cache is None and not running.output_ids
-                reason = "Abort before prefill" if never_started else message
+                paused = running.abort_message == ABORT_PAUSED
+                reason = ABORT_BEFORE_PREFILL if never_started and paused else running.abort_message
                 self._finish(running, reason={"type": "abort", "message": reason})
 
     def _drain(self, *, block: bool) -> None:
@@ -502,7 +516,7 @@ class TransformersEngine:
     def _step(self, running: _Running) -> None:
         request = running.request
         if running.aborted:
-            self._finish(running, reason={"type": "abort", "message": "aborted by request"})
+            self._finish(running, reason={"type": "abort", "message": running.abort_message})
             return
         params = request.sampling
         if running.cache is None:  # first admitted, or admitted again after a retraction

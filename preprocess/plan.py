@@ -18,6 +18,7 @@ from .grid import (
     audio_num_tokens,
     audio_samples_for_tokens,
     frame_indices,
+    qwen3_vl_video_geometry,
     smart_nframes,
     smart_resize,
     smart_resize_qwen_vl_utils,
@@ -117,6 +118,8 @@ def _plan_image(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -
 
 
 def _plan_video(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -> MediaPlan:
+    if spec.video_sampler == "transformers":
+        return _plan_video_natively(header, spec, budget)
     factor, tps = spec.factor, spec.temporal_patch_size
 
     def geometry(total_pixels: float, max_frames: int) -> tuple[int, int, int, int]:
@@ -168,6 +171,56 @@ def _plan_video(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -
         grid_thw=(-(-n // tps), h // spec.patch_size, w // spec.patch_size),
         resized_size=(h, w),
         frame_indices=tuple(frame_indices(header.total_frames, n)),
+        sample_fps=sample_fps,
+        second_per_grid_t=tps / sample_fps,
+        shrunk=shrunk,
+    )
+
+
+def _plan_video_natively(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -> MediaPlan:
+    """transformers' video processor sampling and resizing (`grid.qwen3_vl_video_geometry`). Its one
+    size knob is the whole clip's pixel budget: tokens are clip pixels / (temporal patch × factor²), so
+    a token budget becomes a smaller ``max_pixels`` (frames are never dropped: the processor's frame
+    count depends on the clip's duration alone)."""
+    factor, tps = spec.factor, spec.temporal_patch_size
+
+    def geometry(max_pixels: int) -> tuple[list[int], int, int, int]:
+        indices, h, w = qwen3_vl_video_geometry(
+            header.total_frames,
+            header.video_fps,
+            header.height,
+            header.width,
+            fps=spec.video_fps,
+            min_frames=spec.video_min_frames,
+            max_frames=spec.video_max_frames,
+            factor=factor,
+            temporal_factor=tps,
+            min_pixels=spec.video_clip_min_pixels,
+            max_pixels=max_pixels,
+        )
+        return indices, h, w, -(-len(indices) // tps) * (h // factor) * (w // factor)
+
+    indices, h, w, tokens = geometry(spec.video_clip_max_pixels)
+    unbudgeted, limit, shrunk = tokens, budget.max_video_tokens, False
+    if limit is not None and tokens > limit:
+        if budget.policy == "refuse":
+            raise _over("video", tokens, limit)
+        cap = min(spec.video_clip_max_pixels, limit * tps * factor * factor)
+        while tokens > limit and cap >= spec.video_clip_min_pixels:
+            indices, h, w, tokens = geometry(cap)
+            cap = int(cap * 0.9)
+        if tokens > limit:
+            raise _over("video", tokens, limit)
+        shrunk = True
+    sample_fps = len(indices) / header.total_frames * header.video_fps
+    return MediaPlan(
+        kind="video",
+        header=header,
+        num_tokens=tokens,
+        tokens_unbudgeted=unbudgeted,
+        grid_thw=(-(-len(indices) // tps), h // spec.patch_size, w // spec.patch_size),
+        resized_size=(h, w),
+        frame_indices=tuple(indices),
         sample_fps=sample_fps,
         second_per_grid_t=tps / sample_fps,
         shrunk=shrunk,

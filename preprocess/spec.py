@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["PIPELINE_VERSION", "ImageBackend", "ProcessorSpec", "VideoBackend"]
+__all__ = ["PIPELINE_VERSION", "ImageBackend", "ProcessorSpec", "VideoBackend", "VideoSampler"]
 
 # Which reference implementation's pixels a spec reproduces bit for bit (see resize.py).
 ImageBackend = Literal["pil", "torchvision"]
 VideoBackend = Literal["qwen_vl_utils", "torchvision"]
+VideoSampler = Literal["qwen_vl_utils", "transformers"]
 
 # Bump when the bytes a spec produces change (resize path, normalization, layout): old cache
 # entries then stop matching instead of being served stale.
@@ -82,6 +83,13 @@ class ProcessorSpec:
     # "torchvision" backends match transformers' default (torchvision) processors on CPU instead.
     image_backend: ImageBackend = "pil"
     video_backend: VideoBackend = "qwen_vl_utils"
+    # Which frames and size: qwen-vl-utils' `fetch_video` (the model cards' pipeline), or transformers'
+    # own video processor sampling and resizing (`Qwen3VLVideoProcessor` with ``do_sample_frames``: frames
+    # by `grid.smart_nframes_qwen3_vl`, the whole clip's pixels within video_clip_min/max_pixels). Pair
+    # "transformers" with video_backend "torchvision" for pixels bit-exact with that processor.
+    video_sampler: VideoSampler = "qwen_vl_utils"
+    video_clip_min_pixels: int = 4096
+    video_clip_max_pixels: int = 25165824
     # Qwen3-VL: a video placeholder expands to "<t seconds>" text + one vision_start / pads /
     # vision_end block per temporal patch (see `placeholders.timestamped_video_ids`), not to pads
     # alone. Prompt layout only: not fingerprinted.
@@ -194,5 +202,10 @@ class ProcessorSpec:
     def fingerprint(self) -> str:
         """Stable across processes and runs: sha256 of the canonical JSON of every field."""
         fields = {k: v for k, v in self.to_dict().items() if k not in _NOT_FINGERPRINTED}
+        if self.video_sampler == "qwen_vl_utils":
+            # The native sampler's fields change no byte while it is off: leaving them out keeps the pinned
+            # fingerprints (and every cache key made before they existed) as they were.
+            for name in ("video_sampler", "video_clip_min_pixels", "video_clip_max_pixels"):
+                fields.pop(name)
         payload = json.dumps({"pipeline": PIPELINE_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

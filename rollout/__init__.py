@@ -11,6 +11,10 @@ The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a 
     admission   bounds on in-flight media tokens and request bytes
     chat        OpenAI chat / text-completion shaping: objects, streamed deltas, tool calls
     sink        where finished groups go (the data role, or a JSONL file)
+    multiturn   multi-turn trajectories: tool calls and environment steps, observations rendered by the
+                chat template (loss mask 0), per-token policy versions
+    tools       built-in tools (calculator, crop) and the registry of custom ones (named, registered at start-up)
+    environments  built-in environments (visual_search), registered classes and HTTP environments at configured URLs
     plugins     loading operator-named code (settings and entry points only, never requests)
     errors      the exception tree
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 from .admission import Admission
 from .dispatch import Dispatcher, EngineEndpoint, EngineHealth, EngineStream
+from .environments import EnvironmentRegistry
 from .errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -51,12 +56,20 @@ from .group import (
     run_prompt,
     sample_seed,
 )
+from .multiturn import rollout_multiturn
 from .plugins import PluginError
 from .prompts import PromptBuilder, parse_messages
 from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardContext, RewardFunction, RewardRegistry, RewardSpec
 from .sink import HttpSink, JsonlSink, Sink
+from .tools import Observation, ToolContext, ToolError, ToolRegistry
 
 __all__ = [
+    "rollout_multiturn",
+    "ToolRegistry",
+    "ToolError",
+    "ToolContext",
+    "Observation",
+    "EnvironmentRegistry",
     "BUILTIN_REWARDS",
     "DEFAULT_ROLLOUT_FUNCTION",
     "ENTRY_POINT_GROUP",

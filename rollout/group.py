@@ -31,7 +31,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,6 +42,7 @@ from experience.records import FinishReason, Group, Sample, SampleStatus, policy
 
 from .admission import Admission
 from .dispatch import Dispatcher, EngineEndpoint, EngineStream
+from .environments import EnvironmentRef
 from .errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -51,9 +52,18 @@ from .errors import (
     UpstreamUnavailable,
     refuses_token,
 )
+from .partial import (
+    MAX_CONTINUATIONS,
+    PartialRollouts,
+    continuable,
+    continuation_sampling,
+    join_segments,
+    pause_abort,
+)
 from .prompts import PromptBuilder, parse_messages
 from .rewards import RewardContext, RewardRegistry, RewardSpec
 from .sink import Sink
+from .tools import Tool
 
 __all__ = [
     "DEFAULT_ROLLOUT_FUNCTION",
@@ -95,16 +105,29 @@ _FINISH_REASONS: dict[object, FinishReason] = {"stop": "stop", "length": "length
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PromptSpec:
     """One prompt of a rollout request: OpenAI-style ``messages``, ``n`` samples, how to reward them,
-    and the group id to use (a fresh one when None)."""
+    and the group id to use (a fresh one when None). Multi-turn (`rollout.multiturn`): the ``tools``
+    the model may call and the ``environment`` it acts in — both resolved from the registries built at
+    start-up (`rollout.tools.ToolRegistry`, `rollout.environments.EnvironmentRegistry`), never imported
+    by name here — and ``max_turns``, the most model turns per trajectory (None: the default)."""
 
     messages: Sequence[Any]
     n: int = 1
     reward: RewardSpec = field(default_factory=RewardSpec)
     group_id: str | None = None
+    tools: Sequence[Tool] = ()
+    environment: EnvironmentRef | None = None
+    max_turns: int | None = None
 
     def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError("n must be at least 1")
+        if self.max_turns is not None and self.max_turns < 1:
+            raise ValueError("max_turns must be at least 1")
+
+    @property
+    def multiturn(self) -> bool:
+        """Whether this prompt is rolled out turn by turn (tools, an environment or ``max_turns``)."""
+        return bool(self.tools) or self.environment is not None or self.max_turns is not None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -138,6 +161,9 @@ class RolloutContext:
     default_max_tokens: int = 256
     return_routed_experts: bool = False  # ask MoE engines for routing (R3: rollout routing replay)
     reward_timeout_s: float = 30.0
+    # A sample a pause (a weight update in abort mode) cut short: "keep" continues it under the new
+    # weights (`rollout.partial`), "drop" lets it end aborted.
+    partial_rollouts: PartialRollouts = "keep"
 
     @property
     def context_length(self) -> int:
@@ -465,7 +491,9 @@ async def _generate(
     index: int,
     ask: LogprobAsk,
 ) -> tuple[Sample, ChoiceLogprobs]:
-    """`generate`, with what ``ask`` asked for; an answer without it is a ``failed`` sample."""
+    """`generate`, with what ``ask`` asked for; an answer without it is a ``failed`` sample. An answer a
+    pause cut short is continued under the new weights when ``ctx.partial_rollouts`` is ``keep``
+    (`_continued`, `rollout.partial`)."""
     start = time.perf_counter()
     rid = sample_id(group_id, index)
     routed = ctx.return_routed_experts
@@ -475,15 +503,15 @@ async def _generate(
             group=group_id,
         )
     except (EnginesUnavailable, EngineRefused) as error:
-        logger.warning("sample %s failed: %s: %s", rid, error.code, error)
-        failed = Sample(
-            index=index,
-            status=SampleStatus.FAILED,
-            error=f"{error.code}: {error}",
-            timings={"generate_s": time.perf_counter() - start},
-        )
-        return failed, ChoiceLogprobs()
+        return _unavailable(rid, index, error, start), ChoiceLogprobs()
     sample = sample_from_engine(out, index=index, generate_s=time.perf_counter() - start)
+    if (
+        sample.status is SampleStatus.ABORTED
+        and ctx.partial_rollouts == "keep"
+        and pause_abort(out)
+        and continuable(sampling)
+    ):
+        return await _continued(ctx, prepared, sampling, sample, out, group_id=group_id, ask=ask, start=start)
     if sample.status is SampleStatus.FAILED or not ask.extra:
         return sample, ChoiceLogprobs()
     try:
@@ -492,6 +520,90 @@ async def _generate(
         return _failed(index, f"the engine did not return the log-probs asked for: {error}", sample.timings), (
             ChoiceLogprobs()
         )
+
+
+def _unavailable(rid: str, index: int, error: EnginesUnavailable | EngineRefused, start: float) -> Sample:
+    logger.warning("sample %s failed: %s: %s", rid, error.code, error)
+    return Sample(
+        index=index,
+        status=SampleStatus.FAILED,
+        error=f"{error.code}: {error}",
+        timings={"generate_s": time.perf_counter() - start},
+    )
+
+
+async def _continued(
+    ctx: RolloutContext,
+    prepared: Prepared,
+    sampling: Mapping[str, Any],
+    first: Sample,
+    out: Mapping[str, Any],
+    *,
+    group_id: str,
+    ask: LogprobAsk,
+    start: float,
+) -> tuple[Sample, ChoiceLogprobs]:
+    """A sample a pause aborted, continued until it finishes (or `MAX_CONTINUATIONS`): each continuation
+    is prompt + every token kept so far, the same media, a fresh rid, on the group's engine (affinity);
+    the segments are joined into one `Sample` (`rollout.partial.join_segments`). With ``ask``: the prompt's
+    log-probs from the first segment, each token's top log-probs from its own segment."""
+    index = first.index
+    rid = sample_id(group_id, index)
+    routed = ctx.return_routed_experts
+    segments = [first]
+    shown = ChoiceLogprobs()
+    tops: list[Top] = []
+    if ask.extra:
+        try:
+            shown = choice_logprobs(out, ask, prompt_ids=prepared.prompt_ids)
+        except ValueError as error:
+            return _failed(index, f"the engine did not return the log-probs asked for: {error}", first.timings), (
+                ChoiceLogprobs()
+            )
+        tops = list(shown.top or [])
+    later = LogprobAsk(top=ask.top)  # the prompt's log-probs come from the first segment only
+    exhausted = False
+    while segments[-1].status is SampleStatus.ABORTED and pause_abort(out) and len(segments) <= MAX_CONTINUATIONS:
+        kept = [t for segment in segments for t in segment.response_ids]
+        choice = continuation_sampling(sampling, len(kept), len(segments))
+        if choice is None:  # the cut came at the last token it could have
+            exhausted = True
+            break
+        step = dataclasses.replace(prepared, prompt_ids=[*prepared.prompt_ids, *kept])
+        step_rid = f"{rid}+{len(segments)}"
+        began = time.perf_counter()
+        try:
+            out = await ctx.dispatcher.generate(_body_for(step, choice, step_rid, routed, later), group=group_id)
+        except (EnginesUnavailable, EngineRefused) as error:
+            return _unavailable(step_rid, index, error, start), ChoiceLogprobs()
+        segment = sample_from_engine(out, index=index, generate_s=time.perf_counter() - began)
+        segments.append(segment)
+        if segment.status is SampleStatus.FAILED:
+            break
+        if later.top:
+            try:
+                tops += choice_logprobs(out, later, prompt_ids=step.prompt_ids).top or []
+            except ValueError as error:
+                return _failed(index, f"the engine did not return the log-probs asked for: {error}", first.timings), (
+                    ChoiceLogprobs()
+                )
+    sample = join_segments(segments, generate_s=time.perf_counter() - start, exhausted=exhausted)
+    logger.info(
+        "sample %s continued %d time(s) across a pause, %d token(s) kept: %s",
+        rid,
+        len(segments) - 1,
+        int(sample.timings.get("kept_tokens", 0)),
+        sample.status.value,
+    )
+    if sample.status is SampleStatus.FAILED or not ask.extra:
+        return sample, ChoiceLogprobs()
+    return sample, dataclasses.replace(shown, top=tops if ask.top else None)
+
+
+def _body_for(
+    prepared: Prepared, sampling: Mapping[str, Any], rid: str, routed: bool, ask: LogprobAsk
+) -> Callable[[EngineEndpoint], dict[str, Any]]:
+    return lambda engine: engine_body(engine, prepared, sampling, rid, routed_experts=routed, ask=ask)
 
 
 def sample_seed(seed: int, index: int) -> int:
@@ -571,7 +683,12 @@ async def rollout_group(
     sampling: dict[str, Any],
     budget: dict[str, Any] | None,
 ) -> Group:
-    """The default rollout function: prepare the prompt, generate ``n`` samples, reward them."""
+    """The default rollout function: prepare the prompt, generate ``n`` samples, reward them. A prompt
+    with tools, an environment or ``max_turns`` is rolled out turn by turn (`rollout.multiturn`)."""
+    if prompt.multiturn:
+        from .multiturn import rollout_multiturn  # it builds on this module: imported when used
+
+        return await rollout_multiturn(ctx, prompt, index=index, sampling=sampling, budget=budget)
     start = time.perf_counter()
     where = f"prompts[{index}]"
     prepared = await prepare(ctx, prompt.messages, where=f"{where}.messages", budget=budget)

@@ -1,8 +1,10 @@
 """Code chosen by the operator when the role starts: ``package.module:function`` specs and entry points.
 
 This is the only module of the library that imports code by name, and it is called only with
-settings (``WEIR_REWARD_FUNCTIONS``, ``WEIR_ROLLOUT_FUNCTION``) and installed entry points — never
-with anything a request carries. Each loader raises `PluginError` (a `ValueError`, so settings
+settings (``WEIR_REWARD_FUNCTIONS``, ``WEIR_ROLLOUT_FUNCTION``, ``WEIR_TOOLS``, ``WEIR_ENVIRONMENTS``) and
+installed entry points (``weir.rewards``, ``weir.tools``, ``weir.environments``) — never with anything a
+request carries (a request names a registered tool or environment, `rollout.tools` / `rollout.environments`).
+Each loader raises `PluginError` (a `ValueError`, so settings
 validation reports it against the variable) naming the spec that failed.
 """
 

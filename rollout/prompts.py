@@ -185,3 +185,50 @@ class PromptBuilder:
     def token_text(self, token: int) -> str:
         """One token as text (special tokens included), for chat log-probs."""
         return str(self.tokenizer.decode([token]))
+
+    # -- multi-turn: observations rendered by the chat template ------------------------------------
+    def continuation(
+        self,
+        template: list[dict[str, Any]],
+        added: list[dict[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        ended: bool = True,
+    ) -> str:
+        """The text the chat template puts after the model's last turn (the last message of ``template``)
+        through the ``added`` messages and the next generation prompt: the difference between the
+        rendering with and without ``added``, starting right after the last turn's end-of-turn token (the
+        model generated that token itself when ``ended``; otherwise the template's end-of-turn text leads).
+        So an observation's tokens are exactly what the template makes of it, and the model's own tokens
+        are never re-tokenized."""
+        kwargs: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
+        before = str(
+            self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=False, **kwargs)
+        )
+        after = str(
+            self.tokenizer.apply_chat_template(template + added, tokenize=False, add_generation_prompt=True, **kwargs)
+        )
+        if not after.startswith(before):
+            raise InvalidPrompt(
+                "this model's chat template renders the conversation differently once an observation is added",
+                code="template_not_incremental",
+            )
+        ends = [str(self.tokenizer.convert_ids_to_tokens(t)) for t in self.eos_ids]
+        found = [(before.rfind(e), e) for e in ends if before.rfind(e) >= 0]
+        if not found:
+            raise InvalidPrompt("the chat template closes no turn with an end-of-turn token", code="invalid_template")
+        at, end = max(found)
+        return ("" if ended else end) + before[at + len(end) :] + after[len(before) :]
+
+    def observation_ids(self, text: str, media: Sequence[tuple[str, int]]) -> list[int]:
+        """Token ids of an observation's text (`continuation`), each media placeholder expanded to its
+        count (the observation's media, in order), exactly as a prompt's."""
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        try:
+            return expand_placeholders(ids, self.placeholders, media)
+        except MediaError as error:
+            raise InvalidPrompt(str(error), code=error.code) from None
+
+    def placeholder_text(self, kind: str) -> str:
+        """The placeholder token of a media kind as text (``<|IMAGE|>``), to count what a template rendered."""
+        return str(self.tokenizer.convert_ids_to_tokens(self.placeholders[kind]))

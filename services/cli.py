@@ -2,7 +2,7 @@
 
 Commands::
 
-    weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR] [--backend B]
+    weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR] [--backend B] [--profile F]
                                    # one role: preprocess | encoder | data | engine | rollout, at the
                                    # table's port; its settings are WEIR_* variables, checked first
     weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--demo]
@@ -100,9 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=None, help="sets WEIR_MODEL, a model folder (default: WEIR_MODEL)")
     serve.add_argument(
         "--backend",
-        choices=("transformers", "sglang"),
+        choices=("transformers", "sglang", "sim"),
         default=None,
         help="sets WEIR_BACKEND, the engine's backend (default: WEIR_BACKEND, else transformers)",
+    )
+    serve.add_argument(
+        "--profile",
+        default=None,
+        help="sets WEIR_SIM_PROFILE, the sim backend's profile file, e.g. profiles/relax-qwen3-4b-h800.yaml "
+        "(default: WEIR_SIM_PROFILE; needed with --backend sim)",
     )
 
     prep = command("prep", "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
@@ -251,6 +257,7 @@ def _serve(args: argparse.Namespace) -> int:
     for value, variable in (
         (args.model, "WEIR_MODEL"),
         (args.backend, "WEIR_BACKEND"),
+        (args.profile, "WEIR_SIM_PROFILE"),
         (args.log_level, "WEIR_LOG_LEVEL"),
     ):
         if value is not None:

@@ -18,6 +18,13 @@ lease ran out first and the samples went out again) is logged and training goes 
 refusal (`trainer.feed.AckRefused`: a wrong token, an unknown batch) stops the loop, as the batch
 would otherwise be trained again silently.
 
+Partial rollouts (``LoopConfig.partial_rollouts``): weights are published with the engines paused in
+``abort`` mode, so the rollout role continues each sample a publish cut short under the new weights, every
+token tagged with the version that generated it (`rollout.partial`). Each step's record says how many of
+its trained samples straddled a publish (``straddled_samples``, ``straddled_share``: their tokens' versions
+differ) and the rollout role's running count of tokens kept at continuations (``kept_tokens_total``,
+its ``weir_rollout_kept_tokens_total``; None when its /metrics cannot be read).
+
 Progress goes to a JSONL metrics file and to the caller's ``on_step`` (the CLI prints it live).
 Every request carries the stack's API token (``LoopConfig.token``; None sends none).
 
@@ -40,6 +47,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import torch
 
 from experience.records import Group
 
@@ -48,7 +56,7 @@ from .feed import FeedBatch, MicroBatchFeed
 from .publish import publish_weights
 from .reference import ReferenceTrainer
 
-__all__ = ["LoopConfig", "evaluate", "run_loop"]
+__all__ = ["LoopConfig", "evaluate", "run_loop", "straddling"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +79,11 @@ class LoopConfig:
     checkpoint_every: int = 0  # 0: no checkpoints; batches are acknowledged right after their step
     resume: bool = False  # continue from out/checkpoint when it exists
     consumer: str = "trainer"
+    # Partial rollouts: publish with the engines paused in "abort" mode, so the rollout role (its
+    # WEIR_PARTIAL_ROLLOUTS=keep, the default) continues every sample cut short under the new weights with
+    # each token tagged by the version that generated it; False: "retract" (requests go on inside the
+    # engine, their early tokens untagged).
+    partial_rollouts: bool = False
 
 
 def evaluate(
@@ -117,6 +130,24 @@ class _EngineClock:
             if u in self.start
         ]
         return sum(shares) / len(shares) if shares else None
+
+
+def straddling(batch: FeedBatch) -> int:
+    """How many samples of ``batch`` straddled a publish: their generated tokens (``loss_mask``) came
+    from more than one policy version (a partial rollout continued under new weights)."""
+    versions, sequences = batch.tensors["policy_versions"], batch.tensors["sequence_ids"]
+    generated = batch.tensors["loss_mask"] > 0
+    if not bool(generated.any()):
+        return 0
+    count = int(sequences.max()) + 1
+    big = torch.iinfo(torch.long).max
+    low = torch.full((count,), big, dtype=torch.long).scatter_reduce(
+        0, sequences[generated], versions[generated], reduce="amin"
+    )
+    high = torch.full((count,), -1, dtype=torch.long).scatter_reduce(
+        0, sequences[generated], versions[generated], reduce="amax"
+    )
+    return int(((high >= 0) & (low != high)).sum())
 
 
 def run_loop(
@@ -181,6 +212,7 @@ def run_loop(
             data_url=urls.get("data"),
             encoder_url=urls.get("encoder"),
             token=token,
+            pause_mode="abort" if config.partial_rollouts else "retract",
         )
         for dead in result["unreachable"]:
             engines.remove(dead)
@@ -201,6 +233,17 @@ def run_loop(
             except httpx.TransportError:
                 time.sleep(0.5)
         raise RuntimeError("the data role stayed unreachable for 2 minutes")
+
+    def rollout_counter(name: str) -> float | None:
+        """A counter of the rollout role's /metrics (None when it cannot be read)."""
+        try:
+            text = client.get(f"{urls['rollout']}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.split()[1])
+        return None
 
     first_step = 1
     if config.resume and (checkpoint / "trainer.json").is_file():
@@ -260,6 +303,7 @@ def run_loop(
                     raise RuntimeError("five generated batches in a row held no trainable sample")
             rewards: list[float] = []
             versions: list[int] = []
+            straddled = 0  # samples whose tokens came from more than one policy version
             tokens = 0
             trained = 0  # samples of this step, on all ranks
             while trained < target:  # stream: train on each micro-batch as soon as it is cut
@@ -275,10 +319,13 @@ def run_loop(
                     got = len(batch.tensors["rewards"])
                     rewards += batch.tensors["rewards"].tolist()
                     versions.append(int(batch.tensors["policy_versions"].min()))
+                    straddled += straddling(batch)
                     tokens += int(batch.tensors["input_ids"].numel())
                 trained += int(everywhere([float(got)])[0])
             result = trainer.apply()
-            reward_sum, samples, tokens_all = everywhere([sum(rewards), float(len(rewards)), float(tokens)])
+            reward_sum, samples, tokens_all, straddled_all = everywhere(
+                [sum(rewards), float(len(rewards)), float(tokens), float(straddled)]
+            )
             oldest = min(versions, default=1 << 40)  # a rank that trained only fillers has no versions
             if parallel is not None:
                 oldest = -parallel.most(-oldest)
@@ -311,6 +358,9 @@ def run_loop(
                 "grad_norm": result.grad_norm,
                 "policy_version": trainer.policy_version,
                 "staleness": staleness,
+                "straddled_samples": int(straddled_all),
+                "straddled_share": straddled_all / max(1, samples),
+                "kept_tokens_total": rollout_counter("weir_rollout_kept_tokens_total"),
                 "queue_samples": current["queue_samples"],
                 "dropped_stale": int(current["drops"].get("dropped_stale", 0)),
                 "regenerated": driver.regenerated,

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import torch
@@ -30,8 +30,13 @@ __all__ = ["BroadcastWeightSync", "NcclWeightSync", "data_policy_version", "publ
 
 # Requests in flight keep their tokens across a publish: "retract" puts them back in the queue and they go on
 # under the new weights (SGLang's default, "abort", would throw that work away; "in_place" keeps KV that a
-# weight update's cache flush cannot drop).
-PAUSE = {"mode": "retract"}
+# weight update's cache flush cannot drop). A retracted request's early tokens came from the old weights and
+# nothing tags them: with partial rollouts (the rollout role's WEIR_PARTIAL_ROLLOUTS=keep) publish with
+# ``pause_mode="abort"`` instead — each request then ends aborted with what it generated, and the rollout role
+# continues it under the new weights, every token tagged with the version that generated it.
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODE: PauseMode = "retract"
+PAUSE = {"mode": PAUSE_MODE}
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +50,10 @@ def publish_weights(
     encoder_url: str | None = None,
     timeout_s: float = 300.0,
     token: str | None = None,
+    pause_mode: PauseMode = PAUSE_MODE,
 ) -> dict[str, Any]:
-    """Point every reachable engine at ``folder`` as weight version ``version``.
+    """Point every reachable engine at ``folder`` as weight version ``version``, the engines paused in
+    ``pause_mode`` meanwhile (``abort`` for partial rollouts: see `PAUSE`).
 
     An engine that cannot be reached (it died) is skipped and listed under ``"unreachable"``: the
     rollout role already routes around it, and one dead engine must not stop training. An engine
@@ -58,7 +65,7 @@ def publish_weights(
         start = time.perf_counter()
         for url in engine_urls:
             try:
-                client.post(f"{url}/pause_generation", json=PAUSE).raise_for_status()
+                client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
                 live.append(url)
             except httpx.TransportError:
                 logger.warning("engine %s is unreachable; publishing to the others", url)
@@ -198,9 +205,11 @@ class BroadcastWeightSync:
             tensor = tensor.cpu()
         return tensor.contiguous()
 
-    def publish(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> dict[str, Any]:
-        """Broadcast ``named_tensors`` to every engine as weight version ``version``; returns the seconds
-        the engines took (``engines_s``), as `publish_weights` does."""
+    def publish(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, pause_mode: PauseMode = PAUSE_MODE
+    ) -> dict[str, Any]:
+        """Broadcast ``named_tensors`` to every engine as weight version ``version`` (the engines paused in
+        ``pause_mode``, as `publish_weights`); returns the seconds the engines took (``engines_s``)."""
         if self.group is None:
             raise RuntimeError("connect() first")
         import torch.distributed as dist
@@ -208,7 +217,7 @@ class BroadcastWeightSync:
         out: dict[str, Any] = {"unreachable": []}
         start = time.perf_counter()
         for url in self.engine_urls:
-            self.client.post(f"{url}/pause_generation", json=PAUSE).raise_for_status()
+            self.client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
         try:
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):

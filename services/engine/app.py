@@ -128,7 +128,12 @@ _WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
     settings = settings or load_settings(EngineSettings)
     engine = engines.load_engine(
-        settings.model, backend=settings.backend, device=settings.device, max_running=settings.max_running
+        settings.model,
+        backend=settings.backend,
+        device=settings.device,
+        max_running=settings.max_running,
+        profile=settings.sim_profile,
+        compression=settings.sim_compression,
     )
     role = EngineRole(
         settings=settings,

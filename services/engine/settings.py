@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..media_roots import MediaRoots
 from ..media_urls import MediaUrls
@@ -25,8 +25,16 @@ class EngineSettings(RoleSettings, MediaUrls):
     model: ModelFolder = Field(
         Path(".weir/model"), description="the model folder served (a Qwen2.5-Omni thinker for transformers)"
     )
-    backend: Literal["transformers", "sglang"] = Field(
-        "transformers", description="transformers (CPU, or a GPU without SGLang) or sglang (in-process, CUDA)"
+    backend: Literal["transformers", "sglang", "sim"] = Field(
+        "transformers",
+        description="transformers (CPU, or a GPU without SGLang), sglang (in-process, CUDA) or sim (a simulated "
+        "engine: no weights, times from WEIR_SIM_PROFILE's cost model)",
+    )
+    sim_profile: Path | None = Field(
+        None, description="the sim backend's profile (YAML or JSON: vocabulary, context, cost model); needed for sim"
+    )
+    sim_compression: float | None = Field(
+        None, gt=0, description="the sim backend's simulated seconds per wall second (default: the profile's)"
     )
     device: str | None = Field(
         None, description="torch device; default cpu for transformers, SGLang's own choice for sglang"
@@ -50,3 +58,12 @@ class EngineSettings(RoleSettings, MediaUrls):
     max_media_bytes: int = Field(
         128 << 20, gt=0, description="the largest media item /generate decodes (or reads from a media URL)"
     )
+
+    @model_validator(mode="after")
+    def _sim_needs_a_profile(self) -> EngineSettings:
+        if self.backend == "sim":
+            if self.sim_profile is None:
+                raise ValueError("WEIR_BACKEND=sim needs WEIR_SIM_PROFILE (a profile file, e.g. profiles/*.yaml)")
+            if not self.sim_profile.is_file():
+                raise ValueError(f"WEIR_SIM_PROFILE: {self.sim_profile} is not a file")
+        return self

@@ -74,11 +74,13 @@ from .service import (
     OpenAIErrors,
     RolloutMetrics,
     build_context,
+    build_plugins,
     chat_logprobs,
     chat_sampling,
     completion_logprobs,
     completion_refusal,
     library_reward,
+    multiturn_fields,
     prompt_sampling,
     response_format_sampling,
     tool_prompt,
@@ -112,6 +114,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     settings = settings or load_settings(RolloutSettings)
     context, clients = build_context(settings)
     function: RolloutFunction = load_coroutine_function(settings.rollout_function)  # type: ignore[assignment]
+    tools, environments = build_plugins(settings)
     metrics = RoleMetrics("rollout")
     figures = RolloutMetrics(metrics, context.admission)
 
@@ -137,6 +140,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
 
     async def close() -> None:
         await context.close()
+        tools.close()
         for client in clients:
             await client.aclose()
 
@@ -179,7 +183,11 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             sampling = prompt_sampling(body, prompt, settings.default_max_tokens)
             sampling_from(sampling)
             spec = PromptSpec(
-                messages=[m.model_dump() for m in prompt.messages], n=prompt.n, reward=reward, group_id=prompt.id
+                messages=[m.model_dump() for m in prompt.messages],
+                n=prompt.n,
+                reward=reward,
+                group_id=prompt.id,
+                **multiturn_fields(prompt, i, tools, environments),
             )
             checked.append((spec, sampling))
         return checked
@@ -424,6 +432,11 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     async def rewards() -> dict[str, list[str]]:
         """The reward types a request may use, and the custom functions registered at start-up."""
         return {"builtin": [*BUILTIN_REWARDS, "custom"], "registered": context.rewards.names}
+
+    @app.get("/v1/tools")
+    async def tool_list() -> dict[str, list[str]]:
+        """The tools and environments a multi-turn rollout prompt may name (registered at start-up)."""
+        return {"tools": tools.names, "environments": environments.names}
 
     return app
 

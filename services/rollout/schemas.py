@@ -22,6 +22,7 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "EnvironmentSpec",
     "JsonSchemaFormat",
     "Message",
     "ModelCard",
@@ -124,6 +125,22 @@ class RewardSpec(BaseModel):
         return self
 
 
+class EnvironmentSpec(BaseModel):
+    """A registered environment for a multi-turn prompt; code and URLs are never named here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        min_length=1,
+        max_length=64,
+        description="an environment registered at start-up (WEIR_ENVIRONMENTS, WEIR_HTTP_ENVIRONMENTS, the "
+        "'weir.environments' entry points, or the built-in visual_search); another is 400 unknown_tool",
+    )
+    options: dict[str, Any] = Field(
+        default_factory=dict, max_length=64, description="keyword arguments of the environment (400 if refused)"
+    )
+
+
 class RolloutPrompt(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -133,6 +150,16 @@ class RolloutPrompt(BaseModel):
     id: str | None = Field(None, pattern=GROUP_ID_PATTERN, description="the group id (a fresh one when absent)")
     sampling_params: dict[str, Any] | None = Field(
         None, max_length=64, description="overrides the request's sampling_params, key by key, for this prompt"
+    )
+    tools: list[Annotated[str, Field(min_length=1, max_length=64)]] | None = Field(
+        None,
+        max_length=64,
+        description="multi-turn: names of tools registered at start-up (WEIR_TOOLS, the 'weir.tools' entry points, "
+        "or the built-ins calculator and crop) the model may call; an unknown name is 400 unknown_tool",
+    )
+    environment: EnvironmentSpec | None = Field(None, description="multi-turn: the environment the model acts in")
+    max_turns: int | None = Field(
+        None, ge=1, le=64, description="multi-turn: the most model turns per trajectory (default 8 with tools)"
     )
 
 

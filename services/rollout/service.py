@@ -11,11 +11,13 @@ from engines.sampling import SUPPORTED_SAMPLING
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.dispatch import Dispatcher
+from rollout.environments import EnvironmentRegistry
 from rollout.group import LogprobAsk, RolloutContext
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec
 from rollout.sink import HttpSink, JsonlSink, Sink
+from rollout.tools import ToolRegistry
 
 from ..errors import ApiError
 from ..http import async_client
@@ -38,11 +40,13 @@ __all__ = [
     "OpenAIErrors",
     "RolloutMetrics",
     "build_context",
+    "build_plugins",
     "chat_logprobs",
     "chat_sampling",
     "completion_logprobs",
     "completion_refusal",
     "library_reward",
+    "multiturn_fields",
     "openai_error",
     "prompt_sampling",
     "response_format_sampling",
@@ -65,6 +69,12 @@ class RolloutMetrics:
         self.rewards = metrics.histogram(
             "weir_rollout_reward", "Rewards of ok samples", buckets=(0.0, 0.25, 0.5, 0.75, 1.0)
         )
+        self.continuations = metrics.counter(
+            "weir_rollout_continuations", "Continuations of samples a pause cut short (partial rollouts)"
+        )
+        self.kept_tokens = metrics.counter(
+            "weir_rollout_kept_tokens", "Tokens kept at continuations instead of generated again (partial rollouts)"
+        )
         self.group_seconds = metrics.histogram("weir_rollout_group_seconds", "Time to roll out one group")
         inflight = metrics.gauge("weir_rollout_inflight_media_tokens", "Media tokens (x n) admitted and not finished")
         inflight.set_function(lambda: admission.media_tokens)
@@ -76,6 +86,8 @@ class RolloutMetrics:
         self.group_seconds.observe(seconds)
         for sample in group.samples:
             self.samples.labels(sample.status.value).inc()
+            self.continuations.inc(sample.timings.get("continuations", 0.0))
+            self.kept_tokens.inc(sample.timings.get("kept_tokens", 0.0))
             if sample.status is SampleStatus.OK and sample.reward is not None:
                 self.rewards.observe(sample.reward)
 
@@ -111,8 +123,37 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
         default_max_tokens=settings.default_max_tokens,
         return_routed_experts=settings.return_routed_experts,
         reward_timeout_s=settings.reward_timeout_s,
+        partial_rollouts=settings.partial_rollouts,
     )
     return context, clients
+
+
+def build_plugins(settings: RolloutSettings) -> tuple[ToolRegistry, EnvironmentRegistry]:
+    """The tools and environments a multi-turn request may name, built once at start-up."""
+    tools = ToolRegistry.load(settings.tools, timeout_s=settings.tool_timeout_s, workers=settings.tool_workers)
+    environments = EnvironmentRegistry.load(
+        settings.environments, settings.http_environments, timeout_s=settings.tool_timeout_s
+    )
+    return tools, environments
+
+
+def multiturn_fields(
+    prompt: RolloutPrompt, index: int, tools: ToolRegistry, environments: EnvironmentRegistry
+) -> dict[str, Any]:
+    """A prompt's ``tools`` / ``environment`` / ``max_turns`` resolved against the registries (400
+    ``unknown_tool`` naming the first unknown name) as `PromptSpec` fields; the environment's own
+    registered tools are offered too."""
+    where = f"prompts[{index}]"
+    names = list(prompt.tools or [])
+    environment = None
+    if prompt.environment is not None:
+        environment = environments.resolve(prompt.environment.name, prompt.environment.options, f"{where}.environment")
+        names += [n for n in environments.tools_of(prompt.environment.name) if n not in names]
+    return {
+        "tools": tools.resolve(names, f"{where}.tools"),
+        "environment": environment,
+        "max_turns": prompt.max_turns,
+    }
 
 
 def library_reward(spec: RewardSpec) -> LibraryRewardSpec:

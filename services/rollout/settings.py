@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import NoDecode
 
 from rollout.group import DEFAULT_ROLLOUT_FUNCTION
@@ -92,6 +92,34 @@ class RolloutSettings(RoleSettings):
         "(each called as function(response: str, reference: str | None, sample: Mapping) -> float); "
         "installed entry points of the group 'weir.rewards' are registered too",
     )
+    partial_rollouts: Literal["keep", "drop"] = Field(
+        "keep",
+        description="a sample a pause cut short (a weight update with the engines paused in abort mode): keep "
+        "its tokens and continue it under the new weights, each token tagged with the version that made it "
+        "(keep), or let it end aborted (drop); a client's abort is never continued",
+    )
+    tools: Annotated[dict[str, str], NoDecode] = Field(
+        {},
+        description="tools a multi-turn request may name besides the built-ins (calculator, crop), comma-separated "
+        "name=package.module:function (each called as function(arguments: dict, context: rollout.tools.ToolContext) "
+        "-> text | image); installed entry points of the group 'weir.tools' are registered too",
+    )
+    environments: Annotated[dict[str, str], NoDecode] = Field(
+        {},
+        description="environments a multi-turn request may name besides the built-in visual_search, "
+        "comma-separated name=package.module:Class (see rollout.environments)",
+    )
+    http_environments: Annotated[dict[str, str], NoDecode] = Field(
+        {},
+        description="environments served elsewhere, comma-separated name=http(s)://host:port[/path]: the only "
+        "URLs an environment is ever reached at (a request names the environment, never a URL)",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, le=3600, description="the longest one tool call (or an environment's reset / step) may take"
+    )
+    tool_workers: int = Field(
+        8, gt=0, le=1024, description="threads that run registered tools and environments (calls beyond them wait)"
+    )
     rollout_function: str = Field(
         DEFAULT_ROLLOUT_FUNCTION,
         description="package.module:function run for each prompt of POST /v1/rollouts: "
@@ -124,27 +152,40 @@ class RolloutSettings(RoleSettings):
             raise ValueError(f"{value!r} is not an http(s) URL")
         return value
 
-    @field_validator("reward_functions", mode="before")
+    @field_validator("reward_functions", "tools", "environments", "http_environments", mode="before")
     @classmethod
-    def _parse_rewards(cls, value: object) -> object:
+    def _parse_named(cls, value: object, info: ValidationInfo) -> object:
         if isinstance(value, str):
             try:
                 return parse_named_specs(value)
             except ValueError as error:
-                raise ValueError(f"WEIR_REWARD_FUNCTIONS: {error}") from None
+                raise ValueError(f"WEIR_{str(info.field_name).upper()}: {error}") from None
         return value
 
-    @field_validator("reward_functions")
+    @field_validator("reward_functions", "tools", "environments")
     @classmethod
-    def _rewards_import(cls, value: dict[str, str]) -> dict[str, str]:
+    def _plugins_import(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        """Every named function or class imports now, at start-up (never when a request names it)."""
         for name, spec in value.items():
             try:
                 check_name(name)
-                if name in (*BUILTIN_REWARDS, "custom"):
+                if info.field_name == "reward_functions" and name in (*BUILTIN_REWARDS, "custom"):
                     raise ValueError(f"{name!r} is a built-in reward type; give the function another name")
                 load_callable(spec)
             except ValueError as error:
-                raise ValueError(f"WEIR_REWARD_FUNCTIONS: {error}") from None
+                raise ValueError(f"WEIR_{str(info.field_name).upper()}: {error}") from None
+        return value
+
+    @field_validator("http_environments")
+    @classmethod
+    def _environment_urls(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, url in value.items():
+            try:
+                check_name(name)
+            except ValueError as error:
+                raise ValueError(f"WEIR_HTTP_ENVIRONMENTS: {error}") from None
+            if not re.match(_URL, url):
+                raise ValueError(f"WEIR_HTTP_ENVIRONMENTS: {name}: {url!r} is not an http(s) URL")
         return value
 
     @field_validator("rollout_function")

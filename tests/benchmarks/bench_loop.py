@@ -12,6 +12,11 @@ Measurements:
    ``ignore_eos`` — most 4 tokens, one in eight 64 and one in sixteen 128. Goal: colocate / async ≥ 1.5.
    ``colocate_engine_busy_share``: the share of the colocate run the engine was generating; overlap hides
    roughly the rest, so about 1 / that share is what async can reach when the engine is its bottleneck.
+   A third run, ``async_partial``: async with partial rollouts (``LoopConfig.partial_rollouts``: weights
+   published with the engines paused in ``abort`` mode; the rollout role keeps each cut sample's tokens and
+   continues it under the new weights). The three wall times for the same number of trained samples are
+   printed as ratios in one line (``loop_ratios``), with the share of trained samples that straddled a
+   publish and the tokens kept at continuations. Not asserted on: figures to read.
 2. ``first_forward``: seconds from the first finished group (its ``created`` time in the data role)
    to the trainer's first forward pass, in the same two runs: streaming (async) vs the global-batch
    barrier (colocate).
@@ -73,7 +78,7 @@ def _long_tailed_rows() -> list[dict[str, Any]]:
     ]
 
 
-def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str, Any]:
+def _one_run(mode: str, home: Path, steps: int, groups: int, n: int, *, partial: bool = False) -> dict[str, Any]:
     # Resources as each design uses them: colocate time-slices the whole machine (2 threads for the
     # engine while it generates, then 2 for the trainer); async gives each side its own core.
     threads = 1 if mode == "async" else 2
@@ -92,6 +97,7 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
             urls=urls,
             token=stack.token,
             out=home / "train",
+            partial_rollouts=partial,
         )
         records = run_loop(trainer, _long_tailed_rows(), config)
     finally:
@@ -100,10 +106,13 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
     with sqlite3.connect(home / "data" / "state.sqlite") as db:
         first_group = db.execute("SELECT MIN(created) FROM groups").fetchone()[0]
     last = records[-1]
+    samples = sum(r["samples"] for r in records)
     return {
-        "mode": mode,
+        "mode": f"{mode}_partial" if partial else mode,
         "seconds": last["time_s"],
-        "samples": sum(r["samples"] for r in records),
+        "samples": samples,
+        "straddled_share": sum(r["straddled_samples"] for r in records) / max(1, samples),
+        "kept_tokens": last["kept_tokens_total"],
         "first_forward_after_first_group_s": last["first_forward_at"] - first_group,
         "trainer_idle_share": last["trainer_idle_share"],
         "engine_idle_share": last["engine_idle_share"],
@@ -116,10 +125,14 @@ def _one_run(mode: str, home: Path, steps: int, groups: int, n: int) -> dict[str
 def bench_async_vs_colocate(goals: Goals, steps: int) -> None:
     groups, n = 4, 4
     runs = {}
-    for mode in ("colocate", "async"):
+    for name, mode, partial in (
+        ("colocate", "colocate", False),
+        ("async", "async", False),
+        ("async_partial", "async", True),
+    ):
         with tempfile.TemporaryDirectory() as home:
-            runs[mode] = _one_run(mode, Path(home), steps, groups, n)
-        shown = {k: rounded(v) if isinstance(v, float) else v for k, v in runs[mode].items() if k != "records"}
+            runs[name] = _one_run(mode, Path(home), steps, groups, n, partial=partial)
+        shown = {k: rounded(v) if isinstance(v, float) else v for k, v in runs[name].items() if k != "records"}
         emit({"bench": "loop_run", **shown})
     ratio = runs["colocate"]["seconds"] / runs["async"]["seconds"]
     # How much of the colocate run the engine was busy: what overlapping can hide is roughly the rest.
@@ -134,7 +147,20 @@ def bench_async_vs_colocate(goals: Goals, steps: int) -> None:
         }
     )
     goals.check("async_vs_colocate_speedup", ratio, 1.5)
-    plot = plot_runs({mode: run["records"] for mode, run in runs.items()}, Path(".weir/bench/async_vs_colocate.png"))
+    seconds = {name: run["seconds"] for name, run in runs.items()}
+    emit(
+        {
+            "bench": "loop_ratios",
+            "samples": {name: run["samples"] for name, run in runs.items()},
+            "seconds": {name: rounded(s) for name, s in seconds.items()},
+            "colocate_over_async": rounded(seconds["colocate"] / seconds["async"]),
+            "colocate_over_async_partial": rounded(seconds["colocate"] / seconds["async_partial"]),
+            "async_over_async_partial": rounded(seconds["async"] / seconds["async_partial"]),
+            "async_partial_straddled_share": rounded(runs["async_partial"]["straddled_share"]),
+            "async_partial_kept_tokens": runs["async_partial"]["kept_tokens"],
+        }
+    )
+    plot = plot_runs({name: run["records"] for name, run in runs.items()}, Path(".weir/bench/async_vs_colocate.png"))
     emit({"bench": "plot", "path": str(plot)})
     emit(
         {

@@ -356,3 +356,34 @@ def test_prompt_expansion_matches_the_processor(
     assert ours == ref["input_ids"][0].tolist()
     assert len(video_timestamps(video.frame_indices, video.video_fps)) == video.grid_thw[0] == 3
     assert ref["video_grid_thw"][0].tolist() == list(video.grid_thw)
+
+
+@pytest.mark.parametrize("clip", [(640, 360, 25, 75), (96, 64, 5, 35)])
+def test_the_transformers_sampler_processes_as_the_video_processor(
+    clip: tuple, spec: pp.ProcessorSpec, ref_video: Qwen3VLVideoProcessor
+) -> None:
+    """``video_sampler="transformers"``: `pp.process_video` itself samples and resizes as
+    `Qwen3VLVideoProcessor(do_sample_frames=True)` does, and a token budget shrinks the clip's pixels."""
+    native = dataclasses.replace(spec, video_sampler="transformers", video_backend="torchvision")
+    width, height, fps, frames = clip
+    data = samples.make_video(width, height, fps, frames, seed=frames)
+    header = probe(data, "video")
+    every = dataclasses.replace(pp.plan_header(header, spec), frame_indices=tuple(range(header.total_frames)))
+    ref = ref_video(
+        videos=[decode_video(data, every)],
+        video_metadata=[VideoMetadata(total_num_frames=header.total_frames, fps=header.video_fps)],
+        do_sample_frames=True,
+        cap_pixels_per_frame=False,
+        return_metadata=True,
+        return_tensors="np",
+    )
+    ours = pp.process_video(data, native)
+    assert list(ours.frame_indices) == list(ref["video_metadata"][0].frames_indices)
+    assert list(ours.grid_thw) == ref["video_grid_thw"][0].tolist()
+    np.testing.assert_array_equal(ours.pixel_values, ref["pixel_values_videos"])
+    assert native.fingerprint != spec.fingerprint  # different features, different cache keys
+    limit = ours.num_tokens // 2
+    shrunk = pp.plan_media(data, native, pp.TokenBudget(max_video_tokens=limit), kind="video")
+    assert shrunk.num_tokens <= limit and shrunk.shrunk and shrunk.frame_indices == ours.frame_indices
+    with pytest.raises(pp.MediaError):
+        pp.plan_media(data, native, pp.TokenBudget(max_video_tokens=limit, policy="refuse"), kind="video")

@@ -13,6 +13,12 @@ def test_public_api() -> None:
     assert sorted(rollout.__all__) == sorted(
         [
             "BUILTIN_REWARDS",
+            "EnvironmentRegistry",
+            "Observation",
+            "ToolContext",
+            "ToolError",
+            "ToolRegistry",
+            "rollout_multiturn",
             "DEFAULT_ROLLOUT_FUNCTION",
             "ENTRY_POINT_GROUP",
             "Admission",
