@@ -7,6 +7,11 @@ byte-level BPE tokenizer trained here on a small built-in corpus with Qwen's cha
 tokens, a chat template, and the checkpoint's `preprocessor_config.json`. It loads with the
 ordinary `from_pretrained` calls, so everything downstream treats it exactly like a real checkpoint.
 
+``init_model(folder, arch="qwen3-vl")`` writes a tiny `Qwen3VLForConditionalGeneration` instead (vision
+tower with DeepStack mergers, Qwen3 text model with interleaved mRoPE), with Qwen3-VL's media tokens and
+chat template, and its ``preprocessor_config.json`` / ``video_preprocessor_config.json`` (read back by
+`ProcessorSpec.from_pretrained` as `ProcessorSpec.qwen3_vl`).
+
 This module knows nothing about serving; it only builds the folder.
 """
 
@@ -23,11 +28,28 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2_5OmniThinkerConfig, Qwen2_5OmniThinkerForConditionalGeneration
+from transformers import (
+    PreTrainedTokenizerFast,
+    Qwen2_5OmniThinkerConfig,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+)
 
 from preprocess.spec import ProcessorSpec
 
-__all__ = ["CHAT_TEMPLATE", "MEDIA_TOKENS", "build_tokenizer", "ensure_model", "init_model", "tiny_config"]
+__all__ = [
+    "ARCHITECTURES",
+    "CHAT_TEMPLATE",
+    "MEDIA_TOKENS",
+    "QWEN3_VL_CHAT_TEMPLATE",
+    "QWEN3_VL_MEDIA_TOKENS",
+    "build_tokenizer",
+    "ensure_model",
+    "init_model",
+    "tiny_config",
+    "tiny_qwen3_vl_config",
+]
 
 # Named as in the released Qwen2.5-Omni tokenizer (its tokenizer_config's model-specific tokens).
 MEDIA_TOKENS = {
@@ -39,64 +61,94 @@ MEDIA_TOKENS = {
     "audio_bos_token": "<|audio_bos|>",
     "audio_eos_token": "<|audio_eos|>",
 }
+# Named as in the released Qwen3-VL tokenizer (the names its processor reads: image_token, video_token,
+# vision_start_token, vision_end_token).
+QWEN3_VL_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_start_token": "<|vision_start|>",
+    "vision_end_token": "<|vision_end|>",
+}
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl")
+
 
 # Qwen-style ChatML; each media part becomes <bos><placeholder><eos>, the placeholder later
 # expanded to the item's exact token count.
-CHAT_TEMPLATE = (
-    # With tools (OpenAI function tools), as Qwen2.5's own template renders them: one system turn (the
-    # first system message's text, then the tools as JSON inside <tools></tools> and how to call one);
-    # assistant tool calls as <tool_call> blocks; tool results as <tool_response> blocks in a user turn.
-    # Without tools, messages without tool calls render exactly as before tools were supported.
-    "{%- if tools -%}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- if messages[0]['content'] is string -%}{{ messages[0]['content'] }}"
-    "{%- else -%}{%- for part in messages[0]['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}{{ '\\n\\n' }}"
-    "{%- endif -%}"
-    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
-    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
-    'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
-    '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
-    "{%- endif -%}"
-    "{%- for message in messages -%}"
-    "{%- if tools and loop.first and message['role'] == 'system' -%}"
-    "{%- elif message['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
-    "{{ '\\n<tool_response>\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}"
-    "{{ '\\n</tool_response>' }}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
-    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
-    "{{ '<|im_start|>assistant' }}"
-    "{%- if message['content'] -%}{{ '\\n' + message['content'] }}{%- endif -%}"
-    "{%- for call in message['tool_calls'] -%}"
-    "{%- if call['function'] is defined -%}{%- set call = call['function'] -%}{%- endif -%}"
-    "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
-    "{%- if call['arguments'] is string -%}{{ call['arguments'] }}{%- else -%}{{ call['arguments'] | tojson }}"
-    "{%- endif -%}{{ '}\\n</tool_call>' }}"
-    "{%- endfor -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- else -%}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
-    "{%- elif part['type'] in ('image', 'image_url') -%}{{ '<|vision_bos|><|IMAGE|><|vision_eos|>' }}"
-    "{%- elif part['type'] in ('video', 'video_url') -%}{{ '<|vision_bos|><|VIDEO|><|vision_eos|>' }}"
-    "{%- elif part['type'] in ('audio', 'audio_url', 'input_audio') -%}{{ '<|audio_bos|><|AUDIO|><|audio_eos|>' }}"
-    "{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{ '<|im_end|>\\n' }}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+def _chat_template(image: str, video: str, audio: str | None) -> str:
+    """Qwen-style ChatML; each media part becomes ``image`` / ``video`` / ``audio`` (its bos, one
+    placeholder, its eos), the placeholder later expanded to the item's exact token count."""
+    audio_part = (
+        "{%- elif part['type'] in ('audio', 'audio_url', 'input_audio') -%}{{ '" + audio + "' }}" if audio else ""
+    )
+    template = (
+        # With tools (OpenAI function tools), as Qwen2.5's own template renders them: one system turn (the
+        # first system message's text, then the tools as JSON inside <tools></tools> and how to call one);
+        # assistant tool calls as <tool_call> blocks; tool results as <tool_response> blocks in a user turn.
+        # Without tools, messages without tool calls render exactly as before tools were supported.
+        "{%- if tools -%}"
+        "{{ '<|im_start|>system\\n' }}"
+        "{%- if messages[0]['role'] == 'system' -%}"
+        "{%- if messages[0]['content'] is string -%}{{ messages[0]['content'] }}"
+        "{%- else -%}{%- for part in messages[0]['content'] -%}"
+        "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}{{ '\\n\\n' }}"
+        "{%- endif -%}"
+        "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+        "{%- for tool in tools -%}{{ '\\n' }}{{ tool | tojson }}{%- endfor -%}"
+        "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, '
+        '"arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+        "{%- endif -%}"
+        "{%- for message in messages -%}"
+        "{%- if tools and loop.first and message['role'] == 'system' -%}"
+        "{%- elif message['role'] == 'tool' -%}"
+        "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}"
+        "{{ '\\n<tool_response>\\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+        "{%- endfor -%}{%- endif -%}"
+        "{{ '\\n</tool_response>' }}"
+        "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\\n' }}{%- endif -%}"
+        "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] -%}"
+        "{{ '<|im_start|>assistant' }}"
+        "{%- if message['content'] -%}{{ '\\n' + message['content'] }}{%- endif -%}"
+        "{%- for call in message['tool_calls'] -%}"
+        "{%- if call['function'] is defined -%}{%- set call = call['function'] -%}{%- endif -%}"
+        "{{ '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}"
+        "{%- if call['arguments'] is string -%}{{ call['arguments'] }}{%- else -%}{{ call['arguments'] | tojson }}"
+        "{%- endif -%}{{ '}\\n</tool_call>' }}"
+        "{%- endfor -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- else -%}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{%- if message['content'] is string -%}{{ message['content'] }}"
+        "{%- else -%}{%- for part in message['content'] -%}"
+        "{%- if part['type'] == 'text' -%}{{ part['text'] }}"
+        "{%- elif part['type'] in ('image', 'image_url') -%}{{ '@IMAGE@' }}"
+        "{%- elif part['type'] in ('video', 'video_url') -%}{{ '@VIDEO@' }}"
+        "@AUDIO@"
+        "{%- endif -%}{%- endfor -%}{%- endif -%}"
+        "{{ '<|im_end|>\\n' }}"
+        "{%- endif -%}"
+        "{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    return template.replace("@IMAGE@", image).replace("@VIDEO@", video).replace("@AUDIO@", audio_part)
+
+
+CHAT_TEMPLATE = _chat_template(
+    "<|vision_bos|><|IMAGE|><|vision_eos|>",
+    "<|vision_bos|><|VIDEO|><|vision_eos|>",
+    "<|audio_bos|><|AUDIO|><|audio_eos|>",
+)
+# Qwen3-VL's own template renders an image as <|vision_start|><|image_pad|><|vision_end|> and a video
+# as <|vision_start|><|video_pad|><|vision_end|> (the processor then puts the per-frame timestamps,
+# vision_start / pads / vision_end inside); it has no audio.
+QWEN3_VL_CHAT_TEMPLATE = _chat_template(
+    "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>", None
 )
 
 _VOCAB = 512
@@ -148,12 +200,16 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (any text encodes) with Qwen's chat and media special tokens."""
+def build_tokenizer(arch: str = "qwen2.5-omni") -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (any text encodes) with Qwen's chat and media special tokens (the
+    Qwen2.5-Omni thinker's, or Qwen3-VL's with ``arch="qwen3-vl"``)."""
+    qwen3_vl = arch == "qwen3-vl"
+    media = QWEN3_VL_MEDIA_TOKENS if qwen3_vl else MEDIA_TOKENS
+    template = QWEN3_VL_CHAT_TEMPLATE if qwen3_vl else CHAT_TEMPLATE
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    specials = CHAT_TOKENS + list(MEDIA_TOKENS.values())
+    specials = CHAT_TOKENS + list(media.values())
     trainer = trainers.BpeTrainer(
         vocab_size=_VOCAB - len(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -165,8 +221,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         tokenizer_object=tokenizer,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        chat_template=CHAT_TEMPLATE,
-        extra_special_tokens=dict(MEDIA_TOKENS),
+        chat_template=template,
+        extra_special_tokens=dict(media),
         model_max_length=32768,
     )
 
@@ -242,28 +298,115 @@ def _preprocessor_config(spec: ProcessorSpec) -> dict[str, Any]:
     }
 
 
-def init_model(folder: str | Path, *, seed: int = 0) -> Path:
-    """Write the tiny model folder (deterministic for a given seed); returns its path."""
+def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
+    """Qwen3-VL at toy dimensions, every structural feature kept: patch 16 / merge 2 / temporal patch 2
+    (the checkpoints' numbers, so Weir's `ProcessorSpec.qwen3_vl` features fit), learned position
+    embeddings resampled per grid, DeepStack mergers after vision blocks 0 and 1 (injected after text
+    layers 0 and 1), interleaved mRoPE."""
+    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in QWEN3_VL_MEDIA_TOKENS.items()}
+    return Qwen3VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        vision_start_token_id=ids["vision_start_token"],
+        vision_end_token_id=ids["vision_end_token"],
+        tie_word_embeddings=False,
+    )
+
+
+def _qwen3_vl_processor_configs(spec: ProcessorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``preprocessor_config.json`` and ``video_preprocessor_config.json`` as a released Qwen3-VL
+    checkpoint writes them (the numbers from ``spec``)."""
+    shared = {
+        "patch_size": spec.patch_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.merge_size,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
+        "processor_class": "Qwen3VLProcessor",
+    }
+    image = {
+        **shared,
+        "image_processor_type": "Qwen2VLImageProcessorFast",
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+    }
+    video = {
+        **shared,
+        "video_processor_type": "Qwen3VLVideoProcessor",
+        "size": {"shortest_edge": 4096, "longest_edge": 25165824},
+        "fps": spec.video_fps,
+        "min_frames": spec.video_min_frames,
+        "max_frames": spec.video_max_frames,
+        "do_sample_frames": True,
+    }
+    return image, video
+
+
+def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni") -> Path:
+    """Write the tiny model folder (deterministic for a given seed); returns its path.
+
+    ``arch``: ``qwen2.5-omni`` (the default: a Qwen2.5-Omni thinker) or ``qwen3-vl``."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
-    config = tiny_config(tokenizer)
+    tokenizer = build_tokenizer(arch)
+    config: Qwen3VLConfig | Qwen2_5OmniThinkerConfig
+    model_class: type[Qwen3VLForConditionalGeneration] | type[Qwen2_5OmniThinkerForConditionalGeneration]
+    if arch == "qwen3-vl":
+        config, model_class = tiny_qwen3_vl_config(tokenizer), Qwen3VLForConditionalGeneration
+    else:
+        config, model_class = tiny_config(tokenizer), Qwen2_5OmniThinkerForConditionalGeneration
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = Qwen2_5OmniThinkerForConditionalGeneration(config).eval()
+        model = model_class(config).eval()  # type: ignore[arg-type]
     finally:
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(root, safe_serialization=True)
     tokenizer.save_pretrained(root)
+    if arch == "qwen3-vl":
+        image, video = _qwen3_vl_processor_configs(ProcessorSpec.qwen3_vl())
+        (root / "preprocessor_config.json").write_text(json.dumps(image, indent=2) + "\n")
+        (root / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+        return root
     spec = ProcessorSpec.qwen2_5_omni()
     (root / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2) + "\n")
     return root
 
 
-def ensure_model(folder: str | Path, *, seed: int = 0) -> Path:
+def ensure_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni") -> Path:
     """The folder if it holds a model; otherwise the tiny model is made there first — for the places
     that own a default model folder (`weir init-model --if-missing`, `weir up`'s ``HOME/model``), never
     for a folder a user named (a typo there must be an error, not a random model).
@@ -277,7 +420,7 @@ def ensure_model(folder: str | Path, *, seed: int = 0) -> Path:
     logger.info("no model at %s: creating the tiny embedded model there", root)
     root.parent.mkdir(parents=True, exist_ok=True)
     staging = root.parent / f".{root.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    init_model(staging, seed=seed)
+    init_model(staging, seed=seed, arch=arch)
     try:
         os.rename(staging, root)
     except OSError:  # another process got there first (or the folder exists but is not a model)

@@ -4,7 +4,11 @@ Only the tower weights are read (`safetensors` lets us open just those tensors),
 process holds a few hundred MB of a 7B checkpoint, not all of it. Inputs are the preprocess
 library's features; outputs are exactly the embeddings the language model splices in at the
 placeholder positions: the vision tower's merged output (``pooler_output``) for images and videos,
-the audio tower's ``last_hidden_state`` for audio.
+the audio tower's ``last_hidden_state`` for audio. The towers are built from the folder's config
+(`encoders.architectures`): a Qwen2.5-Omni thinker's vision and audio towers, or Qwen3-VL's vision
+tower, whose embedding of an item is its merged output and its DeepStack feature maps side by side
+(`architectures.pack_visual`: ``(tokens, hidden · (1 + deepstack layers))``) — everything the language
+model takes from the tower, so the split path equals the whole model's forward.
 
 Batches are packed by patch / frame count under a budget, not by item count: one forward over
 several images costs what their patches cost. This module does not cache (see `embeddings.py`).
@@ -20,22 +24,25 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from transformers import AutoConfig
 from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
     Qwen2_5OmniVisionEncoder,
 )
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 import preprocess as pp
 
+from .architectures import family_of, pack_visual, thinker_config
 from .errors import WeightsError
 
 __all__ = ["Towers", "pack_by_cost"]
 
 logger = logging.getLogger(__name__)
 
-# Where the towers live in the checkpoints we load: the thinker alone, or the full Omni model.
+# Where the towers live in the checkpoints we load: the thinker alone, or the full Omni model; Qwen3-VL's
+# (transformers 5 writes ``model.visual.``; older checkpoints ``visual.``).
 _PREFIXES = {"visual": ("visual.", "thinker.visual."), "audio": ("audio_tower.", "thinker.audio_tower.")}
+_QWEN3_VL_PREFIXES = {"visual": ("model.visual.", "visual.")}
 
 
 def pack_by_cost(costs: Sequence[int], budget: int) -> Iterator[list[int]]:
@@ -62,7 +69,8 @@ def _weight_files(root: Path) -> list[Path]:
 
 
 class Towers:
-    """Vision and audio towers of a Qwen2.5-Omni thinker folder, in eval mode on one device."""
+    """Vision and audio towers of a Qwen2.5-Omni thinker folder (or the vision tower of a Qwen3-VL
+    folder: ``audio`` is None), in eval mode on one device."""
 
     def __init__(
         self,
@@ -74,24 +82,32 @@ class Towers:
         max_frames_per_batch: int = 30000,
     ) -> None:
         self.model_dir = Path(model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir)
-        config = getattr(config, "thinker_config", config)
+        config = thinker_config(self.model_dir)
         self.device, self.dtype = torch.device(device), dtype
         self.max_patches_per_batch = max_patches_per_batch
         self.max_frames_per_batch = max_frames_per_batch
-        self.visual: torch.nn.Module = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
-        self.audio: torch.nn.Module = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
+        self.audio: torch.nn.Module | None
+        if family_of(self.model_dir) == "qwen3_vl":
+            self.visual: torch.nn.Module = Qwen3VLVisionModel._from_config(config.vision_config).eval()
+            self.audio = None
+            self._prefixes = _QWEN3_VL_PREFIXES
+        else:
+            self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
+            self.audio = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
+            self._prefixes = _PREFIXES
         self.version = self.load_weights(self.model_dir)
         self.forward_passes = 0
 
     @classmethod
-    def from_modules(cls, visual: torch.nn.Module, audio: torch.nn.Module, version: str) -> Towers:
-        """Towers over modules that already exist (a whole model's own towers, in an engine)."""
+    def from_modules(cls, visual: torch.nn.Module, audio: torch.nn.Module | None, version: str) -> Towers:
+        """Towers over modules that already exist (a whole model's own towers, in an engine; no audio
+        tower for Qwen3-VL)."""
         towers = cls.__new__(cls)
         parameter = next(visual.parameters())
         towers.model_dir, towers.device, towers.dtype = Path("."), parameter.device, parameter.dtype
         towers.max_patches_per_batch, towers.max_frames_per_batch = 16384, 30000
         towers.visual, towers.audio, towers.version, towers.forward_passes = visual, audio, version, 0
+        towers._prefixes = _QWEN3_VL_PREFIXES if audio is None else _PREFIXES
         return towers
 
     def load_weights(self, folder: str | Path) -> str:
@@ -99,18 +115,19 @@ class Towers:
         files = _weight_files(Path(folder))
         if not files:
             raise WeightsError(f"no safetensors files in {folder}")
-        states: dict[str, dict[str, torch.Tensor]] = {"visual": {}, "audio": {}}
+        states: dict[str, dict[str, torch.Tensor]] = {tower: {} for tower in self._prefixes}
         try:
             for path in files:
                 with safe_open(str(path), framework="pt") as handle:
                     for name in handle.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                        for tower, prefixes in _PREFIXES.items():
+                        for tower, prefixes in self._prefixes.items():
                             prefix = next((p for p in prefixes if name.startswith(p)), None)
                             if prefix is not None:
                                 states[tower][name[len(prefix) :]] = handle.get_tensor(name)
+                                break
         except (OSError, SafetensorError) as error:
             raise WeightsError(f"cannot read the weights in {folder}: {error}") from None
-        modules = (("visual", self.visual), ("audio", self.audio))
+        modules = [(t, m) for t, m in (("visual", self.visual), ("audio", self.audio)) if m is not None]
         # All or nothing: every name and shape of both towers is checked before either changes, so a
         # refused folder leaves the towers (and the version their embeddings are cached under) as they were.
         for tower, module in modules:
@@ -137,7 +154,8 @@ class Towers:
         for group in pack_by_cost([it.num_patches for it in items], self.max_patches_per_batch):
             pixels = torch.cat([torch.from_numpy(items[i].pixel_values) for i in group]).to(self.device, self.dtype)
             grids = torch.tensor([items[i].grid_thw for i in group], device=self.device)
-            merged = self.visual(pixels, grid_thw=grids).pooler_output
+            output = self.visual(pixels, grid_thw=grids)
+            merged = pack_visual(output.pooler_output, getattr(output, "deepstack_features", None))
             self.forward_passes += 1
             sizes = [items[i].num_tokens for i in group]
             for i, chunk in zip(group, torch.split(merged, sizes), strict=True):
@@ -148,9 +166,12 @@ class Towers:
     def encode_audio(self, items: Sequence[pp.AudioFeatures]) -> list[torch.Tensor]:
         """(tokens, hidden) per clip; clips are packed into forwards by mel-frame count."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        if items and self.audio is None:
+            raise ValueError("this model has no audio tower")
         for group in pack_by_cost([it.num_frames for it in items], self.max_frames_per_batch):
             features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
             lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)
+            assert self.audio is not None
             after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)  # type: ignore[operator]
             hidden = self.audio(
                 features.to(self.device, self.dtype), feature_lens=lengths, aftercnn_lens=after_cnn

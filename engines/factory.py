@@ -26,6 +26,7 @@ def load_engine(
     max_running: int | None = None,
     profile: str | Path | None = None,
     compression: float | None = None,
+    weights_group_timeout_s: float | None = None,
 ) -> Engine:
     """The engine for ``model`` (a Qwen model folder with ``config.json``).
 
@@ -35,12 +36,19 @@ def load_engine(
 
     ``sim``: ``model`` is not read; ``profile`` names the profile file (required) and ``compression``
     overrides its simulated seconds per wall second (default: the profile's); ``max_running`` overrides
-    the profile's. (The engine role reads them from its settings, ``WEIR_SIM_PROFILE`` and
+    the profile's. ``weights_group_timeout_s``: how long the CPU engine waits in a weight-update group's
+    rendezvous or broadcast. (The engine role reads them from its settings, ``WEIR_SIM_PROFILE`` and
     ``WEIR_SIM_COMPRESSION``: a library reads no environment.)"""
     if backend == "transformers":
         from .transformers_backend import TransformersEngine
+        from .weights_group import WEIGHTS_GROUP_TIMEOUT_S
 
-        return TransformersEngine(model, device=device or "cpu", max_running=max_running or DEFAULT_MAX_RUNNING)
+        return TransformersEngine(
+            model,
+            device=device or "cpu",
+            max_running=max_running or DEFAULT_MAX_RUNNING,
+            weights_group_timeout_s=weights_group_timeout_s or WEIGHTS_GROUP_TIMEOUT_S,
+        )
     if backend == "sglang":
         from .sglang_backend import SGLangEngine
 

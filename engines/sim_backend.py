@@ -116,6 +116,10 @@ class SimProfile:
     length_sample_sigma: float
     logprob_mean: float
     compression: float = 1.0
+    # "rid": a request without a sampling_seed draws from its rid (random across runs); "prompt": from its
+    # prompt and how many requests with that prompt this engine had before (the same prompts in the same order
+    # draw the same lengths in every run: a twin compares runs at two compression factors on equal draws)
+    length_seed: str = "rid"
     length_histogram: tuple[tuple[int, int, float], ...] = ()
     sources: Mapping[str, str] = field(default_factory=dict)
     description: str = ""
@@ -137,6 +141,8 @@ class SimProfile:
             problems.append("compression must be > 0")
         if self.length_median < 1 or self.logprob_mean <= 0:
             problems.append("length_median must be >= 1 and logprob_mean > 0")
+        if self.length_seed not in ("rid", "prompt"):
+            problems.append("length_seed must be 'rid' or 'prompt'")
         if any(lo < 1 or hi < lo or w < 0 for lo, hi, w in self.length_histogram):
             problems.append("length_histogram bins are [low >= 1, high >= low, weight >= 0]")
         if problems:
@@ -320,6 +326,7 @@ class SimEngine:
         self._stopping = False
         self._clock: float | None = None  # wall instant the simulated work is accounted up to (None: idle)
         self._groups: set[str] = set()
+        self._prompt_seen: dict[int, int] = {}  # length_seed "prompt": requests so far per prompt
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
         self._thread.start()
 
@@ -357,6 +364,10 @@ class SimEngine:
         rid = request.rid or uuid.uuid4().hex
         request = request if request.rid == rid else replace(request, rid=rid)
         seed = request.sampling.sampling_seed
+        if seed is None and self.profile.length_seed == "prompt":
+            with self._cond:
+                key = _digest(b"prompt", *request.input_ids)
+                seed = self._prompt_seen[key] = self._prompt_seen.get(key, -1) + 1
         seed = seed if seed is not None else _digest(b"rid", rid)
         req = self._plan(request, seed, on_token)
         with self._cond:

@@ -47,8 +47,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import AutoTokenizer, DynamicCache, Qwen2_5OmniThinkerForConditionalGeneration
+from transformers import AutoTokenizer, DynamicCache
 
+from encoders.architectures import is_qwen3_vl, load_thinker, rope_index, towers_of
 from encoders.towers import Towers
 
 from .errors import EngineError, InvalidMedia, WeightsError
@@ -65,7 +66,7 @@ from .protocol import (
     TokenStep,
     TopLogprobs,
 )
-from .weights_group import join_weights_group
+from .weights_group import WEIGHTS_GROUP_TIMEOUT_S, join_weights_group
 
 __all__ = ["TransformersEngine", "penalize", "sample_token"]
 
@@ -169,22 +170,39 @@ class _Running:
 
 
 class TransformersEngine:
-    """A Qwen2.5-Omni thinker folder served through the engine protocol."""
+    """A model folder served through the engine protocol: a Qwen2.5-Omni thinker or a Qwen3-VL model,
+    loaded in the class its config names (`encoders.architectures.load_thinker`).
+
+    Qwen3-VL's DeepStack: an item's visual embedding (from the encoder stage's cache, or the model's own
+    tower here) carries the merged output and the DeepStack maps side by side; the merged output is
+    spliced into the input embeddings and the maps are added after the first decoder layers at the
+    visual positions, as the whole model's forward does."""
 
     def __init__(
-        self, model_dir: str | Path, *, device: str = "cpu", max_running: int = 8, weight_version: str = "0"
+        self,
+        model_dir: str | Path,
+        *,
+        device: str = "cpu",
+        max_running: int = 8,
+        weight_version: str = "0",
+        weights_group_timeout_s: float = WEIGHTS_GROUP_TIMEOUT_S,
     ) -> None:
         self.model_dir = Path(model_dir)
+        self.weights_group_timeout_s = weights_group_timeout_s
         self.device = torch.device(device)
-        model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(self.model_dir, dtype=torch.float32)
+        model = load_thinker(self.model_dir, dtype=torch.float32)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config = self.model.config
-        self.placeholders = {
-            "image": config.image_token_id,
-            "video": config.video_token_id,
-            "audio": config.audio_token_id,
-        }
+        self.qwen3_vl = is_qwen3_vl(self.model)
+        self.placeholders = {"image": config.image_token_id, "video": config.video_token_id}
+        if not self.qwen3_vl:
+            self.placeholders["audio"] = config.audio_token_id
+        self.hidden_size = int(config.get_text_config().hidden_size)
+        # Qwen3-VL: a visual embedding is the merged output and one DeepStack map per entry.
+        self.visual_width = self.hidden_size * (
+            1 + len(config.vision_config.deepstack_visual_indexes) if self.qwen3_vl else 1
+        )
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = int(config.get_text_config().max_position_embeddings)
@@ -202,7 +220,7 @@ class TransformersEngine:
         # A grammar ends on the model's EOS ids; its width is the logits', which may exceed the tokenizer's.
         self.grammars = Grammars(self.tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_ids)
         self.weight_version = weight_version
-        self.towers = Towers.from_modules(self.model.visual, self.model.audio_tower, weight_version)
+        self.towers = Towers.from_modules(*towers_of(self.model), weight_version)
         self.max_running = max_running
         self._inbox: queue.Queue[_Running] = queue.Queue()
         self._waiting: deque[_Running] = deque()  # the scheduler thread's own queue (retracted ones first)
@@ -334,7 +352,15 @@ class TransformersEngine:
                 )
             self._groups[group_name] = None  # reserved while joining: a second init of the name is refused
         try:
-            group = join_weights_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+            group = join_weights_group(
+                master_address,
+                master_port,
+                rank_offset,
+                world_size,
+                group_name,
+                backend,
+                timeout_s=self.weights_group_timeout_s,
+            )
         except Exception as error:  # noqa: BLE001 - a rendezvous fails in many ways (timeout, refused, bad address)
             with self._groups_lock:
                 self._groups.pop(group_name, None)
@@ -437,6 +463,14 @@ class TransformersEngine:
     def _check_media(self, request: GenerateRequest) -> None:
         if any(m.embedding is None and m.features is None for m in request.media):
             raise InvalidMedia("a media item has neither features nor an embedding")
+        for m in request.media:
+            if m.kind not in self.placeholders:
+                raise InvalidMedia(f"this model takes no {m.kind} (it takes {', '.join(self.placeholders)})")
+            width = self.visual_width if m.kind != "audio" else self.hidden_size
+            if m.embedding is not None and (m.embedding.ndim != 2 or int(m.embedding.shape[1]) != width):
+                raise InvalidMedia(
+                    f"{m.kind}: an embedding of shape {list(m.embedding.shape)}; this model takes (tokens, {width})"
+                )
         for kind, placeholder in self.placeholders.items():
             count = sum(1 for t in request.input_ids if t == placeholder)
             supplied = sum(m.num_tokens for m in request.media if m.kind == kind)
@@ -656,12 +690,10 @@ class TransformersEngine:
         request = running.request
         ids = torch.tensor([request.input_ids + running.output_ids], device=self.device)
         embeds = self.model.get_input_embeddings()(ids)
-        embeds = self._splice(ids, embeds, request.media)
+        embeds, deepstack = self._splice(ids, embeds, request.media)
         mask = torch.ones_like(ids)
         try:
-            positions, deltas = self.model.get_rope_index(
-                ids, attention_mask=mask, **_geometry(request.media, self.device)
-            )
+            positions, deltas = rope_index(self.model, ids, attention_mask=mask, **self._geometry(request.media))
         except (IndexError, RuntimeError, TypeError, ValueError) as error:
             # The model's rotary index walks the prompt's media structure (each item: its bos token, then
             # its placeholders); a prompt whose structure does not fit its media fails in there.
@@ -669,13 +701,7 @@ class TransformersEngine:
                 "the prompt's media tokens do not fit its media (each item: its bos token, then exactly its "
                 f"placeholders, in the order of the media): {type(error).__name__}: {error}"
             ) from error
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=DynamicCache(),
-            use_cache=True,
-        )
+        out = self._forward(embeds, mask, positions, DynamicCache(), deepstack)
         running.cache = out.past_key_values
         running.length = ids.shape[1]
         running.rope_delta = int(deltas.reshape(-1)[0])
@@ -702,25 +728,71 @@ class TransformersEngine:
         embeds = self.model.get_input_embeddings()(token)
         position = torch.full((3, 1, 1), running.length + running.rope_delta, device=self.device)
         mask = torch.ones(1, running.length + 1, dtype=torch.long, device=self.device)
-        out = self.model(
-            inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=position,
-            past_key_values=running.cache,
-            use_cache=True,
-        )
+        out = self._forward(embeds, mask, position, running.cache, None)
         running.cache = out.past_key_values
         running.length += 1
         running.next_logits = out.logits[0, -1]
 
-    def _splice(self, ids: torch.Tensor, embeds: torch.Tensor, media: tuple[MediaInput, ...]) -> torch.Tensor:
-        """Media embeddings at their placeholder positions, each kind's items in prompt order."""
+    def _forward(
+        self,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None,
+    ) -> Any:
+        """One forward from input embeddings; for Qwen3-VL the language model is called with the prompt's
+        DeepStack maps (``(visual position mask, one (visual tokens, hidden) map per layer)``), as the
+        whole model calls it, then the LM head."""
+        if not self.qwen3_vl:
+            return self.model(
+                inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+            )
+        where, maps = deepstack if deepstack is not None else (None, None)
+        out = self.model.model.language_model(
+            inputs_embeds=embeds,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            visual_pos_masks=where,
+            deepstack_visual_embeds=maps,
+        )
+        out.logits = self.model.lm_head(out.last_hidden_state)
+        return out
+
+    def _geometry(self, media: tuple[MediaInput, ...]) -> dict[str, Any]:
+        """The keyword arguments of `architectures.rope_index` for these media."""
+        if not self.qwen3_vl:
+            return _geometry(media, self.device)
+        # Qwen3-VL: its temporal positions come from the prompt's timestamps, not seconds per grid.
+        images = [m.grid_thw for m in media if m.kind == "image"]
+        videos = [m.grid_thw for m in media if m.kind == "video"]
+        return {
+            "image_grid_thw": torch.tensor(images, device=self.device) if images else None,
+            "video_grid_thw": torch.tensor(videos, device=self.device) if videos else None,
+        }
+
+    def _splice(
+        self, ids: torch.Tensor, embeds: torch.Tensor, media: tuple[MediaInput, ...]
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
+        """Media embeddings at their placeholder positions, each kind's items in prompt order; and, for
+        Qwen3-VL, the DeepStack maps of the visual positions (in sequence order) with their mask."""
         todo = [i for i, m in enumerate(media) if m.embedding is None]
         computed = self.towers.encode([media[i].features for i in todo])  # type: ignore[misc]
         vectors = {i: media[i].embedding for i in range(len(media))}
         vectors.update(dict(zip(todo, computed, strict=True)))
+        maps: dict[int, torch.Tensor] = {}  # Qwen3-VL: each visual item's DeepStack maps, side by side
+        if self.qwen3_vl:
+            for i, vector in vectors.items():
+                if vector is not None:
+                    vectors[i], maps[i] = vector[:, : self.hidden_size], vector[:, self.hidden_size :]
+        stack_width = self.visual_width - self.hidden_size
+        full = embeds.new_zeros(*ids.shape, stack_width)
+        visual = torch.zeros_like(ids, dtype=torch.bool)
         for kind, placeholder in self.placeholders.items():
-            rows = [vectors[i] for i, m in enumerate(media) if m.kind == kind]
+            items = [i for i, m in enumerate(media) if m.kind == kind]
+            rows = [vectors[i] for i in items]
             where = ids == placeholder
             count = int(where.sum())
             supplied = sum(int(r.shape[0]) for r in rows if r is not None)
@@ -729,7 +801,13 @@ class TransformersEngine:
             if rows:
                 stacked = torch.cat([r for r in rows if r is not None]).to(embeds.device, embeds.dtype)
                 embeds = embeds.masked_scatter(where.unsqueeze(-1).expand_as(embeds), stacked)
-        return embeds
+            if maps and items:
+                stacked = torch.cat([maps[i] for i in items]).to(embeds.device, embeds.dtype)
+                full = full.masked_scatter(where.unsqueeze(-1).expand_as(full), stacked)
+                visual |= where
+        if not bool(visual.any()) or not stack_width:
+            return embeds, None
+        return embeds, (visual, list(torch.split(full[visual], self.hidden_size, dim=-1)))
 
 
 def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:

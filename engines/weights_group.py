@@ -7,6 +7,7 @@ process group, which the trainer keeps for its own data-parallel ranks.
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -17,12 +18,27 @@ __all__ = ["WEIGHTS_GROUP_TIMEOUT_S", "join_weights_group"]
 WEIGHTS_GROUP_TIMEOUT_S = 600.0
 
 
-def join_weights_group(address: str, port: int, rank: int, world_size: int, group_name: str, backend: str) -> Any:
-    """Rank ``rank`` of the group rendezvoused over ``tcp://address:port`` (returns when all joined)."""
+def join_weights_group(
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    *,
+    timeout_s: float = WEIGHTS_GROUP_TIMEOUT_S,
+) -> Any:
+    """Rank ``rank`` of the group rendezvoused over ``tcp://address:port`` (returns when all joined, or
+    raises after ``timeout_s``). An address that does not resolve is a ``ValueError`` at once: the
+    rendezvous would otherwise retry it until the timeout."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
-    timeout = timedelta(seconds=WEIGHTS_GROUP_TIMEOUT_S)
+    try:
+        socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as error:
+        raise ValueError(f"master_address {address!r} does not resolve: {error}") from None
+    timeout = timedelta(seconds=timeout_s)
     store, rank, size = next(dist.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = c10d._new_process_group_helper(

@@ -9,9 +9,11 @@ Commands::
                                    # every role on localhost behind a generated API token
     weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] …
                                    # the RL loop against a stack it starts (or attaches to)
+    weir twin [--profile F] [--gpus N] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
+                                   # capacity twin: sim engines + sim trainer, real control plane
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
-    weir init-model DIR [--if-missing]   # write the tiny embedded Qwen2.5-Omni model folder
+    weir init-model DIR [--if-missing] [--arch qwen3-vl]  # write a tiny model folder (default: Qwen2.5-Omni)
     weir token --out FILE [--uid UID]    # the API token file the roles share (compose's `token` service)
     weir --version
 
@@ -139,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSONL / Parquet rows: {"messages": [...], "reward": {...}} (no default: give --dataset or --demo)',
     )
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
+    train.add_argument(
+        "--demo-task",
+        choices=("colours", "visual-search"),
+        default="colours",
+        help="with --demo: the colour pictures, or the multi-turn visual_search environment (crop, then answer)",
+    )
     # Unset options take the demo's settings with --demo, the generic ones otherwise (services/training.py).
     unset = "(default: the demo's with --demo, else the generic one; see services/training.py)"
     train.add_argument(
@@ -161,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-steps",
         type=int,
         default=None,
-        help=f"with --demo: text-only supervised steps teaching the answer format {unset}",
+        help=f"with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) {unset}",
     )
     train.add_argument(
         "--nproc",
@@ -186,9 +194,41 @@ def build_parser() -> argparse.ArgumentParser:
         "--attach", action="store_true", help="use the stack `weir up` runs (same --home and --base-port) instead"
     )
 
+    twin = command(
+        "twin",
+        "capacity twin: the real control plane and RL loop against sim engines and a sim trainer, per mode, "
+        "at two compression factors; prints simulated s/step, tokens/s per GPU, speed-up, idle shares, drops",
+    )
+    twin.add_argument(
+        "--profile", type=Path, default=Path("profiles/relax-qwen3-4b-h800.yaml"), help="engine + trainer profile"
+    )
+    twin.add_argument(
+        "--gpus", type=int, default=2, help="GPUs in all (colocate: all generate, then train; async: half and half)"
+    )
+    twin.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is left out of s/step)")
+    twin.add_argument(
+        "--prompts-per-step", type=int, default=None, help="default: Relax's 32 per 16 GPUs, scaled to --gpus"
+    )
+    twin.add_argument("--n", type=int, default=8, help="samples per prompt (Relax: 8)")
+    twin.add_argument(
+        "--compression", type=float, nargs="+", default=[10.0, 25.0], help="simulated seconds per wall second"
+    )
+    twin.add_argument(
+        "--modes", nargs="+", default=["colocate", "async-1", "async-2"], help="colocate, async-S (staleness S)"
+    )
+    twin.add_argument("--max-new-tokens", type=int, default=None, help="default: the profile's max response")
+    twin.add_argument("--home", type=Path, default=Path(".weir/twin"), help="the twin's stacks and results.json")
+    twin.add_argument("--base-port", type=int, default=9500, help="the twin's stacks' base port")
+
     init = command("init-model", "write the tiny embedded Qwen2.5-Omni model folder")
     init.add_argument("folder", type=Path, help="where to write it")
     init.add_argument("--seed", type=int, default=0, help="weights seed (the same seed, the same model)")
+    init.add_argument(
+        "--arch",
+        choices=("qwen2.5-omni", "qwen3-vl"),
+        default="qwen2.5-omni",
+        help="the architecture: a Qwen2.5-Omni thinker (default) or Qwen3-VL (with DeepStack)",
+    )
     init.add_argument(
         "--if-missing", action="store_true", help="keep a model already in FOLDER (one with a config.json)"
     )
@@ -369,14 +409,34 @@ def _train(args: argparse.Namespace) -> int:
     return run_training(args)
 
 
+def _twin(args: argparse.Namespace) -> int:
+    from .twin import TwinConfig, print_twin, run_twin
+
+    config = TwinConfig(
+        profile=args.profile,
+        gpus=args.gpus,
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        n=args.n,
+        compressions=tuple(args.compression),
+        modes=tuple(args.modes),
+        max_new_tokens=args.max_new_tokens,
+        home=args.home,
+        base_port=args.base_port,
+    )
+    print_twin(run_twin(config), config)
+    return 0
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from encoders.embedded_model import ensure_model, init_model
 
     if args.if_missing:
         kept = (args.folder / "config.json").is_file()
-        print(f"{ensure_model(args.folder, seed=args.seed)}{': a model is there already; kept' if kept else ''}")
+        folder = ensure_model(args.folder, seed=args.seed, arch=args.arch)
+        print(f"{folder}{': a model is there already; kept' if kept else ''}")
         return 0
-    print(init_model(args.folder, seed=args.seed))
+    print(init_model(args.folder, seed=args.seed, arch=args.arch))
     return 0
 
 
@@ -395,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
-    if args.command in ("up", "train", "prep", "demo"):  # `serve` configures its own, from the role's settings
+    if args.command in ("up", "train", "prep", "demo", "twin"):  # `serve` configures its own, from the role's settings
         from .logs import configure_logging
 
         configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
@@ -404,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
         "prep": _prep,
         "up": _up,
         "train": _train,
+        "twin": _twin,
         "init-model": _init_model,
         "demo": _demo,
         "token": _token,

@@ -4,6 +4,8 @@ With ``--demo`` the task is generated locally (`trainer.demo_task`): pictures of
 "What colour is the picture?", rewarded by exact match. The random-weight model first gets a short
 supervised warm-up on text-only prompts that teaches the answer format (a colour name), never the
 picture → name mapping; greedy accuracy on held-out pictures is measured before and after RL.
+``--demo-task visual-search`` trains multi-turn instead: the ``visual_search`` environment (crop, then name
+the small square's colour), warmed up on scripted crop-then-answer trajectories (`trainer.demo_task`).
 
 ``--nproc N``: N data-parallel trainer ranks (`trainer.data_parallel`). This process runs the same
 command N times with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…), so running
@@ -14,6 +16,7 @@ evaluates, prints and plots; the other ranks attach to it once rank 0 has it rea
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -56,6 +59,17 @@ DEMO_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
     "warmup_steps": 30,
     "max_staleness": 2,
+}
+# --demo --demo-task visual-search: multi-turn trajectories (a crop call ~80 tokens, its observation ~50,
+# the answer), so longer responses and fewer, bigger groups.
+AGENT_DEMO_DEFAULTS: dict[str, Any] = {
+    **DEMO_DEFAULTS,
+    "steps": 60,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_new_tokens": 192,
+    "max_tokens_per_batch": 8192,
+    "warmup_steps": 300,
 }
 _WARMUP_LR = 3e-3
 
@@ -100,16 +114,23 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
 def _warm_up(
     trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str, str], out: Path, token: str | None
 ) -> None:
-    """Text-only steps that teach the answer format; then the engines and the encoder get the weights."""
-    from trainer.demo_task import warmup_prompts
+    """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
+    crop-then-answer trajectories (`trainer.demo_task.agent_warmup_pairs`); then the engines and the encoder
+    get the weights."""
+    from trainer.demo_task import agent_warmup_pairs, agent_warmup_rows, warmup_prompts
 
-    text = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
+    if (
+        getattr(args, "demo_task", "colours") == "visual-search"
+    ):  # scripted trajectories: crop the square's quarter, then answer
+        pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
+        what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
+    else:
+        pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
+        what = "text-only prompts (answer format)"
     for _ in range(args.warmup_steps):
-        loss = trainer.supervised_step(text, lr=_WARMUP_LR)
+        loss = trainer.supervised_step(pairs, lr=_WARMUP_LR)
     if trainer.parallel is None or trainer.parallel.is_main:
-        console.print(
-            f"Warm-up: {args.warmup_steps} supervised steps on text-only prompts (answer format), loss {loss:.3f}"
-        )
+        console.print(f"Warm-up: {args.warmup_steps} supervised steps on {what}, loss {loss:.3f}")
     # An attached data role may already hold a policy: versions only go up from it.
     trainer.policy_version = max(trainer.policy_version, data_policy_version(urls["data"], token=token)) + 1
     folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")  # collective with several ranks
@@ -179,7 +200,9 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
-    for name, value in (DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS).items():
+    agent = args.demo and getattr(args, "demo_task", "colours") == "visual-search"
+    defaults = AGENT_DEMO_DEFAULTS if agent else DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS
+    for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if args.warmup_steps and not args.demo:
@@ -194,7 +217,11 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
     if args.max_staleness is not None:
         settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
     held_out: list[dict[str, Any]] = []
-    if args.demo:
+    if agent:
+        from trainer.demo_task import write_agent_task
+
+        rows, held_out = write_agent_task()  # the environment draws each picture from its row's seed
+    elif args.demo:
         from trainer.demo_task import write_demo_task
 
         rows, held_out = write_demo_task(args.home / "media")  # deterministic: every rank writes the same
@@ -216,7 +243,12 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
         )
         if args.warmup_steps and not args.resume:
             _warm_up(trainer, args, urls, out, stack.token)
-        before = evaluate(urls["rollout"], held_out, token=stack.token) if held_out and main else None
+        check = evaluate
+        if agent:  # greedy trajectories in the environment, under the whole response's budget
+            from trainer.demo_task import evaluate_agent
+
+            check = functools.partial(evaluate_agent, max_new_tokens=args.max_new_tokens)
+        before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
             console.print(f"Greedy accuracy on {len(held_out)} held-out pictures before RL: {before:.0%}")
         config = LoopConfig(
@@ -238,7 +270,7 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
         records = run_loop(trainer, rows, config, on_step=_show if main else None)
         if not main:
             return 0
-        after = evaluate(urls["rollout"], held_out, token=stack.token) if held_out else None
+        after = check(urls["rollout"], held_out, token=stack.token) if held_out else None
         plot = plot_runs({args.mode: records}, out / "reward.png")
         if records:
             _summary(records, before, after, plot)

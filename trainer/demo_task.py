@@ -9,18 +9,45 @@ The random-weight embedded model cannot even produce a colour word at first, so 
 with a short supervised warm-up on **text-only** prompts ("Name a colour." → each of the four
 names, equally often). That teaches the answer format only: it never sees a picture, so after it
 the model names a colour without regard to the picture. Tying the name to the picture is what RL learns.
+
+The visual tool task (``weir train --demo --demo-task visual-search``, `write_agent_task`) is multi-turn:
+each row is the built-in ``visual_search`` environment (a noise picture hiding one small coloured square,
+rewarded 1.0 for its colour's name), the model may call ``crop`` and then answers. The random model never
+writes a ``<tool_call>``, so its warm-up is supervised on **scripted trajectories** instead
+(`agent_warmup_pairs`): crop the quarter holding the square, then name its colour — rendered by the
+rollout role exactly as RL's trajectories are, the loss on the model's turns only.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import json
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 from PIL import Image, ImageDraw
 
-__all__ = ["COLOURS", "QUESTION", "colour_picture", "warmup_prompts", "write_demo_task"]
+__all__ = [
+    "AGENT_QUESTION",
+    "COLOURS",
+    "QUESTION",
+    "agent_row",
+    "agent_warmup_pairs",
+    "agent_warmup_rows",
+    "colour_picture",
+    "crop_call",
+    "evaluate_agent",
+    "quarter_of",
+    "square_of",
+    "warmup_prompts",
+    "write_agent_task",
+    "write_demo_task",
+]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 35),
@@ -92,3 +119,150 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
 def warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
     """(messages, answer) for the text-only format warm-up: each colour name once."""
     return [([{"role": "user", "content": "Name a colour."}], colour) for colour in COLOURS]
+
+
+# -- the visual tool task (`weir train --demo --demo-task visual-search`) ------------------------------
+# Every row is the built-in `visual_search` environment (`rollout.environments.VisualSearch`): a noise
+# picture of AGENT_SIZE pixels with one small square of six colours; the model may call `crop` and answers
+# the colour's name; the environment's reward is 1.0 for the exact name. Seeds are kept only when the
+# square lies wholly inside one quarter of the picture, so one crop of that quarter (AGENT_SIZE / 2 pixels:
+# the model's smallest grid, 4 image tokens) shows it whole — the call the scripted warm-up makes.
+AGENT_QUESTION = "What colour is the small square?"
+AGENT_SIZE = 112
+AGENT_PATCH = 12
+AGENT_MAX_TURNS = 3
+_TRAIN_SEEDS, _HELD_OUT_SEEDS, _WARMUP_SEEDS = 0, 100_000, 200_000
+
+
+@functools.lru_cache(maxsize=4096)
+def square_of(seed: int, size: int = AGENT_SIZE, patch: int = AGENT_PATCH) -> tuple[str, tuple[int, int]]:
+    """The colour and top-left corner of `visual_search`'s square for these options (the environment's own
+    `reset`, so the two never disagree)."""
+    from rollout.environments import PromptInfo, VisualSearch
+
+    env = VisualSearch(seed=seed, size=size, patch=patch)
+    env.reset(PromptInfo(messages=[], group_id="", sample_index=0, prompt_index=0))
+    x, y = env.state["patch_xy"]
+    return env.answer, (int(x), int(y))
+
+
+def quarter_of(seed: int, size: int = AGENT_SIZE, patch: int = AGENT_PATCH) -> tuple[int, int, int, int] | None:
+    """The quarter ``(x, y, w, h)`` of the picture holding the whole square, or None when it straddles two."""
+    _, (x, y) = square_of(seed, size, patch)
+    half = size // 2
+    qx, qy = x // half, y // half
+    if (x + patch - 1) // half != qx or (y + patch - 1) // half != qy:
+        return None
+    return qx * half, qy * half, half, half
+
+
+def crop_call(seed: int) -> str:
+    """The scripted call: crop the quarter that holds the square (Qwen's ``<tool_call>`` JSON format)."""
+    region = quarter_of(seed)
+    if region is None:
+        raise ValueError(f"seed {seed}: the square straddles two quarters")
+    arguments = dict(zip(("x", "y", "w", "h"), region, strict=True))
+    return "<tool_call>\n" + json.dumps({"name": "crop", "arguments": arguments}) + "\n</tool_call>"
+
+
+def _agent_seeds(start: int, per_colour: int) -> list[int]:
+    """``per_colour`` usable seeds (the square inside one quarter) per colour from ``start`` on, the colours
+    interleaved so any prefix is balanced."""
+    from rollout.environments import COLOURS as SQUARE_COLOURS
+
+    buckets: dict[str, list[int]] = {c: [] for c in sorted(SQUARE_COLOURS)}
+    seed = start
+    while any(len(b) < per_colour for b in buckets.values()):
+        colour, _ = square_of(seed)
+        if len(buckets[colour]) < per_colour and quarter_of(seed) is not None:
+            buckets[colour].append(seed)
+        seed += 1
+    return [buckets[c][i] for i in range(per_colour) for c in buckets]
+
+
+def agent_row(seed: int) -> dict[str, Any]:
+    """One rollout prompt of the visual tool task: the question, the environment (its reward), max_turns."""
+    return {
+        "messages": [{"role": "user", "content": AGENT_QUESTION}],
+        "environment": {"name": "visual_search", "options": {"seed": seed, "size": AGENT_SIZE, "patch": AGENT_PATCH}},
+        "max_turns": AGENT_MAX_TURNS,
+    }
+
+
+def write_agent_task(*, per_colour: int = 8, held_out: int = 2) -> tuple[list[dict], list[dict]]:
+    """(training rows, held-out rows) of the visual tool task; nothing is written (the environment draws its
+    picture from the seed). Held-out seeds are drawn from another range than training's."""
+    train = [agent_row(s) for s in _agent_seeds(_TRAIN_SEEDS, per_colour)]
+    return train, [agent_row(s) for s in _agent_seeds(_HELD_OUT_SEEDS, held_out)]
+
+
+def agent_warmup_rows(per_colour: int = 1) -> list[dict[str, Any]]:
+    """Rows for the scripted warm-up, from a third seed range (neither trained on by RL nor held out)."""
+    return [agent_row(s) for s in _agent_seeds(_WARMUP_SEEDS, per_colour)]
+
+
+def agent_warmup_pairs(
+    rows: list[dict[str, Any]],
+    answer_ids: Callable[[str], list[int]],
+    *,
+    rollout_url: str,
+    token: str | None = None,
+) -> list[tuple[list[int], list[int], list[str]]]:
+    """Scripted trajectories — crop the square's quarter, then answer its colour — as supervised pairs
+    (prompt ids, response ids, feature keys), two per row: (prompt → the call) and (prompt, call, the
+    crop's observation → the answer). The loss falls on the model's turns only, never on the observation.
+
+    The prompt and the observation are the rollout role's own: one unrecorded rollout per row with the
+    call forced by the engine's ``regex`` decoding renders the tools into the prompt, runs ``crop`` and
+    renders its image (through the preprocess role, so the trainer's feature cache holds it) exactly as RL
+    rollouts will. The call's own tokens are then the tokenizer's (``answer_ids``), not the constrained
+    decoder's, so the warm-up teaches the tokens the model will sample."""
+    from rollout.environments import COLOURS as SQUARE_COLOURS
+
+    seeds = [int(r["environment"]["options"]["seed"]) for r in rows]
+    calls = [crop_call(s) for s in seeds]
+    body = {
+        "prompts": [
+            {**row, "max_turns": 2, "n": 1, "sampling_params": {"regex": re.escape(call), "temperature": 0.0}}
+            for row, call in zip(rows, calls, strict=True)
+        ],
+        "sampling_params": {"max_new_tokens": 400},
+        "record": False,
+    }
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
+    response.raise_for_status()
+    pairs: list[tuple[list[int], list[int], list[str]]] = []
+    for group, seed, call in zip(response.json()["groups"], seeds, calls, strict=True):
+        (sample,) = group["samples"]
+        mask: list[int] = sample["loss_mask"]
+        if 0 not in mask:
+            raise RuntimeError(f"seed {seed}: the scripted crop call got no observation ({sample['finish_reason']})")
+        start = mask.index(0)
+        end = start + (mask[start:].index(1) if 1 in mask[start:] else len(mask) - start)
+        observation = sample["response_ids"][start:end]
+        colour, _ = square_of(seed)
+        assert colour in SQUARE_COLOURS
+        prompt, keys = list(group["prompt_ids"]), list(group["feature_keys"])
+        call_ids = answer_ids(call)
+        pairs.append((prompt, call_ids, keys))
+        pairs.append((prompt + call_ids + observation, answer_ids(colour), keys + list(sample["feature_keys"])))
+    return pairs
+
+
+def evaluate_agent(
+    rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int, token: str | None = None
+) -> float:
+    """Mean reward of greedy trajectories for multi-turn ``rows`` (their environment and max_turns sent on;
+    not recorded); a sample without a reward counts as 0."""
+    keys = ("messages", "reward", "tools", "environment", "max_turns")
+    body = {
+        "prompts": [{**{k: r[k] for k in keys if k in r}, "n": 1} for r in rows],
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+        "record": False,
+    }
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
+    response.raise_for_status()
+    rewards = [s.get("reward") or 0.0 for g in response.json()["groups"] for s in g["samples"]]
+    return sum(rewards) / max(1, len(rewards))

@@ -6,6 +6,9 @@ starts new ones only as far as ``GET /v1/admission`` allows (the data role holds
 what the trainer can use within the staleness bound). ``colocate`` (`RolloutDriver.generate`):
 one request with the whole batch, returning when its slowest sample has finished.
 
+A row is a rollout prompt: ``messages``, ``reward`` (default none) and, when it has them,
+``sampling_params`` and the multi-turn ``tools``, ``environment`` and ``max_turns``, sent on as given.
+
 Prompts whose samples went stale under the data role's ``regenerate`` policy are sent again
 first: group ids carry their dataset row (``r{row}-{random}``) for that. Requests carry the
 stack's API token (``token``; None sends none); responses are read as `experience.records.Group`.
@@ -28,6 +31,10 @@ from experience.records import Group
 __all__ = ["RolloutDriver", "group_id", "row_of"]
 
 logger = logging.getLogger(__name__)
+
+
+# Row fields sent on with the prompt as they are: per-prompt sampling, and the multi-turn ones (`rollout.multiturn`).
+_PASSED = ("sampling_params", "tools", "environment", "max_turns")
 
 
 def group_id(row: int) -> str:
@@ -81,8 +88,9 @@ class RolloutDriver:
         for i in picked:
             row = self.rows[i]
             prompt = {"messages": row["messages"], "reward": row.get("reward", {"type": "none"}), "id": group_id(i)}
-            if "sampling_params" in row:
-                prompt["sampling_params"] = row["sampling_params"]
+            for key in _PASSED:  # per-prompt sampling and multi-turn fields, when the row has them
+                if key in row:
+                    prompt[key] = row[key]
             out.append(prompt)
         return out
 

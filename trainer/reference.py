@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration
+from transformers import AutoTokenizer
 
 import preprocess as pp
+from encoders.architectures import decoder_layers, load_thinker, model_inputs
 
 from .data_parallel import DataParallel
 from .feed import FeedBatch
@@ -82,11 +83,11 @@ class ReferenceTrainer:
         torch.manual_seed(seed)
         self.parallel = parallel
         self.device = parallel.device if parallel is not None else torch.device("cpu")
-        self.model = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = load_thinker(model_dir, dtype=torch.float32)  # the class the folder's config names
         torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
         self.model.train()
         if parallel is not None:  # before the optimizer: it must hold the sharded parameters
-            parallel.shard(self.model, list(self.model.model.layers))
+            parallel.shard(self.model, decoder_layers(self.model))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
@@ -109,8 +110,9 @@ class ReferenceTrainer:
             found.append(item)
         return found
 
-    def _inputs(self, media: list[pp.Features]) -> dict[str, torch.Tensor]:
-        return {name: value.to(self.device) for name, value in media_inputs(media).items()}
+    def _inputs(self, media: list[pp.Features], ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        inputs = model_inputs(self.model, ids, media_inputs(media))  # Qwen3-VL: + token types
+        return {name: value.to(self.device) for name, value in inputs.items()}
 
     def sequence_logprobs(
         self, input_ids: torch.Tensor, feature_keys: list[str], media: list[pp.Features] | None = None
@@ -119,7 +121,7 @@ class ReferenceTrainer:
 
         One forward per sequence: the exactness reference for `batch_logprobs`."""
         ids = input_ids.to(self.device)[None]
-        inputs = self._inputs(self._media(feature_keys, media))
+        inputs = self._inputs(self._media(feature_keys, media), ids)
         logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0]
         picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         return torch.cat([torch.zeros(1, device=self.device), picked])
@@ -138,7 +140,7 @@ class ReferenceTrainer:
             ids[i, :length], mask[i, :length] = t["input_ids"][cu[i] : cu[i + 1]], 1
             media += self._media(batch.feature_keys[i], None if batch.media is None else batch.media[i])
         ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media)).logits
+        logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media, ids)).logits
         picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
         zero = torch.zeros(1, device=self.device)
         return torch.cat([torch.cat([zero, picked[i, : length - 1]]) for i, length in enumerate(lengths)])
@@ -329,7 +331,7 @@ class ReferenceTrainer:
             dcp.load({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=root)  # in place
             set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state)
             return dict(json.loads((root / f"feed-{self.parallel.rank}.json").read_text()))
-        state = Qwen2_5OmniThinkerForConditionalGeneration.from_pretrained(root, dtype=torch.float32).state_dict()
+        state = load_thinker(root, dtype=torch.float32).state_dict()
         self.model.load_state_dict(state)
         saved = torch.load(root / "trainer_state.pt", weights_only=False)
         self.optimizer.load_state_dict(saved["optimizer"])

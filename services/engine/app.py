@@ -134,6 +134,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         max_running=settings.max_running,
         profile=settings.sim_profile,
         compression=settings.sim_compression,
+        weights_group_timeout_s=settings.weights_group_timeout_s,
     )
     role = EngineRole(
         settings=settings,

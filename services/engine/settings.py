@@ -36,6 +36,13 @@ class EngineSettings(RoleSettings, MediaUrls):
     sim_compression: float | None = Field(
         None, gt=0, description="the sim backend's simulated seconds per wall second (default: the profile's)"
     )
+    weights_group_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="how long /init_weights_update_group and /update_weights_from_distributed wait for the "
+        "trainer's rank (transformers backend); past it they answer success: false",
+    )
     device: str | None = Field(
         None, description="torch device; default cpu for transformers, SGLang's own choice for sglang"
     )

@@ -29,12 +29,14 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("gpu-model"))
 
 
-def test_the_engine_generates_on_cuda_as_on_cpu(model: Path) -> None:
-    spec = pp.ProcessorSpec.qwen2_5_omni()
+@pytest.mark.parametrize("arch", ["qwen2.5-omni", "qwen3-vl"])
+def test_the_engine_generates_on_cuda_as_on_cpu(arch: str, tmp_path: Path) -> None:
+    model = init_model(tmp_path / arch, arch=arch)
+    spec = pp.ProcessorSpec.from_pretrained(model)
     image = pp.process_image(samples.encode_image(samples.test_pattern(64, 64), "PNG"), spec)
     cpu, cuda = TransformersEngine(model), TransformersEngine(model, device="cuda")
     try:
-        placeholder = cpu.model.config.image_token_id
+        placeholder = cpu.placeholders["image"]
         ids = [1, 2, *([placeholder] * image.num_tokens), 3]
         request = GenerateRequest(
             input_ids=ids,

@@ -96,7 +96,8 @@ def live_roles(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, s
             create_app(PreprocessSettings(cache_dir=root / "cache", media_roots=[root / "media"]))
         ),
         "encoder": RunningServer(encoder_app(EncoderSettings(model=model, **caches))),
-        "engine": RunningServer(engine_app(EngineSettings(model=model, **caches))),
+        # A fuzzed /init_weights_update_group may name an address nobody answers on: wait 5 s, not 10 min.
+        "engine": RunningServer(engine_app(EngineSettings(model=model, weights_group_timeout_s=5, **caches))),
         "data": RunningServer(data_app(DataSettings(data_dir=root / "data", lease_s=5, max_wait_s=0.2))),
     }
     for server in servers.values():

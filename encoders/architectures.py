@@ -1,0 +1,167 @@
+"""Which model a folder holds, read from its ``config.json``; one place that knows each family's classes.
+
+Weir serves and trains two families of "thinker" (the multimodal language model with its towers):
+
+* ``qwen2_5_omni`` — `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker folder, or a full Omni
+  folder whose ``thinker_config`` is read): vision and audio towers, media spliced into the input
+  embeddings.
+* ``qwen3_vl`` — `Qwen3VLForConditionalGeneration`: a vision tower only, and DeepStack: besides its
+  merged output (spliced into the input embeddings) the tower gives one more feature map per
+  ``deepstack_visual_indexes`` entry, each *added* to the hidden states of the visual positions after
+  decoder layer 0, 1, … .
+
+An encoder stage's embedding of a Qwen3-VL item is therefore the merged output and the DeepStack maps
+side by side, ``(tokens, hidden · (1 + deepstack))`` (`pack_visual`), so one cached tensor per item
+still carries everything the language model takes from the tower; `split_visual` takes it apart again.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import (
+    AutoConfig,
+    PreTrainedModel,
+    Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen3VLForConditionalGeneration,
+)
+
+__all__ = [
+    "decoder_layers",
+    "Family",
+    "family_of",
+    "load_thinker",
+    "mm_token_type_ids",
+    "model_inputs",
+    "pack_visual",
+    "rope_index",
+    "split_visual",
+    "thinker_config",
+    "towers_of",
+]
+
+Family = Literal["qwen2_5_omni", "qwen3_vl"]
+
+_ARCHITECTURES: dict[str, Family] = {
+    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni",
+    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
+    "Qwen3VLForConditionalGeneration": "qwen3_vl",
+}
+_MODEL_TYPES: dict[str, Family] = {
+    "qwen2_5_omni_thinker": "qwen2_5_omni",
+    "qwen2_5_omni": "qwen2_5_omni",
+    "qwen3_vl": "qwen3_vl",
+}
+_CLASSES: dict[Family, type[PreTrainedModel]] = {
+    "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+}
+
+
+def family_of(model_dir: str | Path) -> Family:
+    """The family of a model folder, by its config's ``architectures`` then ``model_type``."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"no readable config.json in {model_dir}: {error}") from None
+    for name in config.get("architectures") or []:
+        if name in _ARCHITECTURES:
+            return _ARCHITECTURES[name]
+    model_type = config.get("model_type")
+    if model_type in _MODEL_TYPES:
+        return _MODEL_TYPES[model_type]
+    raise ValueError(
+        f"{model_dir}: unsupported model (architectures {config.get('architectures')}, model_type {model_type}); "
+        f"Weir loads {sorted(_ARCHITECTURES)}"
+    )
+
+
+def thinker_config(model_dir: str | Path) -> Any:
+    """The thinker's config (a full Qwen2.5-Omni folder's ``thinker_config``)."""
+    config = AutoConfig.from_pretrained(model_dir)
+    return getattr(config, "thinker_config", config)
+
+
+def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The folder's model, in the class its config names (not a hard-coded one)."""
+    family = family_of(model_dir)
+    model = _CLASSES[family].from_pretrained(model_dir, dtype=dtype)
+    return model  # type: ignore[no-any-return]
+
+
+def is_qwen3_vl(model: torch.nn.Module) -> bool:
+    return isinstance(model, Qwen3VLForConditionalGeneration)
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The language model's decoder layers (the units data-parallel training shards one by one)."""
+    inner: Any = getattr(model, "model", model)
+    text = getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
+    return list(text.layers)
+
+
+def towers_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+    """A loaded model's own vision tower and audio tower (None: the family has none)."""
+    if is_qwen3_vl(model):
+        return model.model.visual, None  # type: ignore[union-attr,return-value]
+    return model.visual, model.audio_tower  # type: ignore[return-value]
+
+
+def pack_visual(pooled: torch.Tensor, deepstack: list[torch.Tensor] | None) -> torch.Tensor:
+    """One (tokens, hidden · (1 + deepstack)) tensor: the merged output, then each DeepStack map."""
+    return torch.cat([pooled, *deepstack], dim=-1) if deepstack else pooled
+
+
+def split_visual(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`pack_visual` taken apart: the merged output and the DeepStack maps."""
+    if packed.shape[-1] % hidden:
+        raise ValueError(f"a visual embedding of width {packed.shape[-1]} does not split into rows of {hidden}")
+    parts = list(torch.split(packed, hidden, dim=-1))
+    return parts[0], parts[1:]
+
+
+def mm_token_type_ids(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Qwen3-VL's token types (text 0, image 1, video 2), as its processor returns them."""
+    config: Any = model.config
+    types = torch.zeros_like(ids, dtype=torch.int)
+    types[ids == config.image_token_id] = 1
+    types[ids == config.video_token_id] = 2
+    return types
+
+
+def rope_index(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    video_grid_thw: torch.Tensor | None,
+    **omni: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's own 3-D rotary positions and deltas (``omni``: Qwen2.5-Omni's extra arguments)."""
+    if is_qwen3_vl(model):
+        return model.model.get_rope_index(  # type: ignore[union-attr,operator,no-any-return]
+            ids,
+            mm_token_type_ids=mm_token_type_ids(model, ids),
+            image_grid_thw=image_grid_thw,
+            video_grid_thw=None if video_grid_thw is None else video_grid_thw.clone(),  # it edits its argument
+            attention_mask=attention_mask,
+        )
+    return model.get_rope_index(  # type: ignore[operator,no-any-return]
+        ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, **omni
+    )
+
+
+def model_inputs(model: torch.nn.Module, ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A forward's media keyword inputs for this model: Qwen3-VL takes the token types and no
+    per-video seconds (its temporal positions come from the timestamps in the prompt)."""
+    if not is_qwen3_vl(model):
+        return media
+    out = {k: v for k, v in media.items() if k not in ("video_second_per_grid",)}
+    if "image_grid_thw" in out or "video_grid_thw" in out:
+        out["mm_token_type_ids"] = mm_token_type_ids(model, ids)
+    return out

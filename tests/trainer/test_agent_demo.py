@@ -1,0 +1,96 @@
+"""The visual tool demo task (`weir train --demo --demo-task visual-search`): its rows, its scripted
+warm-up call, and a short RL run through the whole stack that trains multi-turn samples — trajectories
+whose observations (``loss_mask`` 0 between the model's turns) are masked out of the loss."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import trainer.demo_task as demo_task
+from services.cli import main
+from trainer.driver import RolloutDriver
+from trainer.reference import ReferenceTrainer
+
+
+def test_rows_carry_the_environment_and_the_scripted_call_crops_the_square() -> None:
+    train, held_out = demo_task.write_agent_task(per_colour=2, held_out=1)
+    assert len(train) == 12 and len(held_out) == 6
+    seeds = [r["environment"]["options"]["seed"] for r in train]
+    assert not set(seeds) & {r["environment"]["options"]["seed"] for r in held_out}
+    assert {demo_task.square_of(s)[0] for s in seeds[:6]} == {"red", "green", "blue", "yellow", "magenta", "cyan"}
+    for row in train[:6]:
+        assert row["environment"]["name"] == "visual_search" and row["max_turns"] == demo_task.AGENT_MAX_TURNS
+        seed = row["environment"]["options"]["seed"]
+        (x, y), (qx, qy, w, h) = demo_task.square_of(seed)[1], demo_task.quarter_of(seed)  # type: ignore[misc]
+        assert qx <= x and x + demo_task.AGENT_PATCH <= qx + w and qy <= y and y + demo_task.AGENT_PATCH <= qy + h
+        call = json.loads(demo_task.crop_call(seed).removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
+        assert call == {"name": "crop", "arguments": {"x": qx, "y": qy, "w": w, "h": h}}
+
+
+def test_the_driver_sends_the_multiturn_fields_on() -> None:
+    rows = [{"messages": [], **demo_task.agent_row(3), "sampling_params": {"temperature": 0.5}}]
+    driver = RolloutDriver(
+        rows, rollout_url="http://x", data_url="http://127.0.0.1:9", n=2, sampling_params={}, in_flight=1
+    )
+    try:
+        driver._client.post = lambda *a, **k: type("R", (), {"status_code": 404})()  # type: ignore[method-assign]
+        (prompt,) = driver.prompts(1)
+    finally:
+        driver.close()
+    assert prompt["environment"] == rows[0]["environment"] and prompt["max_turns"] == demo_task.AGENT_MAX_TURNS
+    assert prompt["sampling_params"] == {"temperature": 0.5} and prompt["reward"] == {"type": "none"}
+    assert "tools" not in prompt
+
+
+@pytest.mark.integration
+def test_weir_train_visual_search_trains_multiturn_samples(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two RL steps (after one warm-up step) through the real stack. One warm-up step does not teach the
+    random model to call ``crop`` at temperature 1 (it names a colour: shorter), so the test's rows also
+    carry a per-prompt ``regex`` (sent on by the driver) that makes every turn the scripted call: each
+    trajectory is call, observation, call… until ``max_new_tokens`` (256: a constrained call takes ~85
+    tokens, the crop's observation ~50) or ``max_turns``."""
+    tasks = demo_task.write_agent_task
+
+    def forced(**kwargs: Any) -> tuple[list[dict], list[dict]]:
+        train, held_out = tasks(per_colour=1, held_out=1)
+        for row in train:
+            row["sampling_params"] = {"regex": re.escape(demo_task.crop_call(row["environment"]["options"]["seed"]))}
+        return train, held_out[:2]
+
+    monkeypatch.setattr(demo_task, "write_agent_task", forced)
+    trained: list[dict[str, int]] = []
+    accumulate = ReferenceTrainer.accumulate
+
+    def counting(self: ReferenceTrainer, batch: Any) -> dict[str, float]:
+        if batch is not None:
+            mask, cu = batch.tensors["loss_mask"], batch.tensors["cu_seqlens"].tolist()
+            for i in range(len(cu) - 1):
+                ones = torch.nonzero(mask[cu[i] : cu[i + 1]]).flatten()
+                span = int(ones[-1] - ones[0] + 1) if len(ones) else 0
+                trained.append({"loss": len(ones), "masked": span - len(ones), "media": len(batch.feature_keys[i])})
+        return accumulate(self, batch)
+
+    monkeypatch.setattr(ReferenceTrainer, "accumulate", counting)
+    home = tmp_path / "weir"
+    argv = ["train", "--demo", "--demo-task", "visual-search", "--home", str(home), "--base-port", "9650"]
+    options = ["--steps", "2", "--warmup-steps", "1", "--n", "2", "--groups-per-step", "3", "--max-new-tokens", "256"]
+    assert main([*argv, *options]) == 0
+    out = capsys.readouterr().out
+    assert "scripted crop-then-answer trajectories" in out and "Greedy accuracy on 2 held-out" in out
+    assert "Training summary" in out
+    lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert len(trained) == 12  # 2 steps × 3 groups × n=2
+    # Multi-turn samples were trained: an observation (loss_mask 0) between the model's turns, and the
+    # crop's image among the sample's media; the loss fell on the model's tokens only.
+    multiturn = [t for t in trained if t["masked"] > 0]
+    assert multiturn and all(t["media"] == 2 for t in multiturn), trained
+    assert sum(t["loss"] for t in trained) < sum(t["loss"] + t["masked"] for t in trained)

@@ -1,0 +1,235 @@
+"""`SimTrainer`: the trainer interface `trainer.loop.run_loop` uses, with GPU time slept from a profile.
+
+A capacity twin (`services.twin`) runs Weir's real control plane — the rollout driver, the data role's
+admission, staleness, leases and acknowledgements, checkpoints-then-ack, publishing — against simulated
+engines (`engines.sim_backend`). This is the trainer half: it consumes the **real** feed (every micro-batch
+is leased, counted and acknowledged by the loop as with `ReferenceTrainer`), but computes nothing; the time
+a Megatron trainer of the profiled run would take is **slept** under the same compression factor as the
+engines (one clock: ``compression`` simulated seconds per wall second).
+
+The cost model (every constant from the profile's ``trainer`` section, `SimTrainerProfile`; simulated seconds):
+
+* `accumulate` of a micro-batch of ``T`` tokens: ``T / (gpus * train_tokens_per_gpu_s)`` (forward + backward
+  of the whole data-parallel trainer; ``train_tokens_per_gpu_s`` is derived from a cited MFU estimate);
+* `apply` (the optimizer step): ``optimizer_step_s``;
+* `export` (a weight push; the engines' own update time is their profile's ``weight_update_s``):
+  ``weight_sync_broadcast_s`` or ``weight_sync_disk_s`` (``weight_sync``);
+* colocate only (``colocate=True``): the swap of the GPUs between generation and training, which the loop
+  does not do itself — before the step's first micro-batch the engines sleep and the trainer comes back
+  (engine ``sleep_s`` + ``onload_s``), after its optimizer step the trainer leaves and the engines wake
+  (``offload_s`` + engine ``wake_s``). The engines' HTTP role refuses memory release (a standalone engine
+  keeps its weights), so this time is charged here, on the trainer's clock, where it blocks the step as it
+  does in a colocated run.
+
+The accounting (`clock`, `steps`) is the model's exact sum in simulated seconds, never a measured wall time.
+`save` writes a small real checkpoint (``trainer.json``: version, the caller's feed state, the clock),
+atomically, so the loop's crash safety (checkpoint, then acknowledge) holds; `export` writes one small
+marker file (the sim engines accept any path and read nothing).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from engines.sim_backend import SimProfile
+
+from .feed import FeedBatch
+from .reference import StepResult
+
+__all__ = ["SimTrainer", "SimTrainerProfile"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SimTrainerProfile:
+    """The trainer constants of a profile file (its ``trainer`` section), each with its ``source``."""
+
+    model_params: float
+    flops_per_token: float
+    peak_flops_per_gpu: float
+    mfu: float
+    train_tokens_per_gpu_s: float
+    gpus: int
+    optimizer_step_s: float
+    weight_sync_broadcast_s: float
+    weight_sync_disk_s: float
+    weight_sync: str = "broadcast"
+    offload_s: float = 0.0
+    onload_s: float = 0.0
+    sources: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+                problems.append(f"{f.name} must be a finite number >= 0")
+        if self.train_tokens_per_gpu_s <= 0 or self.gpus < 1:
+            problems.append("train_tokens_per_gpu_s must be > 0 and gpus >= 1")
+        if self.weight_sync not in ("broadcast", "disk"):
+            problems.append("weight_sync must be 'broadcast' or 'disk'")
+        if problems:
+            raise ValueError("sim trainer profile: " + "; ".join(problems))
+
+    @classmethod
+    def load(cls, path: str | Path) -> SimTrainerProfile:
+        """The ``trainer`` section of a profile file (YAML or JSON)."""
+        text = Path(path).read_text()
+        if Path(path).suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+        return cls.from_dict(data.get("trainer") or {}, where=str(path))
+
+    @classmethod
+    def from_dict(cls, constants: Mapping[str, Any], *, where: str = "profile") -> SimTrainerProfile:
+        known = {f.name for f in fields(cls)} - {"sources"}
+        unknown = sorted(set(constants) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown trainer constants {unknown}")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        for name, entry in constants.items():
+            if not isinstance(entry, Mapping) or "value" not in entry:
+                raise ValueError(f"{where}: trainer constant {name} must be {{value: ..., source: ...}}")
+            source = entry.get("source")
+            if not isinstance(source, str) or not source.strip():
+                raise ValueError(f"{where}: trainer constant {name} has no source")
+            values[name] = entry["value"]
+            sources[name] = source
+        required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+        missing = sorted(required - set(values))
+        if missing:
+            raise ValueError(f"{where}: missing trainer constants {missing}")
+        for name, value in values.items():  # YAML reads 9.89e14 (no sign in the exponent) as a string
+            if name != "weight_sync":
+                values[name] = float(value)
+        values["gpus"] = int(values["gpus"])
+        return cls(sources=sources, **values)
+
+
+class SimTrainer:
+    """`ReferenceTrainer`'s loop interface (`accumulate`, `apply`, `save`, `load`, `export`,
+    ``policy_version``, ``parallel``) with GPU time slept from ``profile`` (see the module's cost model)."""
+
+    def __init__(
+        self,
+        profile: SimTrainerProfile,
+        *,
+        engine: SimProfile | None = None,
+        gpus: int | None = None,
+        compression: float = 1.0,
+        colocate: bool = False,
+        sleep: bool = True,
+    ) -> None:
+        if not (math.isfinite(compression) and compression > 0):
+            raise ValueError("compression must be > 0")
+        if colocate and engine is None:
+            raise ValueError("colocate needs the engine profile (its sleep_s / wake_s)")
+        self.profile = profile
+        self.engine = engine
+        self.gpus = gpus or profile.gpus
+        self.compression = compression
+        self.colocate = colocate
+        self.sleep = sleep  # False: account only (tests of the cost model)
+        self.parallel = None  # one process stands for the whole data-parallel trainer
+        self.policy_version = 0
+        self.clock: dict[str, float] = {"train_s": 0.0, "optimizer_s": 0.0, "weight_sync_s": 0.0, "swap_s": 0.0}
+        self.steps: list[dict[str, float]] = []  # per `apply`: this step's simulated seconds by kind
+        self._step: dict[str, float] = {}
+        self._tokens = 0
+        self._samples = 0
+        self._swapped_in = False
+
+    # The cost model ------------------------------------------------------------------------------------
+
+    def train_seconds(self, tokens: int) -> float:
+        """Simulated seconds of forward + backward over ``tokens`` on the whole trainer."""
+        return tokens / (self.gpus * self.profile.train_tokens_per_gpu_s)
+
+    def weight_sync_seconds(self) -> float:
+        p = self.profile
+        return p.weight_sync_broadcast_s if p.weight_sync == "broadcast" else p.weight_sync_disk_s
+
+    def _spend(self, kind: str, simulated: float) -> None:
+        self.clock[kind] += simulated
+        self._step[kind] = self._step.get(kind, 0.0) + simulated
+        if self.sleep and simulated > 0:
+            time.sleep(simulated / self.compression)
+
+    @property
+    def sim_seconds(self) -> float:
+        """Simulated seconds the trainer has been busy (every kind)."""
+        return sum(self.clock.values())
+
+    # The loop's interface ------------------------------------------------------------------------------
+
+    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
+        if self.colocate and not self._swapped_in and self.engine is not None:
+            self._spend("swap_s", self.engine.sleep_s + self.profile.onload_s)  # engines sleep, trainer back
+            self._swapped_in = True
+        if batch is None:  # a lockstep filler: nothing to train
+            return {}
+        tokens = int(batch.tensors["input_ids"].numel())
+        self._tokens += tokens
+        self._samples += len(batch.tensors["rewards"])
+        self._spend("train_s", self.train_seconds(tokens))
+        return {"tokens": float(tokens)}
+
+    def apply(self) -> StepResult:
+        self._spend("optimizer_s", self.profile.optimizer_step_s)
+        if self.colocate and self._swapped_in and self.engine is not None:
+            self._spend("swap_s", self.profile.offload_s + self.engine.wake_s)  # trainer leaves, engines wake
+            self._swapped_in = False
+        step = {k: self._step.get(k, 0.0) for k in self.clock}
+        step["tokens"], step["samples"] = float(self._tokens), float(self._samples)
+        self._step, self._tokens, self._samples = {}, 0, 0
+        self.steps.append(step)
+        metrics = {f"sim_{k}": v for k, v in step.items() if k.endswith("_s")}
+        return StepResult(loss=0.0, grad_norm=0.0, metrics=metrics)
+
+    def export(self, folder: str | Path) -> Path:
+        """A weight push: its time is slept; one small marker file is written (sim engines read nothing)."""
+        self._spend("weight_sync_s", self.weight_sync_seconds())
+        # Charged to the step being published (the loop publishes after `apply`).
+        if self.steps:
+            self.steps[-1]["weight_sync_s"] = self.steps[-1].get("weight_sync_s", 0.0) + self.weight_sync_seconds()
+        self._step.pop("weight_sync_s", None)
+        path = Path(folder)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "sim-weights.json").write_text(json.dumps({"policy_version": self.policy_version}))
+        return path
+
+    def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:
+        """``folder/trainer.json`` (version, ``feed_state``, clock), written aside, fsync'd and renamed in."""
+        final = Path(folder)
+        staging = final.with_name(final.name + ".tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        state = {**(feed_state or {}), "policy_version": self.policy_version, "clock": self.clock}
+        with (staging / "trainer.json").open("w") as out:
+            out.write(json.dumps(state))
+            out.flush()
+            os.fsync(out.fileno())
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            final.rename(old)
+        staging.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def load(self, folder: str | Path) -> dict[str, Any]:
+        state: dict[str, Any] = json.loads((Path(folder) / "trainer.json").read_text())
+        self.policy_version = int(state.get("policy_version", 0))
+        self.clock.update({k: float(v) for k, v in state.get("clock", {}).items() if k in self.clock})
+        return state
