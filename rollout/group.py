@@ -692,10 +692,7 @@ async def rollout_group(
     start = time.perf_counter()
     where = f"prompts[{index}]"
     prepared = await prepare(ctx, prompt.messages, where=f"{where}.messages", budget=budget)
-    given = sampling.get("max_new_tokens")
-    max_new = ctx.default_max_tokens if given is None else int(given)
-    check_context(ctx, prepared, max_new, where)
-    sampling = {**sampling, "max_new_tokens": max_new}
+    sampling = with_max_new_tokens(ctx, prepared, sampling, where)
     group_id = prompt.group_id or uuid.uuid4().hex
     with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n):
         generate_start = time.perf_counter()
@@ -703,18 +700,52 @@ async def rollout_group(
         generate_s = time.perf_counter() - generate_start
     reward_start = time.perf_counter()
     samples = await reward_samples(ctx, prompt.reward, samples, group_id=group_id, prompt_index=index)
+    return assemble_group(
+        prepared,
+        samples,
+        group_id=group_id,
+        index=index,
+        started=start,
+        generate_s=generate_s,
+        reward_start=reward_start,
+    )
+
+
+def with_max_new_tokens(
+    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], where: str
+) -> dict[str, Any]:
+    """``sampling`` with ``max_new_tokens`` set (the role's default when absent), checked against the context."""
+    given = sampling.get("max_new_tokens")
+    max_new = ctx.default_max_tokens if given is None else int(given)
+    check_context(ctx, prepared, max_new, where)
+    return {**sampling, "max_new_tokens": max_new}
+
+
+def assemble_group(
+    prepared: Prepared,
+    samples: list[Sample],
+    *,
+    group_id: str,
+    index: int,
+    started: float,
+    generate_s: float,
+    reward_start: float,
+    token_counts: Mapping[str, int] | None = None,
+) -> Group:
+    """The `Group` of a prepared prompt's rewarded samples, with its timings (``started`` and
+    ``reward_start`` are `time.perf_counter` readings); ``token_counts`` default to the prompt's."""
     return Group(
         group_id=group_id,
         prompt_index=index,
         prompt_ids=prepared.prompt_ids,
         feature_keys=prepared.feature_keys,
-        token_counts=prepared.token_counts,
+        token_counts=dict(prepared.token_counts if token_counts is None else token_counts),
         samples=samples,
         timings={
             "preprocess_s": prepared.preprocess_s,
             "generate_s": generate_s,
             "reward_s": time.perf_counter() - reward_start,
-            "total_s": time.perf_counter() - start,
+            "total_s": time.perf_counter() - started,
         },
     )
 

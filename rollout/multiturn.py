@@ -49,12 +49,13 @@ from .group import (
     Prepared,
     PromptSpec,
     RolloutContext,
-    check_context,
+    assemble_group,
     generate,
     prepare,
     reward_samples,
     sample_sampling,
     sample_seed,
+    with_max_new_tokens,
 )
 from .prompts import parse_messages
 from .tools import (
@@ -184,10 +185,7 @@ async def rollout_multiturn(
     tools = [t.schema for t in prompt.tools]
     prepared = await prepare(ctx, messages, where=f"{where}.messages", budget=budget, tools=tools or None)
     template, _ = parse_messages(messages, f"{where}.messages")
-    given = sampling.get("max_new_tokens")
-    max_new = ctx.default_max_tokens if given is None else int(given)
-    check_context(ctx, prepared, max_new, where)
-    sampling = {**sampling, "max_new_tokens": max_new}
+    sampling = with_max_new_tokens(ctx, prepared, sampling, where)
     with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n):
         generate_start = time.perf_counter()
         runs = await asyncio.gather(
@@ -214,19 +212,15 @@ async def rollout_multiturn(
     for _, run in runs:  # the observations' media count too, for every sample
         for kind, n in run.counts.items():
             counts[kind] = counts.get(kind, 0) + n
-    return Group(
+    return assemble_group(
+        prepared,
+        samples,
         group_id=group_id,
-        prompt_index=index,
-        prompt_ids=prepared.prompt_ids,
-        feature_keys=prepared.feature_keys,
+        index=index,
+        started=start,
+        generate_s=generate_s,
+        reward_start=reward_start,
         token_counts=counts,
-        samples=samples,
-        timings={
-            "preprocess_s": prepared.preprocess_s,
-            "generate_s": generate_s,
-            "reward_s": time.perf_counter() - reward_start,
-            "total_s": time.perf_counter() - start,
-        },
     )
 
 

@@ -125,6 +125,15 @@ _WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+async def _weights_work(call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``call`` in a worker thread (weights are loaded or received there, never on the event loop); a
+    `WeightsError` becomes SGLang's ``{"success": false, "message"}`` answer (400) instead."""
+    try:
+        return await asyncio.to_thread(call, *args, **kwargs)
+    except engines.WeightsError as error:
+        return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+
+
 def create_app(settings: EngineSettings | None = None) -> FastAPI:
     settings = settings or load_settings(EngineSettings)
     engine = engines.load_engine(
@@ -373,10 +382,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return refused
         if body.abort_all_requests:
             engine.abort_all()
-        try:
-            version = await asyncio.to_thread(engine.update_weights, body.model_path, body.weight_version)
-        except engines.WeightsError as error:
-            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        version = await _weights_work(engine.update_weights, body.model_path, body.weight_version)
+        if isinstance(version, JSONResponse):
+            return version
         return {"success": True, "message": f"weights loaded, version {version}", "num_paused_requests": 0}
 
     @app.post("/init_weights_update_group", tags=["sglang"], response_model=ControlResponse, responses=_WEIGHTS_ERRORS)
@@ -384,18 +392,17 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         """Join a process group with the trainer (rank 0) as rank ``rank_offset``, for
         `/update_weights_from_distributed`. Answers once every rank has joined: the trainer joins
         while this call waits (gloo on a CPU engine, NCCL on a CUDA one)."""
-        try:
-            await asyncio.to_thread(
-                engine.init_weights_update_group,
-                master_address=body.master_address,
-                master_port=body.master_port,
-                rank_offset=body.rank_offset,
-                world_size=body.world_size,
-                group_name=body.group_name,
-                backend=body.backend,
-            )
-        except engines.WeightsError as error:
-            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        refused = await _weights_work(
+            engine.init_weights_update_group,
+            master_address=body.master_address,
+            master_port=body.master_port,
+            rank_offset=body.rank_offset,
+            world_size=body.world_size,
+            group_name=body.group_name,
+            backend=body.backend,
+        )
+        if isinstance(refused, JSONResponse):
+            return refused
         return {"success": True, "message": f"joined {body.group_name} as rank {body.rank_offset}"}
 
     @app.post(
@@ -415,17 +422,16 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
             return refused
         if body.abort_all_requests:
             engine.abort_all()
-        try:
-            version = await asyncio.to_thread(
-                engine.update_weights_from_distributed,
-                body.names,
-                body.dtypes,
-                body.shapes,
-                group_name=body.group_name,
-                version=body.weight_version,
-            )
-        except engines.WeightsError as error:
-            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        version = await _weights_work(
+            engine.update_weights_from_distributed,
+            body.names,
+            body.dtypes,
+            body.shapes,
+            group_name=body.group_name,
+            version=body.weight_version,
+        )
+        if isinstance(version, JSONResponse):
+            return version
         if body.flush_cache:
             # False only while requests hold KV; the transformers backend caches no prefix to drop.
             await asyncio.to_thread(engine.flush_cache)
@@ -439,10 +445,9 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
     )
     async def destroy_weights_update_group(body: DestroyWeightsGroupBody) -> Any:
         """Leave a group joined by `/init_weights_update_group`; ``success: false`` for one not joined."""
-        try:
-            await asyncio.to_thread(engine.destroy_weights_update_group, body.group_name)
-        except engines.WeightsError as error:
-            return JSONResponse({"success": False, "message": str(error)}, status_code=400)
+        refused = await _weights_work(engine.destroy_weights_update_group, body.group_name)
+        if isinstance(refused, JSONResponse):
+            return refused
         return {"success": True, "message": f"left {body.group_name}"}
 
     @app.post(
