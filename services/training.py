@@ -155,18 +155,28 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def _launch_ranks(args: argparse.Namespace) -> int:
-    """This command once per rank, as torchrun runs it (rank 0 prints); the stack runs here, so it
-    outlives rank restarts: after a failed rank, every rank starts again with ``--resume``."""
-    out = args.home / "train" / args.mode
-    if not args.resume:
-        if not args.attach:
-            shutil.rmtree(args.home / "data", ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
+def _forget_earlier_run(args: argparse.Namespace) -> None:
+    """A new run: no experience (unless the stack is attached: its data role keeps its own) or metrics
+    of an earlier one."""
+    if not args.attach:
+        shutil.rmtree(args.home / "data", ignore_errors=True)
+    shutil.rmtree(args.home / "train" / args.mode, ignore_errors=True)
+
+
+def _stack(args: argparse.Namespace) -> LocalStack:
+    """The stack this run starts or attaches to, with the run's staleness settings for its data role."""
     settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
     if args.max_staleness is not None:
         settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
-    stack = LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
+    return LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
+
+
+def _launch_ranks(args: argparse.Namespace) -> int:
+    """This command once per rank, as torchrun runs it (rank 0 prints); the stack runs here, so it
+    outlives rank restarts: after a failed rank, every rank starts again with ``--resume``."""
+    if not args.resume:
+        _forget_earlier_run(args)
+    stack = _stack(args)
     if args.attach:
         stack.attach()
     else:
@@ -209,13 +219,8 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
         console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
         return 2
     out = args.home / "train" / args.mode
-    if main and not args.resume:  # a new run: no experience or metrics of an earlier one
-        if not args.attach:
-            shutil.rmtree(args.home / "data", ignore_errors=True)
-        shutil.rmtree(out, ignore_errors=True)
-    settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
-    if args.max_staleness is not None:
-        settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
+    if main and not args.resume:
+        _forget_earlier_run(args)
     held_out: list[dict[str, Any]] = []
     if agent:
         from trainer.demo_task import write_agent_task
@@ -227,7 +232,7 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
         rows, held_out = write_demo_task(args.home / "media")  # deterministic: every rank writes the same
     else:
         rows = list(iter_rows(args.dataset))
-    stack = LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
+    stack = _stack(args)
     if args.attach or not main:  # its data role keeps its own settings (staleness) and experience
         if parallel is not None and not main:
             parallel.barrier()  # rank 0 has the stack ready
