@@ -1,6 +1,6 @@
 """Which model a folder holds, read from its ``config.json``; one place that knows each family's classes.
 
-Weir serves and trains two families of "thinker" (the multimodal language model with its towers):
+Weir serves and trains three families of "thinker" (the multimodal language model with its towers):
 
 * ``qwen2_5_omni`` — `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker folder, or a full Omni
   folder whose ``thinker_config`` is read): vision and audio towers, media spliced into the input
@@ -10,8 +10,12 @@ Weir serves and trains two families of "thinker" (the multimodal language model 
   ``deepstack_visual_indexes`` entry, each *added* to the hidden states of the visual positions after
   decoder layer 0, 1, … .
 
-An encoder stage's embedding of a Qwen3-VL item is therefore the merged output and the DeepStack maps
-side by side, ``(tokens, hidden · (1 + deepstack))`` (`pack_visual`), so one cached tensor per item
+* ``qwen3_omni_moe`` — `Qwen3OmniMoeThinkerForConditionalGeneration` (a thinker folder, or a full
+  Qwen3-Omni folder): vision tower with DeepStack (as Qwen3-VL), audio tower, and a sparse
+  mixture-of-experts language model (its routers are what `encoders.routing` captures and replays).
+
+An encoder stage's embedding of a Qwen3-VL (or Qwen3-Omni visual) item is therefore the merged output and
+the DeepStack maps side by side, ``(tokens, hidden · (1 + deepstack))`` (`pack_visual`), so one cached tensor per item
 still carries everything the language model takes from the tower; `split_visual` takes it apart again.
 """
 
@@ -26,13 +30,20 @@ from transformers import (
     AutoConfig,
     PreTrainedModel,
     Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    _get_feat_extract_output_lengths as _qwen3_omni_audio_lengths,
 )
 
 __all__ = [
+    "audio_tokens",
     "decoder_layers",
     "Family",
     "family_of",
+    "has_deepstack",
+    "is_qwen3_vl",
     "load_thinker",
     "mm_token_type_ids",
     "model_inputs",
@@ -43,21 +54,26 @@ __all__ = [
     "towers_of",
 ]
 
-Family = Literal["qwen2_5_omni", "qwen3_vl"]
+Family = Literal["qwen2_5_omni", "qwen3_vl", "qwen3_omni_moe"]
 
 _ARCHITECTURES: dict[str, Family] = {
     "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni",
     "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
     "Qwen3VLForConditionalGeneration": "qwen3_vl",
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni_moe",
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
 }
 _MODEL_TYPES: dict[str, Family] = {
     "qwen2_5_omni_thinker": "qwen2_5_omni",
     "qwen2_5_omni": "qwen2_5_omni",
     "qwen3_vl": "qwen3_vl",
+    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
+    "qwen3_omni_moe": "qwen3_omni_moe",
 }
 _CLASSES: dict[Family, type[PreTrainedModel]] = {
     "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration,
     "qwen3_vl": Qwen3VLForConditionalGeneration,
+    "qwen3_omni_moe": Qwen3OmniMoeThinkerForConditionalGeneration,
 }
 
 
@@ -81,7 +97,7 @@ def family_of(model_dir: str | Path) -> Family:
 
 
 def thinker_config(model_dir: str | Path) -> Any:
-    """The thinker's config (a full Qwen2.5-Omni folder's ``thinker_config``)."""
+    """The thinker's config (a full Qwen2.5-Omni / Qwen3-Omni folder's ``thinker_config``)."""
     config = AutoConfig.from_pretrained(model_dir)
     return getattr(config, "thinker_config", config)
 
@@ -95,6 +111,26 @@ def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -
 
 def is_qwen3_vl(model: torch.nn.Module) -> bool:
     return isinstance(model, Qwen3VLForConditionalGeneration)
+
+
+def has_deepstack(model: torch.nn.Module) -> bool:
+    """Whether the model's visual embeddings carry DeepStack maps (Qwen3-VL, Qwen3-Omni)."""
+    return isinstance(model, Qwen3VLForConditionalGeneration | Qwen3OmniMoeThinkerForConditionalGeneration)
+
+
+def audio_tokens(family: Family, config: Any, num_frames: int) -> int:
+    """The tokens the family's audio tower makes of ``num_frames`` mel frames (``config``: the thinker's).
+
+    Qwen2.5-Omni: two stride-2 steps over the whole clip. Qwen3-Omni: its tower cuts the clip into
+    windows of ``2 · n_window`` frames, 13 tokens per full window plus the remainder's three stride-2
+    convolutions (transformers' ``_get_feat_extract_output_lengths``)."""
+    if num_frames <= 0:
+        return 0
+    if family == "qwen3_omni_moe":
+        return int(_qwen3_omni_audio_lengths(torch.tensor(num_frames), config.audio_config.n_window))
+    if family == "qwen2_5_omni":
+        return max(0, ((num_frames - 1) // 2 + 1 - 2) // 2 + 1)
+    raise ValueError(f"{family} has no audio tower")
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

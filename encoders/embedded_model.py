@@ -12,11 +12,19 @@ tower with DeepStack mergers, Qwen3 text model with interleaved mRoPE), with Qwe
 chat template, and its ``preprocessor_config.json`` / ``video_preprocessor_config.json`` (read back by
 `ProcessorSpec.from_pretrained` as `ProcessorSpec.qwen3_vl`).
 
+``init_model(folder, arch="qwen3-omni-moe")`` writes a tiny `Qwen3OmniMoeThinkerForConditionalGeneration`:
+vision tower with DeepStack (as Qwen3-VL), Qwen3-Omni's windowed audio tower, and a sparse
+mixture-of-experts text model (8 experts, 2 routed per token, in every decoder layer) with interleaved
+mRoPE — the model R3 (routing replay) is measured on. Its tokens and chat template are Qwen3-Omni's
+(``<|vision_start|><|image_pad|><|vision_end|>``, ``<|audio_start|><|audio_pad|><|audio_end|>``), and
+its ``preprocessor_config.json`` names Qwen3-Omni's processor.
+
 This module knows nothing about serving; it only builds the folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -32,6 +40,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5OmniThinkerConfig,
     Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen3OmniMoeThinkerConfig,
+    Qwen3OmniMoeThinkerForConditionalGeneration,
     Qwen3VLConfig,
     Qwen3VLForConditionalGeneration,
 )
@@ -42,12 +52,15 @@ __all__ = [
     "ARCHITECTURES",
     "CHAT_TEMPLATE",
     "MEDIA_TOKENS",
+    "QWEN3_OMNI_CHAT_TEMPLATE",
+    "QWEN3_OMNI_MEDIA_TOKENS",
     "QWEN3_VL_CHAT_TEMPLATE",
     "QWEN3_VL_MEDIA_TOKENS",
     "build_tokenizer",
     "ensure_model",
     "init_model",
     "tiny_config",
+    "tiny_qwen3_omni_moe_config",
     "tiny_qwen3_vl_config",
 ]
 
@@ -69,8 +82,18 @@ QWEN3_VL_MEDIA_TOKENS = {
     "vision_start_token": "<|vision_start|>",
     "vision_end_token": "<|vision_end|>",
 }
+# Named as in the released Qwen3-Omni tokenizer (the names Qwen3OmniMoeProcessor reads from it).
+QWEN3_OMNI_MEDIA_TOKENS = {
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl")
+ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe")
 
 
 # Qwen-style ChatML; each media part becomes <bos><placeholder><eos>, the placeholder later
@@ -151,6 +174,12 @@ QWEN3_VL_CHAT_TEMPLATE = _chat_template(
     "<|vision_start|><|image_pad|><|vision_end|>", "<|vision_start|><|video_pad|><|vision_end|>", None
 )
 
+QWEN3_OMNI_CHAT_TEMPLATE = _chat_template(
+    "<|vision_start|><|image_pad|><|vision_end|>",
+    "<|vision_start|><|video_pad|><|vision_end|>",
+    "<|audio_start|><|audio_pad|><|audio_end|>",
+)
+
 _VOCAB = 512
 logger = logging.getLogger(__name__)
 
@@ -202,10 +231,11 @@ def _corpus() -> list[str]:
 
 def build_tokenizer(arch: str = "qwen2.5-omni") -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (any text encodes) with Qwen's chat and media special tokens (the
-    Qwen2.5-Omni thinker's, or Qwen3-VL's with ``arch="qwen3-vl"``)."""
-    qwen3_vl = arch == "qwen3-vl"
-    media = QWEN3_VL_MEDIA_TOKENS if qwen3_vl else MEDIA_TOKENS
-    template = QWEN3_VL_CHAT_TEMPLATE if qwen3_vl else CHAT_TEMPLATE
+    Qwen2.5-Omni thinker's, Qwen3-VL's with ``arch="qwen3-vl"``, Qwen3-Omni's with ``"qwen3-omni-moe"``)."""
+    media, template = {
+        "qwen3-vl": (QWEN3_VL_MEDIA_TOKENS, QWEN3_VL_CHAT_TEMPLATE),
+        "qwen3-omni-moe": (QWEN3_OMNI_MEDIA_TOKENS, QWEN3_OMNI_CHAT_TEMPLATE),
+    }.get(arch, (MEDIA_TOKENS, CHAT_TEMPLATE))
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -343,6 +373,116 @@ def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
     )
 
 
+def tiny_qwen3_omni_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3OmniMoeThinkerConfig:
+    """The Qwen3-Omni thinker at toy dimensions, every structural feature kept: patch 16 / merge 2 /
+    temporal patch 2 with DeepStack mergers after vision blocks 0 and 1; the windowed audio tower (128 mel
+    bins, 100-frame windows, 13 tokens each); a text model whose every layer is a sparse MoE block of 8
+    experts with 2 routed per token (top-k weights renormalised, as the checkpoint), interleaved mRoPE."""
+    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in QWEN3_OMNI_MEDIA_TOKENS.items()}
+    fields: dict[str, Any] = dict(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 1,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 32768,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 1000000.0,
+                "mrope_section": [2, 3, 3],
+                "interleaved": True,
+            },
+            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+        vision_config={
+            "depth": 3,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 64,
+            "num_position_embeddings": 256,
+            "deepstack_visual_indexes": [0, 1],
+        },
+        audio_config={
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": 64,
+            "num_mel_bins": 128,
+            "max_source_positions": 1500,
+            "n_window": 50,
+            "n_window_infer": 800,
+            "downsample_hidden_size": 16,
+        },
+        image_token_id=ids["image_token"],
+        video_token_id=ids["video_token"],
+        audio_token_id=ids["audio_token"],
+        audio_start_token_id=ids["audio_bos_token"],
+        # Not declared by the config class, but read by the model's rotary-position code (and the engine).
+        vision_start_token_id=ids["vision_bos_token"],
+        vision_end_token_id=ids["vision_eos_token"],
+        audio_end_token_id=ids["audio_eos_token"],
+        # The released thinker's (and `ProcessorSpec.qwen3_omni_moe`'s): 13 temporal positions per second.
+        position_id_per_seconds=int(getattr(qwen3_omni_spec(), "position_id_per_seconds", 13)),
+        tie_word_embeddings=False,
+    )
+    return Qwen3OmniMoeThinkerConfig(**fields)
+
+
+def _qwen3_omni_processor_config(spec: ProcessorSpec) -> dict[str, Any]:
+    """The keys a released Qwen3-Omni checkpoint's preprocessor_config.json carries (the numbers from
+    ``spec``: patch 16 and mean = std = 0.5 as Qwen3-VL; Whisper-style 128-mel audio)."""
+    return {
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "min_pixels": spec.min_pixels,
+        "max_pixels": spec.max_pixels,
+        "patch_size": spec.patch_size,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.merge_size,
+        "image_mean": list(spec.image_mean),
+        "image_std": list(spec.image_std),
+        "feature_size": spec.n_mels,
+        "sampling_rate": spec.sampling_rate,
+        "hop_length": spec.hop_length,
+        "n_fft": spec.n_fft,
+        "chunk_length": int(spec.max_audio_seconds),
+        "n_samples": spec.max_audio_samples,
+        "return_attention_mask": True,
+    }
+
+
+def qwen3_omni_spec() -> ProcessorSpec:
+    """`ProcessorSpec.qwen3_omni_moe` once the preprocess library has it; until then Qwen3-VL's vision
+    numbers (patch 16, mean = std = 0.5) with Qwen2.5-Omni's audio settings."""
+    factory = getattr(ProcessorSpec, "qwen3_omni_moe", None)
+    if callable(factory):
+        return factory()  # type: ignore[no-any-return]
+    vision = ProcessorSpec.qwen3_vl()
+    return dataclasses.replace(
+        ProcessorSpec.qwen2_5_omni(),
+        patch_size=vision.patch_size,
+        image_mean=vision.image_mean,
+        image_std=vision.image_std,
+        min_pixels=vision.min_pixels,
+        max_pixels=vision.max_pixels,
+    )
+
+
 def _qwen3_vl_processor_configs(spec: ProcessorSpec) -> tuple[dict[str, Any], dict[str, Any]]:
     """``preprocessor_config.json`` and ``video_preprocessor_config.json`` as a released Qwen3-VL
     checkpoint writes them (the numbers from ``spec``)."""
@@ -374,22 +514,24 @@ def _qwen3_vl_processor_configs(spec: ProcessorSpec) -> tuple[dict[str, Any], di
 def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni") -> Path:
     """Write the tiny model folder (deterministic for a given seed); returns its path.
 
-    ``arch``: ``qwen2.5-omni`` (the default: a Qwen2.5-Omni thinker) or ``qwen3-vl``."""
+    ``arch``: ``qwen2.5-omni`` (the default: a Qwen2.5-Omni thinker), ``qwen3-vl`` or ``qwen3-omni-moe``."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}: one of {', '.join(ARCHITECTURES)}")
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer(arch)
-    config: Qwen3VLConfig | Qwen2_5OmniThinkerConfig
-    model_class: type[Qwen3VLForConditionalGeneration] | type[Qwen2_5OmniThinkerForConditionalGeneration]
+    config: Any
+    model_class: Any
     if arch == "qwen3-vl":
         config, model_class = tiny_qwen3_vl_config(tokenizer), Qwen3VLForConditionalGeneration
+    elif arch == "qwen3-omni-moe":
+        config, model_class = tiny_qwen3_omni_moe_config(tokenizer), Qwen3OmniMoeThinkerForConditionalGeneration
     else:
         config, model_class = tiny_config(tokenizer), Qwen2_5OmniThinkerForConditionalGeneration
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = model_class(config).eval()  # type: ignore[arg-type]
+        model = model_class(config).eval()
     finally:
         torch.random.set_rng_state(generator_state)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
@@ -400,6 +542,10 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
         image, video = _qwen3_vl_processor_configs(ProcessorSpec.qwen3_vl())
         (root / "preprocessor_config.json").write_text(json.dumps(image, indent=2) + "\n")
         (root / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+        return root
+    if arch == "qwen3-omni-moe":
+        text = json.dumps(_qwen3_omni_processor_config(qwen3_omni_spec()), indent=2) + "\n"
+        (root / "preprocessor_config.json").write_text(text)
         return root
     spec = ProcessorSpec.qwen2_5_omni()
     (root / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2) + "\n")

@@ -5,8 +5,9 @@ process holds a few hundred MB of a 7B checkpoint, not all of it. Inputs are the
 library's features; outputs are exactly the embeddings the language model splices in at the
 placeholder positions: the vision tower's merged output (``pooler_output``) for images and videos,
 the audio tower's ``last_hidden_state`` for audio. The towers are built from the folder's config
-(`encoders.architectures`): a Qwen2.5-Omni thinker's vision and audio towers, or Qwen3-VL's vision
-tower, whose embedding of an item is its merged output and its DeepStack feature maps side by side
+(`encoders.architectures`): a Qwen2.5-Omni thinker's vision and audio towers, Qwen3-VL's vision
+tower, or a Qwen3-Omni-MoE thinker's vision (DeepStack) and audio towers; a DeepStack tower's
+embedding of an item is its merged output and its DeepStack feature maps side by side
 (`architectures.pack_visual`: ``(tokens, hidden · (1 + deepstack layers))``) — everything the language
 model takes from the tower, so the split path equals the whole model's forward.
 
@@ -28,11 +29,15 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
     Qwen2_5OmniVisionEncoder,
 )
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoder,
+    Qwen3OmniMoeVisionEncoder,
+)
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
 import preprocess as pp
 
-from .architectures import family_of, pack_visual, thinker_config
+from .architectures import Family, audio_tokens, family_of, pack_visual, thinker_config
 from .errors import WeightsError
 
 __all__ = ["Towers", "pack_by_cost"]
@@ -58,6 +63,13 @@ def pack_by_cost(costs: Sequence[int], budget: int) -> Iterator[list[int]]:
         total += cost
     if group:
         yield group
+
+
+class _AudioConfig:
+    """A thinker-like view of an audio tower's config (what `architectures.audio_tokens` reads)."""
+
+    def __init__(self, audio_config: object) -> None:
+        self.audio_config = audio_config
 
 
 def _weight_files(root: Path) -> list[Path]:
@@ -87,10 +99,16 @@ class Towers:
         self.max_patches_per_batch = max_patches_per_batch
         self.max_frames_per_batch = max_frames_per_batch
         self.audio: torch.nn.Module | None
-        if family_of(self.model_dir) == "qwen3_vl":
+        self.family: Family = family_of(self.model_dir)
+        self._config = config
+        if self.family == "qwen3_vl":
             self.visual: torch.nn.Module = Qwen3VLVisionModel._from_config(config.vision_config).eval()
             self.audio = None
             self._prefixes = _QWEN3_VL_PREFIXES
+        elif self.family == "qwen3_omni_moe":
+            self.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).eval()
+            self.audio = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).eval()
+            self._prefixes = _PREFIXES
         else:
             self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
             self.audio = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
@@ -108,6 +126,12 @@ class Towers:
         towers.max_patches_per_batch, towers.max_frames_per_batch = 16384, 30000
         towers.visual, towers.audio, towers.version, towers.forward_passes = visual, audio, version, 0
         towers._prefixes = _QWEN3_VL_PREFIXES if audio is None else _PREFIXES
+        towers.family = (
+            "qwen3_omni_moe"
+            if isinstance(audio, Qwen3OmniMoeAudioEncoder)
+            else ("qwen3_vl" if audio is None else "qwen2_5_omni")
+        )
+        towers._config = None if audio is None else _AudioConfig(audio.config)
         return towers
 
     def load_weights(self, folder: str | Path) -> str:
@@ -172,12 +196,23 @@ class Towers:
             features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
             lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)
             assert self.audio is not None
-            after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)  # type: ignore[operator]
-            hidden = self.audio(
-                features.to(self.device, self.dtype), feature_lens=lengths, aftercnn_lens=after_cnn
-            ).last_hidden_state
+            if self.family == "qwen3_omni_moe":  # windowed: the tower cuts and pads its windows itself
+                hidden = self.audio(features.to(self.device, self.dtype), feature_lens=lengths).last_hidden_state
+            else:
+                after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)  # type: ignore[operator]
+                hidden = self.audio(
+                    features.to(self.device, self.dtype), feature_lens=lengths, aftercnn_lens=after_cnn
+                ).last_hidden_state
             self.forward_passes += 1
-            for i, chunk in zip(group, torch.split(hidden, [items[i].num_tokens for i in group]), strict=True):
+            # The tower's own token counts (an item's num_tokens must agree: the prompt was expanded by it).
+            sizes = [audio_tokens(self.family, self._config, items[i].num_frames) for i in group]
+            for i, size in zip(group, sizes, strict=True):
+                if items[i].num_tokens != size:
+                    raise ValueError(
+                        f"audio item {items[i].key}: {items[i].num_tokens} tokens planned, but this model's audio "
+                        f"tower makes {size} of {items[i].num_frames} frames (features made for another model?)"
+                    )
+            for i, chunk in zip(group, torch.split(hidden, sizes), strict=True):
                 out[i] = chunk
         return out
 

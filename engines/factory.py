@@ -27,6 +27,7 @@ def load_engine(
     profile: str | Path | None = None,
     compression: float | None = None,
     weights_group_timeout_s: float | None = None,
+    routed_experts: bool = False,
 ) -> Engine:
     """The engine for ``model`` (a Qwen model folder with ``config.json``).
 
@@ -38,7 +39,11 @@ def load_engine(
     overrides its simulated seconds per wall second (default: the profile's); ``max_running`` overrides
     the profile's. ``weights_group_timeout_s``: how long the CPU engine waits in a weight-update group's
     rendezvous or broadcast. (The engine role reads them from its settings, ``WEIR_SIM_PROFILE`` and
-    ``WEIR_SIM_COMPRESSION``: a library reads no environment.)"""
+    ``WEIR_SIM_COMPRESSION``: a library reads no environment.)
+
+    ``routed_experts`` (MoE models, R3): SGLang is started with ``enable_return_routed_experts`` — its
+    server switch, without which it cannot answer a request's ``return_routed_experts``. The transformers
+    backend needs no switch (it records the routes of any request that asks)."""
     if backend == "transformers":
         from .transformers_backend import TransformersEngine
         from .weights_group import WEIGHTS_GROUP_TIMEOUT_S
@@ -57,6 +62,8 @@ def load_engine(
             args["device"] = device
         if max_running is not None:
             args["max_running_requests"] = max_running
+        if routed_experts:
+            args["enable_return_routed_experts"] = True
         return SGLangEngine(model, **args)
     if backend == "sim":
         from .sim_backend import SimEngine

@@ -243,7 +243,7 @@ class GenerateRequest:
     media: tuple[MediaInput, ...] = ()
     rid: str = ""
     return_logprob: bool = True
-    return_routed_experts: bool = False  # MoE models on backends that capture routing (SGLang)
+    return_routed_experts: bool = False  # MoE models: SGLang, and the transformers backend (router hooks)
     # SGLang's: -1 = log-probs of the last prompt position only (always null); k >= 0 = of every prompt
     # position from k (the first one returned is null, as SGLang pads it).
     logprob_start_len: int = -1

@@ -10,6 +10,8 @@ The cost model (every constant from a `SimProfile`, in simulated seconds):
 
 * prefill of the newly admitted requests: ``prefill_base_s + prefill_per_token_s * tokens`` (a retracted
   request is prefilled again over its prompt and the tokens it had); it yields each one's first token;
+  plus ``encode_per_media_token_s`` per media token of a request's first prefill (the vision / audio
+  tower; ``prompt_media_tokens`` charges text prompts as if they carried media — a multimodal twin);
 * one decode step of a batch of ``B`` requests holding ``C`` context tokens in all (prompts + outputs so
   far): ``decode_base_s + decode_per_request_s * B + decode_per_context_token_s * C``;
 * a weight update (``update_weights`` / ``update_weights_from_distributed``): ``weight_update_s``, between
@@ -39,6 +41,9 @@ or, with ``ignore_eos``, runs to ``max_new_tokens`` unless ``stop_token_ids`` na
 grammars (``json_schema`` / ``regex`` / ``ebnf``) are refused (`InvalidSampling`); media count as prompt
 tokens. ``n`` arrives as n requests (the engine role's plumbing), each with its own seed.
 
+One process, many engines: `SimEngine` serves ``replicas`` `SimReplica` schedulers behind one protocol
+(a twin's node of engines behind one URL; 256 in one process on a 2-core host).
+
 Pause modes as `TransformersEngine`'s (the same abort messages); ``flush_cache`` is False while a
 request holds KV. ``update_weights(path, version)`` does not read ``path`` (it need not exist): it takes
 ``weight_update_s`` and serves ``version`` — or, without one, the current decimal version plus one.
@@ -62,6 +67,8 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from .errors import InvalidSampling, WeightsError
 from .limits import ModelLimits
 from .protocol import GenerateRequest, GenerateResult, PauseMode, StepCallback, TokenCallback, TokenStep, TopLogprobs
@@ -73,6 +80,7 @@ __all__ = [
     "MAX_CHUNK_WALL_S",
     "SimEngine",
     "SimProfile",
+    "SimReplica",
     "SimStats",
     "SimStep",
 ]
@@ -116,6 +124,12 @@ class SimProfile:
     length_sample_sigma: float
     logprob_mean: float
     compression: float = 1.0
+    # Media (multimodal profiles): the vision / audio tower's time per media token, paid once at a request's
+    # first prefill; and, for a twin whose prompts are text, media tokens every prompt is charged as if it
+    # carried them (prefill, encode, KV context) — 0 where prompts carry their real media.
+    encode_per_media_token_s: float = 0.0
+    prompt_media_tokens: int = 0
+    replicas: int = 1  # engines one process simulates (a twin's node behind one URL); see `SimEngine`
     # "rid": a request without a sampling_seed draws from its rid (random across runs); "prompt": from its
     # prompt and how many requests with that prompt this engine had before (the same prompts in the same order
     # draw the same lengths in every run: a twin compares runs at two compression factors on equal draws)
@@ -126,7 +140,7 @@ class SimProfile:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("vocab_size", "text_vocab_size", "max_context", "max_response_tokens", "max_running"):
+        for name in ("vocab_size", "text_vocab_size", "max_context", "max_response_tokens", "max_running", "replicas"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         if self.text_vocab_size > self.vocab_size:
@@ -139,6 +153,8 @@ class SimProfile:
                 problems.append(f"{f.name} must be a finite number >= 0")
         if not (math.isfinite(self.compression) and self.compression > 0):
             problems.append("compression must be > 0")
+        if self.prompt_media_tokens < 0:
+            problems.append("prompt_media_tokens must be >= 0")
         if self.length_median < 1 or self.logprob_mean <= 0:
             problems.append("length_median must be >= 1 and logprob_mean > 0")
         if self.length_seed not in ("rid", "prompt"):
@@ -257,7 +273,7 @@ class SimStats:
 class _Req:
     request: GenerateRequest
     future: Future[GenerateResult]
-    rng: random.Random
+    rng: np.random.Generator
     target: int  # tokens it will have when it ends
     finish: dict[str, Any]  # its finish_reason when it reaches target
     stop_token: int | None
@@ -268,6 +284,9 @@ class _Req:
     input_logprobs: list[float | None] | None = None
     input_top: list[TopLogprobs | None] | None = None
     input_start: int = 0
+    virtual: int = 0  # media tokens the profile's prompt_media_tokens adds (a twin's text prompts)
+    media_tokens: int = 0  # the prompt's media tokens (real and virtual): the tower encodes them once
+    encoded: bool = False
     prefilled: bool = False
     aborted: bool = False
     abort_message: str = ABORT_BY_REQUEST
@@ -275,7 +294,7 @@ class _Req:
 
     @property
     def context(self) -> int:
-        return len(self.request.input_ids) + len(self.output_ids)
+        return len(self.request.input_ids) + self.virtual + len(self.output_ids)
 
     @property
     def remaining(self) -> int:
@@ -291,8 +310,9 @@ class _Op:
     result: str = ""
 
 
-class SimEngine:
-    """A simulated engine (see the module): the `Engine` protocol over a `SimProfile`'s cost model."""
+class SimReplica:
+    """One simulated engine's scheduler (see the module): the `Engine` protocol over a `SimProfile`'s cost
+    model. `SimEngine` serves one or several of them behind one protocol."""
 
     def __init__(
         self,
@@ -352,7 +372,10 @@ class SimEngine:
         """Simulated seconds since the engine started (the one clock: wall seconds × compression)."""
         return (time.monotonic() - self.started) * self.compression
 
-    def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+    def submit(
+        self, request: GenerateRequest, on_token: TokenCallback | None = None, *, seed: int | None = None
+    ) -> Future[GenerateResult]:
+        """``seed``: the request's draw seed as the caller (`SimEngine`) already chose it."""
         if self._stopping:
             raise RuntimeError("the engine is closed")
         self.limits.check(request)
@@ -363,18 +386,24 @@ class SimEngine:
             )
         rid = request.rid or uuid.uuid4().hex
         request = request if request.rid == rid else replace(request, rid=rid)
-        seed = request.sampling.sampling_seed
-        if seed is None and self.profile.length_seed == "prompt":
-            with self._cond:
-                key = _digest(b"prompt", *request.input_ids)
-                seed = self._prompt_seen[key] = self._prompt_seen.get(key, -1) + 1
-        seed = seed if seed is not None else _digest(b"rid", rid)
+        if seed is None:
+            seed = self.draw_seed(request, rid)
         req = self._plan(request, seed, on_token)
         with self._cond:
             self._by_rid[rid] = req
             self._waiting.append(req)
             self._cond.notify_all()
         return req.future
+
+    def draw_seed(self, request: GenerateRequest, rid: str) -> int:
+        """The seed of a request's length, tokens and log-probs: its ``sampling_seed``; else, with
+        ``length_seed`` "prompt", how many requests with its prompt came before; else its rid."""
+        seed = request.sampling.sampling_seed
+        if seed is None and self.profile.length_seed == "prompt":
+            with self._cond:
+                key = _digest(b"prompt", *request.input_ids)
+                seed = self._prompt_seen[key] = self._prompt_seen.get(key, -1) + 1
+        return seed if seed is not None else _digest(b"rid", rid)
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)
@@ -486,7 +515,7 @@ class SimEngine:
     def _plan(self, request: GenerateRequest, seed: int, on_token: TokenCallback | None) -> _Req:
         params, profile = request.sampling, self.profile
         prompt = len(request.input_ids)
-        room = max(0, profile.max_context - prompt)  # tokens until the context is full
+        room = max(0, profile.max_context - prompt - profile.prompt_media_tokens)  # tokens until the context is full
         cap = min(params.max_new_tokens, room)
         drawn = max(profile.draw_length(request.input_ids, seed), params.min_new_tokens)
         stop_token: int | None = None
@@ -503,11 +532,13 @@ class SimEngine:
         return _Req(
             request=request,
             future=future,
-            rng=random.Random(_digest(b"tokens", seed, *request.input_ids)),
+            rng=np.random.default_rng(_digest(b"tokens", seed, *request.input_ids)),
             target=target,
             finish=finish,
             stop_token=stop_token if finish["type"] == "stop" else None,
             on_token=on_token,
+            virtual=profile.prompt_media_tokens,
+            media_tokens=profile.prompt_media_tokens + sum(m.num_tokens for m in request.media),
         )
 
     # -- the scheduler -----------------------------------------------------------------------------
@@ -611,7 +642,10 @@ class SimEngine:
 
     def _prefill(self, fresh: list[_Req]) -> None:
         tokens = sum(r.context for r in fresh)
-        seconds = self.profile.prefill_s(tokens)
+        encode = sum(r.media_tokens for r in fresh if not r.encoded)  # a retracted request's media stay encoded
+        seconds = self.profile.prefill_s(tokens) + self.profile.encode_per_media_token_s * encode
+        for req in fresh:
+            req.encoded = True
         self._sleep(seconds, interruptible=False)
         self._advance_clock(seconds)
         self.stats.prefills += 1
@@ -661,17 +695,17 @@ class SimEngine:
     def _emit(self, req: _Req, count: int) -> None:
         """``count`` more tokens for ``req`` (its drawn ids and log-probs), then its end if it reached it."""
         request, rng, text_vocab = req.request, req.rng, self.profile.text_vocab_size
-        rate = 1.0 / self.profile.logprob_mean
         top_num = request.top_logprobs_num if request.return_logprob else 0
         first = len(req.output_ids)
-        for _ in range(count):
-            last = len(req.output_ids) + 1 == req.target
-            token = req.stop_token if last and req.stop_token is not None else rng.randrange(text_vocab)
-            logprob = -(1e-6 + rng.expovariate(rate))
-            req.output_ids.append(token)
-            req.logprobs.append(logprob)
-            if top_num:
-                req.output_top.append(_top(token, logprob, top_num, text_vocab))
+        # Drawn in bulk (numpy): a twin's engines emit millions of tokens a step, and this CPU is not the GPU's.
+        tokens = rng.integers(0, text_vocab, count).tolist()
+        logprobs = (-(1e-6 + rng.exponential(self.profile.logprob_mean, count))).tolist()
+        if req.stop_token is not None and first + count >= req.target:
+            tokens[req.target - first - 1] = req.stop_token
+        req.output_ids.extend(tokens)
+        req.logprobs.extend(logprobs)
+        if top_num:
+            req.output_top.extend(_top(t, v, top_num, text_vocab) for t, v in zip(tokens, logprobs, strict=True))
         self.stats.generated_tokens += count
         if req.on_token is not None:
             for index in range(first, len(req.output_ids)):
@@ -744,6 +778,196 @@ class SimEngine:
                 num_retractions=req.num_retractions,
             )
         )
+
+
+class SimEngine:
+    """A simulated engine: the `Engine` protocol over ``replicas`` `SimReplica` schedulers (the profile's
+    ``replicas``, default 1). One replica is one engine (one GPU at TP=1); several in one process stand for
+    several engines behind one URL — a twin's node — so a 2-core host serves hundreds of them. A request
+    goes to the replica already serving its prompt (the samples of a group stay on one engine, as with
+    SGLang's ``n``), else to the least loaded; pause, continue, weight updates and memory release reach
+    every replica at once (each takes its own time, in parallel). ``busy_s`` is the replicas' mean, so the
+    idle share is theirs; ``stats`` is the one replica's (several: their sums, with replica 0's steps)."""
+
+    def __init__(
+        self,
+        profile: SimProfile | str | Path,
+        *,
+        compression: float | None = None,
+        max_running: int | None = None,
+        weight_version: str = "0",
+        name: str = "sim",
+        replicas: int | None = None,
+    ) -> None:
+        profile = profile if isinstance(profile, SimProfile) else SimProfile.load(profile)
+        count = replicas or profile.replicas
+        if count < 1:
+            raise ValueError("replicas must be >= 1")
+        self.replicas = [
+            SimReplica(
+                profile,
+                compression=compression,
+                max_running=max_running,
+                weight_version=weight_version,
+                name=name if count == 1 else f"{name}{i}",
+            )
+            for i in range(count)
+        ]
+        first = self.replicas[0]
+        self.profile, self.compression, self.limits = first.profile, first.compression, first.limits
+        self.started = first.started
+        self._lock = threading.Lock()
+        self._owner: dict[str, SimReplica] = {}  # rid → the replica serving it
+        self._affinity: dict[int, SimReplica] = {}  # prompt digest → its replica (recent prompts)
+
+    @property
+    def stats(self) -> SimStats:
+        if len(self.replicas) == 1:
+            return self.replicas[0].stats
+        total = SimStats(recent=self.replicas[0].stats.recent)
+        for r in self.replicas:
+            for f in fields(SimStats):
+                if f.name != "recent":
+                    setattr(total, f.name, getattr(total, f.name) + getattr(r.stats, f.name))
+        return total
+
+    @property
+    def max_running(self) -> int:
+        return sum(r.max_running for r in self.replicas)
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        for r in self.replicas:
+            r.max_running = max(1, value // len(self.replicas))
+
+    @property
+    def busy_s(self) -> float:
+        return sum(r.busy_s for r in self.replicas) / len(self.replicas)
+
+    @property
+    def running(self) -> int:
+        return sum(r.running for r in self.replicas)
+
+    @property
+    def paused(self) -> bool:
+        return self.replicas[0].paused
+
+    @property
+    def released(self) -> bool:
+        return self.replicas[0].released
+
+    @property
+    def weight_version(self) -> str:
+        return self.replicas[0].weight_version
+
+    def sim_now(self) -> float:
+        return self.replicas[0].sim_now()
+
+    def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+        if len(self.replicas) == 1:
+            return self.replicas[0].submit(request, on_token)
+        rid = request.rid or uuid.uuid4().hex
+        request = request if request.rid == rid else replace(request, rid=rid)
+        seed = self.replicas[0].draw_seed(request, rid)  # one count of prompts for all replicas
+        key = _digest(b"prompt", *request.input_ids)
+        with self._lock:
+            replica = self._affinity.get(key)
+            if replica is None:
+                replica = min(self.replicas, key=lambda r: r.running + len(r._waiting))
+                if len(self._affinity) >= STEP_LOG:
+                    self._affinity.pop(next(iter(self._affinity)))
+                self._affinity[key] = replica
+            self._owner[rid] = replica
+        future = replica.submit(request, on_token, seed=seed)
+        future.add_done_callback(lambda _: self._forget(rid, replica))
+        return future
+
+    def _forget(self, rid: str, replica: SimReplica) -> None:
+        with self._lock:
+            if self._owner.get(rid) is replica:
+                del self._owner[rid]
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self.submit(request).result(timeout)
+
+    def abort(self, rid: str, *, message: str = ABORT_BY_REQUEST) -> bool:
+        with self._lock:
+            replica = self._owner.get(rid) if len(self.replicas) > 1 else self.replicas[0]
+        return replica is not None and replica.abort(rid, message=message)
+
+    def abort_all(self, *, message: str = ABORT_BY_REQUEST) -> None:
+        for r in self.replicas:
+            r.abort_all(message=message)
+
+    def _everywhere(self, call: Any) -> list[Any]:
+        """``call(replica)`` on every replica at once (their simulated times overlap, as separate GPUs')."""
+        if len(self.replicas) == 1:
+            return [call(self.replicas[0])]
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(self.replicas)) as pool:
+            return list(pool.map(call, self.replicas))
+
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        self._everywhere(lambda r: r.pause(mode))
+
+    def resume(self) -> None:
+        for r in self.replicas:
+            r.resume()
+
+    def flush_cache(self) -> bool:
+        return all(r.flush_cache() for r in self.replicas)
+
+    def update_weights(self, path: str, version: str | None = None) -> str:
+        return str(self._everywhere(lambda r: r.update_weights(path, version))[0])
+
+    def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> None:
+        for r in self.replicas:
+            r.init_weights_update_group(
+                master_address=master_address,
+                master_port=master_port,
+                rank_offset=rank_offset,
+                world_size=world_size,
+                group_name=group_name,
+                backend=backend,
+            )
+
+    def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
+    ) -> str:
+        return str(
+            self._everywhere(
+                lambda r: r.update_weights_from_distributed(
+                    names, dtypes, shapes, group_name=group_name, version=version
+                )
+            )[0]
+        )
+
+    def destroy_weights_update_group(self, group_name: str) -> None:
+        for r in self.replicas:
+            r.destroy_weights_update_group(group_name)
+
+    def release_memory(self) -> None:
+        self._everywhere(lambda r: r.release_memory())
+
+    def resume_memory(self) -> None:
+        self._everywhere(lambda r: r.resume_memory())
+
+    def healthy(self) -> bool:
+        return all(r.healthy() for r in self.replicas)
+
+    def close(self) -> None:
+        for r in self.replicas:
+            r.close()
 
 
 def _top(token: int, logprob: float, n: int, vocab: int) -> TopLogprobs:

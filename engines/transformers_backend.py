@@ -49,8 +49,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, DynamicCache
 
-from encoders.architectures import is_qwen3_vl, load_thinker, rope_index, towers_of
+from encoders.architectures import has_deepstack, is_qwen3_vl, load_thinker, rope_index, towers_of
+from encoders.positions import OmniRope
+from encoders.routing import RoutingCapture, encode_routed_experts, is_moe
 from encoders.towers import Towers
+from preprocess.errors import MediaError
+from preprocess.omni import OmniItem
 
 from .errors import EngineError, InvalidMedia, WeightsError
 from .grammar import Grammar, Grammars
@@ -155,7 +159,8 @@ class _Running:
     cache: DynamicCache | None = None
     next_logits: torch.Tensor | None = None
     length: int = 0  # tokens in the cache
-    rope_delta: int = 0
+    rope_delta: int | float = 0  # Qwen3-Omni's temporal positions may be fractional
+    routes: list[torch.Tensor] = field(default_factory=list)  # with return_routed_experts: per forward
     aborted: bool = False
     abort_message: str = ABORT_BY_REQUEST  # why it was aborted (the first cause wins)
     on_token: TokenCallback | None = None
@@ -170,13 +175,23 @@ class _Running:
 
 
 class TransformersEngine:
-    """A model folder served through the engine protocol: a Qwen2.5-Omni thinker or a Qwen3-VL model,
-    loaded in the class its config names (`encoders.architectures.load_thinker`).
+    """A model folder served through the engine protocol: a Qwen2.5-Omni thinker, a Qwen3-VL model or a
+    Qwen3-Omni-MoE thinker, loaded in the class its config names (`encoders.architectures.load_thinker`).
 
-    Qwen3-VL's DeepStack: an item's visual embedding (from the encoder stage's cache, or the model's own
-    tower here) carries the merged output and the DeepStack maps side by side; the merged output is
-    spliced into the input embeddings and the maps are added after the first decoder layers at the
-    visual positions, as the whole model's forward does."""
+    DeepStack (Qwen3-VL, Qwen3-Omni): an item's visual embedding (from the encoder stage's cache, or the
+    model's own tower here) carries the merged output and the DeepStack maps side by side; the merged
+    output is spliced into the input embeddings and the maps are added after the first decoder layers
+    at the visual positions, as the whole model's forward does.
+
+    Omni models (Qwen2.5-Omni, Qwen3-Omni): the 3-D positions are computed per media item
+    (`encoders.positions`), so a video laid out with its own audio track (``use_audio_in_video``; its track
+    is the audio item right after it in ``media``) gets the model's interleaved positions, next to videos
+    without one.
+
+    Mixture-of-experts models: with ``return_routed_experts`` a request's result carries the experts each
+    token was routed to, as SGLang returns them (`encoders.routing`: base64 int32
+    ``[seqlen - 1, num_hidden_layers, top_k]``; the prompt's rows from its prefill, one row per decode
+    step; a retracted request's prefill starts them again)."""
 
     def __init__(
         self,
@@ -186,23 +201,29 @@ class TransformersEngine:
         max_running: int = 8,
         weight_version: str = "0",
         weights_group_timeout_s: float = WEIGHTS_GROUP_TIMEOUT_S,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
+        """``dtype``: the weights' and activations' dtype (float32 by default; bfloat16 serves as a GPU
+        engine does, e.g. to measure the rollout/training mismatch R3 removes)."""
         self.model_dir = Path(model_dir)
         self.weights_group_timeout_s = weights_group_timeout_s
         self.device = torch.device(device)
-        model = load_thinker(self.model_dir, dtype=torch.float32)
+        model = load_thinker(self.model_dir, dtype=dtype)
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config = self.model.config
         self.qwen3_vl = is_qwen3_vl(self.model)
+        self.deepstack = has_deepstack(self.model)
+        self.omni = OmniRope.of(config)  # an Omni model's positions, per media item
         self.placeholders = {"image": config.image_token_id, "video": config.video_token_id}
         if not self.qwen3_vl:
             self.placeholders["audio"] = config.audio_token_id
         self.hidden_size = int(config.get_text_config().hidden_size)
-        # Qwen3-VL: a visual embedding is the merged output and one DeepStack map per entry.
+        # DeepStack: a visual embedding is the merged output and one DeepStack map per entry.
         self.visual_width = self.hidden_size * (
-            1 + len(config.vision_config.deepstack_visual_indexes) if self.qwen3_vl else 1
+            1 + len(config.vision_config.deepstack_visual_indexes) if self.deepstack else 1
         )
+        self.routing = RoutingCapture(self.model) if is_moe(self.model) else None
         eos = self.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.max_context = int(config.get_text_config().max_position_embeddings)
@@ -302,6 +323,10 @@ class TransformersEngine:
         All or nothing: names and shapes are checked against the model before any tensor is copied."""
         state = _read_weights(path)
         own = self.model.state_dict()
+        if any(k not in own for k in state) and (Path(path) / "config.json").is_file():
+            # A checkpoint in another layout than the loaded model's (transformers 5 saves a MoE model's
+            # fused experts one by one): loaded by its class, through transformers' own conversions.
+            state = self._converted(path)
         unexpected = [k for k in state if k not in own]
         if unexpected:
             raise WeightsError(f"weights in {path} do not fit the model: {unexpected[:3]}", code="weights_mismatch")
@@ -311,6 +336,14 @@ class TransformersEngine:
                 f"weights in {path} have other shapes than the model's: {reshaped[:3]}", code="weights_mismatch"
             )
         return self._load(state, version)
+
+    def _converted(self, path: str) -> dict[str, torch.Tensor]:
+        parameter = next(self.model.parameters())
+        try:
+            model = type(self.model).from_pretrained(path, dtype=parameter.dtype)
+        except (OSError, ValueError, SafetensorError) as error:
+            raise WeightsError(f"cannot load the weights in {path}: {error}", code="weights_not_found") from None
+        return dict(model.state_dict())
 
     def _load(self, state: dict[str, torch.Tensor], version: str | None) -> str:
         with self._model_lock:
@@ -663,8 +696,17 @@ class TransformersEngine:
                 top_p_token_ids=running.top_p_ids if request.sampling.return_top_p_token_ids else None,
                 top_p_token_offsets=running.top_p_offsets if request.sampling.return_top_p_token_ids else None,
                 num_retractions=running.num_retractions,
+                routed_experts=self._routed_experts(running),
             )
         )
+
+    def _routed_experts(self, running: _Running) -> str | None:
+        """SGLang's ``routed_experts`` of a finished request: rows ``[0, seqlen - 1)``; None when not asked
+        or the model has no routers."""
+        if not running.request.return_routed_experts or self.routing is None or not running.routes:
+            return None
+        seqlen = len(running.request.input_ids) + len(running.output_ids)
+        return encode_routed_experts(torch.cat(running.routes)[: max(0, seqlen - 1)])
 
     def text_of(self, ids: list[int], params: SamplingParams, reason: dict[str, Any] | None = None) -> str:
         """The returned text, as SGLang's detokenizer makes it: a matched stop token left out, the text cut
@@ -693,18 +735,19 @@ class TransformersEngine:
         embeds, deepstack = self._splice(ids, embeds, request.media)
         mask = torch.ones_like(ids)
         try:
-            positions, deltas = rope_index(self.model, ids, attention_mask=mask, **self._geometry(request.media))
-        except (IndexError, RuntimeError, TypeError, ValueError) as error:
-            # The model's rotary index walks the prompt's media structure (each item: its bos token, then
-            # its placeholders); a prompt whose structure does not fit its media fails in there.
+            positions, delta = self._positions(ids, mask, request.media)
+        except (IndexError, RuntimeError, TypeError, ValueError) as error:  # MediaError is a ValueError
+            # The rotary index walks the prompt's media structure (each item: its bos token, then its
+            # placeholders); a prompt whose structure does not fit its media fails in there.
             raise InvalidMedia(
                 "the prompt's media tokens do not fit its media (each item: its bos token, then exactly its "
                 f"placeholders, in the order of the media): {type(error).__name__}: {error}"
             ) from error
-        out = self._forward(embeds, mask, positions, DynamicCache(), deepstack)
+        running.routes = []  # a retracted request's prefill routes its whole sequence again
+        out = self._forward(embeds, mask, positions, DynamicCache(), deepstack, running)
         running.cache = out.past_key_values
         running.length = ids.shape[1]
-        running.rope_delta = int(deltas.reshape(-1)[0])
+        running.rope_delta = delta
         running.next_logits = out.logits[0, -1]
         if request.return_logprob and running.input_logprobs is None:
             self._input_logprobs(running, out.logits[0])
@@ -728,7 +771,7 @@ class TransformersEngine:
         embeds = self.model.get_input_embeddings()(token)
         position = torch.full((3, 1, 1), running.length + running.rope_delta, device=self.device)
         mask = torch.ones(1, running.length + 1, dtype=torch.long, device=self.device)
-        out = self._forward(embeds, mask, position, running.cache, None)
+        out = self._forward(embeds, mask, position, running.cache, None, running)
         running.cache = out.past_key_values
         running.length += 1
         running.next_logits = out.logits[0, -1]
@@ -740,16 +783,35 @@ class TransformersEngine:
         positions: torch.Tensor,
         cache: DynamicCache | None,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None,
+        running: _Running | None = None,
     ) -> Any:
-        """One forward from input embeddings; for Qwen3-VL the language model is called with the prompt's
+        """One forward from input embeddings (the routing recorded into ``running`` when it asked for it)."""
+        if self.routing is None or running is None or not running.request.return_routed_experts:
+            return self._forward_model(embeds, mask, positions, cache, deepstack)
+        with self.routing.recording() as rows:
+            out = self._forward_model(embeds, mask, positions, cache, deepstack)
+        running.routes.extend(rows)
+        return out
+
+    def _forward_model(
+        self,
+        embeds: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: DynamicCache | None,
+        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None,
+    ) -> Any:
+        """One forward from input embeddings; with DeepStack the language model is called with the prompt's
         DeepStack maps (``(visual position mask, one (visual tokens, hidden) map per layer)``), as the
         whole model calls it, then the LM head."""
-        if not self.qwen3_vl:
+        if not self.deepstack:
             return self.model(
                 inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
             )
         where, maps = deepstack if deepstack is not None else (None, None)
-        out = self.model.model.language_model(
+        # Qwen3-VL nests its text model in ``model.language_model``; the Qwen3-Omni thinker's is ``model``.
+        text_model = self.model.model.language_model if self.qwen3_vl else self.model.model
+        out = text_model(
             inputs_embeds=embeds,
             attention_mask=mask,
             position_ids=positions,
@@ -761,31 +823,41 @@ class TransformersEngine:
         out.logits = self.model.lm_head(out.last_hidden_state)
         return out
 
-    def _geometry(self, media: tuple[MediaInput, ...]) -> dict[str, Any]:
-        """The keyword arguments of `architectures.rope_index` for these media."""
-        if not self.qwen3_vl:
-            return _geometry(media, self.device)
-        # Qwen3-VL: its temporal positions come from the prompt's timestamps, not seconds per grid.
+    def _positions(
+        self, ids: torch.Tensor, mask: torch.Tensor, media: tuple[MediaInput, ...]
+    ) -> tuple[torch.Tensor, int | float]:
+        """(3, 1, L) rotary positions of a prompt and the delta decoding continues from: an Omni model's per
+        media item (`encoders.positions`: a video with its own track interleaved), Qwen3-VL's from the model's
+        own ``get_rope_index`` (its temporal positions come from the prompt's timestamps)."""
+        if self.omni is not None:
+            positions, omni_delta = self.omni.positions(ids[0].tolist(), [_omni_item(m) for m in media])
+            value = float(omni_delta)
+            return positions[:, None].to(self.device), int(value) if value.is_integer() else value
         images = [m.grid_thw for m in media if m.kind == "image"]
         videos = [m.grid_thw for m in media if m.kind == "video"]
-        return {
-            "image_grid_thw": torch.tensor(images, device=self.device) if images else None,
-            "video_grid_thw": torch.tensor(videos, device=self.device) if videos else None,
-        }
+        positions, deltas = rope_index(
+            self.model,
+            ids,
+            attention_mask=mask,
+            image_grid_thw=torch.tensor(images, device=self.device) if images else None,
+            video_grid_thw=torch.tensor(videos, device=self.device) if videos else None,
+        )
+        value = float(deltas.reshape(-1)[0])
+        return positions, int(value) if value.is_integer() else value
 
     def _splice(
         self, ids: torch.Tensor, embeds: torch.Tensor, media: tuple[MediaInput, ...]
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
-        """Media embeddings at their placeholder positions, each kind's items in prompt order; and, for
-        Qwen3-VL, the DeepStack maps of the visual positions (in sequence order) with their mask."""
+        """Media embeddings at their placeholder positions, each kind's items in prompt order; and, with
+        DeepStack, the DeepStack maps of the visual positions (in sequence order) with their mask."""
         todo = [i for i, m in enumerate(media) if m.embedding is None]
         computed = self.towers.encode([media[i].features for i in todo])  # type: ignore[misc]
         vectors = {i: media[i].embedding for i in range(len(media))}
         vectors.update(dict(zip(todo, computed, strict=True)))
-        maps: dict[int, torch.Tensor] = {}  # Qwen3-VL: each visual item's DeepStack maps, side by side
-        if self.qwen3_vl:
+        maps: dict[int, torch.Tensor] = {}  # DeepStack: each visual item's maps, side by side
+        if self.deepstack:
             for i, vector in vectors.items():
-                if vector is not None:
+                if vector is not None and media[i].kind != "audio":
                     vectors[i], maps[i] = vector[:, : self.hidden_size], vector[:, self.hidden_size :]
         stack_width = self.visual_width - self.hidden_size
         full = embeds.new_zeros(*ids.shape, stack_width)
@@ -801,7 +873,7 @@ class TransformersEngine:
             if rows:
                 stacked = torch.cat([r for r in rows if r is not None]).to(embeds.device, embeds.dtype)
                 embeds = embeds.masked_scatter(where.unsqueeze(-1).expand_as(embeds), stacked)
-            if maps and items:
+            if maps and items and kind != "audio":
                 stacked = torch.cat([maps[i] for i in items]).to(embeds.device, embeds.dtype)
                 full = full.masked_scatter(where.unsqueeze(-1).expand_as(full), stacked)
                 visual |= where
@@ -815,18 +887,15 @@ def _top(logprobs: torch.Tensor, n: int) -> TopLogprobs:
     return [(float(v), int(i)) for v, i in zip(values, indices, strict=True)]
 
 
-def _geometry(media: tuple[MediaInput, ...], device: torch.device) -> dict[str, Any]:
-    """The keyword arguments of the model's `get_rope_index` for these media."""
-    images = [m.grid_thw for m in media if m.kind == "image"]
-    videos = [m for m in media if m.kind == "video"]
-    audios = [m.audio_frames for m in media if m.kind == "audio"]
-    return {
-        "image_grid_thw": torch.tensor(images, device=device) if images else None,
-        "video_grid_thw": torch.tensor([m.grid_thw for m in videos], device=device) if videos else None,
-        "use_audio_in_video": False,
-        "audio_seqlens": torch.tensor(audios, device=device) if audios else None,
-        "second_per_grids": torch.tensor([m.second_per_grid_t for m in videos], device=device) if videos else None,
-    }
+def _omni_item(media: MediaInput) -> OmniItem:
+    """One media item as `encoders.positions` takes it (an audio item: its tokens; a picture or a video: its
+    grid, and a video its seconds per temporal patch)."""
+    if media.kind == "audio":
+        return OmniItem(kind="audio", audio_tokens=media.num_tokens)
+    if media.grid_thw is None or (media.kind == "video" and media.second_per_grid_t is None):
+        raise MediaError(f"a {media.kind} item without its grid (and a video without its seconds per temporal patch)")
+    t, h, w = (int(v) for v in media.grid_thw)
+    return OmniItem(kind=media.kind, grid_thw=(t, h, w), second_per_grid=float(media.second_per_grid_t or 0.0))
 
 
 def _read_weights(path: str) -> dict[str, torch.Tensor]:

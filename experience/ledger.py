@@ -7,7 +7,11 @@ Tables (in the store's index):
   samples are free to go out again).
 * ``consumed`` — ``(consumer, sample_id)``: the sample is done for that consumer, durably. Its
   ``batch_id`` names the batch that trained it, or a reason it never will be (``stale``,
-  ``too_long``: `RETIRED`).
+  ``too_long``: `RETIRED`). Rows are never removed: done is forever (the store's scan watermark
+  relies on it).
+
+Every per-request query reads the live deliveries through ``deliveries_by_state`` (consumer, acked,
+rank), so its cost follows the deliveries out on lease, not the run's history.
 
 A lease not acknowledged in time expires and its samples are delivered again; a late ack is
 accepted only while its samples have gone nowhere else, so each sample is trained exactly once per
@@ -38,6 +42,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
     tokens INTEGER NOT NULL, fetched INTEGER NOT NULL, lease_until REAL NOT NULL, acked INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS consumed (consumer TEXT NOT NULL, sample_id TEXT NOT NULL, batch_id TEXT NOT NULL,
     PRIMARY KEY (consumer, sample_id));
+CREATE INDEX IF NOT EXISTS deliveries_by_state ON deliveries(consumer, acked, rank);
 """
 
 RETIRED = ("stale", "too_long")

@@ -8,18 +8,23 @@
 * `with_media` — the batch plus a ``media`` column: each sequence's feature entries from the
   feature cache, for trainers on hosts without it.
 * `group_of` — the group id in a sample id (the inverse of `experience.records.sample_id`).
+* `token_routes` — a sample's ``routed_experts`` (SGLang's base64 int32 ``[tokens - 1, layers, top_k]``)
+  as the ``routed_experts`` column stores it: one row per token, the last one -1 (never routed).
 
 This module decides nothing about which samples are stored or served, and never touches the index.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -28,7 +33,16 @@ import preprocess as pp
 from .errors import FeatureMissing, InvalidGroup
 from .records import MICROBATCH_SCHEMA, Group, sample_id
 
-__all__ = ["MicroBatch", "group_of", "group_table", "ipc_bytes", "microbatch_to_arrow", "read_entry", "with_media"]
+__all__ = [
+    "MicroBatch",
+    "group_of",
+    "group_table",
+    "ipc_bytes",
+    "microbatch_to_arrow",
+    "read_entry",
+    "token_routes",
+    "with_media",
+]
 
 _INT32_MAX = 2**31 - 1
 _INT64_MAX = 2**63 - 1
@@ -64,6 +78,26 @@ class MicroBatch:
         return int(pc.sum(pc.list_value_length(self.table.column("input_ids"))).as_py() or 0)
 
 
+def token_routes(routed_experts: str | None, tokens: int) -> np.ndarray:
+    """The ``routed_experts`` column's value for a sequence of ``tokens`` tokens: SGLang's rows
+    ``[0, tokens - 1)`` (each ``layers × top_k`` wide) then one row of -1 for the last token, flat int16;
+    empty without routing. ValueError when the routing does not fit the sequence (not base64, not a
+    whole number of rows of ``tokens - 1``, an expert id beyond int16)."""
+    if routed_experts is None:
+        return np.zeros(0, dtype=np.int16)
+    try:
+        flat = np.frombuffer(base64.b64decode(routed_experts, validate=True), dtype=np.int32)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"routed_experts is not base64 of int32: {error}") from None
+    rows = tokens - 1
+    if rows <= 0 or flat.size == 0 or flat.size % rows:
+        raise ValueError(f"routed_experts holds {flat.size} ids: not a whole row per token for {rows} routed tokens")
+    if flat.min() < -1 or flat.max() > np.iinfo(np.int16).max:
+        raise ValueError("routed_experts: expert ids must be in [0, 32767]")
+    width = flat.size // rows
+    return np.concatenate([flat, np.full(width, -1, dtype=np.int32)]).astype(np.int16)
+
+
 def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
     """The rows of ``group``'s trainable samples (``advantages`` in their order), in `MICROBATCH_SCHEMA`.
 
@@ -88,6 +122,10 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
             raise refuse(f"samples[{s.index}].policy_version: {s.policy_version} is not a storable version")
         assert s.reward is not None  # trainable
         mask = s.response_mask()
+        try:
+            routes = token_routes(s.routed_experts, len(prompt) + len(s.response_ids))
+        except ValueError as error:
+            raise refuse(f"samples[{s.index}].{error}") from None
         floats = [s.reward, advantage, *s.logprobs]
         if not all(math.isfinite(x) and abs(x) <= _FLOAT32_MAX for x in floats):
             raise refuse(f"samples[{s.index}]: reward, advantage and logprobs must fit float32")
@@ -104,6 +142,7 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
                 "policy_version": s.policy_version,
                 "policy_versions": [s.policy_version] * len(prompt) + s.response_versions(),
                 "feature_keys": [*group.feature_keys, *s.feature_keys],
+                "routed_experts": routes,
             }
         )
     return pa.Table.from_pylist(rows, schema=MICROBATCH_SCHEMA)
@@ -128,6 +167,8 @@ def read_entry(data: pa.Buffer | bytes | None) -> pa.Table:
         versions = table.column("policy_version").to_pylist()
         per_token = pa.array([[v] * n for v, n in zip(versions, lengths, strict=True)], pa.list_(pa.int64()))
         table = table.append_column("policy_versions", per_token)
+    if "routed_experts" not in table.schema.names:  # microbatch/2 and before: no routing stored
+        table = table.append_column("routed_experts", pa.array([[]] * table.num_rows, pa.list_(pa.int16())))
     if not table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True):
         table = table.select(MICROBATCH_SCHEMA.names).cast(MICROBATCH_SCHEMA)
     return table

@@ -131,6 +131,9 @@ class ExperienceStore:
         self._blobs = pp.FeatureStore(self.root / "groups", 1 << 62)  # never evicts: experience is data
         self._db = open_index(self.root / "state.sqlite", (SCHEMA, LEDGER_SCHEMA, STALENESS_SCHEMA))
         self._lock = threading.RLock()
+        # Per consumer: a seq below which every sample is done for it (`_available` scans from there).
+        # Kept in memory (a restart scans once from 0): sound because done is forever (`experience.ledger`).
+        self._low_water: dict[str, int] = {}
         self._counters = Counters(self._db)
         self._ledger = Ledger(self._db, lease_s=self.config.lease_s)
         self._staleness = Staleness(
@@ -280,17 +283,26 @@ class ExperienceStore:
             return self._ledger.known(batch_id)
 
     def _available(self, consumer: str) -> list[Candidate]:
-        """The consumer's waiting samples, oldest first: stored, not done, not out on a live lease."""
+        """The consumer's waiting samples, oldest first: stored, not done, not out on a live lease.
+
+        The scan starts at the consumer's low-water mark, the first seq holding a sample not done for it,
+        so a lease costs what the queue holds, not what the run ever stored."""
         self._ledger.expire(consumer)
         leased = self._ledger.outstanding(consumer)
+        low = self._low_water.get(consumer, 0)
         rows = self._db.execute(
-            "SELECT s.sample_id, s.group_id, s.tokens, s.version FROM samples s WHERE NOT EXISTS "
+            "SELECT s.sample_id, s.group_id, s.tokens, s.version, s.seq FROM samples s WHERE s.seq >= ? AND NOT EXISTS "
             "(SELECT 1 FROM consumed c WHERE c.consumer = ? AND c.sample_id = s.sample_id) ORDER BY s.seq, s.idx",
-            (consumer,),
+            (low, consumer),
         ).fetchall()
+        if rows:
+            self._low_water[consumer] = int(rows[0][4])
+        else:
+            top = self._db.execute("SELECT MAX(seq) FROM samples").fetchone()[0]
+            self._low_water[consumer] = low if top is None else max(low, int(top) + 1)
         return [
             Candidate(sample_id=str(s), group_id=str(g), tokens=int(n), version=int(v))
-            for s, g, n, v in rows
+            for s, g, n, v, _ in rows
             if s not in leased
         ]
 

@@ -6,6 +6,10 @@ padding to 30 s / 300 s. The one non-local step of the reference, the ``max − 
 maximum over the whole padded window; frames past those that touch the signal are silence
 (log10(1e-10) = −10, the lowest possible value), so the maximum over the frames that touch the
 signal is the same number.
+
+Qwen3-Omni-MoE's processor pads nothing (``padding=True`` on one clip, ``truncation=False``): its
+features are the STFT of the clip itself, reflect-padded at both ends, ``N // 160`` frames, the floor
+taken over those (``spec.audio_family == "qwen3_omni"``; bit-exact with it).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torchaudio.functional as taf
 
 from .errors import CorruptMediaError
 from .features import AudioFeatures
-from .grid import audio_num_frames, audio_num_tokens
+from .grid import audio_num_frames, audio_token_count
 from .plan import MediaPlan
 from .probe import open_container
 from .spec import ProcessorSpec
@@ -112,6 +116,11 @@ def _mel_filters(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
 
 
 @lru_cache(maxsize=8)
+def _mel_filters_by_freq(n_fft: int, n_mels: int, sampling_rate: int) -> torch.Tensor:
+    return _mel_filters(n_fft, n_mels, sampling_rate).T.contiguous()
+
+
+@lru_cache(maxsize=8)
 def _window(n_fft: int) -> torch.Tensor:
     return torch.hann_window(n_fft)
 
@@ -119,6 +128,8 @@ def _window(n_fft: int) -> torch.Tensor:
 def log_mel(wave: np.ndarray, spec: ProcessorSpec) -> np.ndarray:
     """float32 (n_mels, L): Whisper's log-mel of the valid frames of ``wave`` (16 kHz mono)."""
     n, hop, n_fft = len(wave), spec.hop_length, spec.n_fft
+    if spec.audio_family == "qwen3_omni":
+        return _log_mel_unpadded(wave, spec)
     padded_len = spec.max_audio_samples
     valid = audio_num_frames(n, hop)
     touching = -(-(n + n_fft // 2) // hop)  # frames whose window overlaps the signal
@@ -137,12 +148,29 @@ def log_mel(wave: np.ndarray, spec: ProcessorSpec) -> np.ndarray:
     return ((log_spec[:, :valid] + 4.0) / 4.0).contiguous().numpy()
 
 
+def _log_mel_unpadded(wave: np.ndarray, spec: ProcessorSpec) -> np.ndarray:
+    """The clip's own log-mel, as Whisper's extractor computes it on an unpadded input."""
+    x = torch.from_numpy(np.ascontiguousarray(wave, dtype=np.float32))
+    stft = torch.stft(x, spec.n_fft, spec.hop_length, window=_window(spec.n_fft), return_complex=True)
+    magnitudes = (stft[:, :-1].abs() ** 2).contiguous()
+    # The reference multiplies by a transposed (freq, mel) bank; with one frame the product is a
+    # matrix-vector one whose kernel follows the memory layout, so keep the reference's layout.
+    mel = _mel_filters_by_freq(spec.n_fft, spec.n_mels, spec.sampling_rate).T @ magnitudes
+    log_spec = torch.clamp(mel, min=1e-10).log10()
+    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
+    return ((log_spec + 4.0) / 4.0).contiguous().numpy()
+
+
 def audio_features(key: str, wave: np.ndarray, plan: MediaPlan, spec: ProcessorSpec) -> AudioFeatures:
     features = log_mel(wave, spec)
+    frames, tokens = audio_token_count(
+        len(wave), family=spec.audio_family, hop_length=spec.hop_length, n_window=spec.audio_n_window
+    )
+    assert frames == features.shape[1], (frames, features.shape)
     return AudioFeatures(
         key=key,
         input_features=features,
-        num_tokens=audio_num_tokens(features.shape[1]),
+        num_tokens=tokens,
         num_samples=len(wave),
         source_seconds=plan.header.seconds,
         truncated=plan.truncated,

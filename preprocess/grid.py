@@ -20,7 +20,10 @@ __all__ = [
     "MAX_ASPECT_RATIO",
     "audio_num_frames",
     "audio_num_tokens",
+    "audio_num_tokens_qwen3_omni",
     "audio_samples_for_tokens",
+    "audio_samples_for_tokens_qwen3_omni",
+    "audio_token_count",
     "frame_indices",
     "frame_indices_numpy",
     "qwen3_vl_video_geometry",
@@ -224,3 +227,45 @@ def audio_num_tokens(num_frames: int) -> int:
 def audio_samples_for_tokens(max_tokens: int, hop_length: int = 160) -> int:
     """The most samples whose token count is at most ``max_tokens`` (L = 4k + 2 frames)."""
     return (4 * max_tokens + 2) * hop_length
+
+
+def audio_num_tokens_qwen3_omni(num_frames: int, n_window: int = 50) -> int:
+    """Tokens of Qwen3-Omni-MoE's audio tower for L mel frames (``_get_feat_extract_output_lengths``).
+
+    The tower cuts the frames into chunks of ``2·n_window`` (100) and runs three stride-2 convolutions
+    on each: a full chunk gives 13 tokens, the remainder r gives ``ceil(ceil(ceil(r/2)/2)/2)``. So it is
+    not ``L/8`` (1 s = 100 frames → 13 tokens, not 12.5), nor Qwen2.5-Omni's ``L/4`` pooling.
+    """
+    if num_frames <= 0:
+        return 0
+    chunk = 2 * n_window
+    rest = num_frames % chunk
+    after = (rest - 1) // 2 + 1
+    return ((after - 1) // 2 + 1 - 1) // 2 + 1 + (num_frames // chunk) * 13
+
+
+def audio_samples_for_tokens_qwen3_omni(max_tokens: int, hop_length: int = 160, n_window: int = 50) -> int:
+    """The most samples (L = N // hop frames) whose Qwen3-Omni token count is at most ``max_tokens``."""
+    frames = 0
+    step = 2 * n_window
+    # Token count is non-decreasing in L: whole chunks first, then frame by frame within the last one.
+    while audio_num_tokens_qwen3_omni(frames + step, n_window) <= max_tokens:
+        frames += step
+    while audio_num_tokens_qwen3_omni(frames + 1, n_window) <= max_tokens:
+        frames += 1
+    return frames * hop_length + hop_length - 1
+
+
+def audio_token_count(
+    num_samples: int, *, family: str = "qwen2_5", hop_length: int = 160, n_window: int = 50
+) -> tuple[int, int]:
+    """(mel frames L, tokens) of ``num_samples`` 16 kHz samples under an Omni processor's audio rules.
+
+    Qwen2.5-Omni pads to 300 s and masks: ``L = ceil(N / hop)``. Qwen3-Omni-MoE does not pad a lone
+    clip; the STFT's last frame is dropped, so ``L = N // hop`` (16001 samples: 100 frames, not 101).
+    """
+    if family == "qwen3_omni":
+        frames = num_samples // hop_length
+        return frames, audio_num_tokens_qwen3_omni(frames, n_window)
+    frames = audio_num_frames(num_samples, hop_length)
+    return frames, audio_num_tokens(frames)

@@ -10,7 +10,8 @@ per temporal patch, the text ``<t seconds>`` then ``<|vision_start|>``, that pat
 ``<|vision_end|>`` — `timestamped_video_ids` builds those ids, which `expand_placeholders` then puts
 in place of the placeholder.
 
-Qwen2.5-Omni's interleaved video-with-audio layout is not produced here (each item stands alone).
+An Omni video taken with its own audio track (``use_audio_in_video``) is laid out by `omni.py`
+(`omni.audio_in_video_ids`), whose ids `expand_placeholders` puts in place of the video placeholder.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from .budget import TokenBudget
 from .errors import BudgetExceededError, CorruptMediaError, MediaError
 from .grid import (
-    audio_num_frames,
-    audio_num_tokens,
     audio_samples_for_tokens,
+    audio_samples_for_tokens_qwen3_omni,
+    audio_token_count,
     frame_indices,
     qwen3_vl_video_geometry,
     smart_nframes,
@@ -48,6 +48,9 @@ class MediaPlan:
     num_frames: int = 0  # audio mel frames L
     truncated: bool = False
     shrunk: bool = False
+    # A video taken with its own audio track (Omni ``use_audio_in_video``): that track's plan. Not part of
+    # the video's signature (the track's features are their own item, cached under their own key).
+    audio: MediaPlan | None = None
 
     @property
     def exact(self) -> bool:
@@ -81,6 +84,8 @@ class MediaPlan:
             out["truncated"] = self.truncated
         if self.shrunk:
             out["shrunk"] = True
+        if self.audio is not None:
+            out["audio"] = self.audio.to_dict()
         return out
 
 
@@ -227,9 +232,13 @@ def _plan_video_natively(header: MediaHeader, spec: ProcessorSpec, budget: Token
     )
 
 
+def _audio_tokens(n: int, spec: ProcessorSpec) -> tuple[int, int]:
+    return audio_token_count(n, family=spec.audio_family, hop_length=spec.hop_length, n_window=spec.audio_n_window)
+
+
 def _plan_audio(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -> MediaPlan:
     n = resampled_length(header.num_samples, header.sample_rate, spec.sampling_rate)
-    unbudgeted = audio_num_tokens(audio_num_frames(n, spec.hop_length))
+    unbudgeted = _audio_tokens(n, spec)[1]
     truncated = False
     if n > spec.max_audio_samples:
         if budget.policy == "refuse":
@@ -238,16 +247,22 @@ def _plan_audio(header: MediaHeader, spec: ProcessorSpec, budget: TokenBudget) -
             )
         n, truncated = spec.max_audio_samples, True
     limit = budget.max_audio_tokens
-    tokens = audio_num_tokens(audio_num_frames(n, spec.hop_length))
+    tokens = _audio_tokens(n, spec)[1]
     if limit is not None and tokens > limit:
         if budget.policy == "refuse":
             raise _over("audio", tokens, limit)
-        n, truncated = min(n, audio_samples_for_tokens(limit, spec.hop_length)), True
-    frames = audio_num_frames(n, spec.hop_length)
-    tokens = audio_num_tokens(frames)
-    if tokens < 1:
+        if spec.audio_family == "qwen3_omni":
+            fit = audio_samples_for_tokens_qwen3_omni(limit, spec.hop_length, spec.audio_n_window)
+        else:
+            fit = audio_samples_for_tokens(limit, spec.hop_length)
+        n, truncated = min(n, fit), True
+    frames, tokens = _audio_tokens(n, spec)
+    # Qwen3-Omni's extractor runs a reflect-padded STFT on the clip itself: it needs n_fft/2 + 1 samples.
+    shortest = spec.n_fft // 2 + 1 if spec.audio_family == "qwen3_omni" else 0
+    if tokens < 1 or n < shortest:
+        least = shortest if spec.audio_family == "qwen3_omni" else 3 * spec.hop_length
         raise MediaError(
-            f"the audio is {n} samples long; it gives no token (at least {3 * spec.hop_length} needed)",
+            f"the audio is {n} samples long; it gives no token (at least {least} needed)",
             code="audio_too_short",
         )
     return MediaPlan(

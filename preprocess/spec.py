@@ -1,7 +1,7 @@
 """The processor configuration: what the model expects, as plain numbers.
 
-`ProcessorSpec` owns the constants of Qwen2-VL / Qwen2.5-VL / Qwen2.5-Omni / Qwen3-VL preprocessing and
-its fingerprint (part of every cache key). It does not decode or resize anything.
+`ProcessorSpec` owns the constants of Qwen2-VL / Qwen2.5-VL / Qwen2.5-Omni / Qwen3-VL / Qwen3-Omni-MoE
+preprocessing and its fingerprint (part of every cache key). It does not decode or resize anything.
 """
 
 from __future__ import annotations
@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-__all__ = ["PIPELINE_VERSION", "ImageBackend", "ProcessorSpec", "VideoBackend", "VideoSampler"]
+__all__ = ["PIPELINE_VERSION", "AudioFamily", "ImageBackend", "ProcessorSpec", "VideoBackend", "VideoSampler"]
 
 # Which reference implementation's pixels a spec reproduces bit for bit (see resize.py).
 ImageBackend = Literal["pil", "torchvision"]
 VideoBackend = Literal["qwen_vl_utils", "torchvision"]
 VideoSampler = Literal["qwen_vl_utils", "transformers"]
+# Which Omni processor's audio rules: Qwen2.5-Omni pads every clip to the checkpoint's maximum
+# ("max_length") and pools 4 mel frames per token; Qwen3-Omni-MoE pads to the longest clip of the call
+# (one clip: none) and counts tokens per 100-frame chunk (13 each, `grid.audio_num_tokens_qwen3_omni`).
+AudioFamily = Literal["qwen2_5", "qwen3_omni"]
 
 # Bump when the bytes a spec produces change (resize path, normalization, layout): old cache
 # entries then stop matching instead of being served stale.
@@ -37,9 +41,13 @@ MODEL_SEQ_LEN = 128000
 
 # Fields that change no feature byte (only how a prompt is laid out): not in the fingerprint, so
 # specs that differ only there share cache entries (and the Qwen2.5 fingerprints stay as pinned).
-_NOT_FINGERPRINTED = ("video_timestamps",)
+_NOT_FINGERPRINTED = ("video_timestamps", "omni")
 # Model folders whose processor is Qwen3-VL's (`processor_class`, `video_processor_type`, model_type).
 _QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe"})
+# ... and Qwen3-Omni-MoE's (the whole model, or a thinker-only folder).
+_QWEN3_OMNI_NAMES = frozenset({"Qwen3OmniMoeProcessor", "qwen3_omni_moe", "qwen3_omni_moe_thinker"})
+# Audio-family fields: left out of the fingerprint while at their Qwen2.5 defaults (pinned keys stay).
+_AUDIO_FAMILY_DEFAULTS = {"audio_family": "qwen2_5", "audio_n_window": 50, "position_id_per_seconds": 25.0}
 
 
 def _video_pixels(factor: int) -> dict[str, Any]:
@@ -94,6 +102,15 @@ class ProcessorSpec:
     # vision_end block per temporal patch (see `placeholders.timestamped_video_ids`), not to pads
     # alone. Prompt layout only: not fingerprinted.
     video_timestamps: bool = False
+    # Audio rules (see `AudioFamily`); ``audio_n_window`` is Qwen3-Omni's audio encoder ``n_window``
+    # (tokens are counted per chunk of 2·n_window mel frames).
+    audio_family: AudioFamily = "qwen2_5"
+    audio_n_window: int = 50
+    # Omni mRoPE time scale: positions per second of a video's temporal axis and of audio (Qwen2.5-Omni
+    # 25, Qwen3-Omni-MoE 13); what `omni.audio_in_video_ids` interleaves a video's own audio by.
+    position_id_per_seconds: float = 25.0
+    # An Omni model (audio tower + a video's own audio track, ``use_audio_in_video``). Layout only.
+    omni: bool = True
 
     @property
     def factor(self) -> int:
@@ -107,7 +124,7 @@ class ProcessorSpec:
     @classmethod
     def qwen2_5_vl(cls) -> ProcessorSpec:
         """Qwen2.5-VL-*-Instruct checkpoints (audio fields are unused by that model)."""
-        return cls(max_audio_seconds=30.0)
+        return cls(max_audio_seconds=30.0, omni=False)
 
     @classmethod
     def qwen2_5_omni(cls) -> ProcessorSpec:
@@ -132,6 +149,31 @@ class ProcessorSpec:
             max_pixels=16777216,
             max_audio_seconds=30.0,
             video_timestamps=True,
+            omni=False,
+            **_video_pixels(32),
+        )
+
+    @classmethod
+    def qwen3_omni_moe(cls) -> ProcessorSpec:
+        """Qwen3-Omni-30B-A3B-* checkpoints (Instruct / Thinking / Captioner).
+
+        Images: ``preprocessor_config.json``'s Qwen2-VL image processor with patch 16 (32 px per token)
+        and min/max pixels 3136 / 12845056 as in Qwen2.5-Omni (so the 64-token floor of Qwen3-VL does not
+        apply: 1 token at least); mean = std = 0.5 (the SigLIP2-style vision tower of Qwen3-VL). Videos:
+        the processor's own defaults for videos, 128…768 tokens per frame at 32 px per token, frames at
+        2 fps as qwen-vl-utils samples them (``image_patch_size=16``), no timestamp text. Audio:
+        128-mel Whisper features of the clip alone (``padding=True, truncation=False``: not padded to
+        300 s and not cut there; Weir caps it at 40 minutes), ``_get_feat_extract_output_lengths``
+        tokens (``n_window`` 50), 13 mRoPE positions per second.
+        """
+        return cls(
+            patch_size=16,
+            image_mean=HALF,
+            image_std=HALF,
+            max_audio_seconds=2400.0,
+            audio_family="qwen3_omni",
+            audio_n_window=50,
+            position_id_per_seconds=13.0,
             **_video_pixels(32),
         )
 
@@ -140,8 +182,9 @@ class ProcessorSpec:
         """Read a model folder's ``preprocessor_config.json`` (and video config if present).
 
         A Qwen3-VL folder (named by its processor class, video processor type or model_type) starts
-        from `qwen3_vl`. Transformers 5 may instead write one ``processor_config.json`` holding the
-        image and video processors' configs: that is read too.
+        from `qwen3_vl`, a Qwen3-Omni-MoE folder from `qwen3_omni_moe`. Transformers 5 may instead
+        write one ``processor_config.json`` holding the image and video processors' configs: that is
+        read too.
         """
         root = Path(model_dir)
         path = root / "preprocessor_config.json"
@@ -162,8 +205,11 @@ class ProcessorSpec:
         config_path = root / "config.json"
         model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
         names = {cfg.get("processor_class"), vcfg.get("processor_class"), vcfg.get("video_processor_type"), model_type}
-        base = cls.qwen3_vl() if names & _QWEN3_VL_NAMES else cls()
+        omni3 = bool(names & _QWEN3_OMNI_NAMES)
+        base = cls.qwen3_omni_moe() if omni3 else cls.qwen3_vl() if names & _QWEN3_VL_NAMES else cls()
         fields: dict[str, Any] = {}
+        if not omni3 and base.omni:  # an Omni folder configures its audio feature extractor here
+            fields["omni"] = cfg.get("feature_size") is not None or cfg.get("feature_extractor_type") is not None
         size = cfg.get("size") or {}
         for name, size_key in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
             if cfg.get(name) is not None:
@@ -180,7 +226,9 @@ class ProcessorSpec:
             fields["n_mels"] = int(cfg["feature_size"])
         if cfg.get("sampling_rate") is not None:
             fields["sampling_rate"] = int(cfg["sampling_rate"])
-        if cfg.get("n_samples") is not None:
+        if omni3:
+            pass  # its processor neither pads nor truncates to n_samples (padding=True, truncation=False)
+        elif cfg.get("n_samples") is not None:
             fields["max_audio_seconds"] = int(cfg["n_samples"]) / fields.get("sampling_rate", 16000)
         elif cfg.get("chunk_length") is not None:
             fields["max_audio_seconds"] = float(cfg["chunk_length"])
@@ -206,6 +254,9 @@ class ProcessorSpec:
             # The native sampler's fields change no byte while it is off: leaving them out keeps the pinned
             # fingerprints (and every cache key made before they existed) as they were.
             for name in ("video_sampler", "video_clip_min_pixels", "video_clip_max_pixels"):
+                fields.pop(name)
+        for name, default in _AUDIO_FAMILY_DEFAULTS.items():
+            if fields[name] == default:
                 fields.pop(name)
         payload = json.dumps({"pipeline": PIPELINE_VERSION, **fields}, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -23,6 +23,7 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,6 +78,9 @@ class FeatureStore:
         self._file: object | None = None
         self._host, self._pid = socket.gethostname(), os.getpid()
         self._hits = self._misses = self._puts = self._evictions = 0
+        # On a miss: a complete, verified entry from elsewhere (another node's cache), or None. Set by the host
+        # (`services.cluster.peers`); never a partial payload, since what it returns is stored as the entry.
+        self.fill: Callable[[str], bytes | None] | None = None
         with self._db() as db:
             db.executescript(_SCHEMA)
 
@@ -102,6 +106,10 @@ class FeatureStore:
         """The entry's Arrow IPC stream as a zero-copy buffer over the shard's memory map."""
         row = self._db().execute("SELECT shard, offset, length FROM entries WHERE key = ?", (key,)).fetchone()
         buffer = self._read(*row) if row else None
+        if buffer is None and self.fill is not None and (payload := self.fill(key)) is not None:
+            self.put(key, payload)  # a verified copy from another node's cache (`fill`'s contract)
+            row = self._db().execute("SELECT shard, offset, length FROM entries WHERE key = ?", (key,)).fetchone()
+            buffer = self._read(*row) if row else None
         if buffer is None:
             self._misses += 1
             return None

@@ -1,7 +1,10 @@
 """Dispatch over several engines: least outstanding requests, group affinity, one retry elsewhere.
 
 A group's samples go to the engine that took its first sample while that engine has room (its
-prefix cache holds the prompt). Two kinds of engine: Weir's engine role (media by cache key), and a
+prefix cache holds the prompt). Where engines sit on nodes with caches of their own (a Ray cluster:
+`set_engines` with nodes), a group's first sample goes, among the engines with room, to one on the node
+that already served most of its media keys (cache-aware: that node's caches hold them, no fetch from
+another node). Two kinds of engine: Weir's engine role (media by cache key), and a
 plain SGLang server given as ``sglang+http://host:port`` (media sent inline, as SGLang expects); the
 caller builds each request body for the engine it lands on. A call that fails for the engine's
 reasons — connection error, timeout, 5xx — is retried once on another engine, and the failing
@@ -26,6 +29,7 @@ import contextlib
 import json
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -39,6 +43,7 @@ __all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineStr
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+_KEY_NODES_KEPT = 100_000  # media keys remembered for cache-aware routing (the most recently used)
 
 BodyFor = Callable[["EngineEndpoint"], dict[str, Any]]
 EngineHealth = Literal["up", "down", "unauthorized"]
@@ -50,6 +55,7 @@ class EngineEndpoint:
     kind: Literal["weir", "sglang"] = "weir"
     outstanding: int = 0
     down_until: float = 0.0
+    node: str = ""  # the node whose caches this engine reads ("" : not known, one host)
 
     @classmethod
     def parse(cls, spec: str) -> EngineEndpoint:
@@ -77,10 +83,44 @@ class Dispatcher:
         self.engines = [EngineEndpoint.parse(u) for u in urls]
         self.timeout_s, self.max_per_engine, self.cooldown_s = timeout_s, max_per_engine, cooldown_s
         self._affinity: dict[str, EngineEndpoint] = {}
+        self._key_nodes: OrderedDict[str, str] = OrderedDict()  # media key → node of the engine that last used it
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
 
-    def _pick(self, group: str | None, exclude: EngineEndpoint | None = None) -> EngineEndpoint:
+    def set_engines(self, urls: list[str], nodes: dict[str, str] | None = None) -> None:
+        """The engines from now on (engines joined or left a cluster), with the node of each URL when known.
+        One still listed keeps its counts; one gone takes no new request, and what it has in flight finishes
+        there or fails over as any failure does. An empty list is ignored: the last known engines stay (the
+        registry may be restarting)."""
+        if not urls:
+            return
+        known = {e.url: e for e in self.engines}
+        self.engines = [known.get(e.url, e) for e in map(EngineEndpoint.parse, urls)]
+        for engine in self.engines:
+            engine.node = (nodes or {}).get(engine.url, engine.node)
+        live = set(map(id, self.engines))
+        self._affinity = {g: e for g, e in self._affinity.items() if id(e) in live}
+
+    def _media_keys(self, body: BodyFor) -> list[str]:
+        """The cache keys a request reads (its body as a Weir engine gets it); none when no node is known."""
+        weir = next((e for e in self.engines if e.kind == "weir" and e.node), None)
+        if weir is None:
+            return []
+        media = body(weir).get("weir_media") or []
+        return [k for m in media for k in (m.get("embedding_key"), m.get("feature_key")) if isinstance(k, str)]
+
+    def _used(self, engine: EngineEndpoint, keys: list[str]) -> None:
+        if not engine.node:
+            return
+        for key in keys:
+            self._key_nodes[key] = engine.node
+            self._key_nodes.move_to_end(key)
+        while len(self._key_nodes) > _KEY_NODES_KEPT:
+            self._key_nodes.popitem(last=False)
+
+    def _pick(
+        self, group: str | None, exclude: EngineEndpoint | None = None, keys: list[str] | None = None
+    ) -> EngineEndpoint:
         candidates = [e for e in self.engines if e.available and e is not exclude] or [
             e for e in self.engines if e is not exclude
         ]
@@ -89,37 +129,48 @@ class Dispatcher:
         sticky = self._affinity.get(group) if group else None
         if sticky in candidates and sticky is not None and sticky.outstanding < self.max_per_engine:
             return sticky
-        chosen = min(candidates, key=lambda e: e.outstanding)
+        held = [self._key_nodes.get(k) for k in keys or ()]
+        roomy = [e for e in candidates if e.outstanding < self.max_per_engine] or candidates
+        # Most of the media already on the engine's node first, then the least loaded.
+        chosen = min(roomy, key=lambda e: (-held.count(e.node) if e.node else 0, e.outstanding))
         if group:
             self._affinity[group] = chosen
         return chosen
 
     async def generate(self, body: BodyFor, *, group: str | None = None) -> dict[str, Any]:
         """POST /generate on one engine, retried once on another if that engine fails."""
-        return await self._on_one_then_another(lambda engine: self._call(engine, body(engine)), group)
+        return await self._on_one_then_another(
+            lambda engine: self._call(engine, body(engine)), group, self._media_keys(body)
+        )
 
     async def stream(self, body: BodyFor, *, group: str | None = None) -> EngineStream:
         """POST /generate with ``stream: true`` on one engine: an open `EngineStream` (its status
         checked: a refusal is raised here, before any chunk). Opening is retried once on another
         engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`)."""
         return await self._on_one_then_another(
-            lambda engine: self._open(engine, {**body(engine), "stream": True}), group
+            lambda engine: self._open(engine, {**body(engine), "stream": True}), group, self._media_keys(body)
         )
 
-    async def _on_one_then_another(self, attempt: Callable[[EngineEndpoint], Awaitable[T]], group: str | None) -> T:
+    async def _on_one_then_another(
+        self, attempt: Callable[[EngineEndpoint], Awaitable[T]], group: str | None, keys: list[str]
+    ) -> T:
         """``attempt`` on the engine `_pick` chooses; if that engine fails for its own reasons (connection,
         timeout, 5xx), it sits out a cool-down and ``attempt`` runs once more on another."""
-        engine = self._pick(group)
+        engine = self._pick(group, keys=keys)
         try:
-            return await attempt(engine)
+            result = await attempt(engine)
+            self._used(engine, keys)
+            return result
         except (httpx.RequestError, _EngineFailed) as error:
             logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
             engine.down_until = time.monotonic() + self.cooldown_s
             if group:
                 self._affinity.pop(group, None)
-            other = self._pick(group, exclude=engine)
+            other = self._pick(group, exclude=engine, keys=keys)
             try:
-                return await attempt(other)
+                result = await attempt(other)
+                self._used(other, keys)
+                return result
             except (httpx.RequestError, _EngineFailed) as again:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise EnginesUnavailable(f"two engines failed: {again}") from None

@@ -60,7 +60,7 @@ from .partial import (
     join_segments,
     pause_abort,
 )
-from .prompts import PromptBuilder, parse_messages
+from .prompts import Expansion, PromptBuilder, parse_messages, with_tracks
 from .rewards import RewardContext, RewardRegistry, RewardSpec
 from .sink import Sink
 from .tools import Tool
@@ -261,7 +261,9 @@ async def prepare(
         if response.status_code >= 400:
             raise _media_refused(response, where)
         try:
-            results = response.json()["items"]
+            answered = response.json()["items"]
+            expansions = ctx.prompts.expansions(answered)
+            results = with_tracks(answered)  # a video's own audio track is an engine media item of its own
             media = [(str(r["type"]), int(r["num_tokens"])) for r in results]
         except (ValueError, KeyError, TypeError) as error:
             raise MediaRefused(
@@ -270,8 +272,8 @@ async def prepare(
                 code="preprocess_failed",
             ) from None
     else:
-        media = []
-    ids = ctx.prompts.build(template, media, tools=tools, prefill=prefill)
+        media, expansions = [], list[Expansion]()
+    ids = ctx.prompts.build(template, expansions, tools=tools, prefill=prefill)
     counts = {"text": len(ids) - sum(n for _, n in media)}
     for kind, n in media:
         counts[kind] = counts.get(kind, 0) + n

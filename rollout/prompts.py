@@ -4,14 +4,21 @@ Roles: ``system``, ``developer`` (rendered as system), ``user``, ``assistant`` (
 calls rendered by the chat template) and ``tool`` (a tool's result). Content parts: ``text``;
 ``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
 ``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
-URLs); ``input_audio`` (``{"data": base64, "format": ...}``). Errors are `InvalidPrompt`s that name the
-offending field. This module does not fetch or decode media (the preprocess role does) and does not
-talk to any role.
+URLs; a ``video_url`` may add ``"use_audio_in_video": true`` for Omni models: the video's own audio track
+is then taken and interleaved with its frames); ``input_audio`` (``{"data": base64, "format": ...}``).
+Errors are `InvalidPrompt`s that name the offending field.
+
+Each placeholder expands to exactly what the model's processor puts there (`PromptBuilder.expansions`,
+from the preprocess role's answer): its token count, or for a Qwen3-VL video the ``<t seconds>``
+timestamps with one vision_start / pads / vision_end block per temporal patch, or for an Omni video with
+its audio the time-interleaved video and audio placeholders. This module does not fetch or decode media
+(the preprocess role does) and does not talk to any role.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,11 +26,18 @@ from typing import Any
 from transformers import AutoTokenizer
 
 from preprocess.errors import MediaError
-from preprocess.placeholders import expand_placeholders
+from preprocess.omni import OmniTokens, audio_in_video_ids, audio_in_video_layout
+from preprocess.placeholders import expand_placeholders, timestamped_video_ids
+from preprocess.spec import ProcessorSpec
 
 from .errors import InvalidPrompt
 
-__all__ = ["PromptBuilder", "parse_messages"]
+__all__ = ["Expansion", "PromptBuilder", "parse_messages", "with_tracks"]
+
+logger = logging.getLogger(__name__)
+
+# A placeholder's expansion: its token count (the placeholder repeated), or the ids that replace it.
+Expansion = tuple[str, int | Sequence[int]]
 
 _MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
 _ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -37,12 +51,12 @@ def _source(url: str) -> dict[str, str]:
     return {"path": url.removeprefix("file://")}
 
 
-def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(messages for the chat template, preprocess items in prompt order)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidPrompt(f"{where}: a non-empty list of messages is required", code="invalid_messages")
     template: list[dict[str, Any]] = []
-    items: list[dict[str, str]] = []
+    items: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         path = f"{where}[{i}]"
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
@@ -72,7 +86,17 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
                 url = value.get("url") if isinstance(value, dict) else value
                 if not isinstance(url, str) or not url:
                     raise InvalidPrompt(f"{part_path}.{kind}.url: a URL is required", code="invalid_messages")
-                items.append({"type": _MEDIA_PARTS[kind], **_source(url)})
+                item: dict[str, Any] = {"type": _MEDIA_PARTS[kind], **_source(url)}
+                with_audio = value.get("use_audio_in_video") if isinstance(value, dict) else None
+                if with_audio is not None:
+                    if kind != "video_url" or not isinstance(with_audio, bool):
+                        raise InvalidPrompt(
+                            f"{part_path}.{kind}.use_audio_in_video: true or false, on a video_url only",
+                            code="invalid_messages",
+                        )
+                    if with_audio:
+                        item["use_audio_in_video"] = True
+                items.append(item)
                 parts.append({"type": _MEDIA_PARTS[kind]})
             elif kind == "input_audio":
                 audio = part.get("input_audio")
@@ -134,11 +158,77 @@ class PromptBuilder:
         text = config.get("text_config", config)
         self.context_length = int(text.get("max_position_embeddings", 32768))
         self.placeholders: dict[str, int] = {
-            kind: int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, f"{kind}_token")))  # type: ignore[arg-type]
+            kind: self._token_id(f"{kind}_token")
             for kind in ("image", "video", "audio")
+            if getattr(self.tokenizer, f"{kind}_token", None) is not None  # Qwen3-VL has no audio
         }
         eos = [self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
         self.eos_ids = [t for t in eos if isinstance(t, int) and t >= 0]
+        # How a video expands (timestamps, audio interleaving) follows the folder's processor config.
+        self.spec: ProcessorSpec | None = None
+        if (Path(model_dir) / "preprocessor_config.json").is_file() or (
+            Path(model_dir) / "processor_config.json"
+        ).is_file():
+            self.spec = ProcessorSpec.from_pretrained(model_dir)
+        self._omni: OmniTokens | None = None
+        names = ("vision_bos", "vision_eos", "audio_bos", "audio_eos")
+        if len(self.placeholders) == 3 and all(getattr(self.tokenizer, f"{n}_token", None) for n in names):
+            self._omni = OmniTokens(
+                image=self.placeholders["image"],
+                video=self.placeholders["video"],
+                audio=self.placeholders["audio"],
+                **{n: self._token_id(f"{n}_token") for n in names},
+            )
+
+    def _encode_text(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _token_id(self, attribute: str) -> int:
+        return int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, attribute)))  # type: ignore[arg-type]
+
+    def expansions(self, results: Sequence[Mapping[str, Any]]) -> list[Expansion]:
+        """Each placeholder's expansion, from the preprocess role's items (prompt order): the item's
+        token count; a Qwen3-VL video's timestamped blocks (its frame indices and source fps); an Omni
+        video with its own audio (``audio``: its track) the interleaved video and audio placeholders."""
+        out: list[Expansion] = []
+        for r in results:
+            kind, count = str(r["type"]), int(r["num_tokens"])
+            spec = self.spec
+            if kind == "video" and spec is not None and spec.video_timestamps and r.get("video_fps"):
+                out.append(
+                    (
+                        kind,
+                        timestamped_video_ids(
+                            self._encode_text,
+                            frame_indices=r["frame_indices"],
+                            video_fps=float(r["video_fps"]),
+                            grid_thw=r["grid_thw"],
+                            merge_size=spec.merge_size,
+                            temporal_patch_size=spec.temporal_patch_size,
+                            video_id=self.placeholders["video"],
+                            vision_start_id=self._token_id("vision_start_token"),
+                            vision_end_id=self._token_id("vision_end_token"),
+                        ),
+                    )
+                )
+            elif kind == "video" and r.get("audio"):
+                if spec is None or self._omni is None:
+                    raise InvalidPrompt(
+                        "use_audio_in_video: this model's tokenizer has no Omni audio tokens",
+                        code="audio_in_video_unsupported",
+                    )
+                layout = audio_in_video_layout(
+                    grid_thw=r["grid_thw"],
+                    merge_size=spec.merge_size,
+                    second_per_grid=float(r["second_per_grid_t"]),
+                    audio_tokens=int(r["audio"]["num_tokens"]),
+                    position_id_per_seconds=spec.position_id_per_seconds,
+                    family=spec.audio_family,
+                )
+                out.append((kind, audio_in_video_ids(layout, self._omni)))
+            else:
+                out.append((kind, count))
+        return out
 
     def render(
         self, template: list[dict[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None, prefill: str = ""
@@ -166,12 +256,13 @@ class PromptBuilder:
     def build(
         self,
         template: list[dict[str, Any]],
-        media: Sequence[tuple[str, int]],
+        media: Sequence[Expansion],
         *,
         tools: Sequence[Mapping[str, Any]] | None = None,
         prefill: str = "",
     ) -> list[int]:
-        """Token ids of the templated conversation, each media placeholder expanded to its count."""
+        """Token ids of the templated conversation, each media placeholder expanded to its count (or
+        replaced by its ids: `expansions`)."""
         text = self.render(template, tools=tools, prefill=prefill)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
@@ -220,7 +311,7 @@ class PromptBuilder:
         at, end = max(found)
         return ("" if ended else end) + before[at + len(end) :] + after[len(before) :]
 
-    def observation_ids(self, text: str, media: Sequence[tuple[str, int]]) -> list[int]:
+    def observation_ids(self, text: str, media: Sequence[Expansion]) -> list[int]:
         """Token ids of an observation's text (`continuation`), each media placeholder expanded to its
         count (the observation's media, in order), exactly as a prompt's."""
         ids = self.tokenizer.encode(text, add_special_tokens=False)
@@ -232,3 +323,14 @@ class PromptBuilder:
     def placeholder_text(self, kind: str) -> str:
         """The placeholder token of a media kind as text (``<|IMAGE|>``), to count what a template rendered."""
         return str(self.tokenizer.convert_ids_to_tokens(self.placeholders[kind]))
+
+
+def with_tracks(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The preprocess role's items with each video's own audio track (``use_audio_in_video``) as an
+    audio item right after it: the media an engine consumes, in prompt order per kind."""
+    out: list[dict[str, Any]] = []
+    for r in results:
+        out.append(r)
+        if r.get("audio"):
+            out.append(r["audio"])
+    return out

@@ -29,13 +29,20 @@ async def _refuse(send: Send, status: int, code: str, message: str, headers: lis
     await send({"type": "http.response.body", "body": body})
 
 
+def _app_path(scope: Scope) -> str:
+    """The path within the app: behind a proxy that mounts it under a prefix (Ray Serve's route prefix,
+    ``root_path``), the full path starts with that prefix."""
+    path, root = str(scope["path"]), str(scope.get("root_path", ""))
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
 class BearerAuth:
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if self.expected is None or scope["type"] != "http" or _app_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")

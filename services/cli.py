@@ -7,13 +7,17 @@ Commands::
                                    # table's port; its settings are WEIR_* variables, checked first
     weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--demo]
                                    # every role on localhost behind a generated API token
-    weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] …
+    weir up --ray [--address ADDR] [--serve-port P] [--write-config FILE]
+                                   # every role as a Ray Serve application (a local Ray, or a cluster)
+    weir engines add|remove N [--address ADDR]   # engines join or leave a running Ray stack
+    weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] [--ray] …
                                    # the RL loop against a stack it starts (or attaches to)
-    weir twin [--profile F] [--gpus N] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
+    weir twin [--profile F] [--gpus N | --nodes 1 2 4 8] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
                                    # capacity twin: sim engines + sim trainer, real control plane
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
-    weir init-model DIR [--if-missing] [--arch qwen3-vl]  # write a tiny model folder (default: Qwen2.5-Omni)
+    weir init-model DIR [--if-missing] [--arch qwen3-vl|qwen3-omni-moe]
+                                   # write a tiny model folder (default: Qwen2.5-Omni)
     weir token --out FILE [--uid UID]    # the API token file the roles share (compose's `token` service)
     weir --version
 
@@ -27,10 +31,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .roles import BASE_PORT, ROLES
+
+if TYPE_CHECKING:
+    from .cluster.stack import RayStack
 
 __all__ = ["build_parser", "main", "preprocess_app"]
 
@@ -132,6 +139,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="the rollout role's port; every other port moves with it (a second stack: 9100 and another --home)",
     )
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
+    _add_ray(up)
+    up.add_argument(
+        "--write-config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --ray: write the stack as a Serve config file (edit it, then `serve deploy FILE`) and stop "
+        "(default: deploy it)",
+    )
+    up.add_argument(
+        "--engine-autoscale",
+        default=None,
+        metavar="MIN:MAX[:TARGET]",
+        help="with --ray: Serve scales engines between MIN and MAX on the requests each generates "
+        "(TARGET per engine, 32 if not given) instead of a fixed --engines (default: a fixed --engines)",
+    )
+
+    engines = command("engines", "engines join or leave a running Ray stack (`weir up --ray`)")
+    engines.add_argument("action", choices=("add", "remove"), help="add or remove engines")
+    engines.add_argument("count", type=int, help="how many")
+    engines.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home (its model, token)")
+    engines.add_argument("--address", default="auto", help="the Ray cluster (default: the one running here)")
+    engines.add_argument("--serve-port", type=int, default=8000, help="Serve's HTTP port of the stack")
 
     train = command("train", "start the stack and run the RL loop on a dataset, or on the demo task")
     source = train.add_mutually_exclusive_group(required=True)
@@ -143,9 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     train.add_argument(
         "--demo-task",
-        choices=("colours", "visual-search"),
+        choices=("colours", "visual-search", "video-audio"),
         default="colours",
-        help="with --demo: the colour pictures, or the multi-turn visual_search environment (crop, then answer)",
+        help="with --demo: the colour pictures, the multi-turn visual_search environment (crop, then answer), or "
+        "colour clips sent with their own audio track (use_audio_in_video; Omni models)",
     )
     # Unset options take the demo's settings with --demo, the generic ones otherwise (services/training.py).
     unset = "(default: the demo's with --demo, else the generic one; see services/training.py)"
@@ -193,6 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--attach", action="store_true", help="use the stack `weir up` runs (same --home and --base-port) instead"
     )
+    _add_ray(train)
+    # R3 (#12): the tiny model's architecture and routing replay (mixture-of-experts models).
+    train.add_argument(
+        "--arch",
+        choices=("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe"),
+        default=None,
+        help="the tiny model made in HOME/model when it has none (default: qwen2.5-omni); a model already "
+        "there of another architecture is an error",
+    )
+    train.add_argument(
+        "--r3",
+        action="store_true",
+        help="routing replay (MoE models): engines return each token's experts, the trainer routes it to them",
+    )
 
     twin = command(
         "twin",
@@ -214,9 +259,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--compression", type=float, nargs="+", default=[10.0, 25.0], help="simulated seconds per wall second"
     )
     twin.add_argument(
-        "--modes", nargs="+", default=["colocate", "async-1", "async-2"], help="colocate, async-S (staleness S)"
+        "--modes",
+        nargs="+",
+        default=["colocate", "async-1", "async-2"],
+        help="colocate, async-S (staleness bound S; async-0: on-policy), partial-S (async-S with partial rollouts)",
     )
     twin.add_argument("--max-new-tokens", type=int, default=None, help="default: the profile's max response")
+    twin.add_argument(
+        "--nodes",
+        type=int,
+        nargs="+",
+        default=[],
+        help="node counts to run, engines and trainer scaled together (overrides --gpus); e.g. 1 2 4 8",
+    )
+    twin.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (one sim engine process each)")
+    twin.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="print the colocate step from the cost model alone (no stack, no control plane; seconds) and stop",
+    )
+    twin.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="print and plot the runs of earlier results.json files together (runs nothing)",
+    )
+    twin.add_argument("--plot", type=Path, default=None, help="also draw the results (PNG); default: HOME/twin.png")
     twin.add_argument("--home", type=Path, default=Path(".weir/twin"), help="the twin's stacks and results.json")
     twin.add_argument("--base-port", type=int, default=9500, help="the twin's stacks' base port")
 
@@ -225,9 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--seed", type=int, default=0, help="weights seed (the same seed, the same model)")
     init.add_argument(
         "--arch",
-        choices=("qwen2.5-omni", "qwen3-vl"),
+        choices=("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe"),
         default="qwen2.5-omni",
-        help="the architecture: a Qwen2.5-Omni thinker (default) or Qwen3-VL (with DeepStack)",
+        help="the architecture: a Qwen2.5-Omni thinker (default), Qwen3-VL (with DeepStack) or a Qwen3-Omni "
+        "MoE thinker (DeepStack, audio, 8 experts top-2)",
     )
     init.add_argument(
         "--if-missing", action="store_true", help="keep a model already in FOLDER (one with a config.json)"
@@ -367,6 +437,88 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ray(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("Ray (the `ray` extra: pip install 'weir[ray]')")
+    group.add_argument("--ray", action="store_true", help="every role as a Ray Serve application")
+    group.add_argument(
+        "--address",
+        default=None,
+        help="with --ray: a running Ray cluster, HOST:PORT or auto (default: start Ray here)",
+    )
+    group.add_argument("--serve-port", type=int, default=8000, help="with --ray: Serve's HTTP port")
+
+
+def _ray_stack(args: argparse.Namespace) -> RayStack:
+    from .cluster.autoscaling import engine_autoscaling
+    from .cluster.stack import RayStack
+
+    autoscale = None
+    if getattr(args, "engine_autoscale", None):
+        low, high, *target = (float(x) for x in args.engine_autoscale.split(":"))
+        autoscale = engine_autoscaling(int(low), int(high), *target)
+    return RayStack(
+        home=args.home,
+        model=getattr(args, "model", None),
+        engines=args.engines,
+        address=args.address,
+        port=args.serve_port,
+        engine_autoscaling=autoscale,
+    )
+
+
+def _up_ray(args: argparse.Namespace) -> int:
+    import time
+
+    import yaml
+
+    from .cluster.apps import serve_config
+    from .console import console
+
+    stack = _ray_stack(args)
+    if args.write_config is not None:
+        from .stack import TOKEN_FILE, ensure_token
+
+        ensure_token(args.home / TOKEN_FILE)  # the roles read it from the file the config names
+        placements = stack.plan(engine_nodes=1, use_gpus=False)
+        config = serve_config(stack.role_env(stack.model_folder()), placements, port=args.serve_port)
+        args.write_config.write_text(yaml.safe_dump(config, sort_keys=False))
+        console.print(f"Serve config: {args.write_config} (deploy it with `serve deploy {args.write_config}`)")
+        return 0
+    console.print("[bold]Deploying preprocess, encoder, data, engine(s), rollout on Ray Serve…[/bold]")
+    try:
+        urls = stack.start()
+        for role, url in urls.items():
+            console.print(f"  {role:<14} {url}")
+        console.print(f"API token: in {args.home / 'api-token'}; `serve status` shows every application")
+        if args.demo:
+            from .showcase import run_showcase
+
+            run_showcase(urls, args.home / "media", token=stack.token)
+            return 0
+        if args.address is not None:
+            return 0  # deployed to a running cluster: it keeps serving (`serve shutdown` removes it)
+        console.print("Ready. Ctrl-C stops every role.")
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if args.address is None or args.demo:
+            stack.stop()
+
+
+def _engines(args: argparse.Namespace) -> int:
+    from .console import console
+
+    stack = _ray_stack(argparse.Namespace(**{**vars(args), "engines": 1}))
+    stack.connect()
+    now = len(stack.engine_urls())
+    target = now + args.count if args.action == "add" else now - args.count
+    urls = stack.scale_engines(target)
+    console.print(f"{len(urls)} engines: " + ", ".join(urls))
+    return 0
+
+
 def _up(args: argparse.Namespace) -> int:
     import signal
     import time
@@ -374,6 +526,8 @@ def _up(args: argparse.Namespace) -> int:
     from .console import console
     from .stack import LocalStack
 
+    if args.ray:
+        return _up_ray(args)
     stack = LocalStack(home=args.home, model=args.model, engines=args.engines, base_port=args.base_port)
     console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
     urls = stack.start()
@@ -410,11 +564,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _twin(args: argparse.Namespace) -> int:
-    from .twin import TwinConfig, print_twin, run_twin
+    from .twin import TwinConfig, plot_twin, print_twin, run_twin
 
     config = TwinConfig(
         profile=args.profile,
         gpus=args.gpus,
+        nodes=tuple(args.nodes),
+        gpus_per_node=args.gpus_per_node,
         steps=args.steps,
         prompts_per_step=args.prompts_per_step,
         n=args.n,
@@ -424,7 +580,31 @@ def _twin(args: argparse.Namespace) -> int:
         home=args.home,
         base_port=args.base_port,
     )
-    print_twin(run_twin(config), config)
+    if args.cost_model:
+        import json
+
+        from .twin import cost_model_step
+
+        for gpus in config.gpu_counts():
+            print(json.dumps(cost_model_step(config.profile, gpus, prompts=config.prompts_per_step, n=config.n)))
+        return 0
+    if args.merge:
+        import json
+
+        from .twin import summary
+
+        runs = [row for path in args.merge for row in json.loads(path.read_text())["rows"]]
+        config.compressions = tuple(sorted({r["compression"] for r in runs}))
+        out = summary(runs, config)
+    else:
+        out = run_twin(config)
+    print_twin(out, config)
+    model = None
+    if args.merge and config.nodes:  # the colocate cost model at the same sizes, for the plot
+        from .twin import cost_model_step
+
+        model = [cost_model_step(config.profile, g, n=config.n) for g in config.gpu_counts()]
+    plot_twin(out, args.plot or config.home / "twin.png", model)
     return 0
 
 
@@ -455,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
-    if args.command in ("up", "train", "prep", "demo", "twin"):  # `serve` configures its own, from the role's settings
+    # `serve` configures its own logging, from the role's settings
+    if args.command in ("up", "train", "prep", "demo", "twin", "engines"):
         from .logs import configure_logging
 
         configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
@@ -463,6 +644,7 @@ def main(argv: list[str] | None = None) -> int:
         "serve": _serve,
         "prep": _prep,
         "up": _up,
+        "engines": _engines,
         "train": _train,
         "twin": _twin,
         "init-model": _init_model,

@@ -27,12 +27,17 @@ def _add_request_id(request: httpx.Request) -> None:
         request.headers["X-Request-Id"] = request_id
 
 
-def async_client(base_url: str = "", *, token: str | None, timeout: float) -> httpx.AsyncClient:
+def async_client(
+    base_url: str = "", *, token: str | None, timeout: float, max_connections: int | None = 100
+) -> httpx.AsyncClient:
+    """``max_connections`` bounds the requests in flight through this client (httpx's default, 100); None:
+    the caller bounds them itself (the rollout role's engine calls: one per sample being generated)."""
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=timeout,
         headers=auth_headers(token),
         event_hooks={"request": [_async_request_id]},
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=20),
     )
 
 

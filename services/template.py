@@ -14,6 +14,7 @@ What every role gets from here, so its own ``app.py`` holds only its routes:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -30,12 +31,19 @@ from .metrics import CONTENT_TYPE_LATEST, RoleMetrics
 from .observe import RequestContext
 from .settings import RoleSettings
 
-__all__ = ["ARROW_STREAM", "FEATURE_KEY_PATTERN", "Readiness", "build_app"]
+__all__ = ["ARROW_STREAM", "DIGEST_HEADER", "FEATURE_KEY_PATTERN", "Readiness", "arrow_response", "build_app"]
 
 logger = logging.getLogger(__name__)
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"  # features, embeddings and micro-batches
 FEATURE_KEY_PATTERN = r"^[0-9a-f]{40}$"  # feature and embedding cache keys (sha256 prefixes)
+DIGEST_HEADER = "X-Weir-Sha256"  # the SHA-256 of a cache entry's bytes: a copy is taken only when whole
+
+
+def arrow_response(payload: bytes | memoryview | Any) -> Response:
+    """A cache entry as an Arrow IPC stream, with its digest (another node verifies its copy against it)."""
+    view = memoryview(payload)
+    return Response(view, media_type=ARROW_STREAM, headers={DIGEST_HEADER: hashlib.sha256(view).hexdigest()})  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +82,7 @@ def build_app(
     app.state.weir = state
     app.state.metrics = metrics
     app.state.settings = settings
+    app.state.ready = ready  # for hosts that check readiness without HTTP (Ray Serve's check_health)
     install_error_handlers(app, library_errors)
 
     # Outermost last: the request context (id, access line, count, last-resort 500) wraps everything;

@@ -6,6 +6,7 @@ supervised warm-up on text-only prompts that teaches the answer format (a colour
 picture → name mapping; greedy accuracy on held-out pictures is measured before and after RL.
 ``--demo-task visual-search`` trains multi-turn instead: the ``visual_search`` environment (crop, then name
 the small square's colour), warmed up on scripted crop-then-answer trajectories (`trainer.demo_task`).
+``--demo-task video-audio`` (Omni models) asks the colour of short clips sent with their own audio track.
 
 ``--nproc N``: N data-parallel trainer ranks (`trainer.data_parallel`). This process runs the same
 command N times with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…), so running
@@ -22,7 +23,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -36,6 +37,9 @@ from trainer.reference import ReferenceTrainer
 
 from .console import console
 from .stack import LocalStack
+
+if TYPE_CHECKING:
+    from .cluster.stack import RayStack
 
 __all__ = ["run_training"]
 
@@ -70,6 +74,14 @@ AGENT_DEMO_DEFAULTS: dict[str, Any] = {
     "max_new_tokens": 192,
     "max_tokens_per_batch": 8192,
     "warmup_steps": 300,
+}
+# --demo --demo-task video-audio: ~300-token prompts (a clip's frames and its track), so fewer, smaller groups.
+VIDEO_DEMO_DEFAULTS: dict[str, Any] = {
+    **DEMO_DEFAULTS,
+    "steps": 20,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_tokens_per_batch": 4096,
 }
 _WARMUP_LR = 3e-3
 
@@ -137,6 +149,11 @@ def _warm_up(
     if trainer.parallel is not None and not trainer.parallel.is_main:
         return
     engines = [u for k, u in urls.items() if k.startswith("engine")]
+    if getattr(args, "ray", False):  # engines come and go: the registry's, and joining ones load these weights
+        from .cluster.training import cluster_engines, record_weights
+
+        record_weights(folder, trainer.policy_version)
+        engines = cluster_engines()
     publish_weights(
         folder,
         trainer.policy_version,
@@ -155,6 +172,15 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def _cluster_hooks(args: argparse.Namespace) -> dict[str, Any]:
+    """On Ray: publish to the engines there are at the time, and record each weights folder first."""
+    if not getattr(args, "ray", False):
+        return {}
+    from .cluster.training import cluster_engines, record_weights
+
+    return {"engines": cluster_engines, "on_weights": record_weights}
+
+
 def _forget_earlier_run(args: argparse.Namespace) -> None:
     """A new run: no experience (unless the stack is attached: its data role keeps its own) or metrics
     of an earlier one."""
@@ -163,11 +189,31 @@ def _forget_earlier_run(args: argparse.Namespace) -> None:
     shutil.rmtree(args.home / "train" / args.mode, ignore_errors=True)
 
 
-def _stack(args: argparse.Namespace) -> LocalStack:
+def _ensure_arch(args: argparse.Namespace) -> None:
+    """``--arch``: the stack's own model folder holds that architecture (made there when missing)."""
+    arch = getattr(args, "arch", None)
+    if arch is None:
+        return
+    from encoders.architectures import family_of
+    from encoders.embedded_model import ensure_model
+
+    folder = ensure_model(args.home / "model", arch=arch)
+    wanted = arch.replace(".", "_").replace("-", "_")
+    if family_of(folder) != wanted:
+        raise SystemExit(f"{folder} holds a {family_of(folder)} model, not {arch}: remove it or use another --home")
+
+
+def _stack(args: argparse.Namespace) -> LocalStack | RayStack:
     """The stack this run starts or attaches to, with the run's staleness settings for its data role."""
     settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
     if args.max_staleness is not None:
         settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
+    if getattr(args, "r3", False):  # R3: the rollout role asks the engines for each token's experts
+        settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
+    if getattr(args, "ray", False):
+        from .cluster.stack import RayStack
+
+        return RayStack(home=args.home, engines=args.engines, address=args.address, port=args.serve_port, env=settings)
     return LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
 
 
@@ -194,7 +240,25 @@ def _launch_ranks(args: argparse.Namespace) -> int:
         stack.stop()  # an attached stack has no children here: nothing is stopped
 
 
+def _with_defaults(args: argparse.Namespace) -> None:
+    """The mode's defaults for every option left unset — before any stack starts, since some of them (the
+    staleness bound) are the data role's settings."""
+    task = getattr(args, "demo_task", "colours") if args.demo else None
+    agent, clips = task == "visual-search", task == "video-audio"
+    defaults = DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS
+    defaults = AGENT_DEMO_DEFAULTS if agent else VIDEO_DEMO_DEFAULTS if clips else defaults
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def run_training(args: argparse.Namespace) -> int:
+    _with_defaults(args)
+    if getattr(args, "ray", False):
+        from .cluster.training import in_trainer_task, run_on_ray
+
+        if not in_trainer_task():
+            return run_on_ray(args, _forget_earlier_run, _stack)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(args)
     parallel = DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
@@ -211,10 +275,10 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
     agent = args.demo and getattr(args, "demo_task", "colours") == "visual-search"
-    defaults = AGENT_DEMO_DEFAULTS if agent else DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    clips = args.demo and getattr(args, "demo_task", "colours") == "video-audio"
+    if clips and getattr(args, "arch", None) == "qwen3-vl":
+        console.print("[red]--demo-task video-audio needs an Omni model (an audio tower), not --arch qwen3-vl[/red]")
+        return 2
     if args.warmup_steps and not args.demo:
         console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
         return 2
@@ -226,12 +290,18 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
         from trainer.demo_task import write_agent_task
 
         rows, held_out = write_agent_task()  # the environment draws each picture from its row's seed
+    elif clips:
+        from trainer.demo_task import write_video_audio_task
+
+        rows, held_out = write_video_audio_task(args.home / "media")
     elif args.demo:
         from trainer.demo_task import write_demo_task
 
         rows, held_out = write_demo_task(args.home / "media")  # deterministic: every rank writes the same
     else:
         rows = list(iter_rows(args.dataset))
+    if main and not args.attach:
+        _ensure_arch(args)
     stack = _stack(args)
     if args.attach or not main:  # its data role keeps its own settings (staleness) and experience
         if parallel is not None and not main:
@@ -243,8 +313,18 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
     if parallel is not None and main:
         parallel.barrier()
     try:
+        if getattr(args, "ray", False):  # features from the node that made them, through this node's cache
+            from .cluster.training import trainer_features
+
+            features = trainer_features(args.home, stack.token)
+        else:
+            features = pp.FeatureStore(args.home / "cache", 10 << 30)
         trainer = ReferenceTrainer(
-            args.home / "model", features=pp.FeatureStore(args.home / "cache", 10 << 30), lr=args.lr, parallel=parallel
+            args.home / "model",
+            features=features,
+            lr=args.lr,
+            parallel=parallel,
+            routing_replay=getattr(args, "r3", False),
         )
         if args.warmup_steps and not args.resume:
             _warm_up(trainer, args, urls, out, stack.token)
@@ -255,7 +335,8 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
             check = functools.partial(evaluate_agent, max_new_tokens=args.max_new_tokens)
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
-            console.print(f"Greedy accuracy on {len(held_out)} held-out pictures before RL: {before:.0%}")
+            what = "clips" if clips else "pictures"
+            console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
         config = LoopConfig(
             mode=args.mode,
             steps=args.steps,
@@ -268,6 +349,7 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
             out=out,
             checkpoint_every=args.checkpoint_every,
             resume=args.resume,
+            **_cluster_hooks(args),
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
         if main:

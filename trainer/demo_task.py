@@ -16,6 +16,10 @@ rewarded 1.0 for its colour's name), the model may call ``crop`` and then answer
 writes a ``<tool_call>``, so its warm-up is supervised on **scripted trajectories** instead
 (`agent_warmup_pairs`): crop the quarter holding the square, then name its colour — rendered by the
 rollout role exactly as RL's trajectories are, the loss on the model's turns only.
+
+The video-with-audio task (``weir train --demo --demo-task video-audio``, `write_video_audio_task`, Omni
+models) is the colour task through a video with its own audio track (``use_audio_in_video``): one-second
+clips of one colour with a tone, the same text-only warm-up.
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ __all__ = [
     "AGENT_QUESTION",
     "COLOURS",
     "QUESTION",
+    "VIDEO_QUESTION",
     "agent_row",
     "agent_warmup_pairs",
     "agent_warmup_rows",
+    "colour_clip",
     "colour_picture",
     "crop_call",
     "evaluate_agent",
@@ -47,6 +53,7 @@ __all__ = [
     "warmup_prompts",
     "write_agent_task",
     "write_demo_task",
+    "write_video_audio_task",
 ]
 
 COLOURS: dict[str, tuple[int, int, int]] = {
@@ -112,6 +119,77 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
                 path.write_bytes(colour_picture(colour, seed=1000 * c + i))
             (train if i < per_colour else evaluation).append(_row(path, colour))
     # Interleave colours so any prefix of the rows is balanced.
+    order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
+    return [train[k] for k in order], evaluation
+
+
+# -- the video-with-its-audio task (`weir train --demo --demo-task video-audio`) -------------------------
+# The colour task through an Omni model's video-with-audio path: each row is a short clip of one colour (the
+# pictures' noise and shapes, one frame each) with its own audio track (a tone, the same for every colour),
+# sent as a ``video_url`` with ``use_audio_in_video``, so the preprocess role takes the track and the prompt
+# interleaves the frames' and the track's tokens in time. The answer is the clip's colour.
+VIDEO_QUESTION = "What colour is the video?"
+_CLIP_FPS, _CLIP_FRAMES, _CLIP_RATE = 10, 10, 16000
+
+
+def colour_clip(colour: str, seed: int) -> bytes:
+    """One second of ``colour`` (H.264, 56×56, 10 fps) with a mono AAC tone track, as an MP4."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, "w", format="mp4") as container:
+        video = container.add_stream("libx264", rate=_CLIP_FPS)
+        video.width = video.height = _SIZE
+        video.pix_fmt = "yuv420p"
+        video.options = {"crf": "18", "preset": "veryfast"}
+        audio = container.add_stream("aac", rate=_CLIP_RATE, layout="mono")
+        for i in range(_CLIP_FRAMES):
+            pixels = np.asarray(Image.open(io.BytesIO(colour_picture(colour, seed * _CLIP_FRAMES + i))).convert("RGB"))
+            for packet in video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in video.encode(None):
+            container.mux(packet)
+        t = np.arange(_CLIP_FRAMES * _CLIP_RATE // _CLIP_FPS) / _CLIP_RATE
+        wave = (0.4 * np.sin(2 * np.pi * 440.0 * t)).astype(np.float32)[None]
+        step = audio.codec_context.frame_size or 1024
+        for start in range(0, wave.shape[1], step):
+            frame = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(wave[:, start : start + step]), format="fltp", layout="mono"
+            )
+            frame.sample_rate, frame.pts = _CLIP_RATE, start
+            for packet in audio.encode(frame):
+                container.mux(packet)
+        for packet in audio.encode(None):
+            container.mux(packet)
+    return out.getvalue()
+
+
+def write_video_audio_task(
+    media_root: Path, *, per_colour: int = 8, held_out: int = 2
+) -> tuple[list[dict], list[dict]]:
+    """Write the clips under ``media_root/clips``; returns (training rows, held-out rows), as `write_demo_task`."""
+    folder = (media_root / "clips").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    train: list[dict[str, Any]] = []
+    evaluation: list[dict[str, Any]] = []
+    for c, colour in enumerate(COLOURS):
+        for i in range(per_colour + held_out):
+            path = folder / f"{colour}-{i:03d}.mp4"
+            if not path.is_file():
+                path.write_bytes(colour_clip(colour, seed=1000 * c + i))
+            row = {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "video_url", "video_url": {"url": str(path), "use_audio_in_video": True}},
+                            {"type": "text", "text": VIDEO_QUESTION},
+                        ],
+                    }
+                ],
+                "reward": {"type": "exact_match", "answer": colour},
+            }
+            (train if i < per_colour else evaluation).append(row)
     order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
     return [train[k] for k in order], evaluation
 

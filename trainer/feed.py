@@ -2,7 +2,10 @@
 
 Each batch is packed: the sequences concatenated into one row (``input_ids`` (T,)), with
 ``cu_seqlens`` boundaries and per-token ``position_ids``, ``loss_mask``, ``rollout_logprobs``,
-``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``. Call ``ack(batch)``
+``advantages`` (each sequence's advantage on its tokens) and ``policy_versions``; for a mixture-of-experts
+model whose engine returned its routing, ``routed_experts`` (T, layers × top_k) int32, aligned with
+``input_ids`` (-1 on a sequence's last token, and on every token of a sequence stored without routing),
+which the trainer replays under R3 (`trainer.reference`). Call ``ack(batch)``
 after the optimizer step that used it; an unacknowledged batch comes back after its lease. An ack
 the data role refuses for any reason but an expired lease raises `AckRefused`: a batch never goes
 unacknowledged silently.
@@ -69,7 +72,7 @@ def pack(table: pa.Table) -> dict[str, torch.Tensor]:
         values = torch.tensor(table.column(name).to_pylist(), dtype=dtype)
         return torch.repeat_interleave(values, lengths)
 
-    return {
+    out = {
         "input_ids": _flat(table, "input_ids", torch.long),
         "cu_seqlens": cu,
         "position_ids": torch.arange(total) - starts,
@@ -84,6 +87,34 @@ def pack(table: pa.Table) -> dict[str, torch.Tensor]:
         ),
         "sequence_ids": torch.repeat_interleave(torch.arange(len(lengths)), lengths),
     }
+    routes = _routes(table, lengths)
+    if routes is not None:
+        out["routed_experts"] = routes
+    return out
+
+
+def _routes(table: pa.Table, lengths: torch.Tensor) -> torch.Tensor | None:
+    """The ``routed_experts`` column packed as (T, width) int32 (-1 rows for a sequence without routing);
+    None when no sequence of the batch has any (a dense model, or a data role before microbatch/3)."""
+    if "routed_experts" not in table.schema.names:
+        return None
+    column = table.column("routed_experts").combine_chunks()
+    sizes = pc.list_value_length(column).to_numpy(zero_copy_only=False)
+    values = torch.from_numpy(column.flatten().to_numpy(zero_copy_only=False).astype("int32"))
+    if not values.numel():
+        return None
+    pairs = list(zip(sizes.tolist(), lengths.tolist(), strict=True))
+    width = next(size // n for size, n in pairs if size)
+    if any(size and size != n * width for size, n in pairs):
+        raise ValueError(f"routed_experts: sequences of one batch route with different widths (one is {width})")
+    parts, offset = [], 0
+    for size, n in pairs:
+        if size:
+            parts.append(values[offset : offset + size].view(n, width))
+            offset += size
+        else:
+            parts.append(torch.full((n, width), -1, dtype=torch.int32))
+    return torch.cat(parts)
 
 
 class MicroBatchFeed:

@@ -84,6 +84,11 @@ class LoopConfig:
     # each token tagged by the version that generated it; False: "retract" (requests go on inside the
     # engine, their early tokens untagged).
     partial_rollouts: bool = False
+    # Engines that come and go (a Ray cluster): the engines to publish to, asked before each publish (default: the
+    # urls' engine-* entries), and a callback told of each new weights folder and version before the engines are
+    # (so an engine joining meanwhile loads them: `services.cluster`).
+    engines: Callable[[], list[str]] | None = field(default=None, repr=False)
+    on_weights: Callable[[Path, int], None] | None = field(default=None, repr=False)
 
 
 def evaluate(
@@ -205,10 +210,12 @@ def run_loop(
         folder = trainer.export(config.out / "weights" / f"v{trainer.policy_version}")  # collective
         if not main:
             return
+        if config.on_weights is not None:
+            config.on_weights(folder, trainer.policy_version)
         result = publish_weights(
             folder,
             trainer.policy_version,
-            engine_urls=engines,
+            engine_urls=config.engines() if config.engines is not None else engines,
             data_url=urls.get("data"),
             encoder_url=urls.get("encoder"),
             token=token,

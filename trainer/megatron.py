@@ -15,7 +15,8 @@ Media (`QwenMedia`, passed as ``media=`` to `megatron_batch` / `MegatronBatchIte
 sequences with images, video or audio the model must see what the engine's model saw. The batch then
 carries the towers' outputs (Hugging Face's towers of the thinker via `encoders.towers.Towers`, or
 any encoder callable) with the pack positions of the placeholders they replace, and Qwen's 3-D
-positions (3, 1, T), computed per sequence by the thinker's own ``get_rope_index``. `forward_step`
+positions (3, 1, T), computed per sequence (an Omni thinker's per media item, `encoders.positions`, so
+a video with its own audio track is interleaved as the engine laid it out). `forward_step`
 hands GPTModel ``decoder_input`` (`decoder_input`: the word embeddings with the media rows spliced
 in, [T, 1, H]) and those positions; build the GPTModel with ``position_embedding_type="mrope"`` and
 ``TransformerConfig(mrope_section=mrope_section(hf_config))``. megatron-core's THD RoPE applies a
@@ -36,6 +37,15 @@ with ``finalize_model_grads`` so that a step's gradients are those of the refere
 (``token_mean``, ``sequence_mean`` or ``sum``) over all its micro-batches on all data-parallel
 ranks, however the tokens were split (see `loss_func`). In a tensor-parallel group only the first
 rank leases; `MegatronBatchIterator` broadcasts its batches to the others.
+
+Routing replay (R3) for mixture-of-experts GPTModels: build with
+``TransformerConfig(moe_enable_routing_replay=True)`` (megatron-core's ``RouterReplay``, one instance per MoE
+layer on this rank) and pass ``router_replay=RouterReplaySpec(top_k=…)`` to `megatron_batch`: the batch then
+carries the feed's ``routed_experts`` laid out as its tokens (padding and context-parallel cut included) and
+`forward_step` hands them to megatron-core (``RouterReplay.set_replay_data``, action ``REPLAY_FORWARD``), so
+each router's top-k is the rollout engine's and its probabilities are the softmax of its own logits at
+those experts. Limits: activation recomputation of MoE layers (``REPLAY_BACKWARD``) and sequence
+parallelism (each tensor-parallel rank routes its own slice of tokens) are not wired.
 
 Tested on CPU against megatron-core's real schedules (tests/trainer/test_megatron_cpu.py and
 test_megatron_parallel.py: gloo, one and two ranks, a tiny GPTModel with the local layer spec). That
@@ -68,9 +78,11 @@ __all__ = [
     "MegatronBatchIterator",
     "QwenLayout",
     "QwenMedia",
+    "RouterReplaySpec",
     "decoder_input",
     "export_hf",
     "forward_step",
+    "replay_routes",
     "hf_to_megatron",
     "loss_func",
     "megatron_batch",
@@ -91,6 +103,35 @@ def _shift(values: torch.Tensor, cu_seqlens: torch.Tensor, fill: float | int = 0
     return out
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouterReplaySpec:
+    """How the feed's ``routed_experts`` (per token: every decoder layer's top-k, flattened) map onto this
+    rank's megatron-core ``RouterReplay`` instances: ``top_k`` experts per token, and ``layers`` — the
+    global decoder-layer index of each MoE layer on this rank, in the order megatron built them (None:
+    every decoder layer, no pipeline parallelism)."""
+
+    top_k: int
+    layers: tuple[int, ...] | None = None
+
+    def per_layer(self, routes: torch.Tensor, cu_seqlens: torch.Tensor) -> list[torch.Tensor]:
+        """One ``[T, top_k]`` index tensor per MoE layer on this rank. A row without routing (-1) is
+        allowed only where no loss reads it — a sequence's last token (nothing in its sequence comes
+        after it) and the pack's padding — and gets experts ``0 … top_k - 1`` there."""
+        rows = routes.reshape(routes.shape[0], -1, self.top_k).long()
+        missing = (rows < 0).any(-1).any(-1)
+        free = torch.zeros_like(missing)
+        free[cu_seqlens[1:].long() - 1] = True
+        free[int(cu_seqlens[-1]) :] = True
+        if bool((missing & ~free).any()):
+            raise ValueError(
+                "routing replay: a sequence of this batch has no routed_experts (was it generated with "
+                "return_routed_experts?); megatron-core cannot let a replayed router choose for itself"
+            )
+        rows = torch.where(missing[:, None, None], torch.arange(self.top_k).expand_as(rows), rows)
+        layers = self.layers if self.layers is not None else tuple(range(rows.shape[1]))
+        return [rows[:, layer].contiguous() for layer in layers]
+
+
 def megatron_batch(
     batch: FeedBatch,
     *,
@@ -98,6 +139,7 @@ def megatron_batch(
     media: QwenMedia | None = None,
     cp_size: int = 1,
     cp_rank: int = 0,
+    router_replay: RouterReplaySpec | None = None,
 ) -> dict[str, Any]:
     """A fed micro-batch as Megatron's packed-sequence batch (leading batch dimension 1).
 
@@ -120,6 +162,11 @@ def megatron_batch(
     megatron-core 0.16.1's ``MultimodalRotaryEmbedding`` first cuts its table as for BSHD
     (``get_pos_emb_on_this_cp_rank`` over the whole pack), which does not match THD's per-sequence
     cut: mrope + THD + context parallelism needs that step skipped (not done here; untested).
+
+    ``router_replay`` (R3): ``router_replay`` in the batch is ``[MoE layers of this rank, T, top_k]``
+    (`RouterReplaySpec.per_layer`, stacked), in the pack's token order (after the padding or the
+    context-parallel cut), which `forward_step` replays; it travels like the other tensors
+    (`MegatronBatchIterator` moves and broadcasts it).
     """
     if cp_size > 1 and pad_to_multiple != 1:
         raise ValueError("with context parallelism each sequence is padded to 2 * cp_size: leave pad_to_multiple 1")
@@ -140,8 +187,9 @@ def megatron_batch(
     if media is not None:
         embeds, index = media.embeddings(batch)
         extra_out.update(media_embeds=embeds, media_index=index)
+    routes = _replay_routes(t, cu, router_replay)
     if cp_size > 1:
-        return _cp_slice(fields, positions, cu, cp_size, cp_rank, batch, extra_out)
+        return _cp_slice(fields, positions, cu, cp_size, cp_rank, batch, extra_out, routes)
     length = int(tokens.numel())
     padded = -(-length // pad_to_multiple) * pad_to_multiple
     if padded != length:
@@ -156,6 +204,9 @@ def megatron_batch(
     out: dict[str, Any] = {name: value[None] for name, value in fields.items()}
     out["position_ids"] = positions.unsqueeze(-2)  # (1, T) or (3, 1, T)
     out.update(extra_out)
+    if routes is not None:  # the padding sequence's rows: any valid experts (nothing reads them)
+        pad = torch.arange(routes[0].shape[1]).expand(padded - length, -1)
+        out["router_replay"] = torch.stack([torch.cat([layer, pad]) for layer in routes])
     out.update(
         cu_seqlens=cu,
         max_seqlen=int(seqlens.max()) if seqlens.numel() else 0,
@@ -163,6 +214,16 @@ def megatron_batch(
         feature_keys=batch.feature_keys,
     )
     return out
+
+
+def _replay_routes(
+    t: Mapping[str, torch.Tensor], cu: torch.Tensor, spec: RouterReplaySpec | None
+) -> list[torch.Tensor] | None:
+    if spec is None:
+        return None
+    if "routed_experts" not in t:
+        raise ValueError("routing replay asked, but the batch carries no routed_experts (a dense model's rollouts?)")
+    return spec.per_layer(t["routed_experts"], cu)
 
 
 def thd_cp_partition_index(cu_seqlens_padded: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -190,6 +251,7 @@ def _cp_slice(
     cp_rank: int,
     batch: FeedBatch,
     extra_out: dict[str, Any],
+    routes: list[torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Pad every sequence to a multiple of ``2 * cp_size`` and keep this rank's chunks of it."""
     lengths = (cu[1:] - cu[:-1]).long()
@@ -222,6 +284,13 @@ def _cp_slice(
         kept = slot >= 0
         extra_out = {"media_embeds": extra_out["media_embeds"][kept], "media_index": slot[kept]}
     out.update(extra_out)
+    if routes is not None:  # padding slots: any valid experts (nothing reads them)
+        laid_routes = []
+        for layer in routes:
+            laid = torch.arange(layer.shape[1]).repeat(total, 1)
+            laid[where] = layer
+            laid_routes.append(laid[index])
+        out["router_replay"] = torch.stack(laid_routes)
     out.update(
         cu_seqlens=cu,
         cu_seqlens_padded=cu_padded,
@@ -274,8 +343,10 @@ class MegatronBatchIterator:
         media: QwenMedia | None = None,
         group: Any = None,
         src: int | None = None,
+        router_replay: RouterReplaySpec | None = None,
     ) -> None:
         self.feed, self.device, self.pad_to_multiple = feed, torch.device(device), pad_to_multiple
+        self.router_replay = router_replay  # R3: the batches carry the routes `forward_step` replays
         self.media = media  # only the leasing rank uses it: the others receive its tensors
         self.group, self.src = group, src
         if self.group is None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -301,7 +372,11 @@ class MegatronBatchIterator:
             assert self.feed is not None
             self._batches = iter(self.feed)
         fed = next(self._batches, None)
-        return None if fed is None else megatron_batch(fed, pad_to_multiple=self.pad_to_multiple, media=self.media)
+        if fed is None:
+            return None
+        return megatron_batch(
+            fed, pad_to_multiple=self.pad_to_multiple, media=self.media, router_replay=self.router_replay
+        )
 
     def __next__(self) -> dict[str, Any]:
         if not self.broadcasting:
@@ -420,9 +495,12 @@ class QwenMedia:
     """
 
     def __init__(self, config: Any, encode: Encode, *, features: Any = None) -> None:
+        from encoders.positions import OmniRope
+
         self.config = getattr(config, "thinker_config", config)
         self.encode, self.features = encode, features
         self._rope = _RopeIndex(self.config)
+        self._omni = OmniRope.of(self.config)  # an Omni model's positions, per media item
 
     @classmethod
     def from_folder(
@@ -461,10 +539,17 @@ class QwenMedia:
         return out
 
     def sequence_positions(self, input_ids: torch.Tensor, media: list[Any]) -> torch.Tensor:
-        """(3, L) positions of one sequence: the thinker's ``get_rope_index`` with the arguments its
-        forward gives it (grids, audio lengths, seconds per grid, no audio-in-video)."""
+        """(3, L) positions of one sequence. An Omni thinker's per media item (`encoders.positions`: a video
+        laid out with its own audio track — the audio item after it — gets the interleaved positions of
+        ``get_rope_index(use_audio_in_video=True)``, others the plain ones), as the engine and the reference
+        trainer compute them; otherwise the thinker's ``get_rope_index`` with the arguments its forward gives it."""
         from .reference import media_inputs
 
+        if self._omni is not None:
+            from encoders.positions import feature_items
+
+            positions, _ = self._omni.positions(input_ids.tolist(), feature_items(media))
+            return positions
         inputs = media_inputs(media)
         mask = inputs.get("feature_attention_mask")
         ids = input_ids.long()[None]
@@ -632,14 +717,46 @@ def forward_step(
     ``model`` is called as ``GPTModel`` is: ``(tokens, position_ids, attention_mask, labels=...,
     packed_seq_params=...)``, returning the per-token cross-entropy; for a batch built with
     ``media`` (`QwenMedia`) also ``decoder_input=`` (`decoder_input`), its ``position_ids`` Qwen's
-    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``.
+    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``. A batch built with
+    ``router_replay`` has its routes replayed in this forward (`replay_routes`).
     """
     batch = next(data_iterator)
+    if "router_replay" in batch:
+        replay_routes(batch["router_replay"])
+    else:
+        _route_freely()
     extra = {"decoder_input": decoder_input(model, batch)} if "media_embeds" in batch else {}
     output = model(
         batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed(batch), **extra
     )
     return output, partial(loss_func, batch, config=config)
+
+
+def replay_routes(per_layer: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """Hand one ``[T, top_k]`` index tensor per MoE layer (this rank's, in build order) to megatron-core's
+    ``RouterReplay`` and switch every router to ``REPLAY_FORWARD``. Raises ValueError when the model was
+    not built with ``moe_enable_routing_replay`` (or has another number of MoE layers)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if len(per_layer) != len(RouterReplay.global_router_replay_instances):
+        raise ValueError(
+            f"routing replay: {len(per_layer)} MoE layers of routes, but megatron-core holds "
+            f"{len(RouterReplay.global_router_replay_instances)} RouterReplay instances (build the model with "
+            "TransformerConfig(moe_enable_routing_replay=True))"
+        )
+    RouterReplay.clear_global_indices()
+    RouterReplay.set_replay_data([layer.long() for layer in per_layer])
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _route_freely() -> None:
+    """A batch without routes after one with them: megatron-core's routers choose for themselves again."""
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.moe.router_replay")  # never imported: nothing to undo
+    if module is not None and module.RouterReplay.global_router_replay_instances:
+        module.RouterReplay.clear_global_router_replay_action()
+        module.RouterReplay.clear_global_indices()
 
 
 # -- weights: megatron-core GPT naming ↔ Hugging Face Qwen2 naming -----------------------------------

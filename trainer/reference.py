@@ -7,6 +7,17 @@ gradient norm and takes an AdamW step. Checkpoints hold the model, the optimizer
 version and whatever feed state the caller passes (the acknowledged batch ids), written to a
 temporary folder and renamed into place so a crash never leaves half a checkpoint.
 
+Omni models: the forward's 3-D positions are computed per media item (`encoders.positions`) and given to
+the model, not left to its ``get_rope_index`` (one ``use_audio_in_video`` flag per call): a video laid
+out with its own audio track — its track the audio item right after it in the sequence's media — gets the
+interleaved positions the engine gave it, a video without one the plain ones.
+
+Routing replay (R3, ``routing_replay=True``, mixture-of-experts models): each forward routes every
+token to the experts the rollout engine routed it to — the batch's ``routed_experts`` (`trainer.feed`),
+forced into the routers by `encoders.routing.RoutingReplay` (the router's own softmax weights at
+those experts, renormalised as the model does), so training and rollout run the same sub-networks.
+Tokens without recorded routing (a sequence's last token, a sequence stored without it) route freely.
+
 Data-parallel (`trainer.data_parallel.DataParallel`): the model is sharded with FSDP2, each
 micro-batch's sequences go through one padded forward (every rank runs the same number of
 forwards: they are collectives), and the step divides by the loss units summed over ranks, so N
@@ -17,6 +28,7 @@ every rank has written.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -29,6 +41,8 @@ from transformers import AutoTokenizer
 
 import preprocess as pp
 from encoders.architectures import decoder_layers, load_thinker, model_inputs
+from encoders.positions import OmniRope, feature_items
+from encoders.routing import RoutingReplay, is_moe
 
 from .data_parallel import DataParallel
 from .feed import FeedBatch
@@ -38,7 +52,8 @@ __all__ = ["ReferenceTrainer", "StepResult", "media_inputs"]
 
 
 def media_inputs(features: list[pp.Features]) -> dict[str, torch.Tensor]:
-    """The thinker's keyword inputs for one sequence's media, in prompt order."""
+    """The thinker's keyword inputs for one sequence's media, in prompt order (a video's own audio track is
+    an audio item of its own; its positions are `encoders.positions`' business)."""
     images = [f for f in features if isinstance(f, pp.ImageFeatures)]
     videos = [f for f in features if isinstance(f, pp.VideoFeatures)]
     audios = [f for f in features if isinstance(f, pp.AudioFeatures)]
@@ -79,6 +94,7 @@ class ReferenceTrainer:
         loss: LossConfig | None = None,
         seed: int = 0,
         parallel: DataParallel | None = None,
+        routing_replay: bool = False,
     ) -> None:
         torch.manual_seed(seed)
         self.parallel = parallel
@@ -86,6 +102,11 @@ class ReferenceTrainer:
         self.model = load_thinker(model_dir, dtype=torch.float32)  # the class the folder's config names
         torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
         self.model.train()
+        self.omni = OmniRope.of(self.model.config)  # an Omni model's positions, per media item
+        if routing_replay and not is_moe(self.model):
+            raise ValueError(f"routing replay (R3) needs a mixture-of-experts model; {model_dir} has no routers")
+        # Hooks on the routers, registered before sharding (they stay on the same modules under FSDP).
+        self.replay = RoutingReplay(self.model) if routing_replay else None
         if parallel is not None:  # before the optimizer: it must hold the sharded parameters
             parallel.shard(self.model, decoder_layers(self.model))
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -110,19 +131,37 @@ class ReferenceTrainer:
             found.append(item)
         return found
 
-    def _inputs(self, media: list[pp.Features], ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        inputs = model_inputs(self.model, ids, media_inputs(media))  # Qwen3-VL: + token types
+    def _inputs(self, media: list[list[pp.Features]], ids: torch.Tensor, lengths: list[int]) -> dict[str, torch.Tensor]:
+        """A forward's media inputs for right-padded rows (``media``: each row's items, ``lengths``: each
+        row's tokens); an Omni model's 3-D positions per item (`encoders.positions`)."""
+        inputs = model_inputs(self.model, ids, media_inputs([f for row in media for f in row]))  # Qwen3-VL: + types
+        if self.omni is not None:
+            rows = [ids[i, :n].tolist() for i, n in enumerate(lengths)]
+            inputs["position_ids"] = self.omni.batch_positions(rows, [feature_items(m) for m in media], ids.shape[1])
         return {name: value.to(self.device) for name, value in inputs.items()}
 
+    def _routes(self, routes: torch.Tensor | None) -> torch.Tensor | None:
+        """``routed_experts`` rows as the routers replay them, (tokens, layers, top_k); None without R3."""
+        if self.replay is None or routes is None:
+            return None
+        return routes.reshape(routes.shape[0], self.replay.num_layers, self.replay.top_k)
+
     def sequence_logprobs(
-        self, input_ids: torch.Tensor, feature_keys: list[str], media: list[pp.Features] | None = None
+        self,
+        input_ids: torch.Tensor,
+        feature_keys: list[str],
+        media: list[pp.Features] | None = None,
+        routes: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it).
+        """log p(token_t | prefix) for t ≥ 1 of one sequence; 0 at t = 0 (nothing predicts it). With R3
+        on, ``routes`` (one routing row per token, the feed's ``routed_experts``) are replayed.
 
         One forward per sequence: the exactness reference for `batch_logprobs`."""
         ids = input_ids.to(self.device)[None]
-        inputs = self._inputs(self._media(feature_keys, media), ids)
-        logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0]
+        inputs = self._inputs([self._media(feature_keys, media)], ids, [ids.shape[1]])
+        replayed = self._routes(routes)
+        with self._replaying(replayed):
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0]
         picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         return torch.cat([torch.zeros(1, device=self.device), picked])
 
@@ -135,15 +174,26 @@ class ReferenceTrainer:
         lengths = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
         ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
         mask = torch.zeros_like(ids)
-        media: list[pp.Features] = []
+        media: list[list[pp.Features]] = []
         for i, length in enumerate(lengths):
             ids[i, :length], mask[i, :length] = t["input_ids"][cu[i] : cu[i + 1]], 1
-            media += self._media(batch.feature_keys[i], None if batch.media is None else batch.media[i])
+            media.append(self._media(batch.feature_keys[i], None if batch.media is None else batch.media[i]))
         ids, mask = ids.to(self.device), mask.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media, ids)).logits
+        routes = self._routes(t.get("routed_experts"))
+        padded = None
+        if routes is not None:  # the routers see the padded batch row by row: padding routes freely
+            padded = torch.full((*ids.shape, *routes.shape[1:]), -1, dtype=routes.dtype)
+            for i, length in enumerate(lengths):
+                padded[i, :length] = routes[cu[i] : cu[i + 1]]
+            padded = padded.flatten(0, 1)
+        with self._replaying(padded):
+            logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media, ids, lengths)).logits
         picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
         zero = torch.zeros(1, device=self.device)
         return torch.cat([torch.cat([zero, picked[i, : length - 1]]) for i, length in enumerate(lengths)])
+
+    def _replaying(self, routes: torch.Tensor | None) -> Any:
+        return self.replay.replaying(routes) if self.replay is not None else contextlib.nullcontext()
 
     def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
         """Forward and backward one micro-batch, adding to the gradients of the current step.
@@ -168,6 +218,7 @@ class ReferenceTrainer:
                         t["input_ids"][cu[i] : cu[i + 1]],
                         batch.feature_keys[i],
                         None if batch.media is None else batch.media[i],
+                        routes=t["routed_experts"][cu[i] : cu[i + 1]] if "routed_experts" in t else None,
                     )
                     for i in range(len(cu) - 1)
                 ]

@@ -11,6 +11,7 @@ The cost model (every constant from the profile's ``trainer`` section, `SimTrain
 
 * `accumulate` of a micro-batch of ``T`` tokens: ``T / (gpus * train_tokens_per_gpu_s)`` (forward + backward
   of the whole data-parallel trainer; ``train_tokens_per_gpu_s`` is derived from a cited MFU estimate);
+  the engine profile's ``prompt_media_tokens`` are added per sample (a multimodal twin's text prompts);
 * `apply` (the optimizer step): ``optimizer_step_s``;
 * `export` (a weight push; the engines' own update time is their profile's ``weight_update_s``):
   ``weight_sync_broadcast_s`` or ``weight_sync_disk_s`` (``weight_sync``);
@@ -38,6 +39,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from engines.sim_backend import SimProfile
 
@@ -149,6 +152,9 @@ class SimTrainer:
         self._tokens = 0
         self._samples = 0
         self._swapped_in = False
+        # Trained samples by staleness: versions between the oldest policy that generated the sample's tokens
+        # and the weights it is trained on (what the data role's max_staleness bounds).
+        self.staleness: dict[int, int] = {}
 
     # The cost model ------------------------------------------------------------------------------------
 
@@ -180,10 +186,29 @@ class SimTrainer:
         if batch is None:  # a lockstep filler: nothing to train
             return {}
         tokens = int(batch.tensors["input_ids"].numel())
+        if self.engine is not None:  # a multimodal twin's text prompts stand for prompts with media tokens
+            tokens += self.engine.prompt_media_tokens * len(batch.tensors["rewards"])
+        self._count_staleness(batch)
         self._tokens += tokens
         self._samples += len(batch.tensors["rewards"])
         self._spend("train_s", self.train_seconds(tokens))
         return {"tokens": float(tokens)}
+
+    def _count_staleness(self, batch: FeedBatch) -> None:
+        if not {"policy_versions", "sequence_ids", "loss_mask"} <= batch.tensors.keys():
+            return
+        versions, sequences = batch.tensors["policy_versions"], batch.tensors["sequence_ids"]
+        generated = batch.tensors["loss_mask"] > 0
+        samples = len(batch.tensors["rewards"])
+        if not samples or not bool(generated.any()):
+            return
+        oldest = torch.full((samples,), 1 << 62, dtype=torch.long).scatter_reduce(
+            0, sequences[generated], versions[generated].long(), reduce="amin"
+        )
+        for value in oldest.tolist():
+            if value < 1 << 62:
+                lag = max(0, self.policy_version - int(value))
+                self.staleness[lag] = self.staleness.get(lag, 0) + 1
 
     def apply(self) -> StepResult:
         self._spend("optimizer_s", self.profile.optimizer_step_s)

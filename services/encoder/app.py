@@ -21,7 +21,7 @@ from encoders.towers import Towers
 from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..settings import load_settings
-from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, build_app
+from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, arrow_response, build_app
 from .schemas import EncodedItem, EncodeRequest, EncodeResponse, WeightsRequest, WeightsResponse
 from .settings import EncoderSettings
 
@@ -86,7 +86,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
         data = encoder.embeddings.get_bytes(key)
         if data is None:
             raise ApiError(404, "not_found", f"no embedding under {key}")
-        return Response(memoryview(data), media_type=ARROW_STREAM)  # type: ignore[arg-type]
+        return arrow_response(data)
 
     @app.post("/v1/weights", response_model=WeightsResponse)
     async def weights(body: WeightsRequest) -> WeightsResponse:

@@ -144,6 +144,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         profile=settings.sim_profile,
         compression=settings.sim_compression,
         weights_group_timeout_s=settings.weights_group_timeout_s,
+        routed_experts=settings.return_routed_experts,
     )
     role = EngineRole(
         settings=settings,

@@ -49,6 +49,12 @@ class EngineSettings(RoleSettings, MediaUrls):
     max_running: int | None = Field(
         None, gt=0, description="requests generated at once; default 8 for transformers, SGLang's own for sglang"
     )
+    return_routed_experts: bool = Field(
+        False,
+        description="MoE models (R3): start SGLang with enable_return_routed_experts so requests may ask for each "
+        "token's experts (the transformers backend answers them without it); the same variable makes the rollout "
+        "role ask for them",
+    )
     cache_dir: Path = Field(Path(".weir/cache"), description="the feature cache shared with the preprocess role")
     embedding_cache_dir: Path = Field(
         Path(".weir/embeddings"), description="the embedding cache shared with the encoder role"

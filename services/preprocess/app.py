@@ -17,9 +17,9 @@ import preprocess as pp
 from ..errors import ApiError
 from ..metrics import RoleMetrics
 from ..settings import load_settings
-from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, build_app
+from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, arrow_response, build_app
 from .schemas import PlanResponse, PreprocessResponse
-from .service import REQUEST_DOC, PreprocessState, item_result, parse_request
+from .service import REQUEST_DOC, PreprocessState, item_result, parse_request, total_tokens
 from .settings import PreprocessSettings
 
 __all__ = ["create_app"]
@@ -55,7 +55,7 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
         items, budget = await parse_request(request, state)
         plans = await run_in_threadpool(state.plan, items, budget)
         results = [item_result(i, plan) for i, plan in enumerate(plans)]
-        return PlanResponse(items=results, num_tokens=sum(r.num_tokens for r in results))
+        return PlanResponse(items=results, num_tokens=total_tokens(results))
 
     @app.get("/v1/features/{key}", response_class=Response, responses={200: {"content": {ARROW_STREAM: {}}}})
     def get_features(
@@ -73,7 +73,7 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
         features = pp.features_from_arrow(buffer)
         state.metrics.tokens_produced.labels(features.kind).inc(features.num_tokens)
         if materialize and not isinstance(features, pp.AudioFeatures):
-            return Response(pp.features_to_arrow(features, materialize=True), media_type=ARROW_STREAM)
-        return Response(memoryview(buffer), media_type=ARROW_STREAM)  # type: ignore[arg-type]
+            return arrow_response(pp.features_to_arrow(features, materialize=True))
+        return arrow_response(buffer)
 
     return app

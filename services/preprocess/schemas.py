@@ -18,12 +18,17 @@ class MediaItem(BaseModel):
     data: str | None = None
     path: str | None = None
     url: str | None = None
+    # Omni models: a video item's own audio track becomes an audio item interleaved with its frames
+    # (the processors' ``use_audio_in_video``). Refused for video-only models and for other item types.
+    use_audio_in_video: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> MediaItem:
         given = [name for name in ("data", "path", "url") if getattr(self, name) is not None]
         if len(given) != 1:
             raise ValueError(f"give exactly one of data, path or url (got {given or 'none'})")
+        if self.use_audio_in_video and self.type != "video":
+            raise ValueError("use_audio_in_video applies to video items only")
         return self
 
 
@@ -55,16 +60,20 @@ class ItemResult(BaseModel):
     grid_thw: list[int] | None = None
     resized_size: list[int] | None = None
     frame_indices: list[int] | None = None
+    video_fps: float | None = None  # the source's frame rate (Qwen3-VL's timestamps: index / video_fps)
     second_per_grid_t: float | None = None
     num_frames: int | None = None
     num_samples: int | None = None
     truncated: bool = False
     shrunk: bool = False
+    # A video with ``use_audio_in_video``: its track, an audio item of its own (key, tokens, frames). The
+    # video's ``num_tokens`` are its frames' alone; its placeholder expands to both, interleaved.
+    audio: ItemResult | None = None
 
 
 class PreprocessResponse(BaseModel):
     items: list[ItemResult]
-    num_tokens: int
+    num_tokens: int  # all the items' tokens, a video's own audio track included
 
 
 class PlanResponse(BaseModel):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -24,13 +25,20 @@ from .schemas import BudgetIn, ItemResult, PreprocessRequest, PreprocessResponse
 from .settings import PreprocessSettings
 from .sources import decode_inline, read_path
 
-__all__ = ["REQUEST_DOC", "PreprocessState", "item_result", "parse_request"]
+__all__ = ["REQUEST_DOC", "Item", "PreprocessState", "item_result", "parse_request", "total_tokens"]
 
 logger = logging.getLogger(__name__)
 
 _KINDS = ("image", "video", "audio")
 
-Item = tuple[pp.MediaKind, bytes]
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    """One request item's bytes; ``with_audio``: a video taken with its own audio track."""
+
+    kind: pp.MediaKind
+    raw: bytes
+    with_audio: bool = False
 
 
 class PreprocessState:
@@ -64,7 +72,16 @@ class PreprocessState:
                 raise ApiError(400, "empty_media", "the media item is empty (0 bytes)", item=index)
             if len(raw) > s.max_item_bytes:
                 raise ApiError(413, "media_too_large", f"the item is over {s.max_item_bytes} bytes", item=index)
-            items.append((item.type, raw))
+            if item.use_audio_in_video and not self.spec.omni:
+                raise ApiError(
+                    422,
+                    "audio_in_video_unsupported",
+                    "use_audio_in_video: this model has no audio tower (not an Omni model); "
+                    "send the video without it, or its audio as an audio item",
+                    item=index,
+                    field=f"items.{index}.use_audio_in_video",
+                )
+            items.append(Item(item.type, raw, item.use_audio_in_video))
         return items
 
     # -- the work ----------------------------------------------------------------------------
@@ -73,43 +90,73 @@ class PreprocessState:
         return ApiError(media_error_status(error), error.code, str(error), item=index)
 
     def plan(self, items: list[Item], budget: pp.TokenBudget) -> list[pp.MediaPlan]:
-        headers = []
-        for index, (kind, raw) in enumerate(items):
-            try:
-                headers.append(pp.probe(raw, kind, max_decode_pixels=budget.max_decode_pixels))
-            except pp.MediaError as error:
-                raise self._refuse(error, index) from None
+        """One plan per item, under the budget together; a video with its audio carries its track's
+        plan (``plan.audio``), which the sample budget counts as one more item."""
+        headers, owners = [], []  # owners[j]: the request item header j belongs to
+        for index, item in enumerate(items):
+            kinds: list[pp.MediaKind] = [item.kind, "audio"] if item.with_audio else [item.kind]
+            for kind in kinds:
+                try:
+                    headers.append(pp.probe(item.raw, kind, max_decode_pixels=budget.max_decode_pixels))
+                except pp.MediaError as error:
+                    if kind == "audio" and error.code == "no_audio_stream":
+                        error = pp.MediaError(
+                            "use_audio_in_video: the video has no audio track", code="no_audio_stream"
+                        )
+                    raise self._refuse(error, index) from None
+                owners.append(index)
         try:
-            plans = pp.plan_sample(headers, self.spec, budget)
+            flat = pp.plan_sample(headers, self.spec, budget)
         except pp.MediaError as error:
             # Item-level refusals name their item; a whole-sample refusal names none.
             culprit: int | None = None
-            for i, header in enumerate(headers):
+            for owner, header in zip(owners, headers, strict=True):
                 try:
                     pp.plan_header(header, self.spec, budget)
                 except pp.MediaError:
-                    culprit = i
+                    culprit = owner
                     break
             raise self._refuse(error, culprit) from None
-        for plan in plans:
+        plans: list[pp.MediaPlan] = []
+        for owner, plan in zip(owners, flat, strict=True):
             self.metrics.tokens_planned.labels(plan.kind).inc(plan.num_tokens)
+            if len(plans) > owner:  # the video's own track, planned right after it
+                plans[owner] = dataclasses.replace(plans[owner], audio=plan)
+            else:
+                plans.append(plan)
         return plans
 
     def process(self, items: list[Item], budget: pp.TokenBudget) -> PreprocessResponse:
         plans = self.plan(items, budget)
         results = []
-        for index, ((kind, raw), plan) in enumerate(zip(items, plans, strict=True)):
-            try:
-                done = pp.process_bytes(raw, kind, self.spec, budget, store=self.store, plan=plan)
-            except pp.MediaError as error:
-                raise self._refuse(error, index) from None
-            (self.metrics.cache_hits if done.cache_hit else self.metrics.cache_misses).inc()
-            self.metrics.tokens_produced.labels(kind).inc(done.features.num_tokens)
-            results.append(item_result(index, plan, done))
-        return PreprocessResponse(items=results, num_tokens=sum(r.num_tokens for r in results))
+        for index, (item, plan) in enumerate(zip(items, plans, strict=True)):
+            done = self._process(index, item.raw, item.kind, plan, budget)
+            track = None
+            if plan.audio is not None:
+                track = self._process(index, item.raw, "audio", plan.audio, budget)
+            results.append(item_result(index, plan, done, track))
+        return PreprocessResponse(items=results, num_tokens=total_tokens(results))
+
+    def _process(
+        self, index: int, raw: bytes, kind: pp.MediaKind, plan: pp.MediaPlan, budget: pp.TokenBudget
+    ) -> pp.ProcessedItem:
+        try:
+            done = pp.process_bytes(raw, kind, self.spec, budget, store=self.store, plan=plan)
+        except pp.MediaError as error:
+            raise self._refuse(error, index) from None
+        (self.metrics.cache_hits if done.cache_hit else self.metrics.cache_misses).inc()
+        self.metrics.tokens_produced.labels(kind).inc(done.features.num_tokens)
+        return done
 
 
-def item_result(index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = None) -> ItemResult:
+def total_tokens(results: list[ItemResult]) -> int:
+    """All the items' tokens, each video's own audio track included."""
+    return sum(r.num_tokens + (r.audio.num_tokens if r.audio is not None else 0) for r in results)
+
+
+def item_result(
+    index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = None, track: pp.ProcessedItem | None = None
+) -> ItemResult:
     out: dict[str, Any] = dict(
         index=index,
         type=plan.kind,
@@ -122,13 +169,19 @@ def item_result(index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = 
     if plan.grid_thw is not None:
         out.update(grid_thw=list(plan.grid_thw), resized_size=list(plan.resized_size or ()))
     if plan.kind == "video":
-        out.update(frame_indices=list(plan.frame_indices), second_per_grid_t=plan.second_per_grid_t)
+        out.update(
+            frame_indices=list(plan.frame_indices),
+            video_fps=plan.header.video_fps,
+            second_per_grid_t=plan.second_per_grid_t,
+        )
     if plan.kind == "audio":
         out.update(num_frames=plan.num_frames, num_samples=plan.num_samples)
     if done is not None:
         out.update(key=done.key, cache_hit=done.cache_hit, num_tokens=done.features.num_tokens)
         if isinstance(done.features, pp.AudioFeatures):
             out.update(num_frames=done.features.num_frames, num_samples=done.features.num_samples)
+    if plan.audio is not None:
+        out["audio"] = item_result(index, plan.audio, track)
     return ItemResult(**out)
 
 
@@ -173,7 +226,7 @@ async def parse_request(request: Request, state: PreprocessState) -> tuple[list[
                 raise ApiError(400, "empty_media", "the media item is empty (0 bytes)", item=index)
             if len(raw) > settings.max_item_bytes:
                 raise ApiError(413, "media_too_large", f"the item is over {settings.max_item_bytes} bytes", item=index)
-            items.append((name, raw))  # type: ignore[arg-type]
+            items.append(Item(name, raw))  # type: ignore[arg-type]
         if not items:
             raise ApiError(422, "invalid_request", "the upload has no image, video or audio part")
         return items, state.budget(budget_in)

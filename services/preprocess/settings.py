@@ -25,7 +25,7 @@ class PreprocessSettings(RoleSettings, MediaUrls):
     cache_max_bytes: int = Field(10 << 30, gt=0)
     # Processor spec: a model folder with preprocessor_config.json, or a named preset.
     model: Path | None = None
-    spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl"] = "qwen2_5_omni"
+    spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_omni_moe"] = "qwen2_5_omni"
     # Media sources.
     media_roots: MediaRoots = []
     url_max_bytes: int = Field(64 << 20, gt=0)  # the cap on a fetched URL's body (decompressed)

@@ -95,7 +95,9 @@ class RolloutMetrics:
 def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]:
     """The rollout context for ``settings``, and the HTTP clients to close with the app."""
     token, timeout = settings.token, settings.request_timeout_s
-    engines = async_client(token=token, timeout=timeout)
+    # Unbounded: the engines run one request per sample being generated, and the role bounds that itself
+    # (max_per_engine per engine, admission); a pool of 100 would cap every engine together at 100 samples.
+    engines = async_client(token=token, timeout=timeout, max_connections=None)
     preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
     encoder = async_client(settings.encoder_url, token=token, timeout=timeout) if settings.encoder_url else None
     clients: list[Any] = [engines, preprocess, *([encoder] if encoder is not None else [])]

@@ -113,6 +113,29 @@ def test_a_batch_steps_as_the_cost_model_says(make: Any) -> None:
     assert engine.busy_s == pytest.approx((stats.prefill_s + stats.decode_s) / 2000.0)
 
 
+def test_media_tokens_cost_encode_prefill_and_kv(make: Any) -> None:
+    """A multimodal profile's prompt_media_tokens: encoded once, prefilled, and held as context every step."""
+    engine = make(compression=2000.0, encode_per_media_token_s=0.002, prompt_media_tokens=100)
+    p, prompt, n = engine.profile, 10, 5
+    result = engine.generate(request("m", prompt=prompt, max_new_tokens=n, ignore_eos=True), 5)
+    assert result.completion_tokens == n and result.prompt_tokens == prompt  # media are not ids
+    stats = engine.stats
+    assert stats.prefill_tokens == prompt + 100
+    assert stats.prefill_s == pytest.approx(p.prefill_s(prompt + 100) + 0.002 * 100)
+    assert [s.context_tokens for s in stats.recent] == [prompt + 100 + 1 + j for j in range(n - 1)]
+
+
+def test_the_multimodal_profile_loads_with_a_source_for_every_constant() -> None:
+    vl = SimProfile.load(RELAX.with_name("qwen3-vl-8b-h800.yaml"))
+    assert vl.prompt_media_tokens == 1024 and vl.encode_per_media_token_s > 0
+    assert all(source.strip() for source in vl.sources.values()) and "prompt_media_tokens" in vl.sources
+    from trainer.sim_trainer import SimTrainerProfile
+
+    trainer = SimTrainerProfile.load(RELAX.with_name("qwen3-vl-8b-h800.yaml"))
+    derived = trainer.peak_flops_per_gpu * trainer.mfu / trainer.flops_per_token
+    assert trainer.train_tokens_per_gpu_s == pytest.approx(derived, rel=0.01)  # the cited arithmetic holds
+
+
 def test_the_running_batch_is_capped(make: Any) -> None:
     engine = make(max_running=2)
     engine.pause("in_place")
@@ -273,20 +296,39 @@ def test_grammars_are_refused(make: Any) -> None:
         make().submit(request("r", regex="a+"))
 
 
-def test_64_engines_fit_in_one_process() -> None:
-    start = time.monotonic()
-    engines = [SimEngine(profile(compression=5000.0), name=f"sim{i}") for i in range(64)]
+def test_256_engines_fit_in_one_process() -> None:
+    """The issue's bound: 256 simulated engines on this machine — one `SimEngine` of 256 replicas."""
+    engine = SimEngine(profile(compression=5000.0), replicas=256)
     try:
-        futures = [
-            e.submit(request(f"e{i}-{j}", seed=j, max_new_tokens=200)) for i, e in enumerate(engines) for j in range(3)
-        ]
-        results = [f.result(20) for f in futures]
+        engine.pause("in_place")  # requests wait: the least loaded replica takes each in turn
+        futures = [engine.submit(request(f"r{j}", prompt=5 + j, seed=j, max_new_tokens=100)) for j in range(512)]
+        engine.resume()
+        results = [f.result(60) for f in futures]
         assert all(r.completion_tokens > 0 for r in results)
-        assert all(e.stats.decode_steps > 0 and e.healthy() for e in engines)
+        assert sum(1 for r in engine.replicas if r.stats.decode_steps > 0) == 256 and engine.healthy()
     finally:
-        for e in engines:
-            e.close()
-    assert time.monotonic() - start < 10
+        engine.close()
+
+
+def test_replicas_keep_a_prompts_samples_together_and_update_at_once() -> None:
+    engine = SimEngine(profile(compression=1000.0), replicas=4)
+    try:
+        # 4 prompts x 3 samples: each prompt on one replica (a group stays on one engine), spread over all four
+        futures = [engine.submit(request(f"p{p}-{i}", prompt=5 + p, seed=i)) for p in range(4) for i in range(3)]
+        assert all(f.result(30).completion_tokens > 0 for f in futures)
+        assert sorted(r.stats.prefills > 0 for r in engine.replicas) == [True] * 4
+        assert engine.stats.generated_tokens == sum(r.stats.generated_tokens for r in engine.replicas)
+        # a weight update reaches every replica; their times overlap (each accounts weight_update_s once)
+        assert engine.update_weights("unused", "7") == "7" and engine.weight_version == "7"
+        assert [r.stats.weight_update_s for r in engine.replicas] == [5.0] * 4
+        assert engine.busy_s == pytest.approx(sum(r.busy_s for r in engine.replicas) / 4)
+        running = engine.submit(request("long", max_new_tokens=1900, ignore_eos=True))
+        wait_until(lambda: engine.running > 0)
+        assert engine.abort("long") and running.result(5).finish_reason["type"] == "abort"
+    finally:
+        engine.close()
+    with pytest.raises(ValueError, match="replicas"):
+        profile(replicas=0)
 
 
 def test_load_engine_builds_a_sim_engine() -> None:

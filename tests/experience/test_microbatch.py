@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 
@@ -33,6 +35,7 @@ def test_rows_follow_the_schema() -> None:
             "policy_version": 2,
             "policy_versions": [2, 2, 2],
             "feature_keys": [],
+            "routed_experts": [],
         }
     ]
     assert group_of("g.1/3") == "g.1" and group_of("a:b/12") == "a:b"
@@ -73,6 +76,38 @@ def test_a_multi_turn_sample_keeps_its_segments() -> None:
             logprobs=[0.0] * 3,
             loss_mask=[1, 0],
         )
+
+
+def _routes(rows: int, layers: int = 3, top_k: int = 2) -> tuple[np.ndarray, str]:
+    """SGLang's ``routed_experts``: [rows, layers, top_k] int32 in base64."""
+    array = (np.arange(rows * layers * top_k, dtype=np.int32) % 8).reshape(rows, layers, top_k)
+    return array, base64.b64encode(array.tobytes()).decode()
+
+
+def test_routed_experts_are_stored_one_row_per_token() -> None:
+    """R3: SGLang's [tokens - 1, layers, top_k] becomes one layers × top_k row per token, the last -1."""
+    array, encoded = _routes(3 - 1 + 2)  # prompt 2 + response 3 tokens: 4 routed
+    row = group_table(_group(response_ids=[9, 10, 11], logprobs=[0.0] * 3, routed_experts=encoded), [0.5])
+    stored = np.array(row.to_pylist()[0]["routed_experts"]).reshape(5, 6)
+    assert (stored[:4] == array.reshape(4, 6)).all() and (stored[4] == -1).all()
+    # An older entry (no routing column) reads back with empty routing.
+    old = row.drop_columns(["routed_experts"]).replace_schema_metadata({"weir.schema": "microbatch/2"})
+    table = read_entry(ipc_bytes(old))
+    assert table.schema.equals(MICROBATCH_SCHEMA, check_metadata=True)
+    assert table.column("routed_experts").to_pylist() == [[]]
+
+
+@pytest.mark.parametrize(
+    ("routed", "message"),
+    [
+        (_routes(3)[1], "not a whole row per token"),  # 3 rows for 4 routed tokens of 6 ids each: 18 % 4
+        ("not base64!", "not base64"),
+        (base64.b64encode(np.array([40000, 1, 2, 3], np.int32).tobytes()).decode(), "expert ids"),
+    ],
+)
+def test_routing_that_does_not_fit_the_sequence_is_refused(routed: str, message: str) -> None:
+    with pytest.raises(InvalidGroup, match=message):
+        group_table(_group(response_ids=[9, 10, 11], logprobs=[0.0] * 3, routed_experts=routed), [0.5])
 
 
 def test_entries_stored_before_per_token_versions_are_read_with_one_version_per_sequence() -> None:

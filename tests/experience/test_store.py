@@ -313,3 +313,35 @@ def test_kill_9_loses_no_acknowledged_group_and_trains_nothing_twice(tmp_path: P
     assert len(after) == len(set(after)) and not before & set(after)  # nothing trained twice
     expected = {f"{g}/{j}" for g in stored for j in range(4)}
     assert before | set(after) == expected  # and nothing lost
+
+
+def test_the_scan_starts_past_what_is_done_and_never_skips_a_sample_out_on_lease(tmp_path: Path) -> None:
+    """The low-water mark: samples done for a consumer are not scanned again, but one leased and never
+    acknowledged holds the mark back, so a release delivers it again; a reopened store scans from 0."""
+    store = ExperienceStore(tmp_path)
+    store.append_all([group("g0", [0.0, 1.0]), group("g1", [0.0, 1.0]), group("g2", [0.0, 1.0])])
+    held = store.lease("trainer", max_tokens=14)  # g0's two samples (7 tokens each): leased, never acked
+    assert held is not None and set(held.table.column("group_id").to_pylist()) == {"g0"}
+    rest = store.lease("trainer", max_tokens=1000)
+    assert rest is not None and set(rest.table.column("group_id").to_pylist()) == {"g1", "g2"}
+    store.ack(rest.batch_id)
+    assert store.lease("trainer", max_tokens=1000) is None
+    low = store._low_water["trainer"]
+    assert low == 1  # g0's seq: still not done
+    assert store.release("trainer") == 1
+    again = store.lease("trainer", max_tokens=1000)
+    assert again is not None and sorted(again.table.column("sample_id").to_pylist()) == ["g0/0", "g0/1"]
+    store.ack(again.batch_id)
+    assert store.lease("trainer", max_tokens=1000) is None and store._low_water["trainer"] > 3  # past all
+    store.append(group("g3", [0.0, 1.0]))  # a new group lands above the mark
+    late = store.lease("trainer", max_tokens=1000)
+    assert late is not None and set(late.table.column("group_id").to_pylist()) == {"g3"}
+    assert store.stats().queue_samples == 0 and store.stats("other").queue_samples == 8  # per consumer
+    store.close()
+    reopened = ExperienceStore(tmp_path)
+    assert reopened.lease("trainer", max_tokens=1000) is None  # g3 is still out on its lease
+    assert reopened.release("trainer") == 1
+    back = reopened.lease("trainer", max_tokens=1000)  # never acknowledged: it comes back, scanned from 0
+    assert back is not None and set(back.table.column("group_id").to_pylist()) == {"g3"}
+    assert reopened.lease("other", max_tokens=1000) is not None
+    reopened.close()

@@ -229,3 +229,50 @@ def test_health_and_metrics(serve) -> None:  # type: ignore[no-untyped-def]
     assert 'weir_preprocess_tokens_planned_total{type="image"} 782.0' in text
     assert 'weir_preprocess_items_failed_total{code="unsupported_media"} 1.0' in text
     assert "weir_cache_hits_total 1.0" in text and "weir_cache_entries 1.0" in text
+
+
+@pytest.mark.parametrize("preset", ["qwen3_omni_moe", "qwen2_5_omni"])
+def test_a_video_with_its_own_audio(preset: str, serve) -> None:  # type: ignore[no-untyped-def]
+    """``use_audio_in_video``: the video's track comes back as its own cached audio item, counted in the
+    sample; a silent video is refused by name; a model without an audio tower refuses the field."""
+    _, client = serve(spec_preset=preset)
+    spec = getattr(pp.ProcessorSpec, preset)()
+    clip = samples.make_video(96, 64, 10, 30, audio_rate=44100)
+    body = {"items": [{**item("video", clip), "use_audio_in_video": True}]}
+    response = client.post("/v1/preprocess", json=body)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    video = result["items"][0]
+    track = video["audio"]
+    assert video["type"] == "video" and track["type"] == "audio" and track["key"] != video["key"]
+    assert track["num_tokens"] == pp.process_audio(clip, spec).num_tokens > 0
+    assert video["num_tokens"] == pp.process_video(clip, spec).num_tokens
+    assert video["video_fps"] == 10.0 and result["num_tokens"] == video["num_tokens"] + track["num_tokens"]
+    served = pp.features_from_arrow(client.get(f"/v1/features/{track['key']}").content)
+    np.testing.assert_array_equal(served.input_features, pp.process_audio(clip, spec).input_features)  # type: ignore[union-attr]
+    planned = client.post("/v1/plan", json=body).json()
+    planned_track = planned["items"][0]["audio"]
+    # An AAC header's length is approximate: the plan says so, and the decoded length decides.
+    assert planned_track["exact"] or abs(planned_track["num_tokens"] - track["num_tokens"]) <= 2
+    assert planned["num_tokens"] == planned["items"][0]["num_tokens"] + planned_track["num_tokens"]
+    # The sample budget counts the track: shrinking it keeps video + track within the limit.
+    small = client.post("/v1/preprocess", json={**body, "budget": {"max_sample_tokens": result["num_tokens"] // 2}})
+    assert small.status_code == 200, small.text
+    assert small.json()["num_tokens"] <= result["num_tokens"] // 2
+
+    silent = {"items": [{**item("video", samples.make_video(64, 64, 10, 20)), "use_audio_in_video": True}]}
+    refused = client.post("/v1/preprocess", json=silent)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "no_audio_stream"
+    assert refused.json()["error"]["item"] == 0
+    wrong = client.post("/v1/preprocess", json={"items": [{**item("audio", clip), "use_audio_in_video": True}]})
+    assert wrong.status_code == 422 and "use_audio_in_video" in wrong.text
+
+
+def test_use_audio_in_video_is_refused_without_an_audio_tower(serve) -> None:  # type: ignore[no-untyped-def]
+    _, client = serve(spec_preset="qwen3_vl")
+    clip = samples.make_video(96, 64, 10, 30, audio_rate=16000)
+    response = client.post("/v1/preprocess", json={"items": [{**item("video", clip), "use_audio_in_video": True}]})
+    assert response.status_code == 422
+    error = response.json()["error"]
+    assert error["code"] == "audio_in_video_unsupported" and error["item"] == 0
+    assert client.post("/v1/preprocess", json={"items": [item("video", clip)]}).status_code == 200

@@ -15,7 +15,18 @@ from engines import GenerateRequest, SamplingParams
 from engines.sim_backend import SimEngine, SimProfile
 from services.cli import build_parser
 from services.stack import _port_in_use, stack_ports
-from services.twin import TwinConfig, control_plane, dapo_like_rows, run_twin, twin_table
+from services.twin import (
+    TwinConfig,
+    control_plane,
+    cost_model_step,
+    dapo_like_rows,
+    data_role_load,
+    layout,
+    parse_mode,
+    plot_twin,
+    run_twin,
+    twin_table,
+)
 
 RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
 
@@ -38,28 +49,88 @@ def _short_profile(path: Path) -> Path:
 
 
 def test_a_tiny_twin_runs_end_to_end(tmp_path: Path) -> None:
+    """One node of 2 GPUs: one sim engine process of 2 replicas, colocate then async on-policy (staleness 0)."""
     config = TwinConfig(
         profile=_short_profile(tmp_path / "short.yaml"),
-        gpus=2,
+        nodes=(1,),
+        gpus_per_node=2,
         steps=3,
         prompts_per_step=2,
         n=4,
         compressions=(1000.0,),
-        modes=("colocate",),
+        modes=("colocate", "async-0"),
         home=tmp_path / "twin",
-        base_port=_free_base(2),
+        base_port=_free_base(1),
         prompts=8,
     )
     out = run_twin(config)
-    (row,) = out["rows"]
-    assert row["mode"] == "colocate" and row["engines"] == 2 and row["steps"] == 3
-    assert row["samples_per_step"] == 8 and row["tokens_per_step"] > 0
-    assert row["sim_s_per_step"] == pytest.approx(row["wall_s_per_step"] * 1000.0)
+    colocate, on_policy = out["rows"]
+    assert colocate["mode"] == "colocate" and colocate["engines"] == 2 and colocate["processes"] == 1
+    assert colocate["steps"] == 3 and colocate["samples_per_step"] == 8 and colocate["tokens_per_step"] > 0
+    assert colocate["sim_s_per_step"] == pytest.approx(colocate["wall_s_per_step"] * 1000.0)
     # the trainer's own accounting: optimizer + weight sync + the colocate swap (2+2 engine, 1+1 trainer) + training
-    assert row["trainer_sim_s_per_step"] > 1.0 + 1.0 + 6.0
-    assert row["speedup"] == pytest.approx(1.0) and row["dropped_stale"] == 0
-    assert "colocate_error" in out["calibration"]
+    assert colocate["trainer_sim_s_per_step"] > 1.0 + 1.0 + 6.0
+    assert colocate["speedup"] == pytest.approx(1.0) and colocate["linearity"] is None  # one size only
+    assert colocate["staleness_histogram"] == {"0": 24}  # colocate trains only what the current policy made
+    assert on_policy["engines"] == 1 and on_policy["trainer_gpus"] == 1
+    assert set(on_policy["staleness_histogram"]) == {"0"}  # staleness 0: anything older was dropped
+    for row in out["rows"]:  # the data role's load, read from its /metrics
+        assert row["data"]["groups"] >= 6 and row["data"]["ack_requests"] >= 3
+        assert row["data"]["ingest_p99_ms"] is not None and row["data_groups_per_wall_s"] > 0
+    assert "colocate_error" in out["calibration"] and "async-0_speedup" in out["calibration"]
     assert json.loads((config.home / "results.json").read_text())["rows"][0]["mode"] == "colocate"
+    assert plot_twin(out, tmp_path / "twin.png").stat().st_size > 10_000
+
+
+def test_layouts_scale_engines_and_trainer_together() -> None:
+    one = layout(8, "colocate")
+    assert (one.engines, one.trainer_gpus, one.processes, one.replicas) == (8, 8, 1, 8)
+    eight = layout(64, "async-1")
+    assert (eight.engines, eight.trainer_gpus, eight.processes, eight.replicas) == (32, 32, 8, 4)
+    small = layout(2, "async-1")  # under a node: an engine process each
+    assert (small.engines, small.trainer_gpus, small.processes, small.replicas) == (1, 1, 1, 1)
+    assert parse_mode("colocate") == (True, None, False)
+    assert parse_mode("async-0") == (False, 0, False) and parse_mode("partial-2") == (False, 2, True)
+    with pytest.raises(ValueError, match="unknown twin mode"):
+        parse_mode("async-x")
+
+
+def test_the_cost_model_alone_gives_a_colocate_step(tmp_path: Path) -> None:
+    """No stack: generation as long as the busiest engine's simulated time, then the trainer's costs."""
+    profile = _short_profile(tmp_path / "short.yaml")
+    out = cost_model_step(profile, 4, prompts=4, n=4, steps=3)
+    trainer = yaml.safe_load(profile.read_text())["trainer"]
+    engine = yaml.safe_load(profile.read_text())["constants"]
+    swap = sum(engine[k]["value"] for k in ("sleep_s", "wake_s")) + sum(
+        trainer[k]["value"] for k in ("onload_s", "offload_s")
+    )
+    fixed = swap + trainer["optimizer_step_s"]["value"] + trainer["weight_sync_broadcast_s"]["value"]
+    assert out["fixed_s"] == pytest.approx(fixed + engine["weight_update_s"]["value"])
+    train = out["tokens_per_step"] / (4 * trainer["train_tokens_per_gpu_s"]["value"])
+    assert out["s_per_step"] == pytest.approx(out["generation_s"] + out["fixed_s"] + train)
+    assert 0 < out["generation_s"] < 128 * 0.05  # at most 128 decode steps of a small batch
+    with pytest.raises(ValueError, match="colocate"):
+        cost_model_step(profile, 4, "async-1")
+
+
+def test_the_data_roles_load_is_read_from_its_metrics() -> None:
+    text = "\n".join(
+        [
+            "# TYPE weir_http_request_seconds histogram",
+            *(
+                f'weir_http_request_seconds_bucket{{le="{le}",route="/v1/experience"}} {count}'
+                for le, count in (("0.05", 90), ("0.1", 98), ("0.25", 100), ("+Inf", 100))
+            ),
+            'weir_http_request_seconds_count{route="/v1/experience"} 100',
+            'weir_http_request_seconds_sum{route="/v1/experience"} 3.0',
+            "# TYPE weir_data_groups_stored counter",
+            "weir_data_groups_stored_total 100",
+        ]
+    )
+    load = data_role_load(text + "\n")
+    assert load["groups"] == 100 and load["ingest_requests"] == 100
+    assert load["ingest_p99_ms"] == pytest.approx(250.0)  # the bucket the 99th request falls in
+    assert load["ack_requests"] == 0 and load["ack_p99_ms"] is None
 
 
 def test_control_plane_share_from_two_compressions() -> None:
@@ -71,25 +142,35 @@ def test_control_plane_share_from_two_compressions() -> None:
     found = control_plane(runs[0], runs[1])
     assert found["gpu_sim_s"] == pytest.approx(gpu) and found["plane_wall_s"] == pytest.approx(plane)
     assert found["plane_share_high"] == pytest.approx(0.5 / 4.5) and found["moved"] > 0.05
+    third = {"mode": "colocate", "compression": 20.0, "wall_s_per_step": gpu / 20 + plane + 0.3}
+    third["sim_s_per_step"] = third["wall_s_per_step"] * 20
+    fitted = control_plane(runs[1], third, runs[0])  # least squares over three factors, any order
+    assert fitted["gpu_sim_s"] == pytest.approx(gpu, rel=0.05) and fitted["plane_wall_s"] == pytest.approx(0.6, abs=0.1)
 
 
 def test_speedups_are_over_colocate_at_the_same_compression() -> None:
     results: list[dict[str, Any]] = [
-        {"mode": "colocate", "compression": 10.0, "sim_s_per_step": 200.0},
-        {"mode": "async-1", "compression": 10.0, "sim_s_per_step": 100.0},
-        {"mode": "async-1", "compression": 50.0, "sim_s_per_step": 120.0},
+        {"mode": "colocate", "compression": 10.0, "sim_s_per_step": 200.0, "gpus": 8, "tokens_per_s_per_gpu": 100.0},
+        {"mode": "async-1", "compression": 10.0, "sim_s_per_step": 100.0, "gpus": 8, "tokens_per_s_per_gpu": 200.0},
+        {"mode": "async-1", "compression": 50.0, "sim_s_per_step": 120.0, "gpus": 8, "tokens_per_s_per_gpu": 170.0},
+        {"mode": "async-1", "compression": 10.0, "sim_s_per_step": 110.0, "gpus": 32, "tokens_per_s_per_gpu": 180.0},
     ]
-    assert [r["speedup"] for r in twin_table(results)] == [1.0, 2.0, None]
+    rows = twin_table(results)
+    assert [r["speedup"] for r in rows] == [1.0, 2.0, None, None]  # no colocate at 32 GPUs, nor at 50x
+    assert [r["linearity"] for r in rows] == [None, 1.0, None, pytest.approx(0.9)]  # vs the mode's fewest GPUs
 
 
 def test_prompts_scale_and_the_cli_parses() -> None:
     assert TwinConfig(gpus=16).prompts_for_step() == 32 and TwinConfig(gpus=2).prompts_for_step() == 4
+    assert TwinConfig(nodes=(1, 4)).gpu_counts() == [8, 32] and TwinConfig().prompts_for_step(64) == 128
     rows = dapo_like_rows(3)
     assert len({r["messages"][0]["content"] for r in rows}) == 3 and all(
         "Answer:" in r["messages"][0]["content"] for r in rows
     )
     args = build_parser().parse_args(["twin", "--gpus", "2", "--compression", "10", "50", "--modes", "colocate"])
     assert args.gpus == 2 and args.compression == [10.0, 50.0] and args.modes == ["colocate"]
+    args = build_parser().parse_args(["twin", "--nodes", "1", "2", "4", "8", "--modes", "async-0", "partial-1"])
+    assert args.nodes == [1, 2, 4, 8] and args.gpus_per_node == 8 and args.modes == ["async-0", "partial-1"]
 
 
 def _constants(**overrides: Any) -> dict[str, Any]:

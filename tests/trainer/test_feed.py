@@ -154,3 +154,22 @@ def test_an_ack_answered_5xx_is_retried_then_raised() -> None:
     with pytest.raises(httpx.HTTPStatusError, match="500"):  # a data role that stays broken: raised in the end
         feed.ack("b2", retry_s=0.2)
     feed.close()
+
+
+def test_pack_routed_experts_aligned_with_tokens() -> None:
+    """R3: the routed_experts column packs as (T, layers × top_k) int32; a sequence stored without routing
+    gets -1 rows (its tokens route freely); a batch without any has no such tensor."""
+    columns = {
+        "input_ids": [[1, 2, 3], [4, 5]],
+        "loss_mask": [[0, 1, 1], [0, 1]],
+        "rollout_logprobs": [[0, -1, -2], [0, -3]],
+        "advantage": [0.5, -0.5],
+        "reward": [1.0, 0.0],
+        "policy_version": [2, 3],
+    }
+    routed = pa.array([[], [1, 2, 3, 4, -1, -1, -1, -1]], pa.list_(pa.int16()))
+    t = pack(pa.table({**columns, "routed_experts": routed}))
+    assert t["routed_experts"].dtype == torch.int32
+    assert t["routed_experts"].tolist() == [[-1] * 4] * 3 + [[1, 2, 3, 4], [-1] * 4]
+    none = pa.array([[], []], pa.list_(pa.int16()))
+    assert "routed_experts" not in pack(pa.table({**columns, "routed_experts": none}))

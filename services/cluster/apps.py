@@ -1,0 +1,148 @@
+"""Serve applications from the role table: one application per role, each the role's FastAPI app.
+
+`role_app` is a Serve *application builder* (it takes the arguments of a Serve config file's ``args``),
+so the same function serves ``weir up --ray`` (`services.cluster.stack`) and a config file that users
+edit and deploy with ``serve deploy`` (`serve_config` writes one)::
+
+    applications:
+      - name: engine
+        route_prefix: /engine
+        import_path: services.cluster.apps:role_app
+        args: {role: engine, replicas: 2, resources: {GPU: 1}, env: {WEIR_MODEL: /models/tiny}}
+
+Placement, per role (`default_placement`):
+
+* engines ask for a GPU each (``resources`` in tests: a custom resource standing in for one);
+* preprocess and encoder run one replica on every node that has engines (nodes marked with the
+  ``weir_engine_node`` resource; a sliver of it per replica, at most one replica per node), so each
+  node's caches sit next to its engines;
+* the data role is one replica pinned to the node holding its durable directory (a custom resource
+  only that node has: ``weir_data``), so a restart finds its directory again;
+* the rollout role is one replica anywhere (it keeps groups in flight in memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..roles import ROLES
+
+__all__ = [
+    "DATA_RESOURCE",
+    "HEALTH_CHECK_PERIOD_S",
+    "ENGINE_NODE_RESOURCE",
+    "ENGINE_RESOURCE",
+    "Placement",
+    "default_placement",
+    "role_app",
+    "serve_config",
+]
+
+HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default is 10 s: a dead engine would take requests for longer
+DATA_RESOURCE = "weir_data"  # the node holding the data role's directory has one
+ENGINE_RESOURCE = "weir_engine"  # one per engine slot, on nodes without GPUs (tests, CPU clusters)
+ENGINE_NODE_RESOURCE = "weir_engine_node"  # 1 on every node that hosts engines
+_NODE_SHARE = 0.001  # what a per-node replica asks of the marker: "a node with engines", nothing more
+
+
+@dataclass(slots=True)
+class Placement:
+    replicas: int = 1
+    resources: dict[str, float] = field(default_factory=dict)
+    num_gpus: float = 0.0
+    max_replicas_per_node: int | None = None
+    autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config (engines)
+
+    def as_args(self) -> dict[str, Any]:
+        args: dict[str, Any] = {"replicas": self.replicas, "resources": dict(self.resources), "num_gpus": self.num_gpus}
+        if self.max_replicas_per_node is not None:
+            args["max_replicas_per_node"] = self.max_replicas_per_node
+        if self.autoscaling is not None:
+            args["autoscaling"] = dict(self.autoscaling)
+        return args
+
+
+def default_placement(role: str, *, engines: int, engine_nodes: int, use_gpus: bool) -> Placement:
+    """Where ``role``'s replicas go on a cluster with ``engine_nodes`` nodes that host ``engines`` engines."""
+    engine_slot = {} if use_gpus else {ENGINE_RESOURCE: 1.0}
+    if role == "engine":
+        return Placement(engines, engine_slot, num_gpus=1.0 if use_gpus else 0.0)
+    if role in ("preprocess", "encoder"):
+        return Placement(max(1, engine_nodes), {ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1)
+    if role == "data":
+        return Placement(1, {DATA_RESOURCE: 1.0})
+    return Placement(1)
+
+
+def role_app(args: dict[str, Any]) -> Any:
+    """The Serve application of one role (a Serve application builder: ``import_path: services.cluster.apps:role_app``).
+
+    ``args``: ``role`` (a name in the role table), ``env`` (its ``WEIR_*`` settings), ``replicas``,
+    ``resources`` (custom Ray resources per replica), ``num_gpus``, ``max_replicas_per_node``,
+    ``autoscaling`` (Serve's ``autoscaling_config``, instead of a fixed ``replicas``).
+    """
+    from ray import serve
+
+    from .replica import RoleReplica
+
+    role = str(args["role"])
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
+    options: dict[str, Any] = {
+        "name": role,
+        "ray_actor_options": {
+            "num_cpus": 0,  # the roles' work is I/O or a model sharing the node's cores; GPUs are what is placed
+            "num_gpus": float(args.get("num_gpus", 0.0)),
+            "resources": dict(args.get("resources") or {}),
+        },
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": 30.0,
+        "graceful_shutdown_timeout_s": 20.0,
+        "max_ongoing_requests": 1024,  # the roles bound their own work (admission, 429s); Serve must not queue first
+    }
+    if args.get("autoscaling"):
+        options["autoscaling_config"] = dict(args["autoscaling"])
+    else:
+        options["num_replicas"] = int(args.get("replicas", 1))
+    if args.get("max_replicas_per_node"):
+        options["max_replicas_per_node"] = int(args["max_replicas_per_node"])
+    env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
+    deployment = serve.deployment(**options)(serve.ingress()(RoleReplica))
+    # Serve replaces every replica when a deployment's version changes, and otherwise applies a new replica
+    # count in place; an imperative `serve.run` gets a random version each time unless one is given. Ours is
+    # what the replicas run (Weir's version, the role, its settings, its resources), not how many there are,
+    # so `weir engines add` starts engines without restarting the running ones. (`_internal`: Serve's own
+    # way to pass it, the same its config deploys use.)
+    deployment = deployment.options(version=_code_version(role, env, options), _internal=True)
+    return deployment.bind(role, env)
+
+
+def _code_version(role: str, env: dict[str, str], options: dict[str, Any]) -> str:
+    from .. import __version__
+
+    placement = {k: v for k, v in options.items() if k not in ("num_replicas", "autoscaling_config")}
+    text = json.dumps([__version__, role, env, placement], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def serve_config(
+    env: dict[str, str], placements: dict[str, Placement], *, host: str = "127.0.0.1", port: int = 8000
+) -> dict[str, Any]:
+    """A Serve config file (``serve deploy FILE``) for the whole stack: one application per role."""
+    return {
+        "proxy_location": "HeadOnly",
+        "http_options": {"host": host, "port": port},
+        "applications": [
+            {
+                "name": role,
+                "route_prefix": f"/{role}",
+                "import_path": "services.cluster.apps:role_app",
+                "args": {"role": role, "env": dict(env), **placements[role].as_args()},
+            }
+            for role in ROLES
+            if role in placements
+        ],
+    }
