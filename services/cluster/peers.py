@@ -69,7 +69,12 @@ class PeerFill:
 
     def __call__(self, key: str) -> bytes | None:
         path = _PATH[self.cache].format(key=key)
-        for peer in self._peers(_OWNER_ROLE[self.cache]):
+        try:
+            peers = self._peers(_OWNER_ROLE[self.cache])
+        except Exception as error:  # noqa: BLE001 - the registry restarting: a miss, not a failed request
+            logger.warning("no peer list for %s %s (%s): a miss", self.cache, key, error)
+            peers = []
+        for peer in peers:
             if peer["node"] == self.node:
                 continue  # this node's own cache already missed
             try:

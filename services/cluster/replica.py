@@ -156,9 +156,13 @@ class RoleReplica:
             raise RuntimeError(f"the {self.role} replica's own address stopped serving")
         check = await self.asgi.state.ready()
         self._ready = bool(check.ready)
-        await registry_handle().announce.remote(
-            self.replica_id, self.role, self.node, self.url, self._ready, self._cache_figures()
-        )
+        try:
+            await registry_handle().announce.remote(
+                self.replica_id, self.role, self.node, self.url, self._ready, self._cache_figures()
+            )
+        except Exception as error:  # noqa: BLE001 - the registry restarting (its node went): renew next time
+            # The replica's health is its role's, not the registry's: failing here would restart every replica.
+            logger.warning("could not renew the registry entry (%s); next health check", error)
         if not check.ready and self.role != "rollout":
             # The rollout role is unready only while no engine is: restarting it would not help.
             raise RuntimeError(f"{self.role} not ready: {check.reason}")

@@ -66,11 +66,15 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 
 def _replicas(role: str) -> list[dict[str, Any]]:
+    """The registry's live entries for ``role`` (none while the registry restarts)."""
     import ray
 
     from services.cluster.registry import registry_handle
 
-    return list(ray.get(registry_handle().replicas.remote(role)))
+    try:
+        return list(ray.get(registry_handle().replicas.remote(role), timeout=10))
+    except (ray.exceptions.RayError, TimeoutError):
+        return []
 
 
 def _replica_pids(role: str) -> list[int]:
@@ -170,7 +174,6 @@ def test_an_engine_that_joins_serves_the_current_weights_before_taking_requests(
     assert len(stack.scale_engines(2)) == 2
 
 
-@pytest.mark.slow  # fails as of this commit: the registry actor can sit on the removed node (see the issue's note)
 def test_removing_a_worker_node_moves_its_engine_to_another_node(cluster: dict[str, Any]) -> None:
     """Last in this module: it takes a node away."""
     client = httpx.Client(headers=cluster["headers"], timeout=120)
