@@ -221,8 +221,9 @@ def run_loop(
             token=token,
             pause_mode="abort" if config.partial_rollouts else "retract",
         )
-        for dead in result["unreachable"]:
-            engines.remove(dead)
+        if config.engines is None:  # a fixed list: a dead engine stays dead, skip it from now on
+            for dead in result["unreachable"]:
+                engines.remove(dead)
 
     def acknowledge(batch_id: str) -> None:
         """`MicroBatchFeed.ack`, tolerating only an expired lease (its samples were delivered again)."""
