@@ -238,7 +238,8 @@ def test_the_serve_config_file_is_valid_for_serve_deploy_and_builds_every_role(t
         role_app({"role": "shell"})
 
 
-@pytest.mark.slow  # a whole training run on the cluster while engines are added, killed and removed
+@pytest.mark.slow  # a whole training run on the cluster while engines are added, killed and removed; its group
+# accounting fails as of this commit (331 finished vs 299 stored + 0 dropped in one run): see the cluster issue's note
 def test_a_run_trains_through_scaling_and_an_engine_sigkill_with_exact_accounting(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
