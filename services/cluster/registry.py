@@ -22,7 +22,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-__all__ = ["NAME", "NAMESPACE", "STALE_AFTER_S", "Registry", "ReplicaEntry", "registry_handle"]
+__all__ = ["NAME", "NAMESPACE", "STALE_AFTER_S", "Registry", "ReplicaEntry", "live_replicas", "registry_handle"]
 
 NAME = "weir-registry"
 NAMESPACE = "weir"
@@ -99,3 +99,10 @@ def registry_handle() -> Any:
     if homes:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(homes[0], soft=True)
     return ray.remote(num_cpus=0, max_restarts=-1)(Registry).options(**options).remote()
+
+
+def live_replicas(role: str, *, ready_only: bool = True) -> list[dict[str, Any]]:
+    """The registry's live entries for ``role`` (a blocking call: not from an event loop)."""
+    import ray
+
+    return list(ray.get(registry_handle().replicas.remote(role, ready_only=ready_only)))

@@ -86,14 +86,7 @@ class RoleReplica:
         """The caches this replica reads but does not serve (so two nodes never ask each other in a loop)
         are filled from other nodes on a miss: an engine's features and embeddings, an encoder's features."""
         from .peers import Cache, PeerFill
-        from .registry import registry_handle
-
-        registry = registry_handle()
-
-        def peers(role: str) -> list[dict[str, Any]]:
-            import ray
-
-            return list(ray.get(registry.replicas.remote(role)))
+        from .registry import live_replicas
 
         state = self.asgi.state.weir
         fills: list[tuple[Any, Cache]]
@@ -104,7 +97,7 @@ class RoleReplica:
         else:
             return
         for store, cache in fills:
-            store.fill = PeerFill(cache, node=self.node, peers=peers, token=self.token)
+            store.fill = PeerFill(cache, node=self.node, peers=live_replicas, token=self.token)
             self.fills.append(store.fill)
             self.stores.append(store)
 

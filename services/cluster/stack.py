@@ -60,9 +60,9 @@ class RayStack:
 
     def engine_urls(self) -> list[str]:
         """The ready engines now (they come and go: ask again before each weight publish)."""
-        import ray
+        from .registry import live_replicas
 
-        return sorted(e["url"] for e in ray.get(registry_handle().replicas.remote("engine")))
+        return sorted(e["url"] for e in live_replicas("engine"))
 
     # -- settings ----------------------------------------------------------------------------
     def role_env(self, model: Path) -> dict[str, str]:
@@ -228,6 +228,3 @@ class RayStack:
             reads = node["hits"] + node["fetched"] + node["unfound"]
             node["hit_rate"] = node["hits"] / reads if reads else 0.0
         return report
-
-    def describe(self) -> dict[str, Any]:
-        return {"urls": self.urls, "placements": {r: p.as_args() for r, p in self.placements.items()}}

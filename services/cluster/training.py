@@ -27,11 +27,9 @@ def cluster_engines() -> list[str]:
     """The engines to publish weights to now: the ready ones and those still joining. A joining engine
     announces itself before it reads the registry's weights, and the trainer records new weights before
     it lists the engines, so each joining engine gets the new version one way or the other."""
-    import ray
+    from .registry import live_replicas
 
-    from .registry import registry_handle
-
-    return sorted(e["url"] for e in ray.get(registry_handle().replicas.remote("engine", ready_only=False)))
+    return sorted(e["url"] for e in live_replicas("engine", ready_only=False))
 
 
 def record_weights(folder: Path, version: int) -> None:
@@ -47,14 +45,11 @@ def trainer_features(home: Path, token: str | None) -> pp.FeatureStore:
     import ray
 
     from .peers import PeerFill
-    from .registry import registry_handle
+    from .registry import live_replicas
 
     node = ray.get_runtime_context().get_node_id()
     store = pp.FeatureStore(home / "nodes" / node[:12] / "cache", 10 << 30)
-    registry = registry_handle()
-    store.fill = PeerFill(
-        "features", node="", peers=lambda role: list(ray.get(registry.replicas.remote(role))), token=token
-    )
+    store.fill = PeerFill("features", node="", peers=live_replicas, token=token)
     return store
 
 
