@@ -17,8 +17,11 @@ Placement, per role (`default_placement`):
   ``weir_engine_node`` resource; a sliver of it per replica, at most one replica per node), so each
   node's caches sit next to its engines;
 * the data role is one replica pinned to the node holding its durable directory (a custom resource
-  only that node has: ``weir_data``), so a restart finds its directory again;
-* the rollout role is one replica anywhere (it keeps groups in flight in memory).
+  only that node has: ``weir_data``; it asks most of it, so two data replicas never share a node), so a
+  restart finds its directory again;
+* the rollout role is one replica (it keeps groups in flight in memory) beside the data role, asking a
+  sliver of the same marker: the data node is the one node a run cannot lose anyway, and a GPU node that
+  goes must not take the rollout role (and every group in flight) with it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ DATA_RESOURCE = "weir_data"  # the node holding the data role's directory has on
 ENGINE_RESOURCE = "weir_engine"  # one per engine slot, on nodes without GPUs (tests, CPU clusters)
 ENGINE_NODE_RESOURCE = "weir_engine_node"  # 1 on every node that hosts engines
 _NODE_SHARE = 0.001  # what a per-node replica asks of the marker: "a node with engines", nothing more
+_DATA_SHARE = 0.99  # the data role's share of its node's marker: one fits, two never do; the rollout role's sliver too
 
 
 @dataclass(slots=True)
@@ -73,7 +77,9 @@ def default_placement(role: str, *, engines: int, engine_nodes: int, use_gpus: b
     if role in ("preprocess", "encoder"):
         return Placement(max(1, engine_nodes), {ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1)
     if role == "data":
-        return Placement(1, {DATA_RESOURCE: 1.0})
+        return Placement(1, {DATA_RESOURCE: _DATA_SHARE})
+    if role == "rollout":
+        return Placement(1, {DATA_RESOURCE: _NODE_SHARE})
     return Placement(1)
 
 

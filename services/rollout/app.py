@@ -203,7 +203,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             budget=body.budget.model_dump(exclude_none=True) if body.budget else None,
             record=body.record,
         )
-        figures.finished(group, time.perf_counter() - start)
+        figures.finished(group, time.perf_counter() - start, recorded=body.record)
         return group
 
     @app.post(

@@ -59,7 +59,10 @@ class RolloutMetrics:
     """The role's own figures (requests and latency by route come from the template)."""
 
     def __init__(self, metrics: RoleMetrics, admission: Admission) -> None:
-        self.groups = metrics.counter("weir_rollout_groups", "Groups finished")
+        self.groups = metrics.counter("weir_rollout_groups", "Groups finished (evaluations included)")
+        # What the data role must account for: stored, or dropped with a reason (`record: false` groups never
+        # reach it, so the finished count alone overstates what went there).
+        self.recorded = metrics.counter("weir_rollout_groups_recorded", "Groups finished and appended to the sink")
         self.samples = metrics.counter("weir_rollout_samples", "Samples finished, by status", ["status"])
         for status in SampleStatus:
             self.samples.labels(status.value)
@@ -81,8 +84,10 @@ class RolloutMetrics:
         inflight_bytes = metrics.gauge("weir_rollout_inflight_bytes", "Request bytes admitted and not finished")
         inflight_bytes.set_function(lambda: admission.bytes)
 
-    def finished(self, group: Group, seconds: float) -> None:
+    def finished(self, group: Group, seconds: float, *, recorded: bool) -> None:
         self.groups.inc()
+        if recorded:
+            self.recorded.inc()
         self.group_seconds.observe(seconds)
         for sample in group.samples:
             self.samples.labels(sample.status.value).inc()

@@ -243,17 +243,29 @@ def test_per_prompt_sampling_and_unrecorded_evaluations(stack) -> None:  # type:
     assert httpx.post(f"{rollout.url}/v1/rollouts", json=bad, timeout=60).status_code == 400
 
 
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name} "))
+
+
 def test_every_role_serves_prometheus_metrics(stack) -> None:  # type: ignore[no-untyped-def]
     test_stack, rollout = stack
-    httpx.post(
-        f"{rollout.url}/v1/rollouts",
-        json={
-            "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 2}],
-            "sampling_params": {"max_new_tokens": 2},
-        },
-        timeout=60,
-    ).raise_for_status()
+    before = httpx.get(f"{rollout.url}/metrics").text
+    for record in (True, False):
+        httpx.post(
+            f"{rollout.url}/v1/rollouts",
+            json={
+                "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 2}],
+                "sampling_params": {"max_new_tokens": 2},
+                "record": record,
+            },
+            timeout=60,
+        ).raise_for_status()
     text = httpx.get(f"{rollout.url}/metrics").text
+    # An evaluation (record: false) is finished but not recorded: what the data role must account for is
+    # the recorded count.
+    assert _counter(text, "weir_rollout_groups_total") - _counter(before, "weir_rollout_groups_total") == 2
+    recorded = "weir_rollout_groups_recorded_total"
+    assert _counter(text, recorded) - _counter(before, recorded) == 1
     assert "weir_rollout_groups_total " in text and 'weir_rollout_samples_total{status="ok"}' in text
     assert "weir_rollout_reward_sum " in text and "weir_rollout_group_seconds_count " in text, [
         line for line in text.splitlines() if "weir_rollout" in line
