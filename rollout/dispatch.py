@@ -86,6 +86,7 @@ class Dispatcher:
         self._key_nodes: OrderedDict[str, str] = OrderedDict()  # media key → node of the engine that last used it
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
+        self._changed = asyncio.Event()  # set when `set_engines` brings a different list
 
     def set_engines(self, urls: list[str], nodes: dict[str, str] | None = None) -> None:
         """The engines from now on (engines joined or left a cluster), with the node of each URL when known.
@@ -95,6 +96,8 @@ class Dispatcher:
         if not urls:
             return
         known = {e.url: e for e in self.engines}
+        if set(known) != {EngineEndpoint.parse(u).url for u in urls}:
+            self._changed.set()
         self.engines = [known.get(e.url, e) for e in map(EngineEndpoint.parse, urls)]
         for engine in self.engines:
             engine.node = (nodes or {}).get(engine.url, engine.node)
@@ -166,7 +169,7 @@ class Dispatcher:
             engine.down_until = time.monotonic() + self.cooldown_s
             if group:
                 self._affinity.pop(group, None)
-            other = self._pick(group, exclude=engine, keys=keys)
+            other = await self._another(engine, group, keys)
             try:
                 result = await attempt(other)
                 self._used(other, keys)
@@ -174,6 +177,18 @@ class Dispatcher:
             except (httpx.RequestError, _EngineFailed) as again:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise EnginesUnavailable(f"two engines failed: {again}") from None
+
+    async def _another(self, failed: EngineEndpoint, group: str | None, keys: list[str]) -> EngineEndpoint:
+        """An engine other than ``failed``. When there is none, wait up to the cool-down for the engine list
+        to change: on a cluster the failed engine's replacement (or an engine that joined a moment ago) is
+        listed within a discovery period, and a sample should not fail for that second."""
+        try:
+            return self._pick(group, exclude=failed, keys=keys)
+        except EnginesUnavailable:
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout=self.cooldown_s)
+            return self._pick(group, exclude=failed, keys=keys)
 
     async def _open(self, engine: EngineEndpoint, body: dict[str, Any]) -> EngineStream:
         engine.outstanding += 1

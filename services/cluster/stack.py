@@ -157,28 +157,37 @@ class RayStack:
 
     def scale_engines(self, count: int, timeout_s: float = 300.0) -> list[str]:
         """Run ``count`` engines (joining ones load the current weights first); the ready engines' URLs."""
-        import ray
-        from ray import serve
-
         from ..settings import SettingsError
 
         if count < 1:
             raise SettingsError("a stack needs at least one engine")
-        registry = registry_handle()
-        deployed = ray.get(registry.app.remote("engine"))
-        if deployed is None or "engine" not in serve.status().applications:
-            raise RuntimeError("no Weir engine application on this cluster: start the stack with `weir up --ray`")
         self.engines = count
-        # The same settings and placement, more or fewer replicas (an explicit count replaces autoscaling).
-        args = {**{k: v for k, v in deployed.items() if k != "autoscaling"}, "replicas": count}
-        ray.get(registry.set_app.remote("engine", args))
-        serve.run(role_app(args), name="engine", route_prefix="/engine", blocking=False)
+        self._redeploy_engines(replicas=count)  # an explicit count replaces autoscaling
         deadline = time.monotonic() + timeout_s
         while len(urls := self.engine_urls()) != count:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(urls)} of {count} engines ready after {timeout_s:.0f} s")
             time.sleep(0.5)
         return urls
+
+    def autoscale_engines(self, autoscaling: dict[str, Any]) -> None:
+        """Let Serve scale the engines from now on (``autoscaling``: `autoscaling.engine_autoscaling`'s config);
+        the running engines stay, and Serve adds or removes them as their load asks."""
+        self._redeploy_engines(autoscaling=dict(autoscaling))
+
+    def _redeploy_engines(self, **change: Any) -> None:
+        """The engine application with its settings and placement as deployed, and a new replica count or
+        autoscaling config (Serve applies either in place: same version, so no running engine restarts)."""
+        import ray
+        from ray import serve
+
+        registry = registry_handle()
+        deployed = ray.get(registry.app.remote("engine"))
+        if deployed is None or "engine" not in serve.status().applications:
+            raise RuntimeError("no Weir engine application on this cluster: start the stack with `weir up --ray`")
+        args = {**{k: v for k, v in deployed.items() if k not in ("autoscaling", "replicas")}, **change}
+        ray.get(registry.set_app.remote("engine", args))
+        serve.run(role_app(args), name="engine", route_prefix="/engine", blocking=False)
 
     def model_folder(self) -> Path:
         from encoders.embedded_model import ensure_model

@@ -87,6 +87,31 @@ def test_a_5xx_is_retried_once_elsewhere_with_the_callers_client() -> None:
     assert not dispatcher.engines[0].available
 
 
+def test_the_only_engine_failing_waits_for_the_list_to_bring_another() -> None:
+    """On a cluster a dead engine's replacement (or one that just joined) is listed within a discovery
+    period: the retry waits for the list to change (up to the cool-down) instead of failing the sample."""
+    engines = Engines(a=lambda _: httpx.Response(503), b=ok)
+    dispatcher = engines.dispatcher(cooldown_s=30.0)
+    dispatcher.set_engines(["http://a"])
+
+    async def run() -> dict[str, object]:
+        async def discovery() -> None:
+            await asyncio.sleep(0.2)
+            dispatcher.set_engines(["http://a", "http://b"])
+
+        found = asyncio.ensure_future(discovery())
+        try:
+            return await dispatcher.generate(body())
+        finally:
+            await found
+
+    assert asyncio.run(run()) == OK
+    assert [host for host, _, _ in engines.seen] == ["a", "b"]
+    alone = Engines(a=lambda _: httpx.Response(503)).dispatcher(cooldown_s=0.2)
+    with pytest.raises(EnginesUnavailable):  # nothing changed within the cool-down: the sample fails
+        asyncio.run(alone.generate(body()))
+
+
 def test_two_failures_are_engines_unavailable() -> None:
     engines = Engines(a=lambda _: httpx.Response(500), b=lambda _: httpx.Response(200, text="not json"))
     with pytest.raises(EnginesUnavailable) as failed:

@@ -25,6 +25,7 @@ from services.twin import (
     parse_mode,
     plot_twin,
     run_twin,
+    summary,
     twin_table,
 )
 
@@ -146,6 +147,25 @@ def test_control_plane_share_from_two_compressions() -> None:
     third["sim_s_per_step"] = third["wall_s_per_step"] * 20
     fitted = control_plane(runs[1], third, runs[0])  # least squares over three factors, any order
     assert fitted["gpu_sim_s"] == pytest.approx(gpu, rel=0.05) and fitted["plane_wall_s"] == pytest.approx(0.6, abs=0.1)
+
+
+def test_linearity_across_sizes_is_by_the_decomposed_gpu_time() -> None:
+    """At each size, two factors give S (simulated GPU s/step); linearity is tokens/s per GPU by S, so the
+    control plane's wall time (here larger at 32 GPUs) does not count against the cluster."""
+    runs: list[dict[str, Any]] = []
+    for gpus, gpu_s, plane, tokens in ((8, 150.0, 1.0, 8e5), (32, 160.0, 6.0, 3.2e6)):
+        for c in (2.0, 4.0):
+            wall = gpu_s / c + plane
+            per_gpu = tokens / wall / c / gpus
+            runs.append(
+                {"mode": "async-1", "gpus": gpus, "compression": c, "wall_s_per_step": wall,
+                 "sim_s_per_step": wall * c, "tokens_per_step": tokens, "tokens_per_s_per_gpu": per_gpu}
+            )  # fmt: skip
+    config = TwinConfig(profile=RELAX, nodes=(1, 4))
+    points = summary(runs, config)["scaling"]["async-1"]
+    assert [p["gpus"] for p in points] == [8, 32]
+    assert points[0]["gpu_sim_s"] == pytest.approx(150.0) and points[1]["gpu_sim_s"] == pytest.approx(160.0)
+    assert points[1]["linearity"] == pytest.approx(150.0 / 160.0)  # 4x the tokens on 4x the GPUs, 160 s not 150
 
 
 def test_speedups_are_over_colocate_at_the_same_compression() -> None:
