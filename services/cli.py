@@ -10,6 +10,7 @@ Commands::
     weir up --ray [--address ADDR] [--serve-port P] [--write-config FILE]
                                    # every role as a Ray Serve application (a local Ray, or a cluster)
     weir engines add|remove N [--address ADDR]   # engines join or leave a running Ray stack
+    weir engines autoscale MIN:MAX[:TARGET]      # … or Serve scales them on what they generate
     weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] [--ray] …
                                    # the RL loop against a stack it starts (or attaches to)
     weir twin [--profile F] [--gpus N | --nodes 1 2 4 8] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
@@ -157,8 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     engines = command("engines", "engines join or leave a running Ray stack (`weir up --ray`)")
-    engines.add_argument("action", choices=("add", "remove"), help="add or remove engines")
-    engines.add_argument("count", type=int, help="how many")
+    engines.add_argument(
+        "action", choices=("add", "remove", "autoscale"), help="add or remove engines, or let Serve scale them"
+    )
+    engines.add_argument("count", help="how many (add, remove); MIN:MAX[:TARGET] running requests each (autoscale)")
     engines.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home (its model, token)")
     engines.add_argument("--address", default="auto", help="the Ray cluster (default: the one running here)")
     engines.add_argument("--serve-port", type=int, default=8000, help="Serve's HTTP port of the stack")
@@ -448,14 +451,24 @@ def _add_ray(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--serve-port", type=int, default=8000, help="with --ray: Serve's HTTP port")
 
 
-def _ray_stack(args: argparse.Namespace) -> RayStack:
+def _autoscaling(spec: str) -> dict[str, Any]:
+    """Serve's autoscaling config for engines from ``MIN:MAX[:TARGET]``."""
     from .cluster.autoscaling import engine_autoscaling
+    from .settings import SettingsError
+
+    try:
+        low, high, *target = (float(x) for x in spec.split(":"))
+        if len(target) > 1:
+            raise ValueError("too many fields")
+        return engine_autoscaling(int(low), int(high), *target)
+    except ValueError as error:
+        raise SettingsError(f"engine autoscaling {spec!r}: give MIN:MAX[:TARGET] ({error})") from None
+
+
+def _ray_stack(args: argparse.Namespace) -> RayStack:
     from .cluster.stack import RayStack
 
-    autoscale = None
-    if getattr(args, "engine_autoscale", None):
-        low, high, *target = (float(x) for x in args.engine_autoscale.split(":"))
-        autoscale = engine_autoscaling(int(low), int(high), *target)
+    autoscale = _autoscaling(args.engine_autoscale) if getattr(args, "engine_autoscale", None) else None
     return RayStack(
         home=args.home,
         model=getattr(args, "model", None),
@@ -509,11 +522,22 @@ def _up_ray(args: argparse.Namespace) -> int:
 
 def _engines(args: argparse.Namespace) -> int:
     from .console import console
+    from .settings import SettingsError
 
     stack = _ray_stack(argparse.Namespace(**{**vars(args), "engines": 1}))
+    if args.action == "autoscale":
+        autoscaling = _autoscaling(args.count)
+        stack.connect()
+        stack.autoscale_engines(autoscaling)
+        console.print(
+            f"Serve scales the engines from now on: {autoscaling['min_replicas']}–{autoscaling['max_replicas']}"
+        )
+        return 0
+    if not args.count.isdigit():
+        raise SettingsError(f"weir engines {args.action}: the count must be a whole number, not {args.count!r}")
     stack.connect()
     now = len(stack.engine_urls())
-    target = now + args.count if args.action == "add" else now - args.count
+    target = now + int(args.count) if args.action == "add" else now - int(args.count)
     urls = stack.scale_engines(target)
     console.print(f"{len(urls)} engines: " + ", ".join(urls))
     return 0

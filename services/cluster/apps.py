@@ -111,6 +111,15 @@ def role_app(args: dict[str, Any]) -> Any:
     }
     if args.get("autoscaling"):
         options["autoscaling_config"] = dict(args["autoscaling"])
+    elif role == "engine":
+        # A fixed count of engines is Weir's policy held at that count (min = max), not ``num_replicas``:
+        # Serve (2.60) starts a replica's metrics pusher only at its start, and only under an autoscaling
+        # config, so engines started as a fixed deployment and switched to autoscaling later (`weir engines
+        # autoscale`) would never report their load, and the policy would never add one.
+        from .autoscaling import engine_autoscaling
+
+        count = int(args.get("replicas", 1))
+        options["autoscaling_config"] = engine_autoscaling(count, count)
     else:
         options["num_replicas"] = int(args.get("replicas", 1))
     if args.get("max_replicas_per_node"):

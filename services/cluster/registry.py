@@ -11,7 +11,9 @@ are interchangeable (preprocess, encoder, data, rollout). Two things need one re
 So every replica also answers on its own address (`services.cluster.replica`) and announces it here,
 with its node, on every Serve health check; an entry not renewed within `STALE_AFTER_S` is gone (a
 replica killed with SIGKILL never says goodbye). The registry also holds the current weights (folder
-and version), so an engine that joins mid-run loads them before it takes requests.
+and version), so an engine that joins mid-run loads them before it takes requests; the trainer sets them
+before each publish, and each engine's renewal says what it serves, so a restarted registry (empty) learns
+them again from the engines instead of waiting for the next publish.
 
 Library code: no HTTP here, and nothing imports Ray at module import (the ``ray`` extra is optional).
 """
@@ -49,9 +51,20 @@ class Registry:
         self._apps: dict[str, dict[str, Any]] = {}
 
     def announce(
-        self, replica: str, role: str, node: str, url: str, ready: bool, caches: dict[str, int] | None = None
+        self,
+        replica: str,
+        role: str,
+        node: str,
+        url: str,
+        ready: bool,
+        caches: dict[str, int] | None = None,
+        weights: dict[str, str] | None = None,
     ) -> None:
+        """A replica's renewal; an engine also says which weights it serves (folder, version), so a registry
+        that restarted (its node went) knows the current weights again within one health check."""
         self._replicas[replica] = ReplicaEntry(replica, role, node, url, ready, time.time(), dict(caches or {}))
+        if weights and str(weights.get("version", "")).isdigit() and weights.get("folder"):
+            self.set_weights(str(weights["folder"]), int(weights["version"]))
 
     def withdraw(self, replica: str) -> None:
         self._replicas.pop(replica, None)

@@ -150,8 +150,9 @@ class RoleReplica:
         check = await self.asgi.state.ready()
         self._ready = bool(check.ready)
         try:
+            weights = dict(self.asgi.state.weir.weights) if self.role == "engine" else None
             await registry_handle().announce.remote(
-                self.replica_id, self.role, self.node, self.url, self._ready, self._cache_figures()
+                self.replica_id, self.role, self.node, self.url, self._ready, self._cache_figures(), weights
             )
         except Exception as error:  # noqa: BLE001 - the registry restarting (its node went): renew next time
             # The replica's health is its role's, not the registry's: failing here would restart every replica.

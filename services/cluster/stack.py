@@ -173,7 +173,11 @@ class RayStack:
     def autoscale_engines(self, autoscaling: dict[str, Any]) -> None:
         """Let Serve scale the engines from now on (``autoscaling``: `autoscaling.engine_autoscaling`'s config);
         the running engines stay, and Serve adds or removes them as their load asks."""
-        self._redeploy_engines(autoscaling=dict(autoscaling))
+        low, high = int(autoscaling["min_replicas"]), int(autoscaling["max_replicas"])
+        # Start from the engines running now (clamped to the bounds), not the config's initial count: a switch
+        # mid-run must not drop engines before the policy has seen their load.
+        running = min(max(len(self.engine_urls()), low), high)
+        self._redeploy_engines(autoscaling={**autoscaling, "initial_replicas": running})
 
     def _redeploy_engines(self, **change: Any) -> None:
         """The engine application with its settings and placement as deployed, and a new replica count or

@@ -386,6 +386,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         version = await _weights_work(engine.update_weights, body.model_path, body.weight_version)
         if isinstance(version, JSONResponse):
             return version
+        role.weights.update(folder=body.model_path, version=str(version))
         return {"success": True, "message": f"weights loaded, version {version}", "num_paused_requests": 0}
 
     @app.post("/init_weights_update_group", tags=["sglang"], response_model=ControlResponse, responses=_WEIGHTS_ERRORS)

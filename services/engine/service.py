@@ -64,6 +64,9 @@ class EngineRole:
     media: MediaResolver
     spec: pp.ProcessorSpec | None = None  # how image_data / video_data / audio_data are processed
     placeholders: dict[str, int] = field(default_factory=dict)  # kind → the model's placeholder token id
+    # The folder and version of the last weights loaded from disk (empty: the model's own). A cluster replica
+    # reports them to the registry, which recovers the current weights from them after a restart.
+    weights: dict[str, str] = field(default_factory=dict)
 
 
 def result_json(

@@ -175,3 +175,18 @@ def test_token_file_is_private_and_kept(
     assert path.read_text().strip() == "chosen-token" and stat.S_IMODE(path.stat().st_mode) == 0o600
     out = capsys.readouterr().out
     assert token not in out and "chosen-token" not in out  # where it is, never what it is
+
+
+def test_weir_engines_refuses_a_bad_count_or_autoscaling_spec_before_reaching_ray(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from services.cli import main
+
+    for argv, wrong in (
+        (["engines", "autoscale", "3"], "MIN:MAX[:TARGET]"),
+        (["engines", "autoscale", "4:2"], "MIN:MAX[:TARGET]"),
+        (["engines", "autoscale", "1:4:8:9"], "too many fields"),
+        (["engines", "add", "two"], "whole number"),
+    ):
+        assert main(argv) == 2, argv
+        assert wrong in capsys.readouterr().err, argv

@@ -185,7 +185,10 @@ def test_serve_scales_engines_up_on_their_load_and_down_after_a_quiet_spell(clus
     from services.cluster.autoscaling import engine_autoscaling
 
     stack, rollout = cluster["stack"], cluster["urls"]["rollout"]
+    running = len(_replicas("engine"))
     stack.autoscale_engines(engine_autoscaling(1, 3, target_running=1, downscale_delay_s=5))
+    time.sleep(3)
+    assert len(_replicas("engine")) == running  # the switch keeps the engines running until their load says
     stop, statuses = threading.Event(), []
 
     def load() -> None:
@@ -277,42 +280,45 @@ def test_the_serve_config_file_is_valid_for_serve_deploy_and_builds_every_role(t
         role_app({"role": "shell"})
 
 
-def test_the_engine_policy_scales_up_at_once_and_down_only_after_a_quiet_spell() -> None:
-    """Serve's custom policy for engines (their load is invisible to Serve: requests reach them directly)."""
+def test_the_engine_policy_asks_for_engines_by_their_load_and_leaves_delays_to_serve() -> None:
+    """Serve's custom policy for engines (their load is invisible to Serve: requests reach them directly).
+    Bounds and the up / down delays are Serve's own, applied around the policy (the config carries them)."""
     from types import SimpleNamespace
+
+    from ray.serve.config import AutoscalingConfig
 
     from services.cluster.autoscaling import METRIC, EnginePolicy, engine_autoscaling
 
-    now = [0.0]
-    policy = EnginePolicy(target_running=4, downscale_delay_s=30.0, clock=lambda: now[0])
+    policy = EnginePolicy(target_running=4)
 
-    def decide(current: int, loads: list[float], state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-        ctx = SimpleNamespace(
-            current_num_replicas=current,
-            aggregated_metrics={METRIC: {f"r{i}": v for i, v in enumerate(loads)}},
-            capacity_adjusted_min_replicas=1,
-            capacity_adjusted_max_replicas=5,
-            policy_state=state,
-        )
-        return policy(ctx)
+    def decide(current: int, loads: list[float] | None) -> int:
+        metrics = {} if loads is None else {METRIC: {f"r{i}": v for i, v in enumerate(loads)}}
+        ctx = SimpleNamespace(current_num_replicas=current, aggregated_metrics=metrics, policy_state={"k": 1})
+        wanted, state = policy(ctx)
+        assert state == {"k": 1}  # Serve's own state (its delay timestamps) passes through untouched
+        return wanted
 
-    assert decide(1, [13.0], {})[0] == 4  # 13 requests / 4 per engine: up at once
-    assert decide(2, [40.0, 40.0], {})[0] == 5  # capped at max
-    state: dict[str, Any] = {}
-    for _ in range(300):  # Serve asks every 0.1 s: 29.9 s of low load is not long enough
-        wanted, state = decide(4, [1.0, 0.0, 0.0, 0.0], state)
-        assert wanted == 4
-        now[0] += 0.1
-    wanted, state = decide(4, [16.0, 0.0, 0.0, 0.0], state)  # a burst: the quiet spell starts again
-    assert wanted == 4 and "low_since" not in state
-    now[0] += 29.0
-    wanted, state = decide(4, [1.0, 0.0, 0.0, 0.0], state)  # low again from here
-    assert wanted == 4
-    now[0] += 30.0
-    assert decide(4, [1.0, 0.0, 0.0, 0.0], state)[0] == 1
-    config = engine_autoscaling(1, 4, 16)
-    from ray.serve.config import AutoscalingConfig
-
-    AutoscalingConfig.model_validate(config)  # what Serve accepts
+    assert decide(1, [13.0]) == 4  # 13 requests / 4 per engine
+    assert decide(4, [1.0, 0.0, 0.0, 0.0]) == 1 and decide(4, [0.0] * 4) == 1  # never below one
+    assert decide(3, None) == 3  # no engine has reported yet: the count stays
+    config = AutoscalingConfig.model_validate(engine_autoscaling(1, 4, 16, downscale_delay_s=45))  # Serve accepts it
+    assert (config.upscale_delay_s, config.downscale_delay_s) == (0.0, 45.0)
+    assert config.policy.policy_function == "services.cluster.autoscaling:EnginePolicy"
     with pytest.raises(ValueError):
         engine_autoscaling(3, 2)
+    with pytest.raises(ValueError):
+        EnginePolicy(target_running=0)
+
+
+def test_a_restarted_registry_learns_the_current_weights_from_the_engines_renewals() -> None:
+    """The registry's class, called as its actor is: a registry restarted empty (its node went) takes the
+    newest weights the engines say they serve, and an older report never replaces a newer one."""
+    from services.cluster.registry import Registry
+
+    registry = Registry()
+    assert registry.weights() is None
+    registry.announce("a", "engine", "n1", "http://a", True, {}, {"folder": "/w/v3", "version": "3"})
+    registry.announce("b", "engine", "n2", "http://b", True, {}, {"folder": "/w/v2", "version": "2"})
+    registry.announce("c", "engine", "n2", "http://c", True, {}, {})  # still the model's own weights
+    registry.announce("d", "engine", "n2", "http://d", True, {}, {"folder": "/w/x", "version": "default"})
+    assert registry.weights() == {"folder": "/w/v3", "version": 3}
