@@ -785,9 +785,10 @@ class SimEngine:
     ``replicas``, default 1). One replica is one engine (one GPU at TP=1); several in one process stand for
     several engines behind one URL — a twin's node — so a 2-core host serves hundreds of them. A request
     goes to the replica already serving its prompt (the samples of a group stay on one engine, as with
-    SGLang's ``n``), else to the least loaded; pause, continue, weight updates and memory release reach
-    every replica at once (each takes its own time, in parallel). ``busy_s`` is the replicas' mean, so the
-    idle share is theirs; ``stats`` is the one replica's (several: their sums, with replica 0's steps)."""
+    SGLang's ``n``), else to the one with the fewest prompts open (then the fewest requests); pause,
+    continue, weight updates and memory release reach every replica at once (each takes its own time, in
+    parallel). ``busy_s`` is the replicas' mean, so the idle share is theirs; ``stats`` is the one replica's
+    (several: their sums, with replica 0's steps)."""
 
     def __init__(
         self,
@@ -818,7 +819,8 @@ class SimEngine:
         self.started = first.started
         self._lock = threading.Lock()
         self._owner: dict[str, SimReplica] = {}  # rid → the replica serving it
-        self._affinity: dict[int, SimReplica] = {}  # prompt digest → its replica (recent prompts)
+        self._affinity: dict[int, SimReplica] = {}  # prompt digest → its replica, while it has requests open
+        self._open: dict[int, int] = {}  # prompt digest → its requests not finished
 
     @property
     def stats(self) -> SimStats:
@@ -873,19 +875,28 @@ class SimEngine:
         with self._lock:
             replica = self._affinity.get(key)
             if replica is None:
-                replica = min(self.replicas, key=lambda r: r.running + len(r._waiting))
-                if len(self._affinity) >= STEP_LOG:
-                    self._affinity.pop(next(iter(self._affinity)))
+                # The replica with the fewest prompts open, then the fewest requests: a group's samples arrive
+                # one by one, so counting requests alone would put a second group on a replica whose first
+                # group is still arriving while another replica sits empty (a busiest replica that ends the step
+                # later than the node's engines would, each taking its share of the groups).
+                groups = {id(r): 0 for r in self.replicas}
+                for open_key, owner in self._affinity.items():
+                    groups[id(owner)] += 1 if self._open.get(open_key) else 0
+                replica = min(self.replicas, key=lambda r: (groups[id(r)], r.running + len(r._waiting)))
                 self._affinity[key] = replica
+            self._open[key] = self._open.get(key, 0) + 1
             self._owner[rid] = replica
         future = replica.submit(request, on_token, seed=seed)
-        future.add_done_callback(lambda _: self._forget(rid, replica))
+        future.add_done_callback(lambda _: self._forget(rid, replica, key))
         return future
 
-    def _forget(self, rid: str, replica: SimReplica) -> None:
+    def _forget(self, rid: str, replica: SimReplica, key: int) -> None:
         with self._lock:
             if self._owner.get(rid) is replica:
                 del self._owner[rid]
+            self._open[key] -= 1
+            if not self._open[key]:
+                del self._open[key], self._affinity[key]
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)

@@ -331,6 +331,26 @@ def test_replicas_keep_a_prompts_samples_together_and_update_at_once() -> None:
         profile(replicas=0)
 
 
+def test_groups_arriving_interleaved_are_spread_one_per_replica() -> None:
+    """The samples of 8 groups arrive interleaved (the first of each, then the rest, as a rollout role sends
+    them concurrently): each replica still gets one group — not a second group on a replica whose first group
+    is still arriving while another replica is empty."""
+    engine = SimEngine(profile(compression=1000.0), replicas=8)
+    try:
+        engine.pause("in_place")
+        order = [(0, 0), (1, 0), (0, 1), (2, 0), (1, 1), (0, 2), (3, 0), (2, 1), (4, 0), (5, 0), (6, 0), (7, 0)]
+        order += [(g, i) for g in range(8) for i in range(4) if (g, i) not in order]  # 8 groups x 4 samples
+        futures = [engine.submit(request(f"g{g}-{i}", prompt=5 + g, seed=i)) for g, i in order]
+        owners = {g: {id(engine._owner[f"g{g}-{i}"]) for gg, i in order if gg == g} for g in range(8)}
+        assert all(len(o) == 1 for o in owners.values())  # a group stays on one replica
+        assert len({next(iter(o)) for o in owners.values()}) == 8  # and every replica has one
+        engine.resume()
+        assert all(f.result(30).completion_tokens > 0 for f in futures)
+        assert not engine._open and not engine._affinity  # finished prompts hold no replica
+    finally:
+        engine.close()
+
+
 def test_load_engine_builds_a_sim_engine() -> None:
     engine = load_engine("unused", backend="sim", profile=RELAX, compression=1e6)
     try:

@@ -211,9 +211,9 @@ def test_serve_scales_engines_up_on_their_load_and_down_after_a_quiet_spell(clus
     assert len(stack.scale_engines(2)) == 2  # an explicit count again, for the tests after this one
 
 
-@pytest.mark.slow  # flaky in the full suite: a request right after may get 503 while a replica from there restarts
+@pytest.mark.slow  # a node goes and its engines are placed again: minutes on this host (the rollout role now stays put)
 def test_removing_a_worker_node_moves_its_engine_to_another_node(cluster: dict[str, Any]) -> None:
-    """Last in this module: it takes a node away."""
+    """It takes a node away for good: the tests after it run on the head and the other worker."""
     client = httpx.Client(headers=cluster["headers"], timeout=120)
     rollout = cluster["urls"]["rollout"]
     hosting = [e["node"] for e in _replicas("engine")]

@@ -149,6 +149,19 @@ def test_control_plane_share_from_two_compressions() -> None:
     assert fitted["gpu_sim_s"] == pytest.approx(gpu, rel=0.05) and fitted["plane_wall_s"] == pytest.approx(0.6, abs=0.1)
 
 
+def test_the_decomposition_is_per_token_when_two_runs_trained_different_work() -> None:
+    """Two factors whose steps happened to hold 10 % different tokens: per step the simulated time moved 10 %,
+    per token not at all (no control plane) — GPU-bound, and S is per step of the runs' mean tokens."""
+    runs = [
+        {"mode": "async-1", "compression": c, "tokens_per_step": t, "wall_s_per_step": 1e-4 * t / c,
+         "sim_s_per_step": 1e-4 * t}
+        for c, t in ((2.0, 1.0e6), (4.0, 1.1e6))
+    ]  # fmt: skip
+    found = control_plane(*runs)
+    assert found["moved"] == pytest.approx(0.1) and found["moved_per_token"] == pytest.approx(0.0, abs=1e-9)
+    assert found["gpu_sim_s"] == pytest.approx(105.0) and found["plane_wall_s"] == pytest.approx(0.0, abs=1e-9)
+
+
 def test_linearity_across_sizes_is_by_the_decomposed_gpu_time() -> None:
     """At each size, two factors give S (simulated GPU s/step); linearity is tokens/s per GPU by S, so the
     control plane's wall time (here larger at 32 GPUs) does not count against the cluster."""
