@@ -87,6 +87,7 @@ class Dispatcher:
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
         self._changed = asyncio.Event()  # set when `set_engines` brings a different list
+        self._discovered = False  # the list comes from discovery (`set_engines`): it may bring another engine
 
     def set_engines(self, urls: list[str], nodes: dict[str, str] | None = None) -> None:
         """The engines from now on (engines joined or left a cluster), with the node of each URL when known.
@@ -95,6 +96,7 @@ class Dispatcher:
         registry may be restarting)."""
         if not urls:
             return
+        self._discovered = True
         known = {e.url: e for e in self.engines}
         if set(known) != {EngineEndpoint.parse(u).url for u in urls}:
             self._changed.set()
@@ -179,12 +181,15 @@ class Dispatcher:
                 raise EnginesUnavailable(f"two engines failed: {again}") from None
 
     async def _another(self, failed: EngineEndpoint, group: str | None, keys: list[str]) -> EngineEndpoint:
-        """An engine other than ``failed``. When there is none, wait up to the cool-down for the engine list
-        to change: on a cluster the failed engine's replacement (or an engine that joined a moment ago) is
-        listed within a discovery period, and a sample should not fail for that second."""
+        """An engine other than ``failed``. When there is none and the engines are discovered (a cluster), wait
+        up to the cool-down for the list to change: the failed engine's replacement (or an engine that joined a
+        moment ago) is listed within a discovery period, and a sample should not fail for that second. A fixed
+        list never changes: no wait."""
         try:
             return self._pick(group, exclude=failed, keys=keys)
         except EnginesUnavailable:
+            if not self._discovered:
+                raise
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), timeout=self.cooldown_s)

@@ -108,8 +108,12 @@ def test_the_only_engine_failing_waits_for_the_list_to_bring_another() -> None:
     assert asyncio.run(run()) == OK
     assert [host for host, _, _ in engines.seen] == ["a", "b"]
     alone = Engines(a=lambda _: httpx.Response(503)).dispatcher(cooldown_s=0.2)
+    alone.set_engines(["http://a"])
     with pytest.raises(EnginesUnavailable):  # nothing changed within the cool-down: the sample fails
         asyncio.run(alone.generate(body()))
+    fixed = Engines(a=lambda _: httpx.Response(503)).dispatcher(cooldown_s=60.0)
+    with pytest.raises(EnginesUnavailable):  # a fixed list (`weir up`) never changes: it fails at once, no wait
+        asyncio.run(asyncio.wait_for(fixed.generate(body()), timeout=10))
 
 
 def test_two_failures_are_engines_unavailable() -> None:
