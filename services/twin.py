@@ -519,13 +519,13 @@ def summary(results: list[dict[str, Any]], config: TwinConfig) -> dict[str, Any]
     return {
         "rows": rows,
         "control_plane": findings,
-        "scaling": scaling(runs, findings),
+        "scaling": scaling(runs),
         "calibration": calibration,
         "relax": RELAX,
     }
 
 
-def scaling(runs: dict[tuple[str, int], list[dict[str, Any]]], findings: dict[str, Any]) -> dict[str, Any]:
+def scaling(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[str, Any]:
     """Per mode run at two or more sizes: each size's simulated GPU time per step, tokens/s per GPU by it, and
     linearity against the smallest size — the figure next to StaleSync's 91 %.
 
