@@ -880,8 +880,8 @@ class SimEngine:
                 # group is still arriving while another replica sits empty (a busiest replica that ends the step
                 # later than the node's engines would, each taking its share of the groups).
                 groups = {id(r): 0 for r in self.replicas}
-                for open_key, owner in self._affinity.items():
-                    groups[id(owner)] += 1 if self._open.get(open_key) else 0
+                for owner in self._affinity.values():  # only prompts with requests open are kept there
+                    groups[id(owner)] += 1
                 replica = min(self.replicas, key=lambda r: (groups[id(r)], r.running + len(r._waiting)))
                 self._affinity[key] = replica
             self._open[key] = self._open.get(key, 0) + 1
