@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean gpu-check
+.PHONY: run test lint bench clean gpu-check sglang-check extras-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,26 @@ run: $(STAMP)
 	$(BIN)/weir demo --out .weir/demo
 	$(BIN)/weir train --demo
 
-test: $(STAMP)
+test: $(STAMP) extras-check
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# Every extra must stay installable: pip resolves each from package metadata alone (no wheels, no GPU).
+extras-check: $(STAMP)
+	$(BIN)/python tests/check_extras.py
+
+# SGLang's own request and argument classes against what Weir sends (CPU; sglang imports without a GPU).
+# The first run builds .venv-sglang (about 11 GB, some minutes); later runs reuse it.
+SGLANG_VENV := .venv-sglang
+$(SGLANG_VENV)/.installed: pyproject.toml
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install --quiet --upgrade pip
+	$(SGLANG_VENV)/bin/pip install --quiet -e '.[sglang]' 'pytest>=8.0'
+	touch $@
+
+sglang-check: $(SGLANG_VENV)/.installed
+	$(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu' tests/engines/test_sglang_backend.py tests/engines/test_sglang_installed.py
 
 # Every `gpu`-marked check, on a machine with a CUDA GPU (one verdict line per check; see tests/gpu/run.sh).
 gpu-check:

@@ -7,6 +7,7 @@ a profile file (`engines.sim_backend.SimProfile`) gives its vocabulary, context 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +29,7 @@ def load_engine(
     compression: float | None = None,
     weights_group_timeout_s: float | None = None,
     routed_experts: bool = False,
+    server_args: Mapping[str, Any] | None = None,
 ) -> Engine:
     """The engine for ``model`` (a Qwen model folder with ``config.json``).
 
@@ -43,7 +45,11 @@ def load_engine(
 
     ``routed_experts`` (MoE models, R3): SGLang is started with ``enable_return_routed_experts`` — its
     server switch, without which it cannot answer a request's ``return_routed_experts``. The transformers
-    backend needs no switch (it records the routes of any request that asks)."""
+    backend needs no switch (it records the routes of any request that asks).
+
+    ``server_args`` (SGLang only): any of SGLang's `ServerArgs` fields by name (`engines.sglang_args`), checked
+    against the installed SGLang; ``device``, ``max_running`` and ``routed_experts`` are server arguments too,
+    and giving one both ways with different values is refused."""
     if backend == "transformers":
         from .transformers_backend import TransformersEngine
         from .weights_group import WEIGHTS_GROUP_TIMEOUT_S
@@ -55,16 +61,21 @@ def load_engine(
             weights_group_timeout_s=weights_group_timeout_s or WEIGHTS_GROUP_TIMEOUT_S,
         )
     if backend == "sglang":
+        from .sglang_args import SETTINGS, check_server_args, server_arg_fields
         from .sglang_backend import SGLangEngine
 
-        args: dict[str, Any] = {}
-        if device is not None:
-            args["device"] = device
-        if max_running is not None:
-            args["max_running_requests"] = max_running
-        if routed_experts:
-            args["enable_return_routed_experts"] = True
-        return SGLangEngine(model, **args)
+        args = check_server_args(server_args or {}, server_arg_fields())
+        for name, value in (
+            ("device", device),
+            ("max_running_requests", max_running),
+            ("enable_return_routed_experts", True if routed_experts else None),
+        ):
+            if value is None:
+                continue
+            if name in args and args[name] != value:
+                raise ValueError(f"SGLang server argument {name}={args[name]!r} contradicts {SETTINGS[name]}={value!r}")
+            args[name] = value
+        return SGLangEngine(model, server_args=args)
     if backend == "sim":
         from .sim_backend import SimEngine
 

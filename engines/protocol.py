@@ -32,6 +32,9 @@ import preprocess as pp
 from .errors import InvalidSampling
 
 __all__ = [
+    "ABORT_BEFORE_PREFILL",
+    "ABORT_BY_REQUEST",
+    "ABORT_PAUSED",
     "PAUSE_MODES",
     "Engine",
     "GenerateRequest",
@@ -47,6 +50,14 @@ __all__ = [
 
 PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
+
+# The ``message`` of an abort's finish_reason ``{"type": "abort", "message": ...}`` says its cause, the same
+# in every backend, so a caller can tell an abort it may continue (a pause in ``abort`` mode: a weight
+# update) from one it must not (a client's /abort_request, the engine closing). SGLang's own message of
+# older versions for a request a pause caught before it started is kept ("Abort before prefill").
+ABORT_PAUSED = "paused (abort mode)"
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+ABORT_BY_REQUEST = "aborted by request"
 
 TopLogprobs = list[tuple[float, int]]
 """The ``top_logprobs_num`` most likely tokens at one position, most likely first: ``(logprob, token_id)``."""

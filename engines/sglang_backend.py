@@ -1,30 +1,52 @@
-"""`SGLangEngine`: the engine protocol on SGLang's in-process `sglang.Engine` (GPU only).
+"""`SGLangEngine`: the engine protocol on SGLang's in-process `sglang.Engine` (GPU), on one owned event loop.
 
-SGLang's HTTP API refuses tensors (0.5.22+ rejects ``format`` dicts in MediaRef), so multimodal
-inputs are passed in process: per modality **one** dict per request, either
-``{"format": "processor_output", ...}`` with the Hugging Face processor keys (Weir's features are
-exactly those tensors) or ``{"format": "precomputed_embedding", "precomputed_embeddings": ...}``
-with the encoder role's embeddings plus the grids, together with ``input_ids`` whose placeholders
-are already expanded. `build_request` is pure and unit-tested on CPU; the engine itself runs only
-where a GPU and the ``sglang`` extra exist (tests marked ``gpu``).
+**Loop rules** (read from sglang 0.5.23, ``srt/entrypoints/engine.py`` and ``srt/managers/tokenizer_manager.py``;
+``tests/engines/sglang_standin.py`` keeps them in ``make test``, ``make sglang-check`` confirms them on the
+installed package): ``Engine.__init__`` keeps the thread's loop, and every sync method is
+``run_until_complete`` on it, so two sync calls at once from two threads fail ("This event loop is already
+running"); the tokenizer manager receives every scheduler output on the loop of its first request, so an
+``await`` from another loop never sees its results. This backend therefore builds the Engine on one thread
+of its own (`engines.sglang_loop.EngineLoop`), whose loop runs for the engine's life, and hands that loop every
+call as a coroutine: generation (``Engine.async_generate``, streamed when a caller wants each token),
+pause and continue with their modes, weight updates (from disk, from tensors, from a distributed group, and
+the group itself), abort and flush (the tokenizer manager's coroutines that the Engine's sync methods wrap,
+with SGLang's request records from ``sglang.srt.managers.io_struct``). Nothing on Weir's side serialises
+requests: whatever is in flight is SGLang's scheduler's to batch.
 
-Every `SamplingParams` field is passed on under SGLang's own name (penalties, ``min_p``, ``logit_bias``
-with string keys, the detokenizer options, the grammar of ``json_schema`` / ``regex`` / ``ebnf`` as
-given, which SGLang compiles with its own grammar backend), and so are ``logprob_start_len`` / ``top_logprobs_num``;
-the pause mode goes to SGLang's ``pause_generation`` when its signature takes one.
+**Inputs.** SGLang's HTTP API refuses tensors (0.5.22+ rejects ``format`` dicts in MediaRef), so multimodal
+inputs are passed in process: per modality **one** dict per request, either ``{"format": "processor_output",
+...}`` with the Hugging Face processor keys (Weir's features are exactly those tensors) or ``{"format":
+"precomputed_embedding", "precomputed_embeddings": ...}`` with the encoder role's embeddings plus the grids,
+together with ``input_ids`` whose placeholders are already expanded. Every `SamplingParams` field is passed
+on under SGLang's own name (penalties, ``min_p``, ``logit_bias`` with string keys, the detokenizer options,
+the grammar of ``json_schema`` / ``regex`` / ``ebnf`` as given), and so are ``logprob_start_len`` /
+``top_logprobs_num``. `build_request` and `result_from` are pure, and tested on CPU.
 
-What this backend does not do: per-token callbacks (``on_token`` is not called; a stream gets the
-final result only), and its ``busy_s`` counts the time any request was in flight, not forward steps
-(SGLang keeps its own scheduler metrics behind ``--enable-metrics``).
+**Streaming.** With ``on_token`` the request is streamed: SGLang's chunks are cumulative (its intermediate
+chunks even hand over its own live ``output_ids`` list), so each chunk's tokens past those already reported
+go to ``on_token`` — with their top log-probs, and the prompt's log-probs on the first, for a `StepCallback`.
+Chunks may coalesce several tokens (SGLang keeps only the latest undelivered one); none is skipped.
+
+**Aborts.** SGLang answers an aborted request with the output so far and its own message ("Aborted" for a
+running request, "Abort in waiting queue" for a queued one). This backend knows why it aborted one and says
+so as every Weir backend does (`engines.protocol.ABORT_PAUSED` for a pause in ``abort`` mode —
+``ABORT_BEFORE_PREFILL`` when nothing was generated — and ``ABORT_BY_REQUEST`` for a client's abort), so a
+partial rollout continues running samples too (`rollout.partial`).
+
+``busy_s`` counts the time any request was in flight, not forward steps (SGLang keeps its own scheduler
+metrics behind ``--enable-metrics``).
 """
 
 from __future__ import annotations
 
-import inspect
+import asyncio
+import math
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +57,21 @@ import preprocess as pp
 
 from .errors import InvalidPrompt, WeightsError
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, MediaInput, PauseMode, TokenCallback
+from .protocol import (
+    ABORT_BEFORE_PREFILL,
+    ABORT_BY_REQUEST,
+    ABORT_PAUSED,
+    GenerateRequest,
+    GenerateResult,
+    MediaInput,
+    PauseMode,
+    TokenCallback,
+    TokenStep,
+)
+from .sglang_args import check_server_args
+from .sglang_loop import EngineLoop
 
-__all__ = ["SGLangEngine", "build_request"]
+__all__ = ["SGLangEngine", "build_request", "result_from"]
 
 
 def _visual(items: list[MediaInput], kind: str) -> dict[str, Any]:
@@ -138,7 +172,6 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
     inputs = meta.get("input_token_logprobs")
     input_top = meta.get("input_top_logprobs")
     output_top = meta.get("output_top_logprobs")
-    start = request.logprob_start_len if request.logprob_start_len >= 0 else len(request.input_ids) - 1
     return GenerateResult(
         rid=meta.get("id", request.rid),
         output_ids=list(output["output_ids"]),
@@ -149,7 +182,7 @@ def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateRes
         text=output.get("text", ""),
         routed_experts=meta.get("routed_experts"),
         input_logprobs=[None if t[0] is None else float(t[0]) for t in inputs] if inputs is not None else None,
-        input_logprob_start=start,
+        input_logprob_start=_logprob_start(request),
         input_top_logprobs=[_tops(p) for p in input_top] if input_top is not None else None,
         output_top_logprobs=[_tops(p) or [] for p in output_top] if output_top is not None else None,
         num_retractions=int(meta.get("num_retractions") or 0),
@@ -163,24 +196,52 @@ def _tops(position: Any) -> list[tuple[float, int]] | None:
 
 
 class SGLangEngine:
-    """`sglang.Engine` behind the engine protocol (``pip install 'weir[sglang]'``, a CUDA GPU)."""
+    """`sglang.Engine` behind the engine protocol (``pip install 'weir[sglang]'``, a CUDA GPU).
 
-    def __init__(self, model_dir: str | Path, *, engine: Any = None, **engine_args: Any) -> None:
-        """Start ``sglang.Engine(model_path=model_dir, **engine_args)``, or wrap ``engine``, one already started."""
+    ``server_args`` are SGLang's `ServerArgs` fields (`engines.sglang_args`), passed to the Engine as they are,
+    with ``weight_version`` "0" unless given (Weir's publisher counts versions in decimals). ``engine_class``
+    and ``io_struct`` stand in for ``sglang.Engine`` and ``sglang.srt.managers.io_struct`` (tests on CPU)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        server_args: Mapping[str, Any] | None = None,
+        engine_class: Callable[..., Any] | None = None,
+        io_struct: Any = None,
+        start_timeout_s: float | None = None,
+    ) -> None:
         self.model_dir = Path(model_dir)
         self.limits = ModelLimits.read(self.model_dir)
-        if engine is None:
-            import sglang  # the GPU extra; imported here so the CPU install never needs it
+        args = {
+            "weight_version": "0",
+            # names are checked against the installed SGLang by load_engine; here only Weir's own are refused
+            **check_server_args(server_args or {}, fields=None),
+        }
+        if engine_class is None or io_struct is None:
+            # the GPU extra; imported here so the CPU install never needs it
+            import sglang
+            from sglang.srt.managers import io_struct as sglang_io
 
-            engine = sglang.Engine(model_path=str(model_dir), **engine_args)
-        self.engine = engine
-        self.weight_version = "0"
+            engine_class = engine_class or sglang.Engine
+            io_struct = io_struct or sglang_io
+        self._io = io_struct
+        self._loop = EngineLoop("sglang-engine")
+        self.engine = self._loop.start(lambda: engine_class(model_path=str(self.model_dir), **args), start_timeout_s)
+        self._tokenizer_manager = self.engine.tokenizer_manager
+        self.weight_version = str(args["weight_version"])
         self.started = time.monotonic()
         self._lock = threading.Lock()
-        self._inflight = 0
+        self._inflight: set[str] = set()  # rids; changed on the loop thread only
         self._busy = 0.0  # closed busy intervals; the open one is added on read
         self._busy_since = 0.0
         self._paused = False
+        self._closed = False
+        # why this backend aborted a request (rid → Weir's abort message); read when its answer comes
+        self._abort_causes: dict[str, str] = {}
+        self._pause_aborting = False
+
+    # -- state -------------------------------------------------------------------------------------
 
     @property
     def busy_s(self) -> float:
@@ -189,73 +250,176 @@ class SGLangEngine:
 
     @property
     def running(self) -> int:
-        return self._inflight
+        return len(self._inflight)
 
     @property
     def paused(self) -> bool:
         return self._paused
 
+    def healthy(self) -> bool:
+        return not self._closed and self._loop.alive
+
+    # -- generation --------------------------------------------------------------------------------
+
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+        """Check ``request`` and hand it to SGLang; cancelling the future aborts it there."""
         self.limits.check(request)
-        future: Future[GenerateResult] = Future()
-        future.set_running_or_notify_cancel()  # a caller's cancel must not break the engine's set_result
-
-        def run() -> None:
-            self._enter()
-            try:
-                future.set_result(self._generate_now(request))
-            except Exception as error:  # noqa: BLE001 - handed to the caller through the future
-                future.set_exception(error)
-            finally:
-                self._leave()
-
-        threading.Thread(target=run, daemon=True).start()
-        return future
+        if not request.rid:
+            request = replace(request, rid=uuid.uuid4().hex)
+        return self._loop.submit(self._generate(request, on_token))
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)
 
-    def _generate_now(self, request: GenerateRequest) -> GenerateResult:
+    async def _generate(self, request: GenerateRequest, on_token: TokenCallback | None) -> GenerateResult:
+        kwargs = build_request(request)
+        rid = kwargs["rid"]
+        self._enter(rid)
         try:
-            output = self.engine.generate(**build_request(request))
+            if on_token is None:
+                output = await self.engine.async_generate(**kwargs)
+            else:
+                output = await self._stream(kwargs, request, on_token)
+        except asyncio.CancelledError:  # the caller gave up (a timeout, a client gone): free SGLang's slot
+            self._tokenizer_manager.abort_request(rid=rid)
+            raise
         except ValueError as error:  # SGLang's own input checks (length, vocabulary, media)
             raise InvalidPrompt(str(error)) from error
-        return result_from(output, request)
+        finally:
+            self._leave(rid)
+        return result_from(self._with_cause(output, rid), request)
 
-    def _enter(self) -> None:
+    async def _stream(
+        self, kwargs: dict[str, Any], request: GenerateRequest, on_token: TokenCallback
+    ) -> dict[str, Any]:
+        chunks = await self.engine.async_generate(**kwargs, stream=True)
+        step = getattr(on_token, "step", None)  # a StepCallback takes each step's TokenStep
+        reported = 0
+        last: dict[str, Any] | None = None
+        try:
+            async for chunk in chunks:
+                meta = chunk["meta_info"]
+                ids = chunk["output_ids"]
+                for position in range(reported, len(ids)):
+                    token, logprob = int(ids[position]), _output_logprob(meta, position)
+                    if step is None:
+                        on_token(token, logprob)
+                    else:
+                        step(_token_step(meta, request, position, token, logprob))
+                reported = len(ids)
+                # SGLang's intermediate chunks share its live list: keep a copy
+                last = {**chunk, "output_ids": list(ids), "meta_info": dict(meta)}
+        except BaseException:
+            self._tokenizer_manager.abort_request(rid=kwargs["rid"])
+            raise
+        finally:
+            await chunks.aclose()
+        if last is None:
+            raise RuntimeError(f"SGLang's stream of {kwargs['rid']} ended without a chunk")
+        return last
+
+    def _with_cause(self, output: dict[str, Any], rid: str) -> dict[str, Any]:
+        """SGLang's answer, its abort message replaced by Weir's where this backend caused the abort."""
+        cause = self._abort_causes.pop(rid, ABORT_PAUSED if self._pause_aborting else None)
+        meta = output.get("meta_info") or {}
+        reason = meta.get("finish_reason")
+        if cause is None or not isinstance(reason, Mapping) or reason.get("type") != "abort":
+            return output
+        if cause == ABORT_PAUSED and not output.get("output_ids"):
+            cause = ABORT_BEFORE_PREFILL
+        return {**output, "meta_info": {**meta, "finish_reason": {"type": "abort", "message": cause}}}
+
+    def _enter(self, rid: str) -> None:
         with self._lock:
-            if self._inflight == 0:
+            if not self._inflight:
                 self._busy_since = time.monotonic()
-            self._inflight += 1
+            self._inflight.add(rid)
 
-    def _leave(self) -> None:
+    def _leave(self, rid: str) -> None:
         with self._lock:
-            self._inflight -= 1
-            if self._inflight == 0:
+            self._inflight.discard(rid)
+            if not self._inflight:
                 self._busy += time.monotonic() - self._busy_since
 
-    def update_weights(self, path: str, version: str | None = None) -> str:
-        ok, message = self.engine.update_weights_from_disk(model_path=path, weight_version=version)
+    # -- abort, pause, flush -----------------------------------------------------------------------
+
+    def abort(self, rid: str) -> bool:
+        return self._loop.run(self._abort, rid)
+
+    def _abort(self, rid: str) -> bool:
+        if rid not in self._inflight:
+            return False
+        self._abort_causes.setdefault(rid, ABORT_BY_REQUEST)
+        self._tokenizer_manager.abort_request(rid=rid)
+        return True
+
+    def abort_all(self) -> None:
+        self._loop.run(self._abort_all)
+
+    def _abort_all(self) -> None:
+        for rid in self._inflight:
+            self._abort_causes.setdefault(rid, ABORT_BY_REQUEST)
+        self._tokenizer_manager.abort_request(abort_all=True)
+
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """SGLang's pause_generation in ``mode``; in ``abort`` mode it returns once every request it
+        aborted has answered (SGLang waits for them)."""
+        self._loop.call(self._pause(mode))
+        self._paused = True
+
+    async def _pause(self, mode: PauseMode) -> None:
+        if mode == "abort":
+            for rid in self._inflight:
+                self._abort_causes.setdefault(rid, ABORT_PAUSED)
+            self._pause_aborting = True
+        try:
+            await self._tokenizer_manager.pause_generation(self._io.PauseGenerationReqInput(mode=mode))
+        finally:
+            self._pause_aborting = False
+
+    def resume(self) -> None:
+        self._loop.call(self._tokenizer_manager.continue_generation(self._io.ContinueGenerationReqInput()))
+        self._paused = False
+
+    def flush_cache(self) -> bool:
+        outcome = self._loop.call(self._tokenizer_manager.flush_cache())
+        return bool(getattr(outcome, "success", outcome))
+
+    # -- weights -----------------------------------------------------------------------------------
+
+    def _weights(self, method: str, record: str, **fields: Any) -> None:
+        """The tokenizer manager's ``method`` with an ``io_struct.<record>``; its refusal (``success``
+        false, SGLang's message) is `WeightsError` ``weights_rejected``."""
+
+        async def on_loop() -> Any:
+            return await getattr(self._tokenizer_manager, method)(getattr(self._io, record)(**fields), None)
+
+        outcome = self._loop.call(on_loop())
+        ok, message = (outcome[0], outcome[1]) if isinstance(outcome, tuple) else (bool(outcome), "")
         if not ok:
-            raise WeightsError(message, code="weights_rejected")
+            raise WeightsError(str(message), code="weights_rejected")
+
+    def update_weights(self, path: str, version: str | None = None) -> str:
+        self._weights(
+            "update_weights_from_disk", "UpdateWeightFromDiskReqInput", model_path=path, weight_version=version
+        )
         self.weight_version = version or self.weight_version
         return self.weight_version
 
-    def _weights_call(self, method: str, **kwargs: Any) -> None:
-        """SGLang's Engine method of that name, given the keyword arguments its version takes (older
-        ones lack ``weight_version``); its ``(success, message)`` refusal is `WeightsError`."""
-        call = getattr(self.engine, method, None)
-        if call is None:
-            raise WeightsError(f"this SGLang's Engine has no {method}", code="weights_rejected")
-        try:
-            accepted = inspect.signature(call).parameters
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted or k in ("names", "dtypes", "shapes")}
-        except (TypeError, ValueError):
-            pass
-        outcome = call(**kwargs)
-        ok, message = outcome if isinstance(outcome, tuple) else (True, "")
-        if not ok:
-            raise WeightsError(str(message), code="weights_rejected")
+    def update_weights_from_tensor(
+        self, named_tensors: Sequence[tuple[str, torch.Tensor]], version: str | None = None
+    ) -> str:
+        """SGLang's in-process tensor update (a trainer in the same process): the tensors serialised per
+        tensor-parallel rank by the Engine's own helper, then loaded between two decode steps."""
+        serialized = self._loop.run(self.engine._serialize_tensors_per_rank, list(named_tensors), None)
+        self._weights(
+            "update_weights_from_tensor",
+            "UpdateWeightsFromTensorReqInput",
+            serialized_named_tensors=serialized,
+            weight_version=version,
+        )
+        self.weight_version = version or self.weight_version
+        return self.weight_version
 
     def init_weights_update_group(
         self,
@@ -267,8 +431,9 @@ class SGLangEngine:
         group_name: str,
         backend: str,
     ) -> None:
-        self._weights_call(
+        self._weights(
             "init_weights_update_group",
+            "InitWeightsUpdateGroupReqInput",
             master_address=master_address,
             master_port=master_port,
             rank_offset=rank_offset,
@@ -280,8 +445,9 @@ class SGLangEngine:
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
     ) -> str:
-        self._weights_call(
+        self._weights(
             "update_weights_from_distributed",
+            "UpdateWeightsFromDistributedReqInput",
             names=names,
             dtypes=dtypes,
             shapes=shapes,
@@ -292,41 +458,41 @@ class SGLangEngine:
         return self.weight_version
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        self._weights_call("destroy_weights_update_group", group_name=group_name)
-
-    def pause(self, mode: PauseMode = "in_place") -> None:
-        try:
-            takes_mode = "mode" in inspect.signature(self.engine.pause_generation).parameters
-        except (TypeError, ValueError):
-            takes_mode = False
-        if takes_mode:
-            self.engine.pause_generation(mode=mode)
-        else:  # an SGLang without pause modes: abort what runs ourselves, then pause
-            if mode == "abort":
-                self.abort_all()
-            self.engine.pause_generation()
-        self._paused = True
-
-    def flush_cache(self) -> bool:
-        flush = getattr(self.engine, "flush_cache", None)
-        if flush is None:
-            return True
-        outcome = flush()
-        return bool(getattr(outcome, "success", outcome if isinstance(outcome, bool) else True))
-
-    def resume(self) -> None:
-        self.engine.continue_generation()
-        self._paused = False
-
-    def abort(self, rid: str) -> bool:
-        self.engine.abort_request(rid)
-        return True
-
-    def abort_all(self) -> None:
-        self.engine.abort_request(abort_all=True)
-
-    def healthy(self) -> bool:
-        return True
+        self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)
 
     def close(self) -> None:
-        self.engine.shutdown()
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._loop.run(self.engine.shutdown)
+        finally:
+            self._loop.stop()
+
+
+def _output_logprob(meta: Mapping[str, Any], position: int) -> float:
+    triples = meta.get("output_token_logprobs") or ()
+    return float(triples[position][0]) if position < len(triples) else math.nan
+
+
+def _token_step(
+    meta: Mapping[str, Any], request: GenerateRequest, position: int, token: int, logprob: float
+) -> TokenStep:
+    tops = meta.get("output_top_logprobs")
+    top = _tops(tops[position]) if tops is not None and position < len(tops) else None
+    if position:
+        return TokenStep(token_id=token, logprob=logprob, top=top)
+    inputs = meta.get("input_token_logprobs")
+    input_top = meta.get("input_top_logprobs")
+    return TokenStep(
+        token_id=token,
+        logprob=logprob,
+        top=top,
+        input_logprobs=[None if t[0] is None else float(t[0]) for t in inputs] if inputs is not None else None,
+        input_logprob_start=_logprob_start(request),
+        input_top_logprobs=[_tops(p) for p in input_top] if input_top is not None else None,
+    )
+
+
+def _logprob_start(request: GenerateRequest) -> int:
+    return request.logprob_start_len if request.logprob_start_len >= 0 else len(request.input_ids) - 1

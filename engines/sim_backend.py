@@ -71,7 +71,18 @@ import numpy as np
 
 from .errors import InvalidSampling, WeightsError
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, PauseMode, StepCallback, TokenCallback, TokenStep, TopLogprobs
+from .protocol import (
+    ABORT_BEFORE_PREFILL,
+    ABORT_BY_REQUEST,
+    ABORT_PAUSED,
+    GenerateRequest,
+    GenerateResult,
+    PauseMode,
+    StepCallback,
+    TokenCallback,
+    TokenStep,
+    TopLogprobs,
+)
 
 __all__ = [
     "ABORT_BEFORE_PREFILL",
@@ -87,10 +98,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# The same messages as the transformers backend's (rollout.partial tells a pause's abort by them).
-ABORT_PAUSED = "paused (abort mode)"
-ABORT_BEFORE_PREFILL = "Abort before prefill"
-ABORT_BY_REQUEST = "aborted by request"
 MAX_CHUNK_WALL_S = 0.1  # the most wall time one sleep of decode steps covers (tokens stream at its end)
 PAUSE_ACK_TIMEOUT_S = 30.0
 STEP_LOG = 4096  # recent decode steps kept in `SimStats.recent`

@@ -60,6 +60,9 @@ from .errors import EngineError, InvalidMedia, WeightsError
 from .grammar import Grammar, Grammars
 from .limits import ModelLimits
 from .protocol import (
+    ABORT_BEFORE_PREFILL,
+    ABORT_BY_REQUEST,
+    ABORT_PAUSED,
     GenerateRequest,
     GenerateResult,
     MediaInput,
@@ -75,13 +78,6 @@ from .weights_group import WEIGHTS_GROUP_TIMEOUT_S, join_weights_group
 __all__ = ["TransformersEngine", "penalize", "sample_token"]
 
 PAUSE_ACK_TIMEOUT_S = 30.0
-# The ``message`` of an abort's finish_reason ``{"type": "abort", "message": ...}`` says its cause, so a
-# caller can tell an abort it may continue (a pause in ``abort`` mode: a weight update) from one it must
-# not (a client's /abort_request, the engine closing). SGLang's own message for a request aborted before
-# it started is kept ("Abort before prefill"); it is used only for pause aborts here.
-ABORT_PAUSED = "paused (abort mode)"
-ABORT_BEFORE_PREFILL = "Abort before prefill"
-ABORT_BY_REQUEST = "aborted by request"
 
 logger = logging.getLogger(__name__)
 

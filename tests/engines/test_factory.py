@@ -1,7 +1,7 @@
 """`engines.load_engine` for SGLang: the server arguments it starts `sglang.Engine` with.
 
-SGLang needs CUDA and is not installed here, so `sglang` is a stand-in module that records the keyword
-arguments `sglang.Engine` is called with (its `ServerArgs` fields)."""
+SGLang needs CUDA and is not installed here, so `sglang` is a stand-in module whose `Engine` (the rule-keeping
+stand-in, `sglang_standin`) records the keyword arguments it is called with (its `ServerArgs` fields)."""
 
 from __future__ import annotations
 
@@ -15,18 +15,23 @@ import pytest
 from engines.factory import load_engine
 from services.engine.settings import EngineSettings
 
+from . import sglang_standin as standin
 
-class _Recorder:
+
+class _Recorder(standin.Engine):
     calls: list[dict[str, Any]] = []
 
     def __init__(self, **kwargs: Any) -> None:
         _Recorder.calls.append(kwargs)
+        super().__init__(**kwargs)
 
 
 @pytest.fixture()
 def sglang(monkeypatch: pytest.MonkeyPatch) -> type[_Recorder]:
     _Recorder.calls = []
     monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=_Recorder))
+    monkeypatch.setitem(sys.modules, "sglang.srt", types.SimpleNamespace())
+    monkeypatch.setitem(sys.modules, "sglang.srt.managers", types.SimpleNamespace(io_struct=standin.io_struct))
     return _Recorder
 
 
@@ -34,16 +39,28 @@ def test_routed_experts_start_sglang_able_to_return_them(sglang: type[_Recorder]
     (tmp_path / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 64}')
     engine = load_engine(tmp_path, backend="sglang", device="cuda", max_running=4, routed_experts=True)
     assert engine.limits.vocab_size == 100  # type: ignore[attr-defined]
-    load_engine(tmp_path, backend="sglang")
+    engine.close()
+    load_engine(tmp_path, backend="sglang", server_args={"tp_size": 2, "context_length": 32}).close()
     assert sglang.calls == [
         {
             "model_path": str(tmp_path),
+            "weight_version": "0",  # Weir's first version; SGLang's own default is "default"
             "device": "cuda",
             "max_running_requests": 4,
             "enable_return_routed_experts": True,  # SGLang's ServerArgs field (--enable-return-routed-experts)
         },
-        {"model_path": str(tmp_path)},  # SGLang's own defaults otherwise
+        {"model_path": str(tmp_path), "weight_version": "0", "tp_size": 2, "context_length": 32},
     ]
+
+
+def test_a_setting_and_a_server_argument_that_disagree_are_refused(sglang: type[_Recorder], tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="max_running_requests=8 contradicts WEIR_MAX_RUNNING=4"):
+        load_engine(tmp_path, backend="sglang", max_running=4, server_args={"max_running_requests": 8})
+    with pytest.raises(ValueError, match="model_path: set by Weir"):
+        load_engine(tmp_path, backend="sglang", server_args={"model_path": "/elsewhere"})
+    assert sglang.calls == []
+    load_engine(tmp_path, backend="sglang", max_running=4, server_args={"max_running_requests": 4}).close()
 
 
 def test_the_engine_role_setting_is_the_rollout_roles_variable(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import json
-import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -94,63 +90,6 @@ def test_sglang_engine_generates(tmp_path: Path) -> None:
         engine.close()
 
 
-class _StandInEngine:
-    """Stands in for `sglang.Engine`, which needs CUDA: records calls, answers as SGLang 0.5 does."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-        self.release = threading.Event()
-
-    def generate(self, **kwargs: Any) -> dict[str, Any]:
-        self.calls.append("generate")
-        if kwargs["input_ids"] == [3]:
-            raise ValueError("The input (1 tokens) is longer than the model's context length")
-        self.release.wait(10)
-        meta = {"id": kwargs["rid"], "finish_reason": {"type": "length"}, "prompt_tokens": len(kwargs["input_ids"])}
-        return {"text": "", "output_ids": [5], "meta_info": {**meta, "weight_version": "0"}}
-
-    def update_weights_from_disk(self, **kwargs: Any) -> tuple[bool, str]:
-        return False, f"cannot load {kwargs['model_path']}"
-
-    def pause_generation(self) -> None:
-        self.calls.append("pause")
-
-    def continue_generation(self) -> None:
-        self.calls.append("continue")
-
-
-def test_the_protocol_around_sglang_engine(tmp_path: Path) -> None:
-    """CPU: the wrapper's own part (checks, errors, busy time, pause state); SGLang itself is the gpu test's."""
-    from engines import InvalidPrompt, WeightsError
-    from engines.sglang_backend import SGLangEngine
-
-    (tmp_path / "config.json").write_text(
-        json.dumps({"text_config": {"vocab_size": 10, "max_position_embeddings": 512}})
-    )
-    inner = _StandInEngine()
-    engine = SGLangEngine(tmp_path, engine=inner)
-    with pytest.raises(InvalidPrompt):  # refused before SGLang sees it
-        engine.submit(GenerateRequest(input_ids=[11]))
-    assert inner.calls == []
-    pending = engine.submit(GenerateRequest(input_ids=[1, 2], rid="a"))
-    time.sleep(0.2)
-    assert engine.running == 1 and engine.busy_s > 0.1
-    inner.release.set()
-    assert pending.result(timeout=10).output_ids == [5] and engine.running == 0
-    busy = engine.busy_s
-    time.sleep(0.05)
-    assert engine.busy_s == busy  # idle time is not busy time
-    with pytest.raises(InvalidPrompt, match="context length"):
-        engine.generate(GenerateRequest(input_ids=[3]), timeout=10)
-    with pytest.raises(WeightsError) as refused:
-        engine.update_weights("/nowhere", "2")
-    assert refused.value.code == "weights_rejected" and engine.weight_version == "0"
-    engine.pause()
-    assert engine.paused and inner.calls[-1] == "pause"
-    engine.resume()
-    assert not engine.paused
-
-
 def test_every_sampling_param_and_logprob_option_reaches_sglang() -> None:
     from engines.protocol import SamplingParams
     from engines.sglang_backend import build_request, result_from
@@ -196,23 +135,3 @@ def test_every_sampling_param_and_logprob_option_reaches_sglang() -> None:
     assert result.input_logprobs == [None, -1.0, -2.0] and result.input_logprob_start == 0
     assert result.output_top_logprobs == [[(-0.5, 5), (-1.5, 6)]] and result.input_top_logprobs is not None
     assert result.input_top_logprobs[0] is None and result.num_retractions == 1
-
-
-def test_pause_modes_reach_an_sglang_that_takes_them(tmp_path: Path) -> None:
-    from engines.sglang_backend import SGLangEngine
-
-    class Moded(_StandInEngine):
-        def pause_generation(self, mode: str = "abort") -> None:  # type: ignore[override]
-            self.calls.append(f"pause:{mode}")
-
-        def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-            self.calls.append("abort_all" if abort_all else f"abort:{rid}")
-
-    (tmp_path / "config.json").write_text("{}")
-    moded = Moded()
-    SGLangEngine(tmp_path, engine=moded).pause("retract")
-    assert moded.calls == ["pause:retract"]
-    plain = Moded()
-    plain.pause_generation = lambda: plain.calls.append("pause")  # type: ignore[method-assign]
-    SGLangEngine(tmp_path, engine=plain).pause("abort")
-    assert plain.calls == ["abort_all", "pause"]  # an SGLang without modes: abort ourselves, then pause

@@ -1,0 +1,90 @@
+"""SGLang's server arguments as Weir passes them: any `ServerArgs` field, by SGLang's own name.
+
+The engine role reads them as one JSON object (``WEIR_SGLANG_ARGS='{"tp_size": 2, "mem_fraction_static":
+0.8, "context_length": 32768, "chunked_prefill_size": 8192}'``) and hands them to ``sglang.Engine``. Names
+are checked here against SGLang's `ServerArgs` (a msgspec ``Struct``; its ``__struct_fields__`` are the
+names ``sglang.Engine(**kwargs)`` takes) wherever sglang is installed: an unknown name is refused by name,
+with the nearest known ones, instead of failing deep inside SGLang's start-up. Values are SGLang's to check.
+
+A few names are Weir's, not the caller's (`RESERVED`): the model comes from ``WEIR_MODEL``, and Weir reads
+SGLang's streams as cumulative chunks, so ``incremental_streaming_output`` would corrupt them. Three Weir
+settings are server arguments too (`SETTINGS`); given both ways with different values, that is refused.
+
+`engine_gpus` is how many GPUs one engine with these arguments takes — what compose and Ray reserve.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["RESERVED", "SETTINGS", "check_server_args", "engine_gpus", "parse_server_args", "server_arg_fields"]
+
+RESERVED = {
+    "model_path": "the model served is WEIR_MODEL (weir serve engine --model)",
+    "incremental_streaming_output": "Weir reads SGLang's streams as cumulative chunks",
+}
+SETTINGS = {
+    "device": "WEIR_DEVICE",
+    "max_running_requests": "WEIR_MAX_RUNNING",
+    "enable_return_routed_experts": "WEIR_RETURN_ROUTED_EXPERTS",
+}
+
+
+def parse_server_args(text: str) -> dict[str, Any]:
+    """A JSON object of server arguments; `ValueError` for anything else."""
+    try:
+        value = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"SGLang server arguments must be a JSON object: {error}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"SGLang server arguments must be a JSON object, not {type(value).__name__}")
+    return value
+
+
+def server_arg_fields() -> frozenset[str] | None:
+    """The field names of the installed SGLang's `ServerArgs`; None where sglang is not installed."""
+    try:
+        from sglang.srt.server_args import ServerArgs
+    except ImportError:
+        return None
+    fields = getattr(ServerArgs, "__struct_fields__", None)
+    if fields is None:  # older SGLang: a dataclass
+        import dataclasses
+
+        fields = tuple(f.name for f in dataclasses.fields(ServerArgs))
+    return frozenset(fields)
+
+
+def check_server_args(args: Mapping[str, Any], fields: frozenset[str] | None) -> dict[str, Any]:
+    """``args`` checked: no reserved name, and where ``fields`` are known (`server_arg_fields`: the installed
+    SGLang's) no unknown one. Returns them as a plain dict; `ValueError` naming every bad name."""
+    problems = []
+    for name in args:
+        if not isinstance(name, str):
+            problems.append(f"{name!r}: server argument names are strings")
+        elif name in RESERVED:
+            problems.append(f"{name}: set by Weir ({RESERVED[name]})")
+        elif fields is not None and name not in fields:
+            near = difflib.get_close_matches(name, sorted(fields), n=3)
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            problems.append(f"{name}: not a server argument of this SGLang{hint}")
+    if problems:
+        raise ValueError("SGLang server arguments refused: " + "; ".join(problems))
+    return dict(args)
+
+
+def engine_gpus(args: Mapping[str, Any]) -> int:
+    """GPUs one engine takes: tensor × pipeline parallel, times data-parallel replicas (SGLang's
+    ``compute_world_size``), except that attention data parallelism runs inside the tensor-parallel group."""
+
+    def size(name: str) -> int:
+        value = args.get(name, 1)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"SGLang server argument {name} must be a positive integer, not {value!r}")
+        return value
+
+    replicas = 1 if args.get("enable_dp_attention") else size("dp_size")
+    return size("tp_size") * size("pp_size") * replicas
