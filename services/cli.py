@@ -3,9 +3,10 @@
 Commands::
 
     weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR] [--backend B] [--profile F]
+                    [--sglang-args JSON]
                                    # one role: preprocess | encoder | data | engine | rollout, at the
                                    # table's port; its settings are WEIR_* variables, checked first
-    weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--demo]
+    weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--backend B] [--sglang-args JSON] [--demo]
                                    # every role on localhost behind a generated API token
     weir up --ray [--address ADDR] [--serve-port P] [--write-config FILE]
                                    # every role as a Ray Serve application (a local Ray, or a cluster)
@@ -47,6 +48,16 @@ __all__ = ["build_parser", "main", "preprocess_app"]
 # data role's leases, the encoder's weights version, the rollout role's in-flight budget — so one
 # process each; more capacity comes from more instances (engines behind the rollout role).
 WORKER_APPS = {"preprocess": "services.cli:preprocess_app"}  # role → uvicorn factory import string
+
+
+def _add_sglang_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--sglang-args",
+        default=None,
+        metavar="JSON",
+        help="sets WEIR_SGLANG_ARGS: SGLang's server arguments as a JSON object of ServerArgs fields, e.g. "
+        '\'{"tp_size": 2, "mem_fraction_static": 0.8}\' (default: WEIR_SGLANG_ARGS, else SGLang\'s own)',
+    )
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -120,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sets WEIR_SIM_PROFILE, the sim backend's profile file, e.g. profiles/relax-qwen3-4b-h800.yaml "
         "(default: WEIR_SIM_PROFILE; needed with --backend sim)",
     )
+    _add_sglang_args(serve)
 
     prep = command("prep", "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
     prep.add_argument("dataset", type=Path, help="JSONL or Parquet rows referencing media")
@@ -139,6 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=BASE_PORT,
         help="the rollout role's port; every other port moves with it (a second stack: 9100 and another --home)",
     )
+    up.add_argument(
+        "--backend",
+        choices=("transformers", "sglang", "sim"),
+        default=None,
+        help="sets WEIR_BACKEND for every engine (default: WEIR_BACKEND, else transformers)",
+    )
+    _add_sglang_args(up)
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
     _add_ray(up)
     up.add_argument(
@@ -371,6 +390,7 @@ def _serve(args: argparse.Namespace) -> int:
         (args.model, "WEIR_MODEL"),
         (args.backend, "WEIR_BACKEND"),
         (args.profile, "WEIR_SIM_PROFILE"),
+        (args.sglang_args, "WEIR_SGLANG_ARGS"),
         (args.log_level, "WEIR_LOG_LEVEL"),
     ):
         if value is not None:
@@ -475,8 +495,15 @@ def _ray_stack(args: argparse.Namespace) -> RayStack:
         engines=args.engines,
         address=args.address,
         port=args.serve_port,
+        env=_engine_env(args),
         engine_autoscaling=autoscale,
     )
+
+
+def _engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engine settings given as options (``--backend``, ``--sglang-args``), for every role's environment."""
+    given = (("WEIR_BACKEND", getattr(args, "backend", None)), ("WEIR_SGLANG_ARGS", getattr(args, "sglang_args", None)))
+    return {variable: value for variable, value in given if value is not None}
 
 
 def _up_ray(args: argparse.Namespace) -> int:
@@ -552,7 +579,9 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.ray:
         return _up_ray(args)
-    stack = LocalStack(home=args.home, model=args.model, engines=args.engines, base_port=args.base_port)
+    stack = LocalStack(
+        home=args.home, model=args.model, engines=args.engines, base_port=args.base_port, env=_engine_env(args)
+    )
     console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
     urls = stack.start()
     for role, url in urls.items():

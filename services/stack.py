@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,6 +92,36 @@ def stack_ports(base_port: int = BASE_PORT, engines: int = 1) -> list[tuple[str,
         else:
             plan.append((role.name, role.name, role.port_at(base_port)))
     return plan
+
+
+def gpus_per_engine(env: Mapping[str, str]) -> int:
+    """GPUs one engine takes under these settings: on SGLang ``WEIR_ENGINE_GPUS``, else tp × pp × dp of
+    ``WEIR_SGLANG_ARGS``; 1 for the other backends (a GPU when there is one)."""
+    if env.get("WEIR_BACKEND") != "sglang":
+        return 1
+    if env.get("WEIR_ENGINE_GPUS"):
+        return int(env["WEIR_ENGINE_GPUS"])
+    from engines.sglang_args import engine_gpus, parse_server_args
+
+    return engine_gpus(parse_server_args(env.get("WEIR_SGLANG_ARGS", "")))
+
+
+def engine_devices(index: int, env: Mapping[str, str]) -> dict[str, str]:
+    """The GPUs of engine ``index`` of a local stack on SGLang: engine i gets the i-th run of k GPUs (of
+    ``CUDA_VISIBLE_DEVICES`` when set), k = `gpus_per_engine`; nothing for other backends, whose engines
+    share what they see."""
+    if env.get("WEIR_BACKEND") != "sglang":
+        return {}
+    k = gpus_per_engine(env)
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    devices = visible or [str(i) for i in range((index + 1) * k)]
+    mine = devices[index * k : (index + 1) * k]
+    if len(mine) < k:
+        raise SettingsError(
+            f"engine {index} takes {k} GPUs ({index * k}..{(index + 1) * k - 1}) but CUDA_VISIBLE_DEVICES lists "
+            f"{len(devices)}: fewer --engines, or a smaller tp_size"
+        )
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "WEIR_ENGINE_GPUS": str(k)}
 
 
 def _poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
@@ -208,8 +238,13 @@ class LocalStack:
         env = self._env(model, plan)
         self.launched_env = env
         try:
+            engine_index = 0
             for name, role, port in plan:
-                self._launch(name, role, port, env)
+                if role == "engine":
+                    self._launch(name, role, port, {**env, **engine_devices(engine_index, env)})
+                    engine_index += 1
+                else:
+                    self._launch(name, role, port, env)
             for child in self.children:
                 self._wait_ready(child, timeout_s)
         except BaseException:

@@ -69,11 +69,14 @@ class Placement:
         return args
 
 
-def default_placement(role: str, *, engines: int, engine_nodes: int, use_gpus: bool) -> Placement:
-    """Where ``role``'s replicas go on a cluster with ``engine_nodes`` nodes that host ``engines`` engines."""
+def default_placement(
+    role: str, *, engines: int, engine_nodes: int, use_gpus: bool, engine_gpus: int = 1
+) -> Placement:
+    """Where ``role``'s replicas go on a cluster with ``engine_nodes`` nodes that host ``engines`` engines,
+    each taking ``engine_gpus`` GPUs where there are GPUs (an SGLang engine's tp × pp × dp)."""
     engine_slot = {} if use_gpus else {ENGINE_RESOURCE: 1.0}
     if role == "engine":
-        return Placement(engines, engine_slot, num_gpus=1.0 if use_gpus else 0.0)
+        return Placement(engines, engine_slot, num_gpus=float(engine_gpus) if use_gpus else 0.0)
     if role in ("preprocess", "encoder"):
         return Placement(max(1, engine_nodes), {ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1)
     if role == "data":

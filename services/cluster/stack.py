@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 
 from ..roles import ROLES
-from ..stack import TOKEN_FILE, ensure_token
+from ..stack import TOKEN_FILE, ensure_token, gpus_per_engine
 from .apps import DATA_RESOURCE, ENGINE_NODE_RESOURCE, ENGINE_RESOURCE, Placement, default_placement, role_app
 from .registry import registry_handle
 
@@ -87,7 +87,13 @@ class RayStack:
     def plan(self, *, engine_nodes: int, use_gpus: bool) -> dict[str, Placement]:
         plan = {
             role: self.placements.get(role)
-            or default_placement(role, engines=self.engines, engine_nodes=engine_nodes, use_gpus=use_gpus)
+            or default_placement(
+                role,
+                engines=self.engines,
+                engine_nodes=engine_nodes,
+                use_gpus=use_gpus,
+                engine_gpus=gpus_per_engine({**os.environ, **self.env}),
+            )
             for role in ROLES
         }
         if self.engine_autoscaling is not None:

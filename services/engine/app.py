@@ -145,6 +145,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         compression=settings.sim_compression,
         weights_group_timeout_s=settings.weights_group_timeout_s,
         routed_experts=settings.return_routed_experts,
+        server_args=settings.sglang_args,
     )
     role = EngineRole(
         settings=settings,

@@ -7,9 +7,12 @@ never a quietly created random model — ``weir up`` and ``weir init-model`` mak
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from engines.sglang_args import check_server_args, engine_gpus, parse_server_args
 
 from ..media_roots import MediaRoots
 from ..media_urls import MediaUrls
@@ -55,6 +58,18 @@ class EngineSettings(RoleSettings, MediaUrls):
         "token's experts (the transformers backend answers them without it); the same variable makes the rollout "
         "role ask for them",
     )
+    sglang_args: Annotated[dict[str, Any], NoDecode] = Field(
+        default_factory=dict,
+        description="SGLang's server arguments as a JSON object of ServerArgs fields by SGLang's name, e.g. "
+        '\'{"tp_size": 2, "mem_fraction_static": 0.8, "context_length": 32768, "chunked_prefill_size": 8192}\'; '
+        "names are checked against the installed SGLang (WEIR_BACKEND=sglang only)",
+    )
+    engine_gpus: int | None = Field(
+        None,
+        gt=0,
+        description="GPUs this engine is given (compose's reservation, Ray's num_gpus); with sglang, tp_size "
+        "defaults to it and tp × pp × dp must equal it",
+    )
     cache_dir: Path = Field(Path(".weir/cache"), description="the feature cache shared with the preprocess role")
     embedding_cache_dir: Path = Field(
         Path(".weir/embeddings"), description="the embedding cache shared with the encoder role"
@@ -71,6 +86,32 @@ class EngineSettings(RoleSettings, MediaUrls):
     max_media_bytes: int = Field(
         128 << 20, gt=0, description="the largest media item /generate decodes (or reads from a media URL)"
     )
+
+    @field_validator("sglang_args", mode="before")
+    @classmethod
+    def _sglang_args_json(cls, value: Any) -> Any:
+        # read here, not by the settings source, so that compose's empty ${WEIR_SGLANG_ARGS:-} means none
+        return parse_server_args(value) if isinstance(value, str) else value
+
+    @field_validator("sglang_args")
+    @classmethod
+    def _no_reserved_sglang_args(cls, args: dict[str, Any]) -> dict[str, Any]:
+        return check_server_args(args, fields=None)  # names: against the installed SGLang, when the engine starts
+
+    @model_validator(mode="after")
+    def _sglang_args_for_sglang(self) -> EngineSettings:
+        if self.sglang_args and self.backend != "sglang":
+            raise ValueError(f"WEIR_SGLANG_ARGS is for WEIR_BACKEND=sglang, not {self.backend}")
+        if self.backend == "sglang" and self.engine_gpus is not None:
+            if "tp_size" not in self.sglang_args:
+                self.sglang_args = {**self.sglang_args, "tp_size": self.engine_gpus}
+            needed = engine_gpus(self.sglang_args)
+            if needed != self.engine_gpus:
+                raise ValueError(
+                    f"WEIR_SGLANG_ARGS needs {needed} GPUs per engine (tp_size × pp_size × dp_size) but "
+                    f"WEIR_ENGINE_GPUS gives it {self.engine_gpus}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _sim_needs_a_profile(self) -> EngineSettings:

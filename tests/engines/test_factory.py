@@ -69,3 +69,53 @@ def test_the_engine_role_setting_is_the_rollout_roles_variable(monkeypatch: pyte
     assert EngineSettings().return_routed_experts is False
     monkeypatch.setenv("WEIR_RETURN_ROUTED_EXPERTS", "true")  # what `weir train --r3` sets for every role
     assert EngineSettings().return_routed_experts is True
+
+
+def test_sglang_server_arguments_as_a_setting(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """WEIR_SGLANG_ARGS (a JSON object, empty as compose leaves it) and WEIR_ENGINE_GPUS (compose's GPU
+    reservation), which is the engine's tp_size unless told otherwise and must be all the GPUs it takes."""
+    from pydantic import ValidationError
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setenv("WEIR_MODEL", str(tmp_path))
+    monkeypatch.setenv("WEIR_BACKEND", "sglang")
+    monkeypatch.setenv("WEIR_SGLANG_ARGS", "")
+    assert EngineSettings().sglang_args == {}
+    monkeypatch.setenv("WEIR_ENGINE_GPUS", "2")
+    assert EngineSettings().sglang_args == {"tp_size": 2}
+    monkeypatch.setenv("WEIR_SGLANG_ARGS", '{"tp_size": 1, "dp_size": 2, "mem_fraction_static": 0.8}')
+    assert EngineSettings().sglang_args["dp_size"] == 2
+    for bad, message in (
+        ('{"tp_size": 4}', "needs 4 GPUs per engine"),
+        ('{"incremental_streaming_output": true}', "set by Weir"),
+        ("[2]", "JSON object"),
+    ):
+        monkeypatch.setenv("WEIR_SGLANG_ARGS", bad)
+        with pytest.raises(ValidationError, match=message):
+            EngineSettings()
+    monkeypatch.setenv("WEIR_SGLANG_ARGS", '{"tp_size": 2}')
+    monkeypatch.setenv("WEIR_BACKEND", "transformers")
+    with pytest.raises(ValidationError, match="WEIR_SGLANG_ARGS is for WEIR_BACKEND=sglang"):
+        EngineSettings()
+
+
+def test_each_local_sglang_engine_gets_its_own_gpus() -> None:
+    from services.settings import SettingsError
+    from services.stack import engine_devices
+
+    assert engine_devices(0, {"WEIR_BACKEND": "transformers"}) == {}
+    tp2 = {"WEIR_BACKEND": "sglang", "WEIR_SGLANG_ARGS": '{"tp_size": 2}'}
+    assert engine_devices(0, tp2) == {"CUDA_VISIBLE_DEVICES": "0,1", "WEIR_ENGINE_GPUS": "2"}
+    assert engine_devices(1, tp2)["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert engine_devices(1, {**tp2, "CUDA_VISIBLE_DEVICES": "4,5,6,7"})["CUDA_VISIBLE_DEVICES"] == "6,7"
+    with pytest.raises(SettingsError, match="engine 2 takes 2 GPUs"):
+        engine_devices(2, {**tp2, "CUDA_VISIBLE_DEVICES": "4,5,6,7"})
+
+
+def test_ray_gives_an_sglang_engine_all_the_gpus_it_takes() -> None:
+    from services.cluster.stack import RayStack
+
+    stack = RayStack(engines=2, env={"WEIR_BACKEND": "sglang", "WEIR_SGLANG_ARGS": '{"tp_size": 2, "pp_size": 2}'})
+    assert stack.plan(engine_nodes=1, use_gpus=True)["engine"].num_gpus == 4.0
+    assert stack.plan(engine_nodes=1, use_gpus=False)["engine"].num_gpus == 0.0  # no GPUs: CPU slots instead
+    assert RayStack(engines=2).plan(engine_nodes=1, use_gpus=True)["engine"].num_gpus == 1.0

@@ -241,3 +241,14 @@ def test_dockerfile_copies_every_package() -> None:
     missing = sorted(packages - copied)
     assert not missing, f"Dockerfile does not COPY the packages {missing} listed in pyproject.toml"
     assert {"pyproject.toml", "README.md"} <= copied, "Dockerfile must COPY pyproject.toml and README.md"
+
+
+def test_the_sglang_engine_reserves_the_gpus_its_server_arguments_take() -> None:
+    """One knob: WEIR_ENGINE_GPUS is both compose's device count and the engine's setting (its tp_size unless
+    WEIR_SGLANG_ARGS says otherwise; the engine refuses a tp × pp × dp that differs)."""
+    engine = services()["engine"]
+    (reservation,) = engine["deploy"]["resources"]["reservations"]["devices"]
+    assert reservation["count"] == "${WEIR_ENGINE_GPUS:-1}" and reservation["capabilities"] == ["gpu"]
+    assert engine["environment"]["WEIR_ENGINE_GPUS"] == "${WEIR_ENGINE_GPUS:-1}"
+    assert engine["environment"]["WEIR_SGLANG_ARGS"] == "${WEIR_SGLANG_ARGS:-}"
+    assert engine["environment"]["WEIR_MODEL"] == services()["rollout"]["environment"]["WEIR_MODEL"]
