@@ -16,6 +16,7 @@ checks=(
   "tests/gpu/test_cuda.py"
   "tests/trainer/test_megatron.py"
   "tests/engines/test_sglang_backend.py"
+  "tests/gpu/test_sglang_gpu.py"
   "tests/trainer/test_reference.py"
 )
 status=0
