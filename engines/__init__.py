@@ -16,7 +16,9 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
       limits.py               a model's vocabulary and context; prompts outside them are refused at submit
       factory.py              load_engine(model, backend=..., device=..., max_running=..., profile=...)
       transformers_backend.py TransformersEngine: a scheduler thread over a transformers model (CPU)
-      sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), build_request / result_from
+      sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), on one owned loop; build_request
+      sglang_loop.py          EngineLoop: one thread running one asyncio loop for an engine's whole life
+      sglang_args.py          SGLang's server arguments: checked by name against ServerArgs, the GPUs they take
       sim_backend.py          SimEngine: no model; a profile's continuous-batching cost model, slept (SimProfile)
 """
 

@@ -87,9 +87,8 @@ class TokenStep:
 
 class StepCallback:
     """A `TokenCallback` that takes each step's full `TokenStep`: an engine that reports steps (the
-    transformers backend) calls ``step``; one that only knows ``on_token(token_id, logprob)`` calls the
-    object itself, which passes a bare `TokenStep` on; one that calls neither (SGLang's) leaves the
-    caller with the finished result alone."""
+    transformers, SGLang and sim backends) calls ``step``; one that only knows ``on_token(token_id,
+    logprob)`` calls the object itself, which passes a bare `TokenStep` on."""
 
     __slots__ = ("step",)
 

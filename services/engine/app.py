@@ -264,8 +264,8 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         away aborts every request still running. As SGLang's, every chunk carries what was asked for so
         far, cumulatively like the text: the output log-probs, the output top log-probs
         (``top_logprobs_num``), and from the first chunk the prompt's log-probs (``logprob_start_len``),
-        where the engine reports them per token (the transformers backend; an engine that does not
-        sends them with the finished chunk). A request that fails while generating is an error event
+        as the engine reports them per token (every backend does; one that did not would send them with
+        the finished chunk). A request that fails while generating is an error event
         (with its ``index`` in a list); the others go on."""
         loop = asyncio.get_running_loop()
         # (request index, step) as tokens come; (request index, None) when it is done
