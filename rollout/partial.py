@@ -13,14 +13,15 @@ segment's engine ``weight_version``; the sample's ``policy_version`` is the olde
 ``drop`` keeps the earlier behaviour: the sample ends ``aborted``.
 
 Only aborts a pause caused are continued (`pause_abort`): the finish_reason's ``message`` says so —
-Weir's engine says ``paused (abort mode)``, or ``Abort before prefill`` for a request the pause caught
-before it started (SGLang's message; AReaL resubmits those too). A client's ``/abort_request`` (Weir:
-``aborted by request``), an engine that closes, or a request timeout (a 504, not an abort answer)
-are never continued. SGLang itself does not tell a pause abort from an ``abort_all``: its pause in
-``abort`` mode aborts every request (`abort_request(abort_all=True)`), and those answer with SGLang's
-own abort messages — ``Abort before prefill`` for queued ones, a generic abort message for running ones.
-So with a plain SGLang server only requests a pause caught before prefill are recognised here; add
-the running ones' message to `PAUSE_ABORT_MESSAGES` for a deployment whose only ``abort_all`` is the
+Weir's engine says ``paused (abort mode)`` (on every backend, SGLang's included: the backend knows it paused),
+or ``Abort before prefill`` for a request the pause caught before it started (older SGLang's message; AReaL
+resubmits those too). A client's ``/abort_request`` (Weir: ``aborted by request``), an engine that closes,
+or a request timeout (a 504, not an abort answer) are never continued. A plain SGLang server (its own
+``launch_server``, not Weir's engine role) does not tell a pause abort from an ``abort_all``: its pause in
+``abort`` mode aborts every request (`abort_request(abort_all=True)`), and those answer with SGLang's own
+messages — ``Abort before prefill`` (0.5.23: ``Abort in waiting queue``) for queued ones, a generic
+``Aborted`` for running ones. So with a plain SGLang server only requests a pause caught in the queue are
+recognised here; add ``Aborted`` to `PAUSE_ABORT_MESSAGES` for a deployment whose only ``abort_all`` is the
 publisher's pause (the continuation limit bounds any mistake).
 
 What a continuation does not reproduce: a seeded sample (``sampling_seed``) continues with a seed
@@ -56,7 +57,7 @@ __all__ = [
 
 PartialRollouts = Literal["keep", "drop"]
 MAX_CONTINUATIONS = 8
-PAUSE_ABORT_MESSAGES = frozenset({"paused (abort mode)", "Abort before prefill"})
+PAUSE_ABORT_MESSAGES = frozenset({"paused (abort mode)", "Abort before prefill", "Abort in waiting queue"})
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
 _SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 

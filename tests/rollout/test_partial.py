@@ -231,6 +231,7 @@ def test_only_a_pause_abort_is_continuable_and_the_pieces_join() -> None:
         return {"meta_info": {"finish_reason": {"type": "abort", "message": message}}}
 
     assert pause_abort(answer("paused (abort mode)")) and pause_abort(answer("Abort before prefill"))
+    assert pause_abort(answer("Abort in waiting queue"))  # sglang 0.5.23's message for a queued request
     assert not pause_abort(answer("aborted by request")) and not pause_abort(answer("the engine closed"))
     assert not pause_abort({"meta_info": {"finish_reason": {"type": "length", "length": 4}}})
     sampling = {"max_new_tokens": 10, "min_new_tokens": 4, "sampling_seed": 7}
