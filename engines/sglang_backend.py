@@ -16,7 +16,8 @@ requests: whatever is in flight is SGLang's scheduler's to batch.
 **Inputs.** SGLang's HTTP API refuses tensors (0.5.22+ rejects ``format`` dicts in MediaRef), so multimodal
 inputs are passed in process: per modality **one** dict per request, either ``{"format": "processor_output",
 ...}`` with the Hugging Face processor keys (Weir's features are exactly those tensors) or ``{"format":
-"precomputed_embedding", "precomputed_embeddings": ...}`` with the encoder role's embeddings plus the grids,
+"precomputed_embedding", "feature": ...}`` with the encoder role's embeddings plus the grids (or the clips'
+``audio_feature_lens``),
 together with ``input_ids`` whose placeholders are already expanded. Every `SamplingParams` field is passed
 on under SGLang's own name (penalties, ``min_p``, ``logit_bias`` with string keys, the detokenizer options,
 the grammar of ``json_schema`` / ``regex`` / ``ebnf`` as given), and so are ``logprob_start_len`` /
@@ -79,7 +80,8 @@ def _visual(items: list[MediaInput], kind: str) -> dict[str, Any]:
     prefix = "image" if kind == "image" else "video"
     out: dict[str, Any]
     if all(m.embedding is not None for m in items):
-        out = {"format": "precomputed_embedding", "precomputed_embeddings": torch.cat([m.embedding for m in items])}  # type: ignore[misc]
+        # SGLang takes a precomputed embedding from "feature"; the other keys become the item's model data
+        out = {"format": "precomputed_embedding", "feature": torch.cat([m.embedding for m in items])}  # type: ignore[misc]
     else:
         values = [m.features.pixel_values for m in items]  # type: ignore[union-attr]
         key = "pixel_values" if kind == "image" else "pixel_values_videos"
@@ -95,8 +97,8 @@ def _audio(items: list[MediaInput]) -> dict[str, Any]:
     if all(m.embedding is not None for m in items):
         return {
             "format": "precomputed_embedding",
-            "precomputed_embeddings": torch.cat([m.embedding for m in items]),  # type: ignore[misc]
-            "audio_feature_lengths": torch.tensor(lengths),
+            "feature": torch.cat([m.embedding for m in items]),  # type: ignore[misc]
+            "audio_feature_lens": torch.tensor(lengths),  # mel frames per clip, SGLang's name (Omni positions)
         }
     features = [m.features for m in items]
     assert all(isinstance(f, pp.AudioFeatures) for f in features)

@@ -33,7 +33,7 @@ The rules it keeps, and raises on, loudly:
   read yet coalesce into the latest; the last is a copy with the text.
 - Refusals: `ValueError` for a duplicate rid, no input, an input at or past the context length, input plus
   ``max_new_tokens`` past it; `TypeError` for an unknown sampling key; ``flush_cache`` fails while requests
-  run or wait.
+  run or wait. An abort is sent once per live rid (an unknown or finished one: nothing sent).
 
 Tokens: request ``rid``'s token at position ``i`` is a hash of both into the vocabulary, its log-prob
 ``-(1 + token % 5) / 10``; a request finishes ``length`` at ``max_new_tokens``.
@@ -328,6 +328,7 @@ class _ReqState:
     out_list: list[dict[str, Any]] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    abort_sent: bool = False
 
 
 class TokenizerManager:
@@ -412,7 +413,7 @@ class TokenizerManager:
         assert obj.sampling_params is not None
         unknown = set(obj.sampling_params) - SAMPLING_KEYS
         if unknown:
-            raise TypeError(f"SamplingParams.__init__() got an unexpected keyword argument {sorted(unknown)[0]!r}")
+            raise TypeError(f"Unexpected keyword argument {sorted(unknown)[0]!r}")
         context = int(self.engine.server_args["context_length"])
         n = len(obj.input_ids or [])
         if n >= context:
@@ -460,6 +461,11 @@ class TokenizerManager:
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         if not abort_all and not rid:
             return
+        if not abort_all:  # SGLang (one tokenizer worker) sends an abort once, and only for a live request
+            state = self.rid_to_state.get(rid)
+            if state is None or state.abort_sent:
+                return
+            state.abort_sent = True
         if self.event_loop is not None and threading.current_thread() is not self._loop_thread:
             raise WrongLoop(
                 "SGLang rule broken: abort_request (a ZMQ send) called off the tokenizer manager's loop thread"

@@ -46,7 +46,7 @@ def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
     item = MediaInput(kind="image", embedding=torch.zeros(image.num_tokens, 64), grid_thw=image.grid_thw)  # type: ignore[union-attr]
     kwargs = build_request(GenerateRequest(input_ids=[5], media=(item,)))
     (images,) = kwargs["image_data"]
-    assert images["format"] == "precomputed_embedding" and images["precomputed_embeddings"].shape == (
+    assert images["format"] == "precomputed_embedding" and images["feature"].shape == (
         image.num_tokens,
         64,
     )

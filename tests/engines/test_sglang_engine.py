@@ -145,7 +145,7 @@ def test_a_coroutine_on_another_loop_is_refused_loudly(engine: SGLangEngine) -> 
     with pytest.raises(RuntimeError, match="already running"):  # a sync method while the engine's loop runs
         engine.engine.flush_cache()
     with pytest.raises(standin.WrongLoop):
-        engine.engine.tokenizer_manager.abort_request(rid="x")
+        engine.engine.tokenizer_manager.abort_request(abort_all=True)
 
 
 def test_a_publish_while_64_run(engine: SGLangEngine, tmp_path: Path) -> None:
