@@ -14,6 +14,7 @@ RUN apt-get update \
 WORKDIR /app
 
 COPY pyproject.toml README.md ./
+COPY launcher/ launcher/
 COPY services/ services/
 COPY preprocess/ preprocess/
 COPY encoders/ encoders/

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean gpu-check sglang-check extras-check
+.PHONY: run test lint bench clean gpu-check sglang-check extras-check docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -18,10 +18,16 @@ run: $(STAMP)
 	$(BIN)/weir demo --out .weir/demo
 	$(BIN)/weir train --demo
 
-test: $(STAMP) extras-check
+test: $(STAMP) extras-check docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q
+
+# The documentation site (mkdocs.yml: docs/, the README as its home page) into .weir/site; --strict makes a
+# broken link to a page or an anchor, or a page missing from the nav, fail the build (the variable only
+# silences mkdocs-material's end-of-life banner).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir .weir/site
 
 # Every extra must stay installable: pip resolves each from package metadata alone (no wheels, no GPU).
 extras-check: $(STAMP)

@@ -1,5 +1,6 @@
 """Generation engines: one contract (`Engine`), three backends (transformers on CPU, SGLang on GPU, and a
-simulated one that sleeps a cost model's time for capacity twins),
+simulated one that sleeps a cost model's time for capacity twins; the two that schedule their own requests
+share one `scheduler.Scheduler`),
 and what an engine role needs around them — SGLang's sampling dict mapped (`sampling_from`), media
 resolved from the caches by key (`MediaResolver`), a model's limits checked (`ModelLimits`).
 
@@ -15,11 +16,20 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
       media.py                MediaRef (by feature or embedding key) → MediaInput, from the two caches
       limits.py               a model's vocabulary and context; prompts outside them are refused at submit
       factory.py              load_engine(model, backend=..., device=..., max_running=..., profile=...)
-      transformers_backend.py TransformersEngine: a scheduler thread over a transformers model (CPU)
-      sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), on one owned loop; build_request
+      scheduler.py            Scheduler: one engine's requests (queue, admission, pause, abort), driven by a Stepper
+      transformers_backend.py TransformersEngine: a transformers model (CPU), checked at submit, on a Scheduler
+      transformers_stepper.py TransformersStepper: one request's prefill or decode, its sampling and its stop
+      logits.py               SGLang's logit processing and sampling: penalize, sample_token, top_logprobs
+      weights.py              new weights checked against the model: from a folder, or received in a group
+      weights_group.py        join_weights_group: SGLang's weight-update process group, from either side
+      sglang_backend.py       SGLangEngine: sglang.Engine in process (GPU), every call on one owned loop
+      sglang_request.py       build_request / result_from: GenerateRequest ↔ SGLang's GenerateReqInput and answer
       sglang_loop.py          EngineLoop: one thread running one asyncio loop for an engine's whole life
       sglang_args.py          SGLang's server arguments: checked by name against ServerArgs, the GPUs they take
-      sim_backend.py          SimEngine: no model; a profile's continuous-batching cost model, slept (SimProfile)
+      sim_backend.py          SimEngine: no model; a profile's continuous-batching cost model, slept, over replicas
+      sim_replica.py          SimReplica: one simulated engine, a Scheduler stepped by a SimStepper
+      sim_stepper.py          SimStepper: the cost model applied on one clock (prefill, decode, weight updates)
+      sim_profile.py          SimProfile: a simulated engine's constants and their sources; SimStats
 """
 
 from __future__ import annotations

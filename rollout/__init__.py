@@ -1,27 +1,37 @@
 """The rollout library: prompts → engines → rewarded, typed `Group`s, with no HTTP server of its own.
 
 The rollout role (`services.rollout`) builds a `RolloutContext` once and runs a rollout function
-(`rollout_group` unless ``WEIR_ROLLOUT_FUNCTION`` names another) per prompt. Modules:
+(`rollout_group` unless ``WEIR_ROLLOUT_FUNCTION`` names another) per prompt. Modules, each importing only
+those listed above it:
 
-    prompts     OpenAI messages → preprocess items; chat template + exact placeholder expansion
-    dispatch    engines: least outstanding, group affinity, one retry elsewhere, health probes
-    group       the rollout itself: prepare → generate n (each seeded sample its own seed) → reward →
-                `Group`; the context; chat samples, whole or streamed (with top / prompt log-probs)
-    rewards     built-in rewards and the registry of custom ones (named, registered at start-up)
-    admission   bounds on in-flight media tokens and request bytes
-    chat        OpenAI chat / text-completion shaping: objects, streamed deltas, tool calls
-    sink        where finished groups go (the data role, or a JSONL file)
-    multiturn   multi-turn trajectories: tool calls and environment steps, observations rendered by the
-                chat template (loss mask 0), per-token policy versions
-    tools       built-in tools (calculator, crop) and the registry of custom ones (named, registered at start-up)
+    errors        the exception tree
+    plugins       loading operator-named code (settings and entry points only, never requests)
+    admission     bounds on in-flight media tokens and request bytes
+    dispatch      engines: least outstanding, group affinity, one retry elsewhere, health probes
+    sink          where finished groups go (the data role, or a JSONL file)
+    prompts       OpenAI messages → preprocess items; chat template + exact placeholder expansion
+    rewards       built-in rewards and the registry of custom ones (named, registered at start-up)
+    partial       the rules for continuing a sample a pause cut short (which aborts, what sampling)
+    tools         built-in tools (calculator, crop) and the registry of custom ones (named, registered at start-up)
+    toolcalls     Qwen's ``<tool_call>`` blocks in an answer → typed `ToolCall`s
     environments  built-in environments (visual_search), registered classes and HTTP environments at configured URLs
-    plugins     loading operator-named code (settings and entry points only, never requests)
-    errors      the exception tree
+    logprobs      log-probs beyond the sampled tokens': what an OpenAI request asks, what an engine answers
+    context       the extension point: `PromptSpec`, `RolloutContext`, `RolloutFunction`
+    preparation   messages (or token ids) → a `Prepared` prompt: media preprocessed and encoded, context checks
+    generation    prepared prompt → samples: engine bodies and answers, seeds, continuation across a pause
+    scoring       samples → rewarded samples → the `Group` record (single- and multi-turn alike)
+    observations  what tools and environments show the model, rendered as a trajectory's tokens (mask 0)
+    multiturn     multi-turn trajectories: tool calls and environment steps turn by turn, per-token loss mask
+                  and policy versions, environment rewards
+    group         the default rollout function (`rollout_group`) and `run_prompt` (which records the group)
+    serving       samples for OpenAI requests, whole or streamed (`ChatStream`), with top / prompt log-probs
+    chat          OpenAI chat / text-completion shaping: objects, streamed deltas, tool calls
 """
 
 from __future__ import annotations
 
 from .admission import Admission
+from .context import PromptSpec, RolloutContext, RolloutFunction
 from .dispatch import Dispatcher, EngineEndpoint, EngineHealth, EngineStream
 from .environments import EnvironmentRegistry
 from .errors import (
@@ -37,29 +47,16 @@ from .errors import (
     UpstreamUnavailable,
     WorkTooLarge,
 )
-from .group import (
-    DEFAULT_ROLLOUT_FUNCTION,
-    ChatStream,
-    ChoiceLogprobs,
-    LogprobAsk,
-    Prepared,
-    Progress,
-    PromptSpec,
-    RolloutContext,
-    RolloutFunction,
-    chat_samples,
-    chat_stream,
-    generate_n,
-    prepare,
-    reward_samples,
-    rollout_group,
-    run_prompt,
-    sample_seed,
-)
+from .generation import generate_n, sample_seed
+from .group import DEFAULT_ROLLOUT_FUNCTION, rollout_group, run_prompt
+from .logprobs import ChoiceLogprobs, LogprobAsk
 from .multiturn import rollout_multiturn
 from .plugins import PluginError
+from .preparation import Prepared, prepare
 from .prompts import PromptBuilder, parse_messages
 from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardContext, RewardFunction, RewardRegistry, RewardSpec
+from .scoring import reward_samples
+from .serving import ChatStream, Progress, chat_samples, chat_stream
 from .sink import HttpSink, JsonlSink, Sink
 from .tools import Observation, ToolContext, ToolError, ToolRegistry
 

@@ -1,29 +1,28 @@
 """OpenAI chat-completion (and text-completion) shaping: the response object, log-probs, usage, tool
 calls and SSE chunks.
 
-Pure functions over `Sample`s (the chat route gets them from `rollout.group.chat_samples`) and, for
-true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.group.Progress`) into
+Pure functions over `Sample`s (the chat route gets them from `rollout.serving.chat_samples`) and, for
+true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.serving.Progress`) into
 ``chat.completion.chunk`` deltas as the tokens come: one delta per engine step (a token, or the few
 an engine sends at once), with their log-probs (and, when asked, each token's most likely alternatives:
-`rollout.group.ChoiceLogprobs`); text that may still turn out to be a stop string is
-held back until the engine's next step says it is not. Tool calls are parsed from Qwen's format —
-``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks — into ``message.tool_calls``.
-The shapes are OpenAI's ``chat.completion`` and ``chat.completion.chunk``. This module does not
-validate requests or talk to any role.
+`rollout.logprobs.ChoiceLogprobs`); text that may still turn out to be a stop string is
+held back until the engine's next step says it is not. Tool calls are parsed from Qwen's format
+(`rollout.toolcalls`) into ``message.tool_calls``. The shapes are OpenAI's ``chat.completion`` and
+``chat.completion.chunk``. This module does not validate requests or talk to any role.
 """
 
 from __future__ import annotations
 
 import json
-import re
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 from experience.records import Sample
 
-if TYPE_CHECKING:
-    from .group import ChoiceLogprobs, Top
+from .logprobs import ChoiceLogprobs, Top
+from .toolcalls import parse_calls
+from .tools import ToolCall
 
 __all__ = [
     "ChoiceStream",
@@ -33,11 +32,10 @@ __all__ = [
     "finish_reason",
     "legacy_logprobs",
     "logprobs_content",
+    "openai_tool_call",
     "parse_tool_calls",
     "prompt_logprobs",
     "sse",
-    "sse_events",
-    "stream_chunks",
     "text_completion",
     "token_logprobs",
     "usage",
@@ -45,8 +43,6 @@ __all__ = [
 
 TokenText = Callable[[int], str]
 FinishReason = Literal["stop", "length", "tool_calls"]
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
@@ -58,39 +54,21 @@ def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
 
 
 def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
-    """(content, tool calls) of a model's answer in Qwen's format. Each ``<tool_call>`` block must be a
-    JSON object with a string ``name`` and an object (or JSON-object string) ``arguments``; the calls
-    come out as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``
-    and the content is the text before the first (None when there is none). An answer with no block, or
-    any block that does not parse, is all content and no calls (never a half-parsed call)."""
-    blocks = _TOOL_CALL.findall(text)
-    if not blocks:
-        return text, []
-    calls = []
-    for block in blocks:
-        try:
-            call = json.loads(block)
-        except ValueError:
-            return text, []
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
-            return text, []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                return text, []
-        if not isinstance(arguments, dict):
-            return text, []
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
-            }
-        )
-    content = text[: text.index("<tool_call>")]  # as vLLM's Hermes parser: the text before the first call
-    return content if content.strip() else None, calls
+    """(content, tool calls) of a model's answer in Qwen's format (`rollout.toolcalls.parse_calls`): the
+    calls as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``, the
+    content the text before the first (None when there is none). An answer with no call, or any block that
+    does not parse, is all content and no calls (never a half-parsed call)."""
+    content, calls = parse_calls(text)
+    return content, [openai_tool_call(call) for call in calls]
+
+
+def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+    """One call as an OpenAI ``tool_calls`` entry, with a fresh id."""
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False)},
+    }
 
 
 def logprobs_content(sample: Sample, token_text: TokenText, top: Sequence[Top] | None = None) -> list[dict[str, Any]]:
@@ -194,27 +172,6 @@ def _delta(
     head: dict[str, Any], index: int, change: dict[str, Any], logprobs: Any = None, finish: str | None = None
 ) -> dict[str, Any]:
     return {**head, "choices": [{"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish}]}
-
-
-def stream_chunks(whole: dict[str, Any], *, include_usage: bool = False) -> list[dict[str, Any]]:
-    """A finished ``chat.completion`` as ``chat.completion.chunk`` objects (used when the answer must
-    be whole before it can be shaped: tool calls): per choice its role, its content (with its
-    log-probs, if any), its tool calls and its finish reason; with ``include_usage`` a last chunk with
-    no choices and the usage (OpenAI's ``stream_options.include_usage``)."""
-    head = chunk_head(whole["id"], whole["created"], whole["model"])
-    out = []
-    for choice in whole["choices"]:
-        index, message = choice["index"], choice["message"]
-        out.append(_delta(head, index, {"role": "assistant", "content": ""}))
-        if message.get("content") or choice["logprobs"]:
-            out.append(_delta(head, index, {"content": message.get("content") or ""}, choice["logprobs"]))
-        calls = message.get("tool_calls") or []
-        if calls:
-            out.append(_delta(head, index, {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}))
-        out.append(_delta(head, index, {}, finish=choice["finish_reason"]))
-    if include_usage:
-        out.append({**head, "choices": [], "usage": whole["usage"]})
-    return out
 
 
 class ChoiceStream:
@@ -413,13 +370,6 @@ def text_completion(
         "choices": choices,
         "usage": usage(prompt_tokens, samples),
     }
-
-
-def sse_events(chunks: Sequence[dict[str, Any]]) -> Iterator[bytes]:
-    """Server-sent events: one ``data:`` event per chunk, then ``data: [DONE]``."""
-    for item in chunks:
-        yield sse(item)
-    yield b"data: [DONE]\n\n"
 
 
 def sse(item: dict[str, Any]) -> bytes:

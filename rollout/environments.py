@@ -38,7 +38,7 @@ from typing import Any, Protocol, runtime_checkable
 import httpx
 
 from .plugins import PluginError, check_name, installed, load_callable
-from .tools import DEFAULT_TIMEOUT_S, Observation, ToolCall, ToolError, UnknownTool, image_bytes, observation_of
+from .tools import DEFAULT_TIMEOUT_S, Observation, ToolCall, ToolError, UnknownTool, observation_of
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
@@ -226,14 +226,6 @@ class HttpEnvironment:
         answer = self._post("/step", {"session": self.session, "action": wire})
         reward = answer.get("reward")
         return step_of((self._observation(answer.get("observation")), reward, bool(answer.get("done"))))
-
-
-def observation_json(observation: Observation) -> dict[str, Any]:
-    """An observation as `HttpEnvironment` sends and reads it (for servers written in Python)."""
-    return {
-        "text": observation.text,
-        "images": [base64.b64encode(image_bytes(i)).decode() for i in observation.images],
-    }
 
 
 BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Any]] = {"visual_search": VisualSearch}

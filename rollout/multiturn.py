@@ -3,15 +3,11 @@ trajectory — prompt, then the model's turns and the observations between them 
 
 Per sample, each turn generates from the full token sequence so far (prompt + every segment, every
 medium so far in order) until the model ends its turn (its end-of-turn token; a ``<tool_call>`` block is
-parsed after the fact with `chat.parse_tool_calls`, so the model's tokens are kept exactly as sampled).
-A call is run (`rollout.tools`: registered tools, over the environment's ``state``) or handed to the
-environment's ``step``; its observation is appended as a ``tool`` turn whose tokens are exactly what
-the chat template makes of it (`PromptBuilder.continuation`: the difference between the rendering with
-and without it). A chat template that drops media from ``tool`` turns (Qwen2.5-Omni's renders only their
-text) gets the observation's images in a ``user`` turn right after, as the template renders images
-there. Images go through the preprocess role (and the encoder) like a prompt's, count against the
-request's budget (``max_sample_tokens``: what the prompt and earlier observations left) and are
-expanded to their exact token counts.
+parsed after the fact with `rollout.toolcalls.parse_calls`, so the model's tokens are kept exactly as
+sampled). A call is run (`rollout.tools`: registered tools, over the environment's ``state``) or handed to
+the environment's ``step``; its observation is appended as a ``tool`` turn whose tokens are exactly what
+the chat template makes of it, its images preprocessed, budgeted and expanded like a prompt's
+(`rollout.observations`).
 
 Recorded per response token: ``loss_mask`` 1 on the model's tokens, 0 on observations (whose log-probs
 are 0.0); ``token_versions`` from each engine answer's ``weight_version``; the sample's
@@ -31,9 +27,8 @@ says nothing about the policy, so it is recorded but never trained on.
 from __future__ import annotations
 
 import asyncio
-import base64
+import copy
 import dataclasses
-import json
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -42,22 +37,15 @@ from typing import Any
 
 from experience.records import FinishReason, Group, Sample, SampleStatus
 
-from .chat import parse_tool_calls
+from .context import PromptSpec, RolloutContext
 from .environments import EnvironmentRef, PromptInfo, Step, step_of
-from .errors import InvalidPrompt, MediaRefused, UpstreamUnavailable
-from .group import (
-    Prepared,
-    PromptSpec,
-    RolloutContext,
-    assemble_group,
-    generate,
-    prepare,
-    reward_samples,
-    sample_sampling,
-    sample_seed,
-    with_max_new_tokens,
-)
+from .errors import InvalidPrompt, UpstreamUnavailable
+from .generation import generate, sample_sampling, sample_seed
+from .observations import render_observations, user_turn
+from .preparation import Prepared, prepare, with_max_new_tokens
 from .prompts import parse_messages
+from .scoring import assemble_group, reward_samples
+from .toolcalls import parse_calls
 from .tools import (
     DEFAULT_TIMEOUT_S,
     Observation,
@@ -66,7 +54,6 @@ from .tools import (
     ToolContext,
     ToolError,
     ToolFailed,
-    image_bytes,
     observation_of,
 )
 
@@ -123,20 +110,6 @@ async def _in_worker(function: Any, *args: Any, timeout_s: float, what: str) -> 
         raise ToolFailed(f"{what} failed: {type(error).__name__}: {error}") from None
 
 
-def _data_uri(image: Any) -> str:
-    return "data:image/png;base64," + base64.b64encode(image_bytes(image)).decode()
-
-
-def _user_turn(observation: Observation) -> dict[str, Any]:
-    """An observation as an OpenAI ``user`` message (images first, then the text)."""
-    parts: list[dict[str, Any]] = [
-        {"type": "image_url", "image_url": {"url": _data_uri(i)}} for i in observation.images
-    ]
-    if observation.text or not parts:
-        parts.append({"type": "text", "text": observation.text})
-    return {"role": "user", "content": parts}
-
-
 async def rollout_multiturn(
     ctx: RolloutContext,
     prompt: PromptSpec,
@@ -174,7 +147,7 @@ async def rollout_multiturn(
             ]
         except (ToolFailed, ToolError) as error:  # no prompt without it: the request's error, not a sample's
             raise UpstreamUnavailable(f"{where}.environment: {error}", code="environment_failed") from None
-        shown = [_user_turn(observation_of(f)) if f is not None else None for f in firsts]
+        shown = [user_turn(observation_of(f)) if f is not None else None for f in firsts]
         if any(s != shown[0] for s in shown):  # a group shares one prompt: reset must not depend on the sample
             raise InvalidPrompt(
                 f"{where}.environment: {environment.name!r} reset differently for the samples of one group",
@@ -292,7 +265,7 @@ async def _trajectory(
                 raise _Ended("abort")
             if sample.finish_reason == "length":
                 raise _Ended("length")
-            content, calls = parse_tool_calls(sample.text)
+            content, calls = parse_calls(sample.text)
             ended = bool(sample.response_ids) and sample.response_ids[-1] in ctx.prompts.eos_ids
             context = ToolContext(state=state, group_id=group_id, sample_index=index, turn=turn)
             added: list[dict[str, Any]] = []
@@ -318,15 +291,15 @@ async def _trajectory(
                     {
                         "role": "assistant",
                         "content": content or "",
+                        # a copy: the conversation keeps the model's arguments whatever a tool does to its own
                         "tool_calls": [
-                            {"type": "function", "function": {"name": c["function"]["name"], "arguments": args}}
-                            for c, args in ((c, _arguments(c)) for c in calls)
+                            {"type": "function", "function": {"name": c.name, "arguments": copy.deepcopy(c.arguments)}}
+                            for c in calls
                         ],
                     }
                 )
                 done = False
-                for call in calls:
-                    action = ToolCall(call["function"]["name"], _arguments(call))
+                for action in calls:
                     observation, done_now = await _call(tools.get(action.name), action, context, env, timeout_s, run)
                     done = done or done_now
                     observations.append(observation)
@@ -360,11 +333,6 @@ async def _trajectory(
         ),
         run,
     )
-
-
-def _arguments(call: Mapping[str, Any]) -> dict[str, Any]:
-    value = json.loads(call["function"]["arguments"])  # parse_tool_calls made it a JSON object's text
-    return value if isinstance(value, dict) else {}
 
 
 async def _call(
@@ -410,66 +378,22 @@ async def _append_observation(
     budget: Mapping[str, Any] | None,
 ) -> None:
     """The observations as template-rendered tokens (mask 0), their media preprocessed and expanded."""
-    images = [i for o in observations for i in o.images]
-    if images:
-        inside = [*added[:-1], _with_images(added[-1], len(images))]
-        text = ctx.prompts.continuation(run.conversation, inside, tools=tools, ended=ended)
-        if text.count(ctx.prompts.placeholder_text("image")) == len(images):
-            added = inside
-        else:  # the template drops media from tool turns: the images follow in a user turn, which renders them
-            added = [*added, {"role": "user", "content": [{"type": "image"} for _ in images]}]
-            text = ctx.prompts.continuation(run.conversation, added, tools=tools, ended=ended)
-    else:
-        text = ctx.prompts.continuation(run.conversation, added, tools=tools, ended=ended)
-    media: list[tuple[str, int]] = []
-    refs: list[dict[str, str]] = []
-    inline: list[dict[str, str]] = []
-    keys: list[str] = []
-    for k, image in enumerate(images):
-        used = run.prompt.media_tokens + sum(run.counts.values()) + sum(n for _, n in media)
-        item_budget = dict(budget or {})
-        if item_budget.get("max_sample_tokens") is not None:
-            left = int(item_budget["max_sample_tokens"]) - used
-            if left < 1:
-                raise ToolFailed(f"the observation's image {k} does not fit the request's token budget")
-            item_budget["max_sample_tokens"] = left
-        try:
-            item = await prepare(
-                ctx,
-                [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_uri(image)}}]}],
-                where=f"observation image {k}",
-                budget=item_budget or None,
-            )
-        except MediaRefused as refused:
-            raise ToolFailed(f"the observation's image was refused: {refused}") from None
-        n = item.media_tokens
-        media.append(("image", n))
-        refs += item.media
-        inline += item.inline
-        keys += item.feature_keys
-    ids = ctx.prompts.observation_ids(text, media)
+    used = run.prompt.media_tokens + sum(run.counts.values())
+    shown = await render_observations(
+        ctx, run.conversation, added, observations, tools=tools, ended=ended, budget=budget, used=used
+    )
+    ids = shown.ids
     if len(run.response) + len(ids) >= max_new or (
         len(run.prompt.prompt_ids) + len(run.response) + len(ids) >= ctx.context_length
     ):
         raise _Ended("length")  # no room left to answer after it: the trajectory ends before the observation
-    run.conversation += added
-    run.media += refs
-    run.inline += inline
-    run.keys += keys
-    for kind, n in media:
+    run.conversation += shown.messages
+    run.media += shown.refs
+    run.inline += shown.inline
+    run.keys += shown.keys
+    for kind, n in shown.media:
         run.counts[kind] = run.counts.get(kind, 0) + n
     run.response += ids
     run.logprobs += [0.0] * len(ids)
     run.mask += [0] * len(ids)
     run.versions += [version] * len(ids)
-
-
-def _with_images(message: dict[str, Any], count: int) -> dict[str, Any]:
-    """``message`` with ``count`` image parts before its text (a string, or text parts)."""
-    content = message.get("content")
-    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(count)]
-    if isinstance(content, str) and content:
-        parts.append({"type": "text", "text": content})
-    elif isinstance(content, list):
-        parts += content
-    return {**message, "content": parts}

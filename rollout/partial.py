@@ -101,7 +101,7 @@ def continuation_sampling(sampling: Mapping[str, Any], kept: int, segment: int) 
 
 def join_segments(segments: Sequence[Sample], *, generate_s: float, exhausted: bool = False) -> Sample:
     """One `Sample` from the segments of a continued sample, in order (each an engine answer read by
-    `rollout.group.sample_from_engine`): ids, log-probs and texts concatenated, each token tagged with its
+    `rollout.generation.sample_from_engine`): ids, log-probs and texts concatenated, each token tagged with its
     segment's ``policy_version``, ``policy_version`` the oldest among the tokens, status and
     finish_reason the last segment's. ``exhausted``: the last segment ended because no new token was left
     (its ``max_new_tokens`` reached at the cut): the sample finishes ``length``. Timings: ``generate_s``,

@@ -1,5 +1,7 @@
 """The HTTP layer: one package per role (``settings.py``, ``schemas.py``, ``app.py``), the template
-they share (`services.template`), the role table (`services.roles`) and the ``weir`` command."""
+they share (`services.template`), the role table (`services.roles`) and the roles' Serve applications on Ray
+(`services.cluster`). The ``weir`` command that starts them is the launcher's (`launcher`), which this
+package never imports."""
 
 from __future__ import annotations
 

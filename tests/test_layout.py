@@ -1,4 +1,5 @@
-"""The layout is the architecture: libraries never speak HTTP, roles never import each other.
+"""The layout is the architecture: libraries never speak HTTP, roles never import each other, nothing below
+the launcher imports it, and no import runs in a circle.
 
 Read from the source with `ast` (no imports executed), so a violation names its file and line.
 """
@@ -12,6 +13,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LIBRARIES = ("preprocess", "encoders", "engines", "rollout", "experience", "trainer")
+PACKAGES = (*LIBRARIES, "services", "launcher")  # every package of the project
 ROLE_PACKAGES = ("preprocess", "encoder", "engine", "rollout", "data")
 WEB = ("fastapi", "starlette", "uvicorn")
 
@@ -66,3 +68,130 @@ def test_every_role_is_in_the_table() -> None:
     from services.roles import ROLES
 
     assert set(ROLES) == set(ROLE_PACKAGES)
+
+
+@pytest.mark.parametrize("package", ("services", *LIBRARIES))
+def test_roles_and_libraries_never_import_the_launcher(package: str) -> None:
+    """Imports run one way: launcher → services → libraries."""
+    bad = [
+        f"{path.relative_to(REPO)}:{line} imports {module}"
+        for path in sorted((REPO / package).rglob("*.py"))
+        for line, module in imports(path)
+        if module.split(".")[0] == "launcher"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
+    """Every import that runs — at module level or inside a function, since an import moved into a function
+    to dodge a circle is still a circle — except those under ``if TYPE_CHECKING:``."""
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in {
+            getattr(node.test, "id", None),
+            getattr(node.test, "attr", None),
+        }:
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            found.append(node)
+        stack.extend(ast.iter_child_nodes(node))
+    return found
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module → {project module it imports: line}, over every package of the project. ``from a import b``
+    is an edge to ``a.b`` when that is a module, else to ``a``; a package's own ``__init__`` is a module."""
+    modules = {_module_name(path): path for package in PACKAGES for path in sorted((REPO / package).rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: dict[str, int] = {}
+        for node in _runtime_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1] if node.level else []
+                module = ".".join([*base, *([node.module] if node.module else [])])
+                targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module for a in node.names]
+            for target in targets:
+                while target and target not in modules:  # `import a.b.c` of a name in a.b: the module a.b
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges[target] = min(edges.get(target, node.lineno), node.lineno)
+        graph[name] = edges
+    return graph
+
+
+def import_circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    circles: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(graph[root]))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(graph[child])))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    circles.append(sorted(component))
+    return circles
+
+
+def test_import_circles_are_found() -> None:
+    """The check below finds a circle, and one kept out of sight in a function too."""
+    graph = {"a": {"b": 1}, "b": {"c": 3}, "c": {"a": 9}, "d": {"a": 2}}
+    assert import_circles(graph) == [["a", "b", "c"]]
+    lazy = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import x\ndef f():\n    import y\n")
+    found = {node.module if isinstance(node, ast.ImportFrom) else node.names[0].name for node in _runtime_imports(lazy)}
+    assert found == {"typing", "y"}
+
+
+def test_no_import_circles() -> None:
+    graph = import_graph()
+    assert {"launcher.cli", "services.roles", "rollout.group"} <= set(graph)
+    found = [
+        "; ".join(
+            f"{module}:{line} imports {other}"
+            for module in circle
+            for other, line in graph[module].items()
+            if other in circle
+        )
+        for circle in import_circles(graph)
+    ]
+    assert not found, "import circles (one a line):\n" + "\n".join(found)

@@ -1,6 +1,6 @@
 """`SimTrainer`: the trainer interface `trainer.loop.run_loop` uses, with GPU time slept from a profile.
 
-A capacity twin (`services.twin`) runs Weir's real control plane — the rollout driver, the data role's
+A capacity twin (`launcher.twin`) runs Weir's real control plane — the rollout driver, the data role's
 admission, staleness, leases and acknowledgements, checkpoints-then-ack, publishing — against simulated
 engines (`engines.sim_backend`). This is the trainer half: it consumes the **real** feed (every micro-batch
 is leased, counted and acknowledged by the loop as with `ReferenceTrainer`), but computes nothing; the time

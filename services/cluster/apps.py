@@ -1,7 +1,7 @@
 """Serve applications from the role table: one application per role, each the role's FastAPI app.
 
 `role_app` is a Serve *application builder* (it takes the arguments of a Serve config file's ``args``),
-so the same function serves ``weir up --ray`` (`services.cluster.stack`) and a config file that users
+so the same function serves ``weir up --ray`` (`launcher.cluster.stack`) and a config file that users
 edit and deploy with ``serve deploy`` (`serve_config` writes one)::
 
     applications:
@@ -10,80 +10,21 @@ edit and deploy with ``serve deploy`` (`serve_config` writes one)::
         import_path: services.cluster.apps:role_app
         args: {role: engine, replicas: 2, resources: {GPU: 1}, env: {WEIR_MODEL: /models/tiny}}
 
-Placement, per role (`default_placement`):
-
-* engines ask for a GPU each (``resources`` in tests: a custom resource standing in for one);
-* preprocess and encoder run one replica on every node that has engines (nodes marked with the
-  ``weir_engine_node`` resource; a sliver of it per replica, at most one replica per node), so each
-  node's caches sit next to its engines;
-* the data role is one replica pinned to the node holding its durable directory (a custom resource
-  only that node has: ``weir_data``; it asks most of it, so two data replicas never share a node), so a
-  restart finds its directory again;
-* the rollout role is one replica (it keeps groups in flight in memory) beside the data role, asking a
-  sliver of the same marker: the data node is the one node a run cannot lose anyway, and a GPU node that
-  goes must not take the rollout role (and every group in flight) with it.
+Where replicas go is `services.cluster.placement`'s (`default_placement`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..roles import ROLES
+from .placement import Placement
 
-__all__ = [
-    "DATA_RESOURCE",
-    "HEALTH_CHECK_PERIOD_S",
-    "ENGINE_NODE_RESOURCE",
-    "ENGINE_RESOURCE",
-    "Placement",
-    "default_placement",
-    "role_app",
-    "serve_config",
-]
+__all__ = ["HEALTH_CHECK_PERIOD_S", "role_app", "serve_config"]
 
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default is 10 s: a dead engine would take requests for longer
-DATA_RESOURCE = "weir_data"  # the node holding the data role's directory has one
-ENGINE_RESOURCE = "weir_engine"  # one per engine slot, on nodes without GPUs (tests, CPU clusters)
-ENGINE_NODE_RESOURCE = "weir_engine_node"  # 1 on every node that hosts engines
-_NODE_SHARE = 0.001  # what a per-node replica asks of the marker: "a node with engines", nothing more
-_DATA_SHARE = 0.99  # the data role's share of its node's marker: one fits, two never do; the rollout role's sliver too
-
-
-@dataclass(slots=True)
-class Placement:
-    replicas: int = 1
-    resources: dict[str, float] = field(default_factory=dict)
-    num_gpus: float = 0.0
-    max_replicas_per_node: int | None = None
-    autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config (engines)
-
-    def as_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {"replicas": self.replicas, "resources": dict(self.resources), "num_gpus": self.num_gpus}
-        if self.max_replicas_per_node is not None:
-            args["max_replicas_per_node"] = self.max_replicas_per_node
-        if self.autoscaling is not None:
-            args["autoscaling"] = dict(self.autoscaling)
-        return args
-
-
-def default_placement(
-    role: str, *, engines: int, engine_nodes: int, use_gpus: bool, engine_gpus: int = 1
-) -> Placement:
-    """Where ``role``'s replicas go on a cluster with ``engine_nodes`` nodes that host ``engines`` engines,
-    each taking ``engine_gpus`` GPUs where there are GPUs (an SGLang engine's tp × pp × dp)."""
-    engine_slot = {} if use_gpus else {ENGINE_RESOURCE: 1.0}
-    if role == "engine":
-        return Placement(engines, engine_slot, num_gpus=float(engine_gpus) if use_gpus else 0.0)
-    if role in ("preprocess", "encoder"):
-        return Placement(max(1, engine_nodes), {ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1)
-    if role == "data":
-        return Placement(1, {DATA_RESOURCE: _DATA_SHARE})
-    if role == "rollout":
-        return Placement(1, {DATA_RESOURCE: _NODE_SHARE})
-    return Placement(1)
 
 
 def role_app(args: dict[str, Any]) -> Any:

@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from .placement import DATA_RESOURCE
+
 __all__ = ["NAME", "NAMESPACE", "STALE_AFTER_S", "Registry", "ReplicaEntry", "live_replicas", "registry_handle"]
 
 NAME = "weir-registry"
@@ -102,8 +104,6 @@ def registry_handle() -> Any:
     Needs ``ray.init`` first."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from .apps import DATA_RESOURCE
 
     # Preferably on the node that holds the data role's directory, the one node a run cannot lose anyway (a
     # GPU node may go); soft, so a cluster without that node still gets a registry.

@@ -27,6 +27,7 @@ from engines.errors import InvalidSampling
 from engines.sampling import sampling_from
 from experience.records import Group
 from rollout import chat
+from rollout.context import PromptSpec, RolloutFunction
 from rollout.errors import (
     EngineRefused,
     EnginesUnavailable,
@@ -40,21 +41,11 @@ from rollout.errors import (
     UpstreamUnavailable,
     WorkTooLarge,
 )
-from rollout.group import (
-    ChatStream,
-    Progress,
-    PromptSpec,
-    RolloutFunction,
-    chat_samples,
-    chat_stream,
-    check_context,
-    complete_samples,
-    open_streams,
-    prepared_ids,
-    run_prompt,
-)
+from rollout.group import run_prompt
 from rollout.plugins import load_coroutine_function
+from rollout.preparation import check_context, prepared_ids
 from rollout.rewards import BUILTIN_REWARDS
+from rollout.serving import ChatStream, Progress, chat_samples, chat_stream, complete_samples, open_streams
 
 from ..errors import ApiError, error_body
 from ..metrics import RoleMetrics

@@ -10,9 +10,10 @@ from typing import Any
 from engines.sampling import SUPPORTED_SAMPLING
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
+from rollout.context import RolloutContext
 from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRegistry
-from rollout.group import LogprobAsk, RolloutContext
+from rollout.logprobs import LogprobAsk
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec

@@ -1,6 +1,6 @@
 """Weir on Ray Serve across nodes vs `weir up` processes, side by side in one run.
 
-Measures, on a multi-node Ray cluster started on this machine (`services.cluster.local`: a head and two
+Measures, on a multi-node Ray cluster started on this machine (`launcher.cluster.local`: a head and two
 worker nodes) and on the same roles as local processes (`LocalStack`):
 
 * rollout request latency p50 / p99 (a short chat completion through the rollout role): Serve's proxy and
@@ -39,10 +39,10 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from launcher.cluster.local import local_cluster  # noqa: E402
+from launcher.cluster.stack import RayStack  # noqa: E402
+from launcher.stack import LocalStack  # noqa: E402
 from preprocess import samples  # noqa: E402
-from services.cluster.local import local_cluster  # noqa: E402
-from services.cluster.stack import RayStack  # noqa: E402
-from services.stack import LocalStack  # noqa: E402
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 
@@ -163,7 +163,7 @@ def train_demo(stack: RayStack, address: str, home: Path) -> dict[str, Any]:
     import json
     import subprocess
 
-    command = [sys.executable, "-m", "services.cli", "train", "--demo", "--ray", "--attach", "--address", address]
+    command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--ray", "--attach", "--address", address]
     command += ["--serve-port", str(stack.port), "--home", str(home)]
     subprocess.run(command, check=True)
     records = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]

@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "WEIR_MAX_QUEUED_GROUPS": "100000",
     }
     log = (work / "data.log").open("wb")
-    command = [sys.executable, "-m", "services.cli", "serve", "data", "--port", str(port), "--log-level", "warning"]
+    command = [sys.executable, "-m", "launcher.cli", "serve", "data", "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": f"Bearer {TOKEN}"}

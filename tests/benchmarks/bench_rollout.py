@@ -1,6 +1,6 @@
 """The rollout path end to end: throughput, the encoder cache, chat latency, and the rollout role's overhead.
 
-Measurements (stacks are `services.stack.LocalStack` — every role a local process — in a temporary
+Measurements (stacks are `launcher.stack.LocalStack` — every role a local process — in a temporary
 home folder, stopped in a ``finally``; the tiny embedded model is made once and shared):
 
 1. ``rollout_throughput``: samples/s and generated tokens/s of one ``POST /v1/rollouts`` request
@@ -64,8 +64,8 @@ from encoders.embedded_model import init_model
 from encoders.embeddings import Encoder
 from encoders.towers import Towers
 from experience.records import Group
+from launcher.stack import LocalStack
 from preprocess import samples
-from services.stack import LocalStack
 
 N_SAMPLES = 8  # samples per prompt (measurement 1) and per image per step (measurement 2)
 ROLLOUT_MAX_NEW = 32
@@ -506,7 +506,7 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
         prompt_ids: list[int] = first.prompt_ids
 
         def direct() -> int:
-            # What the rollout role sends an engine for this prompt (see rollout.group.engine_body).
+            # What the rollout role sends an engine for this prompt (see rollout.generation.engine_body).
             body = {
                 "input_ids": prompt_ids,
                 "sampling_params": {"max_new_tokens": OVERHEAD_MAX_NEW, "temperature": 0.0, "top_p": 1.0},

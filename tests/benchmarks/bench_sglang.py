@@ -182,7 +182,7 @@ def sglang_servers(model: Path, which: str, port: int, server_args: dict[str, An
         return process_server(command, url, env)
     env.update({"WEIR_MODEL": str(model), "WEIR_SGLANG_ARGS": json.dumps(server_args), "WEIR_API_TOKEN": ""})
     env.update({"WEIR_CACHE_DIR": str(model.parent / "cache"), "WEIR_EMBEDDING_CACHE_DIR": str(model.parent / "emb")})
-    command = [sys.executable, "-m", "services.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
+    command = [sys.executable, "-m", "launcher.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
     return process_server(command, url, env)
 
 

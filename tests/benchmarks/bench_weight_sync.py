@@ -89,7 +89,7 @@ def start_engines(model: Path, root: Path, count: int) -> list[tuple[subprocess.
             "WEIR_LOG_LEVEL": "warning",
             "WEIR_REQUEST_TIMEOUT_S": "600",
         }
-        command = [sys.executable, "-m", "services.cli", "serve", "engine", "--host", "127.0.0.1", "--port", str(port)]
+        command = [sys.executable, "-m", "launcher.cli", "serve", "engine", "--host", "127.0.0.1", "--port", str(port)]
         log = (root / f"engine-{i}.log").open("wb")
         engines.append(
             (subprocess.Popen(command, env=run_env, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}")

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGenerati
 
 import preprocess as pp
 from encoders.embedded_model import MEDIA_TOKENS, init_model
+from launcher.cli import main
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders
-from services.cli import main
 
 
 @pytest.fixture(scope="module")

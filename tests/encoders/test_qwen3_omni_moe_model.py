@@ -19,9 +19,9 @@ from encoders.routing import RoutingCapture, decode_routed_experts, routing_shap
 from encoders.towers import Towers
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
 from engines.transformers_backend import TransformersEngine
+from launcher.cli import main
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders
-from services.cli import main
 from trainer.reference import ReferenceTrainer
 
 SPEC = qwen3_omni_spec()

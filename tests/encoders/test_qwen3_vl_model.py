@@ -18,9 +18,9 @@ from encoders.towers import Towers
 from engines import InvalidMedia
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
 from engines.transformers_backend import TransformersEngine
+from launcher.cli import main
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders, timestamped_video_ids
-from services.cli import main
 from trainer.reference import ReferenceTrainer
 
 SPEC = pp.ProcessorSpec.qwen3_vl()

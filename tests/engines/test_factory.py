@@ -100,8 +100,8 @@ def test_sglang_server_arguments_as_a_setting(monkeypatch: pytest.MonkeyPatch, t
 
 
 def test_each_local_sglang_engine_gets_its_own_gpus() -> None:
+    from launcher.stack import engine_devices
     from services.settings import SettingsError
-    from services.stack import engine_devices
 
     assert engine_devices(0, {"WEIR_BACKEND": "transformers"}) == {}
     tp2 = {"WEIR_BACKEND": "sglang", "WEIR_SGLANG_ARGS": '{"tp_size": 2}'}
@@ -113,7 +113,7 @@ def test_each_local_sglang_engine_gets_its_own_gpus() -> None:
 
 
 def test_ray_gives_an_sglang_engine_all_the_gpus_it_takes() -> None:
-    from services.cluster.stack import RayStack
+    from launcher.cluster.stack import RayStack
 
     stack = RayStack(engines=2, env={"WEIR_BACKEND": "sglang", "WEIR_SGLANG_ARGS": '{"tp_size": 2, "pp_size": 2}'})
     assert stack.plan(engine_nodes=1, use_gpus=True)["engine"].num_gpus == 4.0

@@ -16,8 +16,9 @@ import preprocess as pp
 from encoders.embedded_model import MEDIA_TOKENS, init_model
 from encoders.towers import Towers
 from engines import InvalidMedia, InvalidPrompt, WeightsError, load_engine
+from engines.logits import sample_token
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
-from engines.transformers_backend import TransformersEngine, sample_token
+from engines.transformers_backend import TransformersEngine
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders
 

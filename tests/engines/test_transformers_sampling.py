@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
+from engines.logits import penalize, sample_token
 from engines.protocol import GenerateRequest, SamplingParams
-from engines.transformers_backend import TransformersEngine, penalize, sample_token
+from engines.transformers_backend import TransformersEngine
 
 
 @pytest.fixture(scope="module")

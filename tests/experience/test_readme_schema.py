@@ -14,7 +14,7 @@ import pyarrow as pa
 
 from experience.records import MICROBATCH_SCHEMA
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 HEADING = re.compile(r"^#+\s+The micro-batch Arrow schema\s*$")
 HEADER = ["column", "Arrow type", "meaning"]
 

@@ -118,7 +118,7 @@ def test_nccl_weight_sync_from_a_trainer_process_into_sglang(model: Path, tmp_pa
         "WEIR_EMBEDDING_CACHE_DIR": str(tmp_path / "emb"),
         "WEIR_SGLANG_ARGS": '{"mem_fraction_static": 0.3}',
     }
-    command = [sys.executable, "-m", "services.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
+    command = [sys.executable, "-m", "launcher.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
     role = subprocess.Popen(command, env=env, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

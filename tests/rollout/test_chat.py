@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
 from openai.types import Completion
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from openai.types.chat import ChatCompletion
 
 from experience.records import Sample, SampleStatus
 from rollout import chat
-from rollout.group import ChoiceLogprobs
+from rollout.logprobs import ChoiceLogprobs
 
 
 def _sample(index: int, ids: list[int], finish: str, text: str) -> Sample:
@@ -59,24 +57,6 @@ def test_an_aborted_sample_finishes_as_stop() -> None:
     assert chat.finish_reason(aborted) == "stop"
 
 
-def test_stream_chunks_are_openai_chunks_and_add_up_to_the_completion() -> None:
-    whole = chat.completion(SAMPLES, completion_id="c", created=0, model="m", prompt_tokens=4, token_text=token_text)
-    chunks = chat.stream_chunks(whole, include_usage=True)
-    parsed = [ChatCompletionChunk.model_validate(c) for c in chunks]
-    for choice in whole["choices"]:
-        deltas = [c.choices[0] for c in parsed if c.choices and c.choices[0].index == choice["index"]]
-        assert "".join(d.delta.content or "" for d in deltas) == choice["message"]["content"]
-        assert deltas[0].delta.role == "assistant" and deltas[-1].finish_reason == choice["finish_reason"]
-    assert parsed[-1].choices == [] and parsed[-1].usage is not None and parsed[-1].usage.total_tokens == 9
-    assert all(c.usage is None for c in parsed[:-1])
-
-
-def test_sse_events_end_with_done() -> None:
-    events = list(chat.sse_events([{"a": 1}, {"b": 2}]))
-    assert events[-1] == b"data: [DONE]\n\n"
-    assert [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]] == [{"a": 1}, {"b": 2}]
-
-
 # -- top log-probs --------------------------------------------------------------------------------
 DETAILS = [
     ChoiceLogprobs(top=[[(-0.4, 104), (-0.9, 120)], [(-0.8, 105), (-1.0, 106)]]),
@@ -95,9 +75,6 @@ def test_a_completion_with_top_logprobs() -> None:
         [("h", -0.4, [104]), ("x", -0.9, [120])],
         [("i", -0.8, [105]), ("j", -1.0, [106])],
     ]
-    chunks = [ChatCompletionChunk.model_validate(c) for c in chat.stream_chunks(whole)]
-    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
-    assert [len(e.top_logprobs) for e in streamed] == [2, 2, 2, 2, 2]
 
 
 def test_a_streamed_choice_carries_its_tokens_alternatives() -> None:

@@ -15,20 +15,15 @@ import pytest
 
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
+from rollout.context import PromptSpec, RolloutContext
 from rollout.dispatch import Dispatcher, EngineEndpoint
 from rollout.errors import MediaRefused, UpstreamUnauthorized
-from rollout.group import (
-    Prepared,
-    PromptSpec,
-    RolloutContext,
-    engine_body,
-    prepare,
-    reward_samples,
-    run_prompt,
-    sample_from_engine,
-)
+from rollout.generation import engine_body, sample_from_engine
+from rollout.group import run_prompt
+from rollout.preparation import Prepared, prepare
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry, RewardSpec
+from rollout.scoring import reward_samples
 from rollout.sink import JsonlSink
 
 

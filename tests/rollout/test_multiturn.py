@@ -17,10 +17,11 @@ import torch
 from experience.microbatch import group_table
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
+from rollout.context import PromptSpec, RolloutContext
 from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRegistry, VisualSearch
 from rollout.errors import InvalidPrompt
-from rollout.group import PromptSpec, RolloutContext, rollout_group
+from rollout.group import rollout_group
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry, RewardSpec
 from rollout.sink import JsonlSink

@@ -11,7 +11,7 @@ import pytest
 from experience.records import Sample, SampleStatus
 from rollout import chat
 from rollout.errors import InvalidPrompt
-from rollout.group import sample_sampling, sample_seed
+from rollout.generation import sample_sampling, sample_seed
 from rollout.prompts import PromptBuilder, parse_messages
 
 TOOLS = [
@@ -177,10 +177,6 @@ def test_a_completion_with_tool_calls() -> None:
     choice = whole["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
-    chunks = chat.stream_chunks(whole, include_usage=True)
-    assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls"
-    assert chunks[-3]["choices"][0]["delta"]["tool_calls"][0]["index"] == 0
-    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
     plain = chat.completion(
         [_sample("hello", [1])], completion_id="c", created=0, model="m", prompt_tokens=1, tools=True
     )
@@ -218,7 +214,8 @@ def test_text_that_may_be_a_stop_string_is_held_back() -> None:
 def test_chat_max_tokens_default_to_what_the_context_leaves() -> None:
     from types import SimpleNamespace
 
-    from rollout.group import Prepared, chat_max_tokens
+    from rollout.preparation import Prepared
+    from rollout.serving import chat_max_tokens
 
     ctx: Any = SimpleNamespace(context_length=100)
     prepared = Prepared(
@@ -281,7 +278,7 @@ def _answer(ids: list[int], *, final: bool = True, tops: int | None = None, prom
 
 
 def test_the_engines_top_and_prompt_logprobs_are_read_and_checked() -> None:
-    from rollout.group import LogprobAsk, choice_logprobs
+    from rollout.logprobs import LogprobAsk, choice_logprobs
 
     both = LogprobAsk(top=2, prompt=True)
     details = choice_logprobs(_answer([5, 6], tops=2, prompt=True), both, prompt_ids=[1, 2, 3])
@@ -303,7 +300,9 @@ def test_the_engines_top_and_prompt_logprobs_are_read_and_checked() -> None:
 
 def test_the_engine_body_asks_for_what_the_request_shows() -> None:
     from rollout.dispatch import EngineEndpoint
-    from rollout.group import LogprobAsk, Prepared, engine_body
+    from rollout.generation import engine_body
+    from rollout.logprobs import LogprobAsk
+    from rollout.preparation import Prepared
 
     prepared = Prepared(prompt_ids=[1, 2], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
     for url in ("http://e:1", "sglang+http://e:1"):
@@ -332,7 +331,9 @@ def test_a_stream_step_waits_for_its_tokens_top_logprobs() -> None:
     import asyncio
     import contextlib
 
-    from rollout.group import ChatStream, LogprobAsk, Prepared
+    from rollout.logprobs import LogprobAsk
+    from rollout.preparation import Prepared
+    from rollout.serving import ChatStream
 
     prepared = Prepared(prompt_ids=[1, 2, 3], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
     chunks = [

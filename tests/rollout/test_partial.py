@@ -18,9 +18,11 @@ import torch
 from encoders.embedded_model import init_model
 from experience.records import Group, Sample, SampleStatus
 from rollout.admission import Admission
+from rollout.context import RolloutContext
 from rollout.dispatch import Dispatcher
-from rollout.group import Prepared, RolloutContext, generate, prepare
+from rollout.generation import generate
 from rollout.partial import continuation_sampling, join_segments, pause_abort
+from rollout.preparation import Prepared, prepare
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.sink import HttpSink

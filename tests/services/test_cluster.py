@@ -42,8 +42,8 @@ def _png(seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    from services.cluster.local import local_cluster
-    from services.cluster.stack import RayStack
+    from launcher.cluster.local import local_cluster
+    from launcher.cluster.stack import RayStack
 
     with local_cluster(tmp_path_factory.mktemp("ray"), workers=2) as head:
         workers = [node for node in head.list_all_nodes() if node is not head.head_node]
@@ -262,7 +262,7 @@ def test_the_serve_config_file_is_valid_for_serve_deploy_and_builds_every_role(t
     import yaml
     from ray.serve.schema import ServeDeploySchema
 
-    from services.cli import main
+    from launcher.cli import main
     from services.cluster.apps import role_app
 
     config = tmp_path / "serve.yaml"

@@ -32,15 +32,15 @@ def test_a_run_trains_through_scaling_and_an_engine_sigkill_with_exact_accountin
     import sys
 
     from experience.store import ExperienceStore
-    from services.cluster.local import local_cluster
-    from services.cluster.stack import RayStack
+    from launcher.cluster.local import local_cluster
+    from launcher.cluster.stack import RayStack
 
     with local_cluster(tmp_path_factory.mktemp("ray"), workers=2) as head:
         home, port = tmp_path_factory.mktemp("weir"), _free_port()
         stack = RayStack(home=home, engines=1, address=head.address, port=port, env={"WEIR_CLUSTER_HOST": "127.0.0.1"})
         try:
             stack.start()
-            command = [sys.executable, "-m", "services.cli", "train", "--demo", "--ray", "--attach"]
+            command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--ray", "--attach"]
             command += ["--address", head.address, "--serve-port", str(port), "--home", str(home)]
             command += ["--steps", "24", "--warmup-steps", "2"]
             log = home / "train.log"

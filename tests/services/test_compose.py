@@ -72,7 +72,7 @@ def test_compose_file_matches_compose_spec() -> None:
 
 
 def test_service_commands_are_accepted_by_the_cli() -> None:
-    from services.cli import build_parser
+    from launcher.cli import build_parser
 
     for name, service in services().items():
         command = command_of(name, service)
@@ -85,7 +85,7 @@ def test_service_commands_are_accepted_by_the_cli() -> None:
 
 def role_services() -> dict[str, tuple[str, argparse.Namespace]]:
     """Every service that serves a role: name → (role, its parsed `weir serve` command)."""
-    from services.cli import build_parser
+    from launcher.cli import build_parser
 
     found = {}
     for name, service in services().items():
@@ -97,7 +97,7 @@ def role_services() -> dict[str, tuple[str, argparse.Namespace]]:
 
 def one_shot(command: str) -> tuple[str, dict[str, Any], argparse.Namespace]:
     """The one service running ``weir COMMAND``: (name, service, parsed command)."""
-    from services.cli import build_parser
+    from launcher.cli import build_parser
 
     found = []
     for name, service in services().items():

@@ -17,7 +17,7 @@ from encoders.embedded_model import init_model
 from encoders.routing import decode_routed_experts
 from experience import Group
 from experience.microbatch import group_table
-from rollout.group import sample_from_engine
+from rollout.generation import sample_from_engine
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
 

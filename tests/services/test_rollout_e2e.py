@@ -25,7 +25,8 @@ import preprocess as pp
 from encoders.embedded_model import init_model
 from experience.records import Group, SampleStatus
 from preprocess import samples
-from rollout.group import PromptSpec, RolloutContext, rollout_group
+from rollout.context import PromptSpec, RolloutContext
+from rollout.group import rollout_group
 from services.encoder.app import EncoderSettings
 from services.encoder.app import create_app as encoder_app
 from services.engine.app import create_app as engine_app
@@ -342,7 +343,7 @@ def test_killing_one_of_two_engines_mid_request_completes_every_group(tmp_path: 
         "WEIR_EMBEDDING_CACHE_DIR": str(tmp_path / "emb"),
     }
     victim = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "engine", "--port", str(port)],
+        [sys.executable, "-m", "launcher.cli", "serve", "engine", "--port", str(port)],
         env=env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

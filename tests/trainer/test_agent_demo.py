@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import trainer.demo_task as demo_task
-from services.cli import main
+from launcher.cli import main
 from trainer.driver import RolloutDriver
 from trainer.reference import ReferenceTrainer
 

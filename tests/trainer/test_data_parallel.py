@@ -107,7 +107,7 @@ def test_two_ranks_step_as_one_rank_on_the_union(model: Path, tmp_path: Path, ag
 def test_weir_train_runs_two_ranks_end_to_end(tmp_path: Path) -> None:
     """`weir train --demo --nproc 2`: rank 0 starts the stack, both ranks train each step in lockstep,
     rank 0 reports; the run ends cleanly and the stack is stopped."""
-    from services.cli import main
+    from launcher.cli import main
 
     home = tmp_path / "home"
     code = main(

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from encoders.embedded_model import init_model
-from services.cli import main
+from launcher.cli import main
 from trainer.demo_task import COLOURS, colour_picture, warmup_prompts, write_demo_task
 from trainer.plot import plot_runs
 from trainer.reference import ReferenceTrainer
@@ -59,7 +59,7 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
 
 @pytest.mark.integration
 def test_weir_train_attaches_to_a_running_stack_and_compares_modes(tmp_path: Path) -> None:
-    from services.stack import LocalStack
+    from launcher.stack import LocalStack
 
     home = tmp_path / "weir"
     dataset = tmp_path / "prompts.jsonl"

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 import preprocess as pp
-from services.stack import LocalStack
+from launcher.stack import LocalStack
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
 

@@ -16,7 +16,7 @@ import pytest
 
 import preprocess as pp
 from experience.store import ExperienceStore
-from services.stack import LocalStack
+from launcher.stack import LocalStack
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
 

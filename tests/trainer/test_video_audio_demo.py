@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 import preprocess as pp
+from launcher.cli import main
 from preprocess.probe import probe
 from preprocess.video import decode_video
-from services.cli import main
 from trainer.demo_task import COLOURS, VIDEO_QUESTION, write_video_audio_task
 
 

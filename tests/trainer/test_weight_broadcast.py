@@ -46,7 +46,7 @@ def start_engine(model: Path, root: Path) -> tuple[subprocess.Popen[bytes], str]
         WEIR_EMBEDDING_CACHE_DIR=str(root / f"emb-{port}"),
         WEIR_LOG_LEVEL="warning",
     )
-    command = [sys.executable, "-m", "services.cli", "serve", "engine", "--host", "127.0.0.1", "--port", str(port)]
+    command = [sys.executable, "-m", "launcher.cli", "serve", "engine", "--host", "127.0.0.1", "--port", str(port)]
     log = (root / f"engine-{port}.log").open("wb")
     return subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
 

@@ -13,9 +13,9 @@ import yaml
 
 from engines import GenerateRequest, SamplingParams
 from engines.sim_backend import SimEngine, SimProfile
-from services.cli import build_parser
-from services.stack import _port_in_use, stack_ports
-from services.twin import (
+from launcher.cli import build_parser
+from launcher.stack import _port_in_use, stack_ports
+from launcher.twin import (
     TwinConfig,
     control_plane,
     cost_model_step,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from .apps import DATA_RESOURCE, ENGINE_NODE_RESOURCE, ENGINE_RESOURCE
+from services.cluster.placement import DATA_RESOURCE, ENGINE_NODE_RESOURCE, ENGINE_RESOURCE
 
 __all__ = ["local_cluster"]
 

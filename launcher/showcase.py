@@ -11,9 +11,9 @@ from rich.table import Table
 
 from experience.records import Group
 from preprocess import samples
+from services.http import sync_client
 
 from .console import console
-from .http import sync_client
 
 __all__ = ["run_showcase"]
 

@@ -17,19 +17,19 @@ import pyarrow.parquet as pq
 import pytest
 
 import preprocess as pp
+from launcher.cli import build_parser, main
 from preprocess import samples
 from services import __version__
-from services.cli import build_parser, main
 from services.roles import ROLES
 
-from .conftest import free_port
+from ..services.conftest import free_port
 
 
 @pytest.mark.integration
 def test_serve_preprocess_starts_and_answers(tmp_path: Path) -> None:
     port = free_port()
     env = {**os.environ, "WEIR_CACHE_DIR": str(tmp_path / "cache"), "WEIR_MEDIA_ROOTS": str(tmp_path)}
-    cmd = [sys.executable, "-m", "services.cli", "serve", "preprocess", "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [sys.executable, "-m", "launcher.cli", "serve", "preprocess", "--host", "127.0.0.1", "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -54,7 +54,7 @@ def test_serve_preprocess_starts_and_answers(tmp_path: Path) -> None:
 
 def test_bad_settings_fail_fast_by_name(tmp_path: Path) -> None:
     env = {**os.environ, "WEIR_CACHE_MAX_BYTES": "lots"}
-    cmd = [sys.executable, "-m", "services.cli", "serve", "preprocess", "--port", str(free_port())]
+    cmd = [sys.executable, "-m", "launcher.cli", "serve", "preprocess", "--port", str(free_port())]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "WEIR_CACHE_MAX_BYTES" in done.stderr and "Traceback" not in done.stderr
 
@@ -114,7 +114,7 @@ def test_train_refuses_the_demo_warm_up_on_another_dataset(tmp_path: Path) -> No
 
 def _weir(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """``weir ARGS`` in a fresh interpreter (what a user, compose or `weir up` runs)."""
-    command = [sys.executable, "-m", "services.cli", *args]
+    command = [sys.executable, "-m", "launcher.cli", *args]
     return subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=timeout)
 
 
@@ -180,7 +180,7 @@ def test_token_file_is_private_and_kept(
 def test_weir_engines_refuses_a_bad_count_or_autoscaling_spec_before_reaching_ray(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from services.cli import main
+    from launcher.cli import main
 
     for argv, wrong in (
         (["engines", "autoscale", "3"], "MIN:MAX[:TARGET]"),

@@ -1,7 +1,7 @@
 """`weir train --ray`: the stack on Ray Serve and the trainer as Ray tasks, one per rank, with their resources.
 
 The driver (the ``weir train`` process) deploys the stack (or attaches to one), then runs the same
-training run (`services.training`) as one Ray task per data-parallel rank (``--nproc``; a GPU each when
+training run (`launcher.training`) as one Ray task per data-parallel rank (``--nproc``; a GPU each when
 the cluster has GPUs, in one placement group, rank 0's node the torch.distributed rendezvous), attached
 to the stack. Inside, the trainer reads features through its own cache filled from the nodes' preprocess
 replicas (`trainer_features`), publishes to the engines the registry lists at that moment
@@ -11,12 +11,16 @@ an engine joining mid-run serves the current weights before it takes a request.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import preprocess as pp
+
+from ..config import TrainConfig
+from ..console import console
 
 __all__ = ["cluster_engines", "record_weights", "run_on_ray", "trainer_features", "TRAINER_ENV"]
 
@@ -27,7 +31,7 @@ def cluster_engines() -> list[str]:
     """The engines to publish weights to now: the ready ones and those still joining. A joining engine
     announces itself before it reads the registry's weights, and the trainer records new weights before
     it lists the engines, so each joining engine gets the new version one way or the other."""
-    from .registry import live_replicas
+    from services.cluster.registry import live_replicas
 
     return sorted(e["url"] for e in live_replicas("engine", ready_only=False))
 
@@ -35,7 +39,7 @@ def cluster_engines() -> list[str]:
 def record_weights(folder: Path, version: int) -> None:
     import ray
 
-    from .registry import registry_handle
+    from services.cluster.registry import registry_handle
 
     ray.get(registry_handle().set_weights.remote(str(Path(folder).resolve()), int(version)))
 
@@ -44,8 +48,8 @@ def trainer_features(home: Path, token: str | None) -> pp.FeatureStore:
     """The trainer's feature cache on its node, a miss filled from the preprocess replica that holds the item."""
     import ray
 
-    from .peers import PeerFill
-    from .registry import live_replicas
+    from services.cluster.peers import PeerFill
+    from services.cluster.registry import live_replicas
 
     node = ray.get_runtime_context().get_node_id()
     store = pp.FeatureStore(home / "nodes" / node[:12] / "cache", 10 << 30)
@@ -57,12 +61,6 @@ def _rank_bundle() -> dict[str, float]:
     import ray
 
     return {"GPU": 1.0} if ray.cluster_resources().get("GPU", 0) >= 1 else {"CPU": 0.01}
-
-
-def _train_task(args: argparse.Namespace) -> int:
-    from ..training import run_training
-
-    return run_training(args)
 
 
 def _rendezvous() -> tuple[str, int]:
@@ -77,14 +75,14 @@ def _rendezvous() -> tuple[str, int]:
         return host, int(sock.getsockname()[1])
 
 
-def _run_ranks(args: argparse.Namespace) -> int:
+def _run_ranks(config: TrainConfig, train: Callable[[TrainConfig], int]) -> int:
     """One Ray task per data-parallel rank, as torchrun would start them: every rank in one placement group
     (a GPU each when the cluster has GPUs, packed onto as few nodes as fit), rank 0's node the rendezvous."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    world = int(args.nproc)
+    world = int(config.nproc)
     group = placement_group([_rank_bundle() for _ in range(world)], strategy="PACK")
     ray.get(group.ready())
     try:
@@ -106,32 +104,36 @@ def _run_ranks(args: argparse.Namespace) -> int:
             options = {"num_cpus": 0, "scheduling_strategy": on(rank), "runtime_env": {"env_vars": env}}
             if "GPU" in _rank_bundle():
                 options["num_gpus"] = 1
-            ranks.append(ray.remote(_train_task).options(**options).remote(args))
+            ranks.append(ray.remote(train).options(**options).remote(config))
         return max(int(code) for code in ray.get(ranks))
     finally:
         remove_placement_group(group)
 
 
-def run_on_ray(args: argparse.Namespace, forget_earlier_run: Any, stack_for: Any) -> int:
-    """Deploy (or attach to) the Ray stack ``stack_for(args)`` gives (with the run's settings for its
-    roles), then run the training attached to it: one Ray task per rank (`--nproc`)."""
-
-    from ..console import console
-
-    args.home = args.home.resolve()  # the task may start in another folder (or node, with shared storage)
-    stack = stack_for(args)
-    if args.attach:
+def run_on_ray(
+    config: TrainConfig,
+    *,
+    train: Callable[[TrainConfig], int],
+    forget_earlier_run: Callable[[TrainConfig], None],
+    stack_for: Callable[[TrainConfig], Any],
+) -> int:
+    """Deploy (or attach to) the Ray stack ``stack_for(config)`` gives (with the run's settings for its
+    roles), then run ``train`` (`launcher.training.run_training`) attached to it: one Ray task per rank
+    (`--nproc`)."""
+    # the task may start in another folder (or node, with shared storage)
+    config = dataclasses.replace(config, home=config.home.resolve())
+    stack = stack_for(config)
+    if config.attach:
         stack.attach()
     else:
-        if not args.resume:
-            forget_earlier_run(args)
+        if not config.resume:
+            forget_earlier_run(config)
         console.print("[bold]Deploying the stack on Ray Serve[/bold] (`serve status` shows it)")
         stack.start()
     try:
-        attached = argparse.Namespace(**{**vars(args), "attach": True, "address": "auto"})
-        return _run_ranks(attached)
+        return _run_ranks(dataclasses.replace(config, attach=True, address="auto"), train)
     finally:
-        if not args.attach:
+        if not config.attach:
             stack.stop()
 
 

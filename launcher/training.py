@@ -12,18 +12,21 @@ the small square's colour), warmed up on scripted crop-then-answer trajectories 
 command N times with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…), so running
 ``weir train`` under ``torchrun`` works the same way. Rank 0 starts (or attaches to) the stack,
 evaluates, prints and plots; the other ranks attach to it once rank 0 has it ready.
+
+The run is a `launcher.config.TrainConfig`, built once by the command line (options it left unset take the
+task's defaults there). On Ray (``--ray``) the ranks are Ray tasks (`launcher.cluster.training`), each running
+`run_training` again, attached to the stack.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
@@ -35,54 +38,14 @@ from trainer.plot import plot_runs
 from trainer.publish import data_policy_version, publish_weights
 from trainer.reference import ReferenceTrainer
 
+from .cluster.stack import RayStack
+from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
+from .config import TrainConfig
 from .console import console
 from .stack import LocalStack
 
-if TYPE_CHECKING:
-    from .cluster.stack import RayStack
-
 __all__ = ["run_training"]
 
-# Options left unset on the command line: generic defaults, and the demo's (chosen on a 2-core machine).
-GENERIC_DEFAULTS: dict[str, Any] = {
-    "steps": 20,
-    "n": 4,
-    "groups_per_step": 4,
-    "max_new_tokens": 16,
-    "max_tokens_per_batch": 4096,
-    "lr": 1e-5,
-    "warmup_steps": 0,
-    "max_staleness": None,
-}
-DEMO_DEFAULTS: dict[str, Any] = {
-    "steps": 150,
-    "n": 8,
-    "groups_per_step": 8,
-    "max_new_tokens": 4,
-    "max_tokens_per_batch": 2048,
-    "lr": 1e-3,
-    "warmup_steps": 30,
-    "max_staleness": 2,
-}
-# --demo --demo-task visual-search: multi-turn trajectories (a crop call ~80 tokens, its observation ~50,
-# the answer), so longer responses and fewer, bigger groups.
-AGENT_DEMO_DEFAULTS: dict[str, Any] = {
-    **DEMO_DEFAULTS,
-    "steps": 60,
-    "n": 4,
-    "groups_per_step": 4,
-    "max_new_tokens": 192,
-    "max_tokens_per_batch": 8192,
-    "warmup_steps": 300,
-}
-# --demo --demo-task video-audio: ~300-token prompts (a clip's frames and its track), so fewer, smaller groups.
-VIDEO_DEMO_DEFAULTS: dict[str, Any] = {
-    **DEMO_DEFAULTS,
-    "steps": 20,
-    "n": 4,
-    "groups_per_step": 4,
-    "max_tokens_per_batch": 4096,
-}
 _WARMUP_LR = 3e-3
 
 
@@ -124,34 +87,30 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
 
 
 def _warm_up(
-    trainer: ReferenceTrainer, args: argparse.Namespace, urls: dict[str, str], out: Path, token: str | None
+    trainer: ReferenceTrainer, config: TrainConfig, urls: dict[str, str], out: Path, token: str | None
 ) -> None:
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
     crop-then-answer trajectories (`trainer.demo_task.agent_warmup_pairs`); then the engines and the encoder
     get the weights."""
     from trainer.demo_task import agent_warmup_pairs, agent_warmup_rows, warmup_prompts
 
-    if (
-        getattr(args, "demo_task", "colours") == "visual-search"
-    ):  # scripted trajectories: crop the square's quarter, then answer
+    if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
         pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
     else:
         pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
         what = "text-only prompts (answer format)"
-    for _ in range(args.warmup_steps):
+    for _ in range(config.warmup_steps):
         loss = trainer.supervised_step(pairs, lr=_WARMUP_LR)
     if trainer.parallel is None or trainer.parallel.is_main:
-        console.print(f"Warm-up: {args.warmup_steps} supervised steps on {what}, loss {loss:.3f}")
+        console.print(f"Warm-up: {config.warmup_steps} supervised steps on {what}, loss {loss:.3f}")
     # An attached data role may already hold a policy: versions only go up from it.
     trainer.policy_version = max(trainer.policy_version, data_policy_version(urls["data"], token=token)) + 1
     folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")  # collective with several ranks
     if trainer.parallel is not None and not trainer.parallel.is_main:
         return
     engines = [u for k, u in urls.items() if k.startswith("engine")]
-    if getattr(args, "ray", False):  # engines come and go: the registry's, and joining ones load these weights
-        from .cluster.training import cluster_engines, record_weights
-
+    if config.ray:  # engines come and go: the registry's, and joining ones load these weights
         record_weights(folder, trainer.policy_version)
         engines = cluster_engines()
     publish_weights(
@@ -172,119 +131,100 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
     }
 
 
-def _cluster_hooks(args: argparse.Namespace) -> dict[str, Any]:
+def _cluster_hooks(config: TrainConfig) -> dict[str, Any]:
     """On Ray: publish to the engines there are at the time, and record each weights folder first."""
-    if not getattr(args, "ray", False):
+    if not config.ray:
         return {}
-    from .cluster.training import cluster_engines, record_weights
-
     return {"engines": cluster_engines, "on_weights": record_weights}
 
 
-def _forget_earlier_run(args: argparse.Namespace) -> None:
+def _forget_earlier_run(config: TrainConfig) -> None:
     """A new run: no experience (unless the stack is attached: its data role keeps its own) or metrics
     of an earlier one."""
-    if not args.attach:
-        shutil.rmtree(args.home / "data", ignore_errors=True)
-    shutil.rmtree(args.home / "train" / args.mode, ignore_errors=True)
+    if not config.attach:
+        shutil.rmtree(config.home / "data", ignore_errors=True)
+    shutil.rmtree(config.home / "train" / config.mode, ignore_errors=True)
 
 
-def _ensure_arch(args: argparse.Namespace) -> None:
+def _ensure_arch(config: TrainConfig) -> None:
     """``--arch``: the stack's own model folder holds that architecture (made there when missing)."""
-    arch = getattr(args, "arch", None)
+    arch = config.arch
     if arch is None:
         return
     from encoders.architectures import family_of
     from encoders.embedded_model import ensure_model
 
-    folder = ensure_model(args.home / "model", arch=arch)
+    folder = ensure_model(config.home / "model", arch=arch)
     wanted = arch.replace(".", "_").replace("-", "_")
     if family_of(folder) != wanted:
         raise SystemExit(f"{folder} holds a {family_of(folder)} model, not {arch}: remove it or use another --home")
 
 
-def _stack(args: argparse.Namespace) -> LocalStack | RayStack:
+def _stack(config: TrainConfig) -> LocalStack | RayStack:
     """The stack this run starts or attaches to, with the run's staleness settings for its data role."""
-    settings = {"WEIR_STALENESS_POLICY": args.staleness_policy}
-    if args.max_staleness is not None:
-        settings["WEIR_MAX_STALENESS"] = str(args.max_staleness)
-    if getattr(args, "r3", False):  # R3: the rollout role asks the engines for each token's experts
+    settings: dict[str, str] = {"WEIR_STALENESS_POLICY": config.staleness_policy}
+    if config.max_staleness is not None:
+        settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
+    if config.r3:  # R3: the rollout role asks the engines for each token's experts
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
-    if getattr(args, "ray", False):
-        from .cluster.stack import RayStack
+    if config.ray:
+        return RayStack(
+            home=config.home, engines=config.engines, address=config.address, port=config.serve_port, env=settings
+        )
+    return LocalStack(home=config.home, engines=config.engines, base_port=config.base_port, env=settings)
 
-        return RayStack(home=args.home, engines=args.engines, address=args.address, port=args.serve_port, env=settings)
-    return LocalStack(home=args.home, engines=args.engines, base_port=args.base_port, env=settings)
 
-
-def _launch_ranks(args: argparse.Namespace) -> int:
+def _launch_ranks(config: TrainConfig) -> int:
     """This command once per rank, as torchrun runs it (rank 0 prints); the stack runs here, so it
     outlives rank restarts: after a failed rank, every rank starts again with ``--resume``."""
-    if not args.resume:
-        _forget_earlier_run(args)
-    stack = _stack(args)
-    if args.attach:
+    if not config.resume:
+        _forget_earlier_run(config)
+    stack = _stack(config)
+    if config.attach:
         stack.attach()
     else:
-        console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
+        console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         stack.start()
-    ranks_argv = [*args.argv, *([] if args.attach else ["--attach"])]
+    ranks_argv = [*config.argv, *([] if config.attach else ["--attach"])]
 
     def command(attempt: int) -> list[str]:
-        again = ["--resume"] if attempt and not args.resume else []
-        return [sys.executable, "-m", "services.cli", *ranks_argv, *again]
+        again = ["--resume"] if attempt and not config.resume else []
+        return [sys.executable, "-m", "launcher.cli", *ranks_argv, *again]
 
     try:
-        return run_ranks(command, args.nproc, max_restarts=args.max_restarts)
+        return run_ranks(command, config.nproc, max_restarts=config.max_restarts)
     finally:
         stack.stop()  # an attached stack has no children here: nothing is stopped
 
 
-def _with_defaults(args: argparse.Namespace) -> None:
-    """The mode's defaults for every option left unset — before any stack starts, since some of them (the
-    staleness bound) are the data role's settings."""
-    task = getattr(args, "demo_task", "colours") if args.demo else None
-    agent, clips = task == "visual-search", task == "video-audio"
-    defaults = DEMO_DEFAULTS if args.demo else GENERIC_DEFAULTS
-    defaults = AGENT_DEMO_DEFAULTS if agent else VIDEO_DEMO_DEFAULTS if clips else defaults
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-
-
-def run_training(args: argparse.Namespace) -> int:
-    _with_defaults(args)
-    if getattr(args, "ray", False):
-        from .cluster.training import in_trainer_task, run_on_ray
-
-        if not in_trainer_task():
-            return run_on_ray(args, _forget_earlier_run, _stack)
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch_ranks(args)
+def run_training(config: TrainConfig) -> int:
+    if config.ray and not in_trainer_task():
+        return run_on_ray(config, train=run_training, forget_earlier_run=_forget_earlier_run, stack_for=_stack)
+    if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(config)
     parallel = DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
     main = parallel is None or parallel.is_main
     try:
-        return _run(args, parallel, main)
+        return _run(config, parallel, main)
     finally:
         if parallel is not None:
             parallel.close()
 
 
-def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) -> int:
+def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
-    agent = args.demo and getattr(args, "demo_task", "colours") == "visual-search"
-    clips = args.demo and getattr(args, "demo_task", "colours") == "video-audio"
-    if clips and getattr(args, "arch", None) == "qwen3-vl":
+    agent, clips = config.agent, config.clips
+    if clips and config.arch == "qwen3-vl":
         console.print("[red]--demo-task video-audio needs an Omni model (an audio tower), not --arch qwen3-vl[/red]")
         return 2
-    if args.warmup_steps and not args.demo:
+    if config.warmup_steps and not config.demo:
         console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
         return 2
-    out = args.home / "train" / args.mode
-    if main and not args.resume:
-        _forget_earlier_run(args)
+    out = config.home / "train" / config.mode
+    if main and not config.resume:
+        _forget_earlier_run(config)
     held_out: list[dict[str, Any]] = []
     if agent:
         from trainer.demo_task import write_agent_task
@@ -293,79 +233,78 @@ def _run(args: argparse.Namespace, parallel: DataParallel | None, main: bool) ->
     elif clips:
         from trainer.demo_task import write_video_audio_task
 
-        rows, held_out = write_video_audio_task(args.home / "media")
-    elif args.demo:
+        rows, held_out = write_video_audio_task(config.home / "media")
+    elif config.demo:
         from trainer.demo_task import write_demo_task
 
-        rows, held_out = write_demo_task(args.home / "media")  # deterministic: every rank writes the same
+        rows, held_out = write_demo_task(config.home / "media")  # deterministic: every rank writes the same
     else:
-        rows = list(iter_rows(args.dataset))
-    if main and not args.attach:
-        _ensure_arch(args)
-    stack = _stack(args)
-    if args.attach or not main:  # its data role keeps its own settings (staleness) and experience
+        assert config.dataset is not None  # the command line takes --dataset or --demo
+        rows = list(iter_rows(config.dataset))
+    if main and not config.attach:
+        _ensure_arch(config)
+    stack = _stack(config)
+    if config.attach or not main:  # its data role keeps its own settings (staleness) and experience
         if parallel is not None and not main:
             parallel.barrier()  # rank 0 has the stack ready
         urls = stack.attach()
     else:
-        console.print(f"[bold]Starting the stack[/bold] (logs in {args.home}/logs)")
+        console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         urls = stack.start()
     if parallel is not None and main:
         parallel.barrier()
     try:
-        if getattr(args, "ray", False):  # features from the node that made them, through this node's cache
-            from .cluster.training import trainer_features
-
-            features = trainer_features(args.home, stack.token)
+        if config.ray:  # features from the node that made them, through this node's cache
+            features = trainer_features(config.home, stack.token)
         else:
-            features = pp.FeatureStore(args.home / "cache", 10 << 30)
+            features = pp.FeatureStore(config.home / "cache", 10 << 30)
         trainer = ReferenceTrainer(
-            args.home / "model",
+            config.home / "model",
             features=features,
-            lr=args.lr,
+            lr=config.lr,
             parallel=parallel,
-            routing_replay=getattr(args, "r3", False),
+            routing_replay=config.r3,
         )
-        if args.warmup_steps and not args.resume:
-            _warm_up(trainer, args, urls, out, stack.token)
+        if config.warmup_steps and not config.resume:
+            _warm_up(trainer, config, urls, out, stack.token)
         check = evaluate
         if agent:  # greedy trajectories in the environment, under the whole response's budget
             from trainer.demo_task import evaluate_agent
 
-            check = functools.partial(evaluate_agent, max_new_tokens=args.max_new_tokens)
+            check = functools.partial(evaluate_agent, max_new_tokens=config.max_new_tokens)
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
             what = "clips" if clips else "pictures"
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
-        config = LoopConfig(
-            mode=args.mode,
-            steps=args.steps,
-            n=args.n,
-            groups_per_step=args.groups_per_step,
-            max_new_tokens=args.max_new_tokens,
-            max_tokens_per_batch=args.max_tokens_per_batch,
+        loop = LoopConfig(
+            mode=config.mode,
+            steps=config.steps,
+            n=config.n,
+            groups_per_step=config.groups_per_step,
+            max_new_tokens=config.max_new_tokens,
+            max_tokens_per_batch=config.max_tokens_per_batch,
             urls=urls,
             token=stack.token,
             out=out,
-            checkpoint_every=args.checkpoint_every,
-            resume=args.resume,
-            **_cluster_hooks(args),
+            checkpoint_every=config.checkpoint_every,
+            resume=config.resume,
+            **_cluster_hooks(config),
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
         if main:
-            console.print(f"[bold]RL ({args.mode})[/bold]: {args.steps} steps, n={args.n}, lr={args.lr}{ranks}")
-        records = run_loop(trainer, rows, config, on_step=_show if main else None)
+            console.print(f"[bold]RL ({config.mode})[/bold]: {config.steps} steps, n={config.n}, lr={config.lr}{ranks}")
+        records = run_loop(trainer, rows, loop, on_step=_show if main else None)
         if not main:
             return 0
         after = check(urls["rollout"], held_out, token=stack.token) if held_out else None
-        plot = plot_runs({args.mode: records}, out / "reward.png")
+        plot = plot_runs({config.mode: records}, out / "reward.png")
         if records:
             _summary(records, before, after, plot)
         console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
         console.print(f"plot: {plot}", soft_wrap=True)
-        runs = _runs(args.home / "train")
+        runs = _runs(config.home / "train")
         if len(runs) > 1:  # the other mode ran here before: compare them on one plot
-            console.print(f"compared ({', '.join(runs)}): {plot_runs(runs, args.home / 'train' / 'compare.png')}")
+            console.print(f"compared ({', '.join(runs)}): {plot_runs(runs, config.home / 'train' / 'compare.png')}")
         return 0
     finally:
         if parallel is not None:

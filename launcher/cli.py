@@ -24,7 +24,9 @@ Commands::
     weir --version
 
 Every option's default is shown by ``--help``. This module parses and dispatches; the roles live in
-``services/<role>``, the local stack in `services.stack`, the training run in `services.training`.
+``services/<role>``, the local stack in `launcher.stack`, the training run in `launcher.training` (its typed
+configuration, built here from the options, in `launcher.config`), the twin in `launcher.twin`. The parsed
+options (`argparse.Namespace`) never leave this module: each command gets a typed configuration or plain values.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
-from .roles import BASE_PORT, ROLES
+from services import __version__
+from services.roles import BASE_PORT, ROLES
 
 if TYPE_CHECKING:
     from .cluster.stack import RayStack
@@ -47,7 +49,7 @@ __all__ = ["build_parser", "main", "preprocess_app"]
 # is safe for several processes). The others hold state in their process — an engine's weights, the
 # data role's leases, the encoder's weights version, the rollout role's in-flight budget — so one
 # process each; more capacity comes from more instances (engines behind the rollout role).
-WORKER_APPS = {"preprocess": "services.cli:preprocess_app"}  # role → uvicorn factory import string
+WORKER_APPS = {"preprocess": "launcher.cli:preprocess_app"}  # role → uvicorn factory import string
 
 
 def _add_sglang_args(parser: argparse.ArgumentParser) -> None:
@@ -200,8 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --demo: the colour pictures, the multi-turn visual_search environment (crop, then answer), or "
         "colour clips sent with their own audio track (use_audio_in_video; Omni models)",
     )
-    # Unset options take the demo's settings with --demo, the generic ones otherwise (services/training.py).
-    unset = "(default: the demo's with --demo, else the generic one; see services/training.py)"
+    # Unset options take the demo's settings with --demo, the generic ones otherwise (launcher/config.py).
+    unset = "(default: the demo's with --demo, else the generic one; see launcher/config.py)"
     train.add_argument(
         "--mode", choices=("async", "colocate"), default="async", help="overlap generation and training, or alternate"
     )
@@ -357,8 +359,8 @@ def _spec(name: str):  # type: ignore[no-untyped-def]
 
 def _role_app(name: str) -> Any:
     """The role's app from the environment's settings, with logging configured (what each worker runs)."""
-    from .logs import configure_logging
-    from .settings import RoleSettings, load_settings
+    from services.logs import configure_logging
+    from services.settings import RoleSettings, load_settings
 
     role = ROLES[name]
     settings = load_settings(role.settings_class())
@@ -374,8 +376,8 @@ def preprocess_app() -> Any:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .logs import configure_logging
-    from .settings import RoleSettings, load_settings
+    from services.logs import configure_logging
+    from services.settings import RoleSettings, load_settings
 
     role = ROLES[args.role]
     if args.workers > 1 and role.name not in WORKER_APPS:
@@ -473,8 +475,8 @@ def _add_ray(parser: argparse.ArgumentParser) -> None:
 
 def _autoscaling(spec: str) -> dict[str, Any]:
     """Serve's autoscaling config for engines from ``MIN:MAX[:TARGET]``."""
-    from .cluster.autoscaling import engine_autoscaling
-    from .settings import SettingsError
+    from services.cluster.autoscaling import engine_autoscaling
+    from services.settings import SettingsError
 
     try:
         low, high, *target = (float(x) for x in spec.split(":"))
@@ -511,7 +513,8 @@ def _up_ray(args: argparse.Namespace) -> int:
 
     import yaml
 
-    from .cluster.apps import serve_config
+    from services.cluster.apps import serve_config
+
     from .console import console
 
     stack = _ray_stack(args)
@@ -548,8 +551,9 @@ def _up_ray(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
+    from services.settings import SettingsError
+
     from .console import console
-    from .settings import SettingsError
 
     stack = _ray_stack(argparse.Namespace(**{**vars(args), "engines": 1}))
     if args.action == "autoscale":
@@ -611,9 +615,13 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .config import TrainConfig
     from .training import run_training
 
-    return run_training(args)
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
+    return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
 
 
 def _twin(args: argparse.Namespace) -> int:
@@ -684,13 +692,13 @@ def _token(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .settings import SettingsError
+    from services.settings import SettingsError
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
     # `serve` configures its own logging, from the role's settings
     if args.command in ("up", "train", "prep", "demo", "twin", "engines"):
-        from .logs import configure_logging
+        from services.logs import configure_logging
 
         configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
     handlers = {

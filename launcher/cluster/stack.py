@@ -1,7 +1,7 @@
 """`weir up --ray`: every role as a Serve application on a Ray cluster (a local one, or ``--address``).
 
-The same roles and settings as `services.stack.LocalStack` (the model folder, the API token file, the
-caches, the data directory), placed by `services.cluster.apps.default_placement` and reached through
+The same roles and settings as `launcher.stack.LocalStack` (the model folder, the API token file, the
+caches, the data directory), placed by `services.cluster.placement.default_placement` and reached through
 Serve's proxy at ``http://HOST:PORT/<role>`` — except engines, which the rollout role and the trainer
 reach at each replica's own address (the registry's list, `engine_urls`). Caches are per node
 (``HOME/nodes/<node>/…``); the model folder, the token file and the data directory must be at the same
@@ -22,10 +22,18 @@ from typing import Any
 
 import httpx
 
-from ..roles import ROLES
+from services.cluster.apps import role_app
+from services.cluster.placement import (
+    DATA_RESOURCE,
+    ENGINE_NODE_RESOURCE,
+    ENGINE_RESOURCE,
+    Placement,
+    default_placement,
+)
+from services.cluster.registry import registry_handle
+from services.roles import ROLES
+
 from ..stack import TOKEN_FILE, ensure_token, gpus_per_engine
-from .apps import DATA_RESOURCE, ENGINE_NODE_RESOURCE, ENGINE_RESOURCE, Placement, default_placement, role_app
-from .registry import registry_handle
 
 __all__ = ["RayStack", "SERVE_PORT"]
 
@@ -60,7 +68,7 @@ class RayStack:
 
     def engine_urls(self) -> list[str]:
         """The ready engines now (they come and go: ask again before each weight publish)."""
-        from .registry import live_replicas
+        from services.cluster.registry import live_replicas
 
         return sorted(e["url"] for e in live_replicas("engine"))
 
@@ -163,7 +171,7 @@ class RayStack:
 
     def scale_engines(self, count: int, timeout_s: float = 300.0) -> list[str]:
         """Run ``count`` engines (joining ones load the current weights first); the ready engines' URLs."""
-        from ..settings import SettingsError
+        from services.settings import SettingsError
 
         if count < 1:
             raise SettingsError("a stack needs at least one engine")

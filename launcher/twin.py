@@ -1,7 +1,7 @@
 """`weir twin`: a capacity twin — Weir's real control plane with simulated GPUs, across modes and two clocks.
 
 For each mode (``colocate``; ``async`` with the data role's staleness bound 1, 2, …) and each compression
-factor, a fresh local stack (`services.stack.LocalStack`) is started whose engines are ``--backend sim``
+factor, a fresh local stack (`launcher.stack.LocalStack`) is started whose engines are ``--backend sim``
 (`engines.sim_backend`: the profile's continuous-batching cost model, slept), and the real RL loop
 (`trainer.loop.run_loop`: the rollout driver, admission, the data role's staleness and leases, the feed,
 checkpoints-then-ack, publishing) runs against it with a `trainer.sim_trainer.SimTrainer` (the profile's

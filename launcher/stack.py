@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from .roles import BASE_PORT, ROLES
-from .settings import SettingsError
+from services.roles import BASE_PORT, ROLES
+from services.settings import SettingsError
 
 __all__ = ["LocalStack", "ensure_token", "stack_ports"]
 
@@ -254,7 +254,7 @@ class LocalStack:
 
     def _launch(self, name: str, role: str, port: int, env: dict[str, str]) -> None:
         log = self.home / "logs" / f"{name}.log"
-        command = [sys.executable, "-m", "services.cli", "serve", role, "--host", self.host, "--port", str(port)]
+        command = [sys.executable, "-m", "launcher.cli", "serve", role, "--host", self.host, "--port", str(port)]
         # info: one line per request, with its request id, so a rollout can be followed through logs/
         command += ["--log-level", env.get("WEIR_LOG_LEVEL", "info")]
         with open(log, "wb") as out:

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from launcher.stack import LocalStack, ensure_token, stack_ports
 from services.roles import BASE_PORT, ROLES
-from services.stack import LocalStack, ensure_token, stack_ports
 
 
 def test_ports_follow_the_table_and_move_with_the_base_port() -> None:

@@ -1,0 +1,123 @@
+"""The typed configuration of `weir train`, built once by the command line (`launcher.cli`) from its options.
+
+Options left unset on the command line take the task's defaults here: the demo task's (chosen on a 2-core
+machine) with ``--demo``, the generic ones otherwise. Nothing past the command line sees `argparse`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from services.roles import BASE_PORT
+
+__all__ = ["AGENT_DEMO_DEFAULTS", "DEMO_DEFAULTS", "GENERIC_DEFAULTS", "VIDEO_DEMO_DEFAULTS", "TrainConfig"]
+
+# Options left unset on the command line: generic defaults, and the demo's (chosen on a 2-core machine).
+GENERIC_DEFAULTS: dict[str, Any] = {
+    "steps": 20,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_new_tokens": 16,
+    "max_tokens_per_batch": 4096,
+    "lr": 1e-5,
+    "warmup_steps": 0,
+    "max_staleness": None,
+}
+DEMO_DEFAULTS: dict[str, Any] = {
+    "steps": 150,
+    "n": 8,
+    "groups_per_step": 8,
+    "max_new_tokens": 4,
+    "max_tokens_per_batch": 2048,
+    "lr": 1e-3,
+    "warmup_steps": 30,
+    "max_staleness": 2,
+}
+# --demo --demo-task visual-search: multi-turn trajectories (a crop call ~80 tokens, its observation ~50,
+# the answer), so longer responses and fewer, bigger groups.
+AGENT_DEMO_DEFAULTS: dict[str, Any] = {
+    **DEMO_DEFAULTS,
+    "steps": 60,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_new_tokens": 192,
+    "max_tokens_per_batch": 8192,
+    "warmup_steps": 300,
+}
+# --demo --demo-task video-audio: ~300-token prompts (a clip's frames and its track), so fewer, smaller groups.
+VIDEO_DEMO_DEFAULTS: dict[str, Any] = {
+    **DEMO_DEFAULTS,
+    "steps": 20,
+    "n": 4,
+    "groups_per_step": 4,
+    "max_tokens_per_batch": 4096,
+}
+
+DemoTask = Literal["colours", "visual-search", "video-audio"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainConfig:
+    """One `weir train` run: the task, the RL loop's settings, the ranks, and the stack it runs against."""
+
+    # the task
+    dataset: Path | None = None  # JSONL / Parquet rows; None with ``demo``
+    demo: bool = False
+    demo_task: DemoTask = "colours"
+    # the RL loop (`with_defaults` fills those the command line left unset)
+    mode: Literal["async", "colocate"] = "async"
+    steps: int = GENERIC_DEFAULTS["steps"]
+    max_staleness: int | None = GENERIC_DEFAULTS["max_staleness"]
+    staleness_policy: Literal["drop", "regenerate"] = "drop"
+    n: int = GENERIC_DEFAULTS["n"]
+    groups_per_step: int = GENERIC_DEFAULTS["groups_per_step"]
+    max_new_tokens: int = GENERIC_DEFAULTS["max_new_tokens"]
+    max_tokens_per_batch: int = GENERIC_DEFAULTS["max_tokens_per_batch"]
+    lr: float = GENERIC_DEFAULTS["lr"]
+    warmup_steps: int = GENERIC_DEFAULTS["warmup_steps"]
+    # the trainer's ranks, restarts and checkpoints
+    nproc: int = 1
+    max_restarts: int = 0
+    checkpoint_every: int = 0
+    resume: bool = False
+    # the stack
+    engines: int = 1
+    home: Path = Path(".weir")
+    base_port: int = BASE_PORT
+    attach: bool = False
+    ray: bool = False
+    address: str | None = None  # with ``ray``: a running cluster; None: start Ray here
+    serve_port: int = 8000
+    arch: str | None = None  # the tiny model made in HOME/model when it has none
+    r3: bool = False  # routing replay (MoE models)
+    argv: tuple[str, ...] = ()  # the command line, run again once per rank (``nproc``)
+
+    @property
+    def agent(self) -> bool:
+        """The multi-turn visual-search demo."""
+        return self.demo and self.demo_task == "visual-search"
+
+    @property
+    def clips(self) -> bool:
+        """The video-with-audio demo."""
+        return self.demo and self.demo_task == "video-audio"
+
+    @classmethod
+    def with_defaults(cls, **options: Any) -> TrainConfig:
+        """The run of these options, each one left unset (None) taking the task's default — before any stack
+        starts, since some of them (the staleness bound) are the data role's settings."""
+        task = (options.get("demo_task") or "colours") if options.get("demo") else None
+        defaults = {
+            None: GENERIC_DEFAULTS,
+            "colours": DEMO_DEFAULTS,
+            "visual-search": AGENT_DEMO_DEFAULTS,
+            "video-audio": VIDEO_DEMO_DEFAULTS,
+        }[task]
+        names = {f.name for f in fields(cls)}
+        unknown = set(options) - names
+        if unknown:
+            raise TypeError(f"unknown train options: {', '.join(sorted(unknown))}")
+        given = {name: value for name, value in options.items() if value is not None or name not in defaults}
+        return cls(**{**defaults, **given})

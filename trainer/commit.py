@@ -1,0 +1,71 @@
+"""`Committer`: checkpoint, then acknowledge. A trained micro-batch is acknowledged to the data role only
+once the checkpoint holding its update is on disk, so a trainer killed at any point and resumed from
+that checkpoint trains every sample exactly once.
+
+With ``every = C`` the batches of steps up to a multiple of C are held, the checkpoint lists them
+(``commit``) and they are acknowledged after it is written; on resume they are acknowledged again (acks
+are idempotent) and whatever the killed run fetched but never committed is released. With ``every = 0``
+there are no checkpoints and a step's batches are acknowledged right after it. An ack answered 409
+``lease_expired`` is logged and training goes on; any other refusal (`trainer.feed.AckRefused`) is
+raised, as the batch would otherwise be trained again silently.
+
+What a checkpoint holds (model, optimizer, policy version, feed state) is the trainer's
+(`trainer.reference.ReferenceTrainer.save`); this module only decides when it is written and what it
+commits.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .feed import MicroBatchFeed
+from .reference import ReferenceTrainer
+
+__all__ = ["Committer"]
+
+logger = logging.getLogger(__name__)
+
+
+class Committer:
+    """Holds this rank's trained, not yet committed batch ids, and commits them at checkpoint steps."""
+
+    def __init__(self, trainer: ReferenceTrainer, feed: MicroBatchFeed, checkpoint: Path, *, every: int) -> None:
+        self.trainer, self.feed, self.checkpoint, self.every = trainer, feed, checkpoint, every
+        self.uncommitted: list[str] = []
+
+    def restore(self) -> int | None:
+        """Load the checkpoint, when there is one, and settle the feed with it: the batches it commits are
+        acknowledged (maybe they were not yet), the rest of what the killed run fetched comes back. Returns
+        the checkpoint's step, or None without a checkpoint."""
+        if not (self.checkpoint / "trainer.json").is_file():
+            return None
+        state = self.trainer.load(self.checkpoint)
+        for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
+            self.acknowledge(batch_id)
+        self.feed.release()  # what the previous run fetched but never committed comes back now
+        return int(state.get("step", 0))
+
+    def hold(self, batch_id: str) -> None:
+        """A batch this rank trained in the current step."""
+        self.uncommitted.append(batch_id)
+
+    def commit(self, step: int) -> None:
+        """After ``step``'s optimizer step: at a checkpoint step, the checkpoint (every rank: its commits),
+        then the acknowledgements; without checkpoints, the acknowledgements at once."""
+        due = bool(self.every) and step % self.every == 0
+        if due:
+            self.trainer.save(self.checkpoint, {"step": step, "commit": self.uncommitted})
+        if not self.every or due:
+            for batch_id in self.uncommitted:
+                self.acknowledge(batch_id)
+            self.uncommitted = []
+
+    def acknowledge(self, batch_id: str) -> None:
+        """`MicroBatchFeed.ack`, tolerating only an expired lease (its samples were delivered again)."""
+        if not self.feed.ack(batch_id):
+            logger.warning(
+                "micro-batch %s was acknowledged after its lease expired: its samples went out again and "
+                "may be trained twice (raise the data role's WEIR_LEASE_S above a step's duration)",
+                batch_id,
+            )

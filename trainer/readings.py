@@ -1,0 +1,78 @@
+"""What the RL loop reads from the roles for its barrier and its step records: the data role's stats
+(`Readings.stats`, retried while the role restarts), a counter of the rollout role's /metrics
+(`Readings.rollout_counter`) and the engines' idle share (`EngineClock`).
+
+Reads only: nothing here trains, acknowledges or publishes. Requests carry the stack's API token
+(None sends none).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+
+__all__ = ["EngineClock", "Readings"]
+
+
+class Readings:
+    """The loop's one HTTP client to the data and rollout roles (``urls``: ``data``, ``rollout``)."""
+
+    def __init__(self, urls: dict[str, str], *, token: str | None) -> None:
+        self.urls = urls
+        self.client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
+
+    def stats(self) -> dict[str, Any]:
+        """The data role's ``/v1/stats``, waited for up to 2 minutes while it is unreachable (restarting)."""
+        for _ in range(240):
+            try:
+                return dict(self.client.get(f"{self.urls['data']}/v1/stats").json())
+            except httpx.TransportError:
+                time.sleep(0.5)
+        raise RuntimeError("the data role stayed unreachable for 2 minutes")
+
+    def rollout_counter(self, name: str) -> float | None:
+        """A counter of the rollout role's /metrics (None when it cannot be read)."""
+        try:
+            text = self.client.get(f"{self.urls['rollout']}/metrics", timeout=5).text
+        except httpx.HTTPError:
+            return None
+        for line in text.splitlines():
+            if line.startswith(f"{name} "):
+                return float(line.split()[1])
+        return None
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class EngineClock:
+    """The engines' idle share since the clock started, from their ``busy_seconds`` (Weir's engines).
+
+    ``urls`` is read at each reading, not copied: an engine removed from the list (it died) is no longer
+    asked."""
+
+    def __init__(self, client: httpx.Client, urls: list[str]) -> None:
+        self.client, self.urls = client, urls
+        self.start = self._read()
+
+    def _read(self) -> dict[str, tuple[float, float]]:
+        out = {}
+        for url in self.urls:
+            try:
+                info = self.client.get(f"{url}/server_info", timeout=5).json()
+            except httpx.HTTPError:
+                continue
+            if info.get("busy_seconds") is not None:
+                out[url] = (float(info["busy_seconds"]), float(info["uptime_seconds"]))
+        return out
+
+    def idle_share(self) -> float | None:
+        now = self._read()
+        shares = [
+            1 - (busy - self.start[u][0]) / max(1e-9, up - self.start[u][1])
+            for u, (busy, up) in now.items()
+            if u in self.start
+        ]
+        return sum(shares) / len(shares) if shares else None
