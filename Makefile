@@ -21,7 +21,7 @@ run: $(STAMP)
 test: $(STAMP) extras-check docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # CI prints the 25 slowest tests
 
 # The documentation site (mkdocs.yml: docs/, the README as its home page) into .weir/site; --strict makes a
 # broken link to a page or an anchor, or a page missing from the nav, fail the build (the variable only

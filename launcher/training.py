@@ -1,11 +1,11 @@
 """`weir train`: start the stack, (warm up), run the RL loop, check, plot and summarise.
 
-With ``--demo`` the task is generated locally (`trainer.demo_task`): pictures of four colours and
+With ``--demo`` the task is generated locally (`launcher.demo.task`): pictures of four colours and
 "What colour is the picture?", rewarded by exact match. The random-weight model first gets a short
 supervised warm-up on text-only prompts that teaches the answer format (a colour name), never the
 picture → name mapping; greedy accuracy on held-out pictures is measured before and after RL.
 ``--demo-task visual-search`` trains multi-turn instead: the ``visual_search`` environment (crop, then name
-the small square's colour), warmed up on scripted crop-then-answer trajectories (`trainer.demo_task`).
+the small square's colour), warmed up on scripted crop-then-answer trajectories (`launcher.demo.task`).
 ``--demo-task video-audio`` (Omni models) asks the colour of short clips sent with their own audio track.
 
 ``--nproc N``: N data-parallel trainer ranks (`trainer.data_parallel`). This process runs the same
@@ -34,7 +34,6 @@ import preprocess as pp
 from preprocess.dataset import iter_rows
 from trainer.data_parallel import DataParallel, run_ranks
 from trainer.loop import LoopConfig, evaluate, run_loop
-from trainer.plot import plot_runs
 from trainer.publish import data_policy_version, publish_weights
 from trainer.reference import ReferenceTrainer
 
@@ -42,6 +41,7 @@ from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
 from .config import TrainConfig
 from .console import console
+from .demo.plot import plot_runs
 from .stack import LocalStack
 
 __all__ = ["run_training"]
@@ -90,9 +90,9 @@ def _warm_up(
     trainer: ReferenceTrainer, config: TrainConfig, urls: dict[str, str], out: Path, token: str | None
 ) -> None:
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
-    crop-then-answer trajectories (`trainer.demo_task.agent_warmup_pairs`); then the engines and the encoder
+    crop-then-answer trajectories (`launcher.demo.task.agent_warmup_pairs`); then the engines and the encoder
     get the weights."""
-    from trainer.demo_task import agent_warmup_pairs, agent_warmup_rows, warmup_prompts
+    from .demo.task import agent_warmup_pairs, agent_warmup_rows, warmup_prompts
 
     if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
         pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
@@ -227,15 +227,15 @@ def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
         _forget_earlier_run(config)
     held_out: list[dict[str, Any]] = []
     if agent:
-        from trainer.demo_task import write_agent_task
+        from .demo.task import write_agent_task
 
         rows, held_out = write_agent_task()  # the environment draws each picture from its row's seed
     elif clips:
-        from trainer.demo_task import write_video_audio_task
+        from .demo.task import write_video_audio_task
 
         rows, held_out = write_video_audio_task(config.home / "media")
     elif config.demo:
-        from trainer.demo_task import write_demo_task
+        from .demo.task import write_demo_task
 
         rows, held_out = write_demo_task(config.home / "media")  # deterministic: every rank writes the same
     else:
@@ -269,7 +269,7 @@ def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
             _warm_up(trainer, config, urls, out, stack.token)
         check = evaluate
         if agent:  # greedy trajectories in the environment, under the whole response's budget
-            from trainer.demo_task import evaluate_agent
+            from .demo.task import evaluate_agent
 
             check = functools.partial(evaluate_agent, max_new_tokens=config.max_new_tokens)
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None

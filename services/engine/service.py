@@ -1,6 +1,6 @@
 """What the engine role keeps around the `engines` library: the state its routes share, SGLang's
 response shape for a result, the cached readiness probe, and the role's metrics. No routes here
-(`app.py`)."""
+(the route modules: `generation`, `streaming`, `weights`, `control`, `info`)."""
 
 from __future__ import annotations
 
@@ -55,10 +55,13 @@ HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRole:
-    """What the routes share (``app.state.weir``)."""
+    """What the routes share (``app.state.weir``; routes take it through `deps.Role`)."""
 
     settings: EngineSettings
     engine: Engine
+    probe: Probe
+    counted: Callable[[GenerateResult], GenerateResult]  # counts a finished request in the metrics
+    model_card: dict[str, Any]  # the /v1/models entry, made once at start-up
     tokenizer: Any
     config: dict[str, Any]
     media: MediaResolver

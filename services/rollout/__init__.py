@@ -1,4 +1,5 @@
-"""The rollout role over HTTP: `create_app(settings)`; routes in `app.py`, the rollout itself in `rollout`."""
+"""The rollout role over HTTP: `create_app(settings)` (`app.py`); routes per resource (`rollouts`, `chat`,
+`completions`, `models`, `rewards`), the rollout itself in `rollout`."""
 
 from __future__ import annotations
 

@@ -1,16 +1,18 @@
 """What the rollout role sets up and checks around the `rollout` library: its context (clients that
 carry the token and the request id to the other roles, the reward registry, admission, the sink),
-its metrics, and the request-level checks that come before any work. No routes here (`app.py`)."""
+its metrics, the state its routes share, and the request-level checks that come before any work. No
+routes here (the route modules: `rollouts`, `chat`, `completions`, `models`, `rewards`)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 from engines.sampling import SUPPORTED_SAMPLING
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
-from rollout.context import RolloutContext
+from rollout.context import RolloutContext, RolloutFunction
 from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRegistry
 from rollout.logprobs import LogprobAsk
@@ -37,9 +39,8 @@ from .settings import RolloutSettings
 __all__ = [
     "ANY_JSON_OBJECT",
     "ENGINE_SAMPLING_FIELDS",
-    "OPENAI_ROUTES",
-    "OpenAIErrors",
     "RolloutMetrics",
+    "RolloutRole",
     "build_context",
     "build_plugins",
     "chat_logprobs",
@@ -48,7 +49,6 @@ __all__ = [
     "completion_refusal",
     "library_reward",
     "multiturn_fields",
-    "openai_error",
     "prompt_sampling",
     "response_format_sampling",
     "tool_prompt",
@@ -96,6 +96,19 @@ class RolloutMetrics:
             self.kept_tokens.inc(sample.timings.get("kept_tokens", 0.0))
             if sample.status is SampleStatus.OK and sample.reward is not None:
                 self.rewards.observe(sample.reward)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RolloutRole:
+    """What the routes share (``app.state.rollout``; routes take it through `deps.Role`). The context is
+    also ``app.state.weir``, as every role's library state is."""
+
+    settings: RolloutSettings
+    context: RolloutContext
+    function: RolloutFunction  # the rollout function named by WEIR_ROLLOUT_FUNCTION
+    tools: ToolRegistry
+    environments: EnvironmentRegistry
+    figures: RolloutMetrics
 
 
 def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]:
@@ -306,83 +319,3 @@ def tool_prompt(body: ChatRequest) -> tuple[list[dict[str, Any]] | None, str]:
     if choice == "required":
         return tools, '<tool_call>\n{"name": "'
     return tools, ""
-
-
-# -- OpenAI's error shape ---------------------------------------------------------------------------
-OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
-_OPENAI_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "invalid_request_error",
-    409: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-}
-
-
-def openai_error(error: dict[str, Any], status: int) -> dict[str, Any]:
-    """Weir's ``{"code", "message", "field"?}`` as OpenAI's ``{"message", "type", "param", "code"}``
-    (Weir's own keys kept): ``type`` from the status, ``param`` the field named, or null."""
-    kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {
-        **error,
-        "message": error.get("message"),
-        "type": kind,
-        "param": error.get("field"),
-        "code": error.get("code"),
-    }
-
-
-class OpenAIErrors:
-    """ASGI middleware: on the OpenAI routes (`OPENAI_ROUTES`), every JSON error answer — a refusal by
-    the route, the schema, the token check or the body limit — is reshaped by `openai_error`, so the
-    OpenAI SDK reads ``type`` and ``param`` as it does from OpenAI. Other routes and every 2xx pass as
-    they are (a stream is never held back)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(OPENAI_ROUTES):
-            await self.app(scope, receive, send)
-            return
-        start: dict[str, Any] = {}
-        body = bytearray()
-
-        async def wrapped(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                headers = dict(message.get("headers") or [])
-                json_error = message["status"] >= 400 and headers.get(b"content-type", b"").startswith(
-                    b"application/json"
-                )
-                if not json_error:
-                    await send(message)
-                    return
-                start.update(message)
-                return
-            if message["type"] == "http.response.body" and start:
-                body.extend(message.get("body", b""))
-                if message.get("more_body"):
-                    return
-                await send_reshaped()
-                return
-            await send(message)
-
-        async def send_reshaped() -> None:
-            content = bytes(body)
-            try:
-                parsed = json.loads(content)
-                error = parsed.get("error") if isinstance(parsed, dict) else None
-                if isinstance(error, dict):
-                    content = json.dumps({"error": openai_error(error, start["status"])}).encode()
-            except ValueError:
-                pass
-            headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
-            headers.append((b"content-length", str(len(content)).encode()))
-            await send({**start, "headers": headers})
-            await send({"type": "http.response.body", "body": content})
-
-        await self.app(scope, receive, wrapped)

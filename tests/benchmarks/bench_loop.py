@@ -55,13 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import preprocess as pp  # noqa: E402
 from experience import ExperienceStore, Group, microbatch_to_arrow  # noqa: E402
+from launcher.demo.plot import plot_runs  # noqa: E402
 from launcher.stack import LocalStack  # noqa: E402
 from services.data.app import DataSettings  # noqa: E402
 from services.data.app import create_app as data_app  # noqa: E402
 from tests.services.conftest import RunningServer  # noqa: E402
 from trainer.feed import MicroBatchFeed, pack  # noqa: E402
 from trainer.loop import LoopConfig, run_loop  # noqa: E402
-from trainer.plot import plot_runs  # noqa: E402
 from trainer.reference import ReferenceTrainer  # noqa: E402
 
 

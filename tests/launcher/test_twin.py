@@ -17,17 +17,14 @@ from launcher.cli import build_parser
 from launcher.stack import _port_in_use, stack_ports
 from launcher.twin import (
     TwinConfig,
-    control_plane,
     cost_model_step,
     dapo_like_rows,
     data_role_load,
     layout,
     parse_mode,
-    plot_twin,
     run_twin,
-    summary,
-    twin_table,
 )
+from launcher.twin_report import control_plane, plot_twin, summary, twin_table
 
 RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
 

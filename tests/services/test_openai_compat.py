@@ -305,7 +305,7 @@ def test_only_the_openai_routes_answer_in_openais_error_shape(stack: tuple[Stack
 
 
 def test_openai_error_types_follow_the_status() -> None:
-    from services.rollout.service import openai_error
+    from services.rollout.openai_errors import openai_error
 
     base = {"code": "c", "message": "m"}
     assert openai_error(base, 401)["type"] == "authentication_error"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-import trainer.demo_task as demo_task
+import launcher.demo.task as demo_task
 from launcher.cli import main
 from trainer.driver import RolloutDriver
 from trainer.reference import ReferenceTrainer

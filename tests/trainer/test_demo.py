@@ -12,8 +12,8 @@ from PIL import Image
 
 from encoders.embedded_model import init_model
 from launcher.cli import main
-from trainer.demo_task import COLOURS, colour_picture, warmup_prompts, write_demo_task
-from trainer.plot import plot_runs
+from launcher.demo.plot import plot_runs
+from launcher.demo.task import COLOURS, colour_picture, warmup_prompts, write_demo_task
 from trainer.reference import ReferenceTrainer
 
 

@@ -11,9 +11,9 @@ import pytest
 
 import preprocess as pp
 from launcher.cli import main
+from launcher.demo.task import COLOURS, VIDEO_QUESTION, write_video_audio_task
 from preprocess.probe import probe
 from preprocess.video import decode_video
-from trainer.demo_task import COLOURS, VIDEO_QUESTION, write_video_audio_task
 
 
 def test_clips_are_their_colour_and_carry_their_own_audio(tmp_path: Path) -> None:

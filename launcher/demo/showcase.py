@@ -13,7 +13,7 @@ from experience.records import Group
 from preprocess import samples
 from services.http import sync_client
 
-from .console import console
+from ..console import console
 
 __all__ = ["run_showcase"]
 

@@ -1,0 +1,373 @@
+"""What each ``weir`` command does, given its parsed options: serve one role, prep a dataset, the demo
+media set, the local or Ray stack (`weir up`, `weir engines`), training, the twin, a tiny model, the token
+file. The parser is `launcher.cli`; the options (`argparse.Namespace`) reach no further than this module —
+each command hands the work on as a typed configuration (`launcher.config`, `launcher.twin.TwinConfig`) or
+plain values, to `launcher.stack`, `launcher.training`, `launcher.twin` and the roles in ``services/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from services.roles import ROLES
+
+if TYPE_CHECKING:
+    from .cluster.stack import RayStack
+
+__all__ = ["HANDLERS", "WORKER_APPS", "preprocess_app"]
+
+# Roles that may run as several uvicorn worker processes: their state is on disk (the feature cache
+# is safe for several processes). The others hold state in their process — an engine's weights, the
+# data role's leases, the encoder's weights version, the rollout role's in-flight budget — so one
+# process each; more capacity comes from more instances (engines behind the rollout role).
+WORKER_APPS = {"preprocess": "launcher.commands:preprocess_app"}  # role → uvicorn factory import string
+
+
+def _spec(name: str):  # type: ignore[no-untyped-def]
+    import preprocess as pp
+
+    if name in ("qwen2_5_omni", "qwen2_5_vl"):
+        return getattr(pp.ProcessorSpec, name)()
+    return pp.ProcessorSpec.from_pretrained(name)
+
+
+def _role_app(name: str) -> Any:
+    """The role's app from the environment's settings, with logging configured (what each worker runs)."""
+    from services.logs import configure_logging
+    from services.settings import RoleSettings, load_settings
+
+    role = ROLES[name]
+    settings = load_settings(role.settings_class())
+    configure_logging(settings.log_level if isinstance(settings, RoleSettings) else "info")
+    return role.create_app(settings)
+
+
+def preprocess_app() -> Any:
+    """The preprocess role's app, for uvicorn's worker processes (``--workers N``)."""
+    return _role_app("preprocess")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.logs import configure_logging
+    from services.settings import RoleSettings, load_settings
+
+    role = ROLES[args.role]
+    if args.workers > 1 and role.name not in WORKER_APPS:
+        print(
+            f"weir serve {role.name}: --workers {args.workers}: the {role.name} role keeps its state in its process, "
+            f"so it runs as one process (--workers is for {', '.join(WORKER_APPS)}); for more engines: "
+            "`weir up --engines N`",
+            file=sys.stderr,
+        )
+        return 2
+    for value, variable in (
+        (args.model, "WEIR_MODEL"),
+        (args.backend, "WEIR_BACKEND"),
+        (args.profile, "WEIR_SIM_PROFILE"),
+        (args.sglang_args, "WEIR_SGLANG_ARGS"),
+        (args.log_level, "WEIR_LOG_LEVEL"),
+    ):
+        if value is not None:
+            os.environ[variable] = str(value)  # the environment, so worker processes read the same settings
+    host = args.host or os.environ.get("WEIR_HOST", "127.0.0.1")
+    port = args.port or role.port
+    # Checked here, before uvicorn starts, so a bad variable fails at once, by name (SettingsError).
+    settings = load_settings(role.settings_class())
+    level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
+    configure_logging(level)
+    # uvicorn's own access log is off: the template logs each request with its request id instead.
+    common: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "log_level": level.lower(),
+        "log_config": None,
+        "access_log": False,
+    }
+    if args.workers > 1:
+        uvicorn.run(WORKER_APPS[role.name], factory=True, workers=args.workers, **common)
+    else:
+        uvicorn.run(role.create_app(settings), **common)
+    return 0
+
+
+def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-untyped-def]
+    import json
+
+    import preprocess as pp
+    from preprocess.prep import run_prep
+
+    from .console import print_report
+
+    if budget is None:
+        budget = pp.TokenBudget(
+            max_image_tokens=args.max_image_tokens,
+            max_video_tokens=args.max_video_tokens,
+            max_audio_tokens=args.max_audio_tokens,
+            max_sample_tokens=args.max_sample_tokens,
+            policy=args.policy,
+        )
+    report = run_prep(
+        args.dataset, args.out, _spec(args.spec), budget, workers=args.workers, cache_max_bytes=args.cache_max_bytes
+    )
+    (args.out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+    print_report(report, title=f"weir prep {args.dataset}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    import preprocess as pp
+    from preprocess.demo import write_demo_dataset
+
+    from .console import console
+
+    console.print(f"[bold]Generating the demo media set in {args.out}/media[/bold]")
+    dataset = write_demo_dataset(args.out)
+    budget = pp.TokenBudget(max_image_tokens=4096, max_video_tokens=8192, max_audio_tokens=750)
+    prep_args = argparse.Namespace(
+        dataset=dataset, out=args.out, spec="qwen2_5_omni", workers=args.workers, cache_max_bytes=2 << 30
+    )
+    console.print("[bold]Pass 1[/bold]: cold cache (budget: image 4096, video 8192, audio 750 tokens)")
+    _prep(prep_args, budget=budget)
+    console.print("[bold]Pass 2[/bold]: the same dataset again — every good item is a cache hit")
+    _prep(prep_args, budget=budget)
+    console.print(f"Report: {args.out / 'report.json'}   manifest: {args.out / 'manifest.parquet'}")
+    return 0
+
+
+def _autoscaling(spec: str) -> dict[str, Any]:
+    """Serve's autoscaling config for engines from ``MIN:MAX[:TARGET]``."""
+    from services.cluster.autoscaling import engine_autoscaling
+    from services.settings import SettingsError
+
+    try:
+        low, high, *target = (float(x) for x in spec.split(":"))
+        if len(target) > 1:
+            raise ValueError("too many fields")
+        return engine_autoscaling(int(low), int(high), *target)
+    except ValueError as error:
+        raise SettingsError(f"engine autoscaling {spec!r}: give MIN:MAX[:TARGET] ({error})") from None
+
+
+def _ray_stack(args: argparse.Namespace) -> RayStack:
+    from .cluster.stack import RayStack
+
+    autoscale = _autoscaling(args.engine_autoscale) if getattr(args, "engine_autoscale", None) else None
+    return RayStack(
+        home=args.home,
+        model=getattr(args, "model", None),
+        engines=args.engines,
+        address=args.address,
+        port=args.serve_port,
+        env=_engine_env(args),
+        engine_autoscaling=autoscale,
+    )
+
+
+def _engine_env(args: argparse.Namespace) -> dict[str, str]:
+    """The engine settings given as options (``--backend``, ``--sglang-args``), for every role's environment."""
+    given = (("WEIR_BACKEND", getattr(args, "backend", None)), ("WEIR_SGLANG_ARGS", getattr(args, "sglang_args", None)))
+    return {variable: value for variable, value in given if value is not None}
+
+
+def _up_ray(args: argparse.Namespace) -> int:
+    import time
+
+    import yaml
+
+    from services.cluster.apps import serve_config
+
+    from .console import console
+
+    stack = _ray_stack(args)
+    if args.write_config is not None:
+        from .stack import TOKEN_FILE, ensure_token
+
+        ensure_token(args.home / TOKEN_FILE)  # the roles read it from the file the config names
+        placements = stack.plan(engine_nodes=1, use_gpus=False)
+        config = serve_config(stack.role_env(stack.model_folder()), placements, port=args.serve_port)
+        args.write_config.write_text(yaml.safe_dump(config, sort_keys=False))
+        console.print(f"Serve config: {args.write_config} (deploy it with `serve deploy {args.write_config}`)")
+        return 0
+    console.print("[bold]Deploying preprocess, encoder, data, engine(s), rollout on Ray Serve…[/bold]")
+    try:
+        urls = stack.start()
+        for role, url in urls.items():
+            console.print(f"  {role:<14} {url}")
+        console.print(f"API token: in {args.home / 'api-token'}; `serve status` shows every application")
+        if args.demo:
+            from .demo.showcase import run_showcase
+
+            run_showcase(urls, args.home / "media", token=stack.token)
+            return 0
+        if args.address is not None:
+            return 0  # deployed to a running cluster: it keeps serving (`serve shutdown` removes it)
+        console.print("Ready. Ctrl-C stops every role.")
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        if args.address is None or args.demo:
+            stack.stop()
+
+
+def _engines(args: argparse.Namespace) -> int:
+    from services.settings import SettingsError
+
+    from .console import console
+
+    stack = _ray_stack(argparse.Namespace(**{**vars(args), "engines": 1}))
+    if args.action == "autoscale":
+        autoscaling = _autoscaling(args.count)
+        stack.connect()
+        stack.autoscale_engines(autoscaling)
+        console.print(
+            f"Serve scales the engines from now on: {autoscaling['min_replicas']}–{autoscaling['max_replicas']}"
+        )
+        return 0
+    if not args.count.isdigit():
+        raise SettingsError(f"weir engines {args.action}: the count must be a whole number, not {args.count!r}")
+    stack.connect()
+    now = len(stack.engine_urls())
+    target = now + int(args.count) if args.action == "add" else now - int(args.count)
+    urls = stack.scale_engines(target)
+    console.print(f"{len(urls)} engines: " + ", ".join(urls))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import time
+
+    from .console import console
+    from .stack import LocalStack
+
+    if args.ray:
+        return _up_ray(args)
+    stack = LocalStack(
+        home=args.home, model=args.model, engines=args.engines, base_port=args.base_port, env=_engine_env(args)
+    )
+    console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
+    urls = stack.start()
+    for role, url in urls.items():
+        console.print(f"  {role:<14} {url}")
+    console.print(
+        f"API token: in {stack.token_path} (mode 0600); send 'Authorization: Bearer <token>' "
+        "(OpenAI clients: api_key=<token>)",
+        soft_wrap=True,
+    )
+    try:
+        if args.demo:
+            from .demo.showcase import run_showcase
+
+            run_showcase(urls, args.home / "media", token=stack.token)
+            return 0
+        console.print("Ready. Ctrl-C stops every role.")
+        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        while all(c.process.poll() is None for c in stack.children):
+            time.sleep(0.5)
+        console.print("[red]a role exited; stopping the rest[/red]")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
+        console.print("stopped.")
+
+
+def _train(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from .config import TrainConfig
+    from .training import run_training
+
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
+    return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
+
+
+def _twin(args: argparse.Namespace) -> int:
+    from .twin import TwinConfig, run_twin
+    from .twin_report import plot_twin, print_twin
+
+    config = TwinConfig(
+        profile=args.profile,
+        gpus=args.gpus,
+        nodes=tuple(args.nodes),
+        gpus_per_node=args.gpus_per_node,
+        steps=args.steps,
+        prompts_per_step=args.prompts_per_step,
+        n=args.n,
+        compressions=tuple(args.compression),
+        modes=tuple(args.modes),
+        max_new_tokens=args.max_new_tokens,
+        home=args.home,
+        base_port=args.base_port,
+    )
+    if args.cost_model:
+        import json
+
+        from .twin import cost_model_step
+
+        for gpus in config.gpu_counts():
+            print(json.dumps(cost_model_step(config.profile, gpus, prompts=config.prompts_per_step, n=config.n)))
+        return 0
+    if args.merge:
+        import json
+
+        from .twin_report import summary
+
+        runs = [row for path in args.merge for row in json.loads(path.read_text())["rows"]]
+        config.compressions = tuple(sorted({r["compression"] for r in runs}))
+        out = summary(runs, config)
+    else:
+        out = run_twin(config)
+    print_twin(out, config)
+    model = None
+    if args.merge and config.nodes:  # the colocate cost model at the same sizes, for the plot
+        from .twin import cost_model_step
+
+        model = [cost_model_step(config.profile, g, n=config.n) for g in config.gpu_counts()]
+    plot_twin(out, args.plot or config.home / "twin.png", model)
+    return 0
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from encoders.embedded_model import ensure_model, init_model
+
+    if args.if_missing:
+        kept = (args.folder / "config.json").is_file()
+        folder = ensure_model(args.folder, seed=args.seed, arch=args.arch)
+        print(f"{folder}{': a model is there already; kept' if kept else ''}")
+        return 0
+    print(init_model(args.folder, seed=args.seed, arch=args.arch))
+    return 0
+
+
+def _token(args: argparse.Namespace) -> int:
+    from .stack import ensure_token
+
+    _, written = ensure_token(args.out, os.environ.get("WEIR_API_TOKEN") or None)
+    if args.uid is not None:
+        os.chown(args.out, args.uid, -1)
+    print(f"API token {'written to' if written else 'kept in'} {args.out}")  # never the token itself
+    return 0
+
+
+# command → its handler (`launcher.cli.main` dispatches on the parsed command)
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "serve": _serve,
+    "prep": _prep,
+    "up": _up,
+    "engines": _engines,
+    "train": _train,
+    "twin": _twin,
+    "init-model": _init_model,
+    "demo": _demo,
+    "token": _token,
+}

@@ -1,0 +1,35 @@
+"""The rollout role's state as FastAPI dependencies: routes take `Role` (the `service.RolloutRole` that
+`create_app` put on ``app.state.rollout``) or `Context` (its `rollout.RolloutContext`) as a parameter,
+and `request_bytes` for what admission counts. Nothing here builds state or answers a request.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from rollout.context import RolloutContext
+
+from .service import RolloutRole
+
+__all__ = ["Context", "Role", "request_bytes"]
+
+
+def _role(request: Request) -> RolloutRole:
+    role: RolloutRole = request.app.state.rollout
+    return role
+
+
+def _context(role: Annotated[RolloutRole, Depends(_role)]) -> RolloutContext:
+    return role.context
+
+
+Role = Annotated[RolloutRole, Depends(_role)]
+Context = Annotated[RolloutContext, Depends(_context)]
+
+
+async def request_bytes(request: Request) -> int:
+    """The body's size, as admission counts it (already read by FastAPI's body parsing, and bounded by
+    the template's body limit)."""
+    return len(await request.body())

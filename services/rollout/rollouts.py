@@ -1,0 +1,122 @@
+"""`POST /v1/rollouts`: every prompt of a request checked before any work, then rolled out as one group
+each (JSON, or one NDJSON line per group as it finishes). The rollout itself is the `rollout` library's
+(`rollout.group.run_prompt` with the function named by ``WEIR_ROLLOUT_FUNCTION``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engines.errors import InvalidSampling
+from engines.sampling import sampling_from
+from experience.records import Group
+from rollout.context import PromptSpec
+from rollout.errors import InvalidPrompt, RolloutError
+from rollout.group import run_prompt
+
+from ..errors import ApiError, error_body
+from .deps import Role, request_bytes
+from .schemas import RolloutRequest, RolloutResponse
+from .service import RolloutRole, library_reward, multiturn_fields, prompt_sampling
+
+__all__ = ["NDJSON", "router"]
+
+logger = logging.getLogger(__name__)
+
+NDJSON = "application/x-ndjson"
+
+router = APIRouter()
+
+
+@router.post(
+    "/v1/rollouts",
+    response_model=RolloutResponse,
+    responses={
+        200: {
+            "description": "the groups (JSON), or with stream=true one group (or error) per NDJSON line",
+            "content": {NDJSON: {}},
+        }
+    },
+)
+async def rollouts(body: RolloutRequest, request: Request, role: Role) -> Any:
+    """Roll out every prompt: ``n`` samples each, rewarded; each group recorded unless ``record`` is false."""
+    checked = _check(role, body)
+    held = contextlib.ExitStack()  # the request's bytes, held until its last group is out
+    held.enter_context(role.context.admission.admit(nbytes=await request_bytes(request)))
+    tasks = [asyncio.ensure_future(_group(role, s, i, sampling, body)) for i, (s, sampling) in enumerate(checked)]
+    if body.stream:
+        return StreamingResponse(_lines(tasks, held), media_type=NDJSON)
+    with held:
+        try:
+            groups = await asyncio.gather(*tasks)
+        finally:  # one group's error fails the request: the others stop
+            for task in tasks:
+                task.cancel()
+    return JSONResponse({"groups": [g.to_json() for g in groups]})
+
+
+def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, dict[str, Any]]]:
+    """Every prompt checked before any work starts: n, reward, sampling."""
+    settings = role.settings
+    if len(body.prompts) > settings.max_prompts:
+        raise ApiError(400, "too_many_prompts", f"prompts: at most {settings.max_prompts}", field="prompts")
+    checked = []
+    for i, prompt in enumerate(body.prompts):
+        if prompt.n > settings.max_n:
+            raise InvalidPrompt(f"prompts[{i}].n: at most {settings.max_n}", code="n_out_of_range")
+        reward = library_reward(prompt.reward)
+        role.context.rewards.check(reward)
+        sampling = prompt_sampling(body, prompt, settings.default_max_tokens)
+        sampling_from(sampling)
+        spec = PromptSpec(
+            messages=[m.model_dump() for m in prompt.messages],
+            n=prompt.n,
+            reward=reward,
+            group_id=prompt.id,
+            **multiturn_fields(prompt, i, role.tools, role.environments),
+        )
+        checked.append((spec, sampling))
+    return checked
+
+
+async def _group(
+    role: RolloutRole, spec: PromptSpec, index: int, sampling: dict[str, Any], body: RolloutRequest
+) -> Group:
+    start = time.perf_counter()
+    group = await run_prompt(
+        role.context,
+        role.function,
+        spec,
+        index=index,
+        sampling=sampling,
+        budget=body.budget.model_dump(exclude_none=True) if body.budget else None,
+        record=body.record,
+    )
+    role.figures.finished(group, time.perf_counter() - start, recorded=body.record)
+    return group
+
+
+async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitStack) -> AsyncIterator[bytes]:
+    """Each group as one NDJSON line the moment it finishes; a group that failed is an error line."""
+    with held:
+        try:
+            for finished in asyncio.as_completed(tasks):
+                try:
+                    line: dict[str, Any] = (await finished).to_json()
+                except (RolloutError, InvalidSampling) as error:
+                    line = error_body(error.code, str(error))
+                except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
+                    logger.exception("a group failed while streaming")
+                    line = error_body("internal_error", "the service failed on this group; see its log")
+                yield (json.dumps(line) + "\n").encode()
+        finally:  # a client that went away stops the groups still running
+            for task in tasks:
+                task.cancel()

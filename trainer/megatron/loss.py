@@ -1,0 +1,146 @@
+"""The loss contract with megatron-core 0.16: `forward_step` (one micro-batch through the GPTModel, its
+routes replayed) and `loss_func` (``(loss_sum, num_tokens, metrics)``, exact under any split of a step's
+tokens). The loss itself is `trainer.losses.policy_loss`; the batches are `trainer.megatron.batch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import replace
+from functools import partial
+from typing import Any
+
+import torch
+
+from ..losses import LossConfig, policy_loss
+from .batch import packed_seq_params
+from .media import decoder_input
+
+__all__ = ["forward_step", "loss_func", "replay_routes"]
+
+
+def _units(mask: torch.Tensor, sequence_ids: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """What a micro-batch's loss sum is normalised by: its loss tokens, its sequences with at least one
+    loss token (padding sequences have none), or nothing (0) for ``sum``."""
+    if aggregation == "token_mean":
+        return mask.sum().round().to(torch.int)
+    if aggregation == "sequence_mean":
+        count = int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0
+        per_sequence = torch.zeros(count, device=mask.device).index_add(0, sequence_ids, mask.float())
+        return (per_sequence > 0).sum().to(torch.int)
+    return torch.zeros((), dtype=torch.int, device=mask.device)
+
+
+def loss_func(
+    batch: Mapping[str, Any], output_tensor: torch.Tensor, *, config: LossConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss from ``GPTModel``'s per-token cross-entropy (``-logprob`` of each label), in
+    megatron-core 0.16's three-value form ``(loss_sum, num_tokens, metrics)``.
+
+    Set ``TransformerConfig.calculate_per_token_loss=True`` (whatever the aggregation) and wrap the
+    model in megatron's ``DistributedDataParallel`` with ``config.finalize_model_grads_func =
+    finalize_model_grads``. Megatron then back-propagates each ``loss_sum`` unscaled, adds the
+    ``num_tokens`` of every micro-batch of the step, all-reduces that count over data-parallel ranks
+    and scales the summed gradients by 1 / count (its DDP then skips its own 1 / dp averaging). So
+    ``loss_sum`` / ``num_tokens`` are chosen so that this ratio *is* the step's loss over all its
+    micro-batches on all ranks, under any split:
+
+    * ``token_mean``: Σ per-token loss over loss tokens / the number of loss tokens;
+    * ``sequence_mean``: Σ over sequences of each sequence's mean / the number of sequences with a
+      loss token (``num_tokens`` carries the sequence count);
+    * ``sum``: the plain sum with ``num_tokens`` 0, for which megatron skips the scaling.
+
+    With ``calculate_per_token_loss=False`` megatron divides each micro-batch by its own
+    ``num_tokens`` and by the number of micro-batches, and DDP averages ranks: the mean of per-batch
+    means, exact only when every micro-batch holds the same count.
+
+    ``metrics["policy loss"]`` is ``[loss_sum, num_tokens]`` (the step's loss is the sum of the first
+    over micro-batches and ranks divided by that of the second; for ``sum``, the first alone); the
+    other metrics are this micro-batch's. All are fresh tensors: megatron divides the loss in place.
+    """
+    config = config or LossConfig()
+    logprobs = -output_tensor.float().reshape(-1)
+    mask = batch["loss_mask"].reshape(-1)
+    if batch.get("cp_size", 1) > 1 and config.aggregation == "sequence_mean":
+        raise NotImplementedError("sequence_mean under context parallelism: a sequence's tokens span ranks")
+    if "sequence_ids" in batch:
+        sequence_ids = batch["sequence_ids"].reshape(-1).long()
+    else:
+        cu = batch["cu_seqlens"].long()
+        sequence_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), cu[1:] - cu[:-1])
+    units = _units(mask, sequence_ids, config.aggregation)
+    # token_mean's sum is summed directly rather than a mean times its count, to keep it exact.
+    summed = replace(config, aggregation="sum") if config.aggregation == "token_mean" else config
+    out = policy_loss(
+        logprobs,
+        logprobs.detach(),
+        batch["advantages"].reshape(-1),
+        mask,
+        summed,
+        rollout_logprobs=batch["rollout_logprobs"].reshape(-1),
+        sequence_ids=sequence_ids,
+    )
+    loss_sum = out.loss * units if config.aggregation == "sequence_mean" else out.loss
+    metrics = {name: torch.tensor(value, device=logprobs.device) for name, value in out.metrics.items()}
+    metrics["policy loss"] = torch.stack([loss_sum.detach(), units.to(loss_sum.dtype)])  # a copy: see above
+    return loss_sum, units, metrics
+
+
+def forward_step(
+    data_iterator: Iterator[dict[str, Any]],
+    model: Callable[..., torch.Tensor],
+    checkpoint_activations_microbatch: bool | None = None,
+    *,
+    config: LossConfig | None = None,
+    packed: Callable[[Mapping[str, Any]], Any] = packed_seq_params,
+) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
+    """megatron-core's ``forward_step_func``: one micro-batch through ``model``, and its loss function.
+
+    Megatron calls it as ``(data_iterator, model)``, or with a third positional argument
+    ``checkpoint_activations_microbatch`` when ``num_microbatches_with_partial_activation_checkpoints``
+    is set; ``GPTModel.forward`` takes no such argument, so it is accepted and not used (configure
+    recomputation on the ``TransformerConfig``). Bind ``config`` with ``functools.partial``.
+
+    ``model`` is called as ``GPTModel`` is: ``(tokens, position_ids, attention_mask, labels=...,
+    packed_seq_params=...)``, returning the per-token cross-entropy; for a batch built with
+    ``media`` (`QwenMedia`) also ``decoder_input=`` (`decoder_input`), its ``position_ids`` Qwen's
+    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``. A batch built with
+    ``router_replay`` has its routes replayed in this forward (`replay_routes`).
+    """
+    batch = next(data_iterator)
+    if "router_replay" in batch:
+        replay_routes(batch["router_replay"])
+    else:
+        _route_freely()
+    extra = {"decoder_input": decoder_input(model, batch)} if "media_embeds" in batch else {}
+    output = model(
+        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed(batch), **extra
+    )
+    return output, partial(loss_func, batch, config=config)
+
+
+def replay_routes(per_layer: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """Hand one ``[T, top_k]`` index tensor per MoE layer (this rank's, in build order) to megatron-core's
+    ``RouterReplay`` and switch every router to ``REPLAY_FORWARD``. Raises ValueError when the model was
+    not built with ``moe_enable_routing_replay`` (or has another number of MoE layers)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    if len(per_layer) != len(RouterReplay.global_router_replay_instances):
+        raise ValueError(
+            f"routing replay: {len(per_layer)} MoE layers of routes, but megatron-core holds "
+            f"{len(RouterReplay.global_router_replay_instances)} RouterReplay instances (build the model with "
+            "TransformerConfig(moe_enable_routing_replay=True))"
+        )
+    RouterReplay.clear_global_indices()
+    RouterReplay.set_replay_data([layer.long() for layer in per_layer])
+    RouterReplay.set_global_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+
+def _route_freely() -> None:
+    """A batch without routes after one with them: megatron-core's routers choose for themselves again."""
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.moe.router_replay")  # never imported: nothing to undo
+    if module is not None and module.RouterReplay.global_router_replay_instances:
+        module.RouterReplay.clear_global_router_replay_action()
+        module.RouterReplay.clear_global_indices()
