@@ -43,7 +43,7 @@ from .protocol import (
     TopLogprobs,
 )
 
-__all__ = ["ENGINE_CLOSED", "PAUSE_ACK_TIMEOUT_S", "Req", "Scheduler", "Stepper", "new_future"]
+__all__ = ["ENGINE_CLOSED", "PAUSE_ACK_TIMEOUT_S", "Req", "ScheduledEngine", "Scheduler", "Stepper", "new_future"]
 
 logger = logging.getLogger(__name__)
 
@@ -327,3 +327,42 @@ class Scheduler(Generic[S]):
             self.waiting.popleft()
             self.running.append(req)
             held += tokens
+
+
+class ScheduledEngine:
+    """The engine protocol's request controls, for an engine whose requests a `Scheduler` holds
+    (``self._scheduler``): the transformers engine and each simulated replica. Submitting, weights and
+    timing stay the engine's own."""
+
+    _scheduler: Scheduler[Any]
+
+    def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
+        raise NotImplementedError
+
+    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
+        return self.submit(request).result(timeout)
+
+    def abort(self, rid: str, *, message: str = ABORT_BY_REQUEST) -> bool:
+        return self._scheduler.abort(rid, message=message)
+
+    def abort_all(self, *, message: str = ABORT_BY_REQUEST) -> None:
+        self._scheduler.abort_all(message=message)
+
+    def pause(self, mode: PauseMode = "in_place") -> None:
+        """Stop between two decode steps; returns once the scheduler has applied ``mode``."""
+        self._scheduler.pause(mode)
+
+    def resume(self) -> None:
+        self._scheduler.resume()
+
+    def flush_cache(self) -> bool:
+        """No prefix cache is kept; False while a request holds KV (running, or frozen in place), as SGLang."""
+        return not self._scheduler.running
+
+    @property
+    def paused(self) -> bool:
+        return self._scheduler.paused
+
+    @property
+    def running(self) -> int:
+        return len(self._scheduler.running)

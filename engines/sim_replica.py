@@ -16,15 +16,16 @@ from pathlib import Path
 
 from .errors import InvalidSampling, WeightsError
 from .limits import ModelLimits
-from .protocol import ABORT_BY_REQUEST, GenerateRequest, GenerateResult, PauseMode, TokenCallback
-from .scheduler import Scheduler
+from .protocol import GenerateRequest, GenerateResult, TokenCallback
+from .scheduler import ScheduledEngine, Scheduler
 from .sim_profile import SimProfile, SimStats, digest
 from .sim_stepper import SimStepper
+from .weights import check_lengths
 
 __all__ = ["SimReplica"]
 
 
-class SimReplica:
+class SimReplica(ScheduledEngine):
     """One simulated engine (see the module): the `Engine` protocol over a `SimProfile`'s cost model, on its
     own `Scheduler` and `SimStepper`. `SimEngine` serves one or several of them behind one protocol."""
 
@@ -74,17 +75,9 @@ class SimReplica:
         return self.stats.busy_s / self.compression
 
     @property
-    def running(self) -> int:
-        return len(self._scheduler.running)
-
-    @property
     def queued(self) -> int:
         """Requests waiting to be admitted."""
         return self._scheduler.queued
-
-    @property
-    def paused(self) -> bool:
-        return self._scheduler.paused
 
     @property
     def released(self) -> bool:
@@ -124,26 +117,6 @@ class SimReplica:
                 seed = self._prompt_seen[key] = self._prompt_seen.get(key, -1) + 1
         return seed if seed is not None else digest(b"rid", rid)
 
-    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
-        return self.submit(request).result(timeout)
-
-    def abort(self, rid: str, *, message: str = ABORT_BY_REQUEST) -> bool:
-        return self._scheduler.abort(rid, message=message)
-
-    def abort_all(self, *, message: str = ABORT_BY_REQUEST) -> None:
-        self._scheduler.abort_all(message=message)
-
-    def pause(self, mode: PauseMode = "in_place") -> None:
-        """Stop between two decode steps; returns once the scheduler has applied ``mode``."""
-        self._scheduler.pause(mode)
-
-    def resume(self) -> None:
-        self._scheduler.resume()
-
-    def flush_cache(self) -> bool:
-        """No prefix cache is simulated; False while a request holds KV (running, or frozen in place)."""
-        return not self._scheduler.running
-
     def update_weights(self, path: str, version: str | None = None) -> str:
         """Take ``weight_update_s`` between two steps, then serve ``version`` (``path`` is not read)."""
         return self._scheduler.call(lambda: self._stepper.update_weights(self._scheduler, version)) or ""
@@ -180,11 +153,7 @@ class SimReplica:
                 f"not in a weights update group named {group_name!r}: call /init_weights_update_group first",
                 code="weights_group",
             )
-        if not len(names) == len(dtypes) == len(shapes):
-            raise WeightsError(
-                f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})",
-                code="weights_mismatch",
-            )
+        check_lengths(names, dtypes, shapes)
         return self._scheduler.call(lambda: self._stepper.update_weights(self._scheduler, version)) or ""
 
     def destroy_weights_update_group(self, group_name: str) -> None:

@@ -43,9 +43,10 @@ from .errors import InvalidMedia
 from .grammar import Grammars
 from .limits import ModelLimits
 from .protocol import ABORT_BEFORE_PREFILL as ABORT_BEFORE_PREFILL  # the messages, as every backend's
-from .protocol import ABORT_BY_REQUEST, GenerateRequest, GenerateResult, PauseMode, SamplingParams, TokenCallback
+from .protocol import ABORT_BY_REQUEST as ABORT_BY_REQUEST
 from .protocol import ABORT_PAUSED as ABORT_PAUSED
-from .scheduler import Req, Scheduler, new_future
+from .protocol import GenerateRequest, GenerateResult, SamplingParams, TokenCallback
+from .scheduler import Req, ScheduledEngine, Scheduler, new_future
 from .transformers_stepper import TransformersState, TransformersStepper
 from .weights import WeightGroups, read_folder
 from .weights_group import WEIGHTS_GROUP_TIMEOUT_S
@@ -53,7 +54,7 @@ from .weights_group import WEIGHTS_GROUP_TIMEOUT_S
 __all__ = ["TransformersEngine"]
 
 
-class TransformersEngine:
+class TransformersEngine(ScheduledEngine):
     """A model folder served through the engine protocol: a Qwen2.5-Omni thinker, a Qwen3-VL model or a
     Qwen3-Omni-MoE thinker, loaded in the class its config names (`encoders.architectures.load_thinker`).
 
@@ -145,34 +146,6 @@ class TransformersEngine:
         req = Req(request=request, future=new_future(), state=state, on_token=on_token)
         self._scheduler.submit(req)
         return req.future
-
-    def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
-        return self.submit(request).result(timeout)
-
-    def abort(self, rid: str, *, message: str = ABORT_BY_REQUEST) -> bool:
-        return self._scheduler.abort(rid, message=message)
-
-    def abort_all(self, *, message: str = ABORT_BY_REQUEST) -> None:
-        self._scheduler.abort_all(message=message)
-
-    def pause(self, mode: PauseMode = "in_place") -> None:
-        """Stop between two decode steps; returns once the scheduler has applied ``mode``."""
-        self._scheduler.pause(mode)
-
-    def resume(self) -> None:
-        self._scheduler.resume()
-
-    def flush_cache(self) -> bool:
-        """No prefix cache to drop here; False while a request holds KV (SGLang refuses then too)."""
-        return not self._scheduler.running
-
-    @property
-    def paused(self) -> bool:
-        return self._scheduler.paused
-
-    @property
-    def running(self) -> int:
-        return len(self._scheduler.running)
 
     @property
     def busy_s(self) -> float:

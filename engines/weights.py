@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from .errors import WeightsError
 from .weights_group import WEIGHTS_GROUP_TIMEOUT_S, join_weights_group
 
-__all__ = ["WeightGroups", "read_folder"]
+__all__ = ["WeightGroups", "check_lengths", "read_folder"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,15 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     if not files:
         raise WeightsError(f"no safetensors files in {path}", code="weights_not_found")
     return state
+
+
+def check_lengths(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> None:
+    """An update's names, dtypes and shapes must pair up; `WeightsError` ``weights_mismatch`` otherwise."""
+    if not len(names) == len(dtypes) == len(shapes):
+        raise WeightsError(
+            f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})",
+            code="weights_mismatch",
+        )
 
 
 class WeightGroups:
@@ -139,11 +148,7 @@ class WeightGroups:
                 f"not in a weights update group named {group_name!r}: call /init_weights_update_group first",
                 code="weights_group",
             )
-        if not len(names) == len(dtypes) == len(shapes):
-            raise WeightsError(
-                f"names, dtypes and shapes differ in length ({len(names)}, {len(dtypes)}, {len(shapes)})",
-                code="weights_mismatch",
-            )
+        check_lengths(names, dtypes, shapes)
         specs: list[tuple[torch.dtype, tuple[int, ...]]] = []
         for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
             dtype = getattr(torch, dtype_name, None) if dtype_name.isidentifier() else None
