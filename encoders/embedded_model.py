@@ -31,6 +31,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -257,10 +258,20 @@ def build_tokenizer(arch: str = "qwen2.5-omni") -> PreTrainedTokenizerFast:
     )
 
 
+def _token_ids(tokenizer: PreTrainedTokenizerFast, tokens: Mapping[str, str]) -> dict[str, int]:
+    """Name → the id of its special token (one token: one id)."""
+    ids: dict[str, int] = {}
+    for name, token in tokens.items():
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        assert isinstance(token_id, int), token
+        ids[name] = token_id
+    return ids
+
+
 def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniThinkerConfig:
     """Toy dimensions; every structural feature of the real thinker kept (windowed vision
     attention with a full-attention block, chunked audio attention, mRoPE sections)."""
-    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(token) for name, token in MEDIA_TOKENS.items()}
+    ids = _token_ids(tokenizer, MEDIA_TOKENS)
     fields: dict[str, Any] = dict(
         text_config={
             "vocab_size": len(tokenizer),
@@ -333,7 +344,7 @@ def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
     (the checkpoints' numbers, so Weir's `ProcessorSpec.qwen3_vl` features fit), learned position
     embeddings resampled per grid, DeepStack mergers after vision blocks 0 and 1 (injected after text
     layers 0 and 1), interleaved mRoPE."""
-    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in QWEN3_VL_MEDIA_TOKENS.items()}
+    ids = _token_ids(tokenizer, QWEN3_VL_MEDIA_TOKENS)
     return Qwen3VLConfig(
         text_config={
             "vocab_size": len(tokenizer),
@@ -378,7 +389,7 @@ def tiny_qwen3_omni_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3OmniM
     temporal patch 2 with DeepStack mergers after vision blocks 0 and 1; the windowed audio tower (128 mel
     bins, 100-frame windows, 13 tokens each); a text model whose every layer is a sparse MoE block of 8
     experts with 2 routed per token (top-k weights renormalised, as the checkpoint), interleaved mRoPE."""
-    ids: dict[str, Any] = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in QWEN3_OMNI_MEDIA_TOKENS.items()}
+    ids = _token_ids(tokenizer, QWEN3_OMNI_MEDIA_TOKENS)
     fields: dict[str, Any] = dict(
         text_config={
             "vocab_size": len(tokenizer),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import pyarrow as pa
@@ -21,7 +21,7 @@ import preprocess as pp
 from .errors import FeaturesNotFound
 from .towers import Towers
 
-__all__ = ["EncodedItem", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
+__all__ = ["EmbeddingMeta", "EncodedItem", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
 
 _META = b"weir"
 
@@ -30,7 +30,16 @@ def embedding_key(feature_key: str, version: str) -> str:
     return hashlib.sha256(f"{feature_key}|{version}".encode()).hexdigest()[:40]
 
 
-def embedding_to_arrow(embedding: np.ndarray, meta: dict[str, Any]) -> bytes:
+class EmbeddingMeta(TypedDict):
+    """What an embedding's Arrow stream says of itself (JSON under ``weir``)."""
+
+    kind: str  # the media kind of the features it embeds
+    feature_key: str
+    version: str  # the towers' version that made it
+    shape: list[int]  # (tokens, hidden)
+
+
+def embedding_to_arrow(embedding: np.ndarray, meta: EmbeddingMeta) -> bytes:
     """(tokens, hidden) float32 as one Arrow IPC stream with its metadata."""
     rows = np.ascontiguousarray(embedding, dtype=np.float32)
     column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])
@@ -42,7 +51,7 @@ def embedding_to_arrow(embedding: np.ndarray, meta: dict[str, Any]) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
-def embedding_from_arrow(data: bytes | pa.Buffer) -> tuple[np.ndarray, dict[str, Any]]:
+def embedding_from_arrow(data: bytes | pa.Buffer) -> tuple[np.ndarray, EmbeddingMeta]:
     """Zero-copy (tokens, hidden) float32 view and the metadata."""
     reader = pa.ipc.open_stream(data if isinstance(data, pa.Buffer) else pa.py_buffer(data))
     batch = reader.read_next_batch()
@@ -78,13 +87,14 @@ class Encoder:
             cached = self.embeddings.get_bytes(emb_key)
             if cached is not None:
                 _, meta = embedding_from_arrow(cached)
+                tokens, hidden = meta["shape"]
                 results[i] = EncodedItem(
                     feature_key=key,
                     embedding_key=emb_key,
                     kind=meta["kind"],
-                    shape=tuple(meta["shape"]),
+                    shape=(tokens, hidden),
                     cache_hit=True,
-                )  # type: ignore[arg-type]
+                )
                 continue
             if key not in loaded:
                 features = self.features.get(key)
@@ -95,7 +105,12 @@ class Encoder:
         keys = list(misses)
         for key, embedding in zip(keys, self.towers.encode([loaded[k] for k in keys]), strict=True):
             array = embedding.float().cpu().numpy()
-            meta = {"kind": loaded[key].kind, "feature_key": key, "version": version, "shape": list(array.shape)}
+            meta = {
+                "kind": loaded[key].kind,
+                "feature_key": key,
+                "version": version,
+                "shape": list(array.shape),
+            }
             emb_key = embedding_key(key, version)
             self.embeddings.put(emb_key, embedding_to_arrow(array, meta))
             for i in misses[key]:

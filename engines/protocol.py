@@ -23,9 +23,14 @@ import math
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import (
+    Literal,
+    NotRequired,  # pydantic (the engine role's schemas) needs these on 3.11
+    Protocol,
+)
 
 import torch
+from typing_extensions import TypedDict
 
 import preprocess as pp
 
@@ -37,6 +42,7 @@ __all__ = [
     "ABORT_PAUSED",
     "PAUSE_MODES",
     "Engine",
+    "FinishReason",
     "GenerateRequest",
     "GenerateResult",
     "MediaInput",
@@ -58,6 +64,18 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "retract", "in_place")
 ABORT_PAUSED = "paused (abort mode)"
 ABORT_BEFORE_PREFILL = "Abort before prefill"
 ABORT_BY_REQUEST = "aborted by request"
+
+
+class FinishReason(TypedDict):
+    """SGLang's ``meta_info.finish_reason``: why a request ended — ``stop`` (an EOS or stop token id, or a
+    stop string: ``matched``), ``length`` (``max_new_tokens`` or the context: ``length``) or ``abort`` (its
+    cause in ``message``: `ABORT_PAUSED`, `ABORT_BY_REQUEST`, …)."""
+
+    type: Literal["stop", "length", "abort"]
+    matched: NotRequired[int | str | None]
+    length: NotRequired[int]
+    message: NotRequired[str]
+
 
 TopLogprobs = list[tuple[float, int]]
 """The ``top_logprobs_num`` most likely tokens at one position, most likely first: ``(logprob, token_id)``."""
@@ -265,7 +283,7 @@ class GenerateResult:
     rid: str
     output_ids: list[int]
     output_logprobs: list[float]
-    finish_reason: dict[str, Any]
+    finish_reason: FinishReason
     prompt_tokens: int
     weight_version: str
     text: str = ""

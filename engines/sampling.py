@@ -16,6 +16,9 @@ Every key SGLang 0.5 knows is one of these kinds here:
 * known but unsupported — refused with ``unsupported_sampling_param`` unless null, so a client
   never believes a structural tag or a beam search was applied when it was not (`REFUSED_SAMPLING`).
 
+The way back, `sampling_json`, is the one place a `SamplingParams` becomes SGLang's ``sampling_params``
+for the wire (the rollout role's engine requests): ``sampling_from(sampling_json(p)) == p``.
+
 Neutral values (``repetition_penalty`` 1, penalties 0, ``min_p`` 0, ``min_new_tokens`` 0, an empty
 ``logit_bias``) are always accepted. Any other key is a typo: ``unknown_sampling_param``. Values of
 the wrong type or range, or two grammars at once: ``bad_sampling_params``; a ``json_schema`` that is
@@ -24,10 +27,11 @@ not JSON: ``bad_grammar``. All are `InvalidSampling`, naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypedDict, cast
 
 from .errors import InvalidSampling
 from .protocol import SamplingParams
@@ -37,9 +41,12 @@ __all__ = [
     "KNOWN_SAMPLING",
     "REFUSED_SAMPLING",
     "SUPPORTED_SAMPLING",
+    "CustomParams",
+    "SGLangSampling",
     "sample_count",
     "sample_seed",
     "sampling_from",
+    "sampling_json",
 ]
 
 SUPPORTED_SAMPLING = frozenset(
@@ -74,6 +81,63 @@ REFUSED_SAMPLING = frozenset({"stop_regex", "structural_tag", "beam_width", "wat
 KNOWN_SAMPLING = SUPPORTED_SAMPLING | IGNORED_SAMPLING | REFUSED_SAMPLING | {"n", "custom_params"}
 
 _MAX_N = 1024
+
+
+class CustomParams(TypedDict, total=False):
+    """SGLang's ``custom_params``, as far as this engine reads them (slime's patched SGLang)."""
+
+    return_top_p_token_ids: bool
+
+
+class SGLangSampling(TypedDict, total=False):
+    """SGLang's ``sampling_params`` JSON as `sampling_json` writes it: `SamplingParams`' fields with JSON's
+    types (``logit_bias`` keyed by the token id as a string), ``return_top_p_token_ids`` under
+    ``custom_params``."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_new_tokens: int
+    logit_bias: dict[str, float]
+    stop: list[str]
+    stop_token_ids: list[int]
+    sampling_seed: int
+    ignore_eos: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    no_stop_trim: bool
+    json_schema: str
+    regex: str
+    ebnf: str
+    custom_params: CustomParams
+
+
+_DEFAULTS = SamplingParams()
+
+
+def sampling_json(params: SamplingParams) -> SGLangSampling:
+    """``params`` as SGLang's ``sampling_params`` JSON: the fields that differ from their defaults (which
+    are SGLang's too), and ``max_new_tokens`` always (every request states its length bound); the
+    inverse of `sampling_from`."""
+    out: dict[str, Any] = {"max_new_tokens": params.max_new_tokens}
+    for spec in dataclasses.fields(params):
+        value = getattr(params, spec.name)
+        if spec.name in out or value == getattr(_DEFAULTS, spec.name):
+            continue
+        if spec.name == "return_top_p_token_ids":
+            out["custom_params"] = CustomParams(return_top_p_token_ids=True)
+        elif spec.name == "logit_bias":
+            out["logit_bias"] = {str(token): bias for token, bias in value}
+        elif isinstance(value, tuple):
+            out[spec.name] = list(value)
+        else:
+            out[spec.name] = value
+    return cast(SGLangSampling, out)  # the keys are SamplingParams' own, typed as there
 
 
 def sampling_from(params: Mapping[str, Any]) -> SamplingParams:

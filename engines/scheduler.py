@@ -34,6 +34,7 @@ from .protocol import (
     ABORT_BEFORE_PREFILL,
     ABORT_BY_REQUEST,
     ABORT_PAUSED,
+    FinishReason,
     GenerateRequest,
     GenerateResult,
     PauseMode,
@@ -130,7 +131,7 @@ class Stepper(Protocol[S]):
         """``req``'s KV is gone (retracted, or finished)."""
         ...
 
-    def result(self, req: Req[S], reason: dict[str, Any]) -> GenerateResult:
+    def result(self, req: Req[S], reason: FinishReason) -> GenerateResult:
         """The result of ``req``, finished for ``reason``."""
         ...
 
@@ -244,7 +245,7 @@ class Scheduler(Generic[S]):
         finally:
             self.cond.acquire()
 
-    def finish(self, req: Req[S], reason: dict[str, Any] | None = None, *, error: BaseException | None = None) -> None:
+    def finish(self, req: Req[S], reason: FinishReason | None = None, *, error: BaseException | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:

@@ -57,7 +57,15 @@ from .protocol import (
 )
 from .sglang_args import check_server_args
 from .sglang_loop import EngineLoop
-from .sglang_request import build_request, output_logprob, result_from, token_step
+from .sglang_request import (
+    GenerateKwargs,
+    SGLangMeta,
+    SGLangOutput,
+    build_request,
+    output_logprob,
+    result_from,
+    token_step,
+)
 
 __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mapping re-exported for its callers
 
@@ -156,17 +164,15 @@ class SGLangEngine:
             self._leave(rid)
         return result_from(self._with_cause(output, rid), request)
 
-    async def _stream(
-        self, kwargs: dict[str, Any], request: GenerateRequest, on_token: TokenCallback
-    ) -> dict[str, Any]:
+    async def _stream(self, kwargs: GenerateKwargs, request: GenerateRequest, on_token: TokenCallback) -> SGLangOutput:
         chunks = await self.engine.async_generate(**kwargs, stream=True)
         step = getattr(on_token, "step", None)  # a StepCallback takes each step's TokenStep
         reported = 0
-        last: dict[str, Any] | None = None
+        last: SGLangOutput | None = None
         try:
             async for chunk in chunks:
-                meta = chunk["meta_info"]
-                ids = chunk["output_ids"]
+                meta: SGLangMeta = chunk["meta_info"]
+                ids: list[int] = chunk["output_ids"]
                 for position in range(reported, len(ids)):
                     token, logprob = int(ids[position]), output_logprob(meta, position)
                     if step is None:
@@ -175,7 +181,7 @@ class SGLangEngine:
                         step(token_step(meta, request, position, token, logprob))
                 reported = len(ids)
                 # SGLang's intermediate chunks share its live list: keep a copy
-                last = {**chunk, "output_ids": list(ids), "meta_info": dict(meta)}
+                last = {**chunk, "output_ids": list(ids), "meta_info": meta.copy()}
         except BaseException:
             self._tokenizer_manager.abort_request(rid=kwargs["rid"])
             raise
@@ -185,7 +191,7 @@ class SGLangEngine:
             raise RuntimeError(f"SGLang's stream of {kwargs['rid']} ended without a chunk")
         return last
 
-    def _with_cause(self, output: dict[str, Any], rid: str) -> dict[str, Any]:
+    def _with_cause(self, output: SGLangOutput, rid: str) -> SGLangOutput:
         """SGLang's answer, its abort message replaced by Weir's where this backend caused the abort."""
         cause = self._abort_causes.pop(rid, ABORT_PAUSED if self._pause_aborting else None)
         meta = output.get("meta_info") or {}

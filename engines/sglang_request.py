@@ -15,37 +15,133 @@ from __future__ import annotations
 
 import math
 import uuid
-from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 import numpy as np
 import torch
 
 import preprocess as pp
 
-from .protocol import GenerateRequest, GenerateResult, MediaInput, TokenStep
+from .protocol import FinishReason, GenerateRequest, GenerateResult, MediaInput, TokenStep
 
-__all__ = ["build_request", "output_logprob", "result_from", "token_step"]
+__all__ = [
+    "GenerateKwargs",
+    "MediaData",
+    "SGLangMeta",
+    "SGLangOutput",
+    "SGLangSampling",
+    "build_request",
+    "output_logprob",
+    "result_from",
+    "token_step",
+]
 
 
-def _visual(items: list[MediaInput], kind: str) -> dict[str, Any]:
+class SGLangSampling(TypedDict, total=False):
+    """The ``sampling_params`` dict SGLang's ``SamplingParams(**...)`` takes: the first eight keys always, the
+    rest only when not neutral."""
+
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    ignore_eos: bool
+    no_stop_trim: bool
+    skip_special_tokens: bool
+    spaces_between_special_tokens: bool
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    min_new_tokens: int
+    logit_bias: dict[str, float]
+    custom_params: dict[str, bool]
+    stop: list[str]
+    stop_token_ids: list[int]
+    sampling_seed: int
+    json_schema: str
+    regex: str
+    ebnf: str
+
+
+class MediaData(TypedDict, total=False):
+    """One modality's item of ``image_data`` / ``video_data`` / ``audio_data``: SGLang's processor output
+    (the Hugging Face processor keys) or a precomputed embedding in ``feature`` with the grids / clip lengths."""
+
+    format: Literal["processor_output", "precomputed_embedding"]
+    feature: torch.Tensor
+    pixel_values: torch.Tensor
+    pixel_values_videos: torch.Tensor
+    image_grid_thw: torch.Tensor
+    video_grid_thw: torch.Tensor
+    second_per_grid_ts: torch.Tensor
+    audio_feature_lens: torch.Tensor
+    input_features: torch.Tensor
+    feature_attention_mask: torch.Tensor
+
+
+class GenerateKwargs(TypedDict):
+    """The keyword arguments of ``Engine.async_generate`` (``GenerateReqInput``'s fields) Weir sends."""
+
+    input_ids: list[int]
+    sampling_params: SGLangSampling
+    return_logprob: bool
+    rid: str
+    logprob_start_len: NotRequired[int]
+    top_logprobs_num: NotRequired[int]
+    return_routed_experts: NotRequired[bool]
+    image_data: NotRequired[list[MediaData]]
+    video_data: NotRequired[list[MediaData]]
+    audio_data: NotRequired[list[MediaData]]
+
+
+class SGLangMeta(TypedDict, total=False):
+    """The ``meta_info`` of SGLang's answer, the keys Weir reads. Log-prob entries are ``[logprob, token_id,
+    text]``; top log-probs are lists of them per position (None where SGLang pads)."""
+
+    id: str
+    finish_reason: FinishReason  # as `GenerateResult.finish_reason` takes it
+    prompt_tokens: int
+    weight_version: str
+    num_retractions: int
+    routed_experts: str | None
+    output_token_logprobs: list[list[Any]] | None
+    input_token_logprobs: list[list[Any]] | None
+    output_top_logprobs: list[list[list[Any]] | None] | None
+    input_top_logprobs: list[list[list[Any]] | None] | None
+    top_p_token_ids: list[int] | None
+    top_p_token_offsets: list[int] | None
+
+
+class SGLangOutput(TypedDict, total=False):
+    """One answer (or streamed chunk) of ``Engine.async_generate``."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: SGLangMeta
+
+
+def _visual(items: list[MediaInput], kind: str) -> MediaData:
     grids = torch.tensor([m.grid_thw for m in items], dtype=torch.long)
-    prefix = "image" if kind == "image" else "video"
-    out: dict[str, Any]
+    out: MediaData
     if all(m.embedding is not None for m in items):
         # SGLang takes a precomputed embedding from "feature"; the other keys become the item's model data
         out = {"format": "precomputed_embedding", "feature": torch.cat([m.embedding for m in items])}  # type: ignore[misc]
     else:
-        values = [m.features.pixel_values for m in items]  # type: ignore[union-attr]
-        key = "pixel_values" if kind == "image" else "pixel_values_videos"
-        out = {"format": "processor_output", key: torch.from_numpy(np.concatenate(values))}
-    out[f"{prefix}_grid_thw"] = grids
-    if kind == "video":
+        pixels = torch.from_numpy(np.concatenate([m.features.pixel_values for m in items]))  # type: ignore[union-attr]
+        if kind == "image":
+            out = {"format": "processor_output", "pixel_values": pixels}
+        else:
+            out = {"format": "processor_output", "pixel_values_videos": pixels}
+    if kind == "image":
+        out["image_grid_thw"] = grids
+    else:
+        out["video_grid_thw"] = grids
         out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in items])
     return out
 
 
-def _audio(items: list[MediaInput]) -> dict[str, Any]:
+def _audio(items: list[MediaInput]) -> MediaData:
     lengths = [int(m.audio_frames or 0) for m in items]
     if all(m.embedding is not None for m in items):
         return {
@@ -64,10 +160,10 @@ def _audio(items: list[MediaInput]) -> dict[str, Any]:
     return {"format": "processor_output", "input_features": batch, "feature_attention_mask": mask}
 
 
-def build_request(request: GenerateRequest) -> dict[str, Any]:
+def build_request(request: GenerateRequest) -> GenerateKwargs:
     """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded)."""
     params = request.sampling
-    sampling: dict[str, Any] = {
+    sampling: SGLangSampling = {
         "max_new_tokens": params.max_new_tokens,
         "temperature": params.temperature,
         "top_p": params.top_p,
@@ -77,15 +173,17 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         "skip_special_tokens": params.skip_special_tokens,
         "spaces_between_special_tokens": params.spaces_between_special_tokens,
     }
-    for name, neutral in (
-        ("min_p", 0.0),
-        ("repetition_penalty", 1.0),
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("min_new_tokens", 0),
-    ):
-        if getattr(params, name) != neutral:
-            sampling[name] = getattr(params, name)
+    # only those off their neutral value, in this order
+    if params.min_p != 0.0:
+        sampling["min_p"] = params.min_p
+    if params.repetition_penalty != 1.0:
+        sampling["repetition_penalty"] = params.repetition_penalty
+    if params.presence_penalty != 0.0:
+        sampling["presence_penalty"] = params.presence_penalty
+    if params.frequency_penalty != 0.0:
+        sampling["frequency_penalty"] = params.frequency_penalty
+    if params.min_new_tokens != 0:
+        sampling["min_new_tokens"] = params.min_new_tokens
     if params.logit_bias:
         sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
     if params.return_top_p_token_ids:  # honoured by slime's patched SGLang (meta_info.top_p_token_ids / _offsets)
@@ -98,8 +196,13 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
         sampling["sampling_seed"] = params.sampling_seed
     if params.grammar is not None:
         grammar_key, source = params.grammar
-        sampling[grammar_key] = source
-    kwargs: dict[str, Any] = {
+        if grammar_key == "json_schema":
+            sampling["json_schema"] = source
+        elif grammar_key == "regex":
+            sampling["regex"] = source
+        else:
+            sampling["ebnf"] = source
+    kwargs: GenerateKwargs = {
         "input_ids": list(request.input_ids),
         "sampling_params": sampling,
         "return_logprob": request.return_logprob,
@@ -111,17 +214,19 @@ def build_request(request: GenerateRequest) -> dict[str, Any]:
             kwargs["top_logprobs_num"] = request.top_logprobs_num
     if request.return_routed_experts:
         kwargs["return_routed_experts"] = True
-    for kind, field in (("image", "image_data"), ("video", "video_data")):
-        items = [m for m in request.media if m.kind == kind]
-        if items:
-            kwargs[field] = [_visual(items, kind)]
+    images = [m for m in request.media if m.kind == "image"]
+    if images:
+        kwargs["image_data"] = [_visual(images, "image")]
+    videos = [m for m in request.media if m.kind == "video"]
+    if videos:
+        kwargs["video_data"] = [_visual(videos, "video")]
     audio = [m for m in request.media if m.kind == "audio"]
     if audio:
         kwargs["audio_data"] = [_audio(audio)]
     return kwargs
 
 
-def result_from(output: dict[str, Any], request: GenerateRequest) -> GenerateResult:
+def result_from(output: SGLangOutput, request: GenerateRequest) -> GenerateResult:
     meta = output["meta_info"]
     triples = meta.get("output_token_logprobs") or []
     inputs = meta.get("input_token_logprobs")
@@ -150,14 +255,12 @@ def _tops(position: Any) -> list[tuple[float, int]] | None:
     return None if position is None else [(float(t[0]), int(t[1])) for t in position]
 
 
-def output_logprob(meta: Mapping[str, Any], position: int) -> float:
+def output_logprob(meta: SGLangMeta, position: int) -> float:
     triples = meta.get("output_token_logprobs") or ()
     return float(triples[position][0]) if position < len(triples) else math.nan
 
 
-def token_step(
-    meta: Mapping[str, Any], request: GenerateRequest, position: int, token: int, logprob: float
-) -> TokenStep:
+def token_step(meta: SGLangMeta, request: GenerateRequest, position: int, token: int, logprob: float) -> TokenStep:
     tops = meta.get("output_top_logprobs")
     top = _tops(tops[position]) if tops is not None and position < len(tops) else None
     if position:

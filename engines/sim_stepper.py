@@ -18,11 +18,10 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
-from .protocol import GenerateRequest, GenerateResult, TokenCallback, TopLogprobs
+from .protocol import FinishReason, GenerateRequest, GenerateResult, TokenCallback, TopLogprobs
 from .scheduler import Req, Scheduler, new_future
 from .sim_profile import SimProfile, SimStats, SimStep, digest
 
@@ -37,7 +36,7 @@ class SimState:
 
     rng: np.random.Generator
     target: int  # tokens it will have when it ends
-    finish: dict[str, Any]  # its finish_reason when it reaches target
+    finish: FinishReason  # its finish_reason when it reaches target
     stop_token: int | None
     virtual: int = 0  # media tokens the profile's prompt_media_tokens adds (a twin's text prompts)
     media_tokens: int = 0  # the prompt's media tokens (real and virtual): the tower encodes them once
@@ -77,6 +76,7 @@ class SimStepper:
             stop_token = profile.eos_token_ids[0]
         elif params.stop_token_ids:
             stop_token = params.stop_token_ids[0]
+        finish: FinishReason
         if stop_token is not None and drawn < cap:
             target, finish = drawn, {"type": "stop", "matched": stop_token}
         else:
@@ -111,7 +111,7 @@ class SimStepper:
         else:
             self._decode(scheduler)
 
-    def result(self, req: Req[SimState], reason: dict[str, Any]) -> GenerateResult:
+    def result(self, req: Req[SimState], reason: FinishReason) -> GenerateResult:
         request = req.request
         top = request.return_logprob and request.top_logprobs_num > 0
         top_p = request.sampling.return_top_p_token_ids

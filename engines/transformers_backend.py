@@ -29,7 +29,6 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -45,7 +44,7 @@ from .limits import ModelLimits
 from .protocol import ABORT_BEFORE_PREFILL as ABORT_BEFORE_PREFILL  # the messages, as every backend's
 from .protocol import ABORT_BY_REQUEST as ABORT_BY_REQUEST
 from .protocol import ABORT_PAUSED as ABORT_PAUSED
-from .protocol import GenerateRequest, GenerateResult, SamplingParams, TokenCallback
+from .protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams, TokenCallback
 from .scheduler import Req, ScheduledEngine, Scheduler, new_future
 from .transformers_stepper import TransformersState, TransformersStepper
 from .weights import WeightGroups, read_folder
@@ -220,7 +219,7 @@ class TransformersEngine(ScheduledEngine):
         self._scheduler.close()
         self._groups.close()
 
-    def text_of(self, ids: list[int], params: SamplingParams, reason: dict[str, Any] | None = None) -> str:
+    def text_of(self, ids: list[int], params: SamplingParams, reason: FinishReason | None = None) -> str:
         """The returned text, as SGLang's detokenizer makes it (`TransformersStepper.text_of`)."""
         return self._stepper.text_of(ids, params, reason)
 

@@ -31,7 +31,7 @@ from preprocess.omni import OmniItem
 from .errors import EngineError, InvalidMedia
 from .grammar import Grammar
 from .logits import penalize, sample_token, top_logprobs
-from .protocol import GenerateResult, MediaInput, SamplingParams
+from .protocol import FinishReason, GenerateResult, MediaInput, SamplingParams
 from .scheduler import Req, Scheduler
 
 if TYPE_CHECKING:
@@ -101,7 +101,7 @@ class TransformersStepper:
                     scheduler.finish(req, reason)
             self.busy_s += time.monotonic() - began
 
-    def _step(self, req: Req[TransformersState]) -> dict[str, Any] | None:
+    def _step(self, req: Req[TransformersState]) -> FinishReason | None:
         """One token for ``req`` (delivered to its ``on_token``); its finish_reason if it ends here."""
         request = req.request
         params = request.sampling
@@ -144,7 +144,7 @@ class TransformersStepper:
         req.deliver(len(req.output_ids) - 1)
         return self._stop_reason(req, token)
 
-    def _stop_reason(self, req: Req[TransformersState], token: int) -> dict[str, Any] | None:
+    def _stop_reason(self, req: Req[TransformersState], token: int) -> FinishReason | None:
         params = req.request.sampling
         if req.state.grammar is not None and req.state.grammar.done:  # SGLang's: the grammar's end token matched
             return {"type": "stop", "matched": token}
@@ -163,7 +163,7 @@ class TransformersStepper:
             return {"type": "length", "length": len(req.output_ids)}
         return None
 
-    def result(self, req: Req[TransformersState], reason: dict[str, Any]) -> GenerateResult:
+    def result(self, req: Req[TransformersState], reason: FinishReason) -> GenerateResult:
         request = req.request
         return GenerateResult(
             rid=request.rid,
@@ -191,11 +191,11 @@ class TransformersStepper:
         seqlen = len(req.request.input_ids) + len(req.output_ids)
         return encode_routed_experts(torch.cat(req.state.routes)[: max(0, seqlen - 1)])
 
-    def text_of(self, ids: list[int], params: SamplingParams, reason: dict[str, Any] | None = None) -> str:
+    def text_of(self, ids: list[int], params: SamplingParams, reason: FinishReason | None = None) -> str:
         """The returned text, as SGLang's detokenizer makes it: a matched stop token left out, the text cut
         before a matched stop string, unless ``no_stop_trim``; special tokens per ``skip_special_tokens``."""
-        matched = (reason or {}).get("matched")
-        trim = not params.no_stop_trim and (reason or {}).get("type") == "stop"
+        matched = reason.get("matched") if reason is not None else None
+        trim = not params.no_stop_trim and reason is not None and reason["type"] == "stop"
         if trim and isinstance(matched, int) and not isinstance(matched, bool) and ids:
             ids = ids[:-1]
         text = str(

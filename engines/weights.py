@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError
@@ -19,6 +19,9 @@ from safetensors.torch import load_file
 
 from .errors import WeightsError
 from .weights_group import WEIGHTS_GROUP_TIMEOUT_S, join_weights_group
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["WeightGroups", "check_lengths", "read_folder"]
 
@@ -84,7 +87,7 @@ class WeightGroups:
     def __init__(self, device: torch.device, *, timeout_s: float = WEIGHTS_GROUP_TIMEOUT_S) -> None:
         self.device = device
         self.timeout_s = timeout_s
-        self._groups: dict[str, Any] = {}  # group_name → process group (None while joining)
+        self._groups: dict[str, ProcessGroup | None] = {}  # group_name → process group (None while joining)
         self._lock = threading.Lock()
 
     def join(

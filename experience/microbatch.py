@@ -20,9 +20,8 @@ import base64
 import binascii
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,7 +30,7 @@ import pyarrow.compute as pc
 import preprocess as pp
 
 from .errors import FeatureMissing, InvalidGroup
-from .records import MICROBATCH_SCHEMA, Group, sample_id
+from .records import MICROBATCH_SCHEMA, BatchMeta, Group, MicroBatchRow, sample_id
 
 __all__ = [
     "MicroBatch",
@@ -65,7 +64,7 @@ class MicroBatch:
     rank: int
     table: pa.Table
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[MicroBatchRow]:
         """The rows as Python values (for inspection: trainers read the columns, `trainer.feed.pack`)."""
         return self.table.to_pylist()  # type: ignore[no-any-return]
 
@@ -114,7 +113,7 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
     prompt = group.prompt_ids
     if prompt and max(prompt) > _INT32_MAX:
         raise refuse(f"prompt_ids: token ids must be below 2**31, got {max(prompt)}")
-    rows: list[dict[str, Any]] = []
+    rows: list[MicroBatchRow] = []
     for s, advantage in zip(samples, advantages, strict=True):
         if s.response_ids and max(s.response_ids) > _INT32_MAX:
             raise refuse(f"samples[{s.index}].response_ids: token ids must be below 2**31")
@@ -130,20 +129,20 @@ def group_table(group: Group, advantages: Sequence[float]) -> pa.Table:
         if not all(math.isfinite(x) and abs(x) <= _FLOAT32_MAX for x in floats):
             raise refuse(f"samples[{s.index}]: reward, advantage and logprobs must fit float32")
         rows.append(
-            {
-                "sample_id": sample_id(group.group_id, s.index),
-                "group_id": group.group_id,
-                "input_ids": [*prompt, *s.response_ids],
-                "loss_mask": [0] * len(prompt) + mask,
-                "rollout_logprobs": [0.0] * len(prompt)
+            MicroBatchRow(
+                sample_id=sample_id(group.group_id, s.index),
+                group_id=group.group_id,
+                input_ids=[*prompt, *s.response_ids],
+                loss_mask=[0] * len(prompt) + mask,
+                rollout_logprobs=[0.0] * len(prompt)
                 + [lp if m else 0.0 for lp, m in zip(s.logprobs, mask, strict=True)],
-                "advantage": advantage,
-                "reward": s.reward,
-                "policy_version": s.policy_version,
-                "policy_versions": [s.policy_version] * len(prompt) + s.response_versions(),
-                "feature_keys": [*group.feature_keys, *s.feature_keys],
-                "routed_experts": routes,
-            }
+                advantage=advantage,
+                reward=s.reward,
+                policy_version=s.policy_version,
+                policy_versions=[s.policy_version] * len(prompt) + s.response_versions(),
+                feature_keys=[*group.feature_keys, *s.feature_keys],
+                routed_experts=routes.tolist(),
+            )
         )
     return pa.Table.from_pylist(rows, schema=MICROBATCH_SCHEMA)
 
@@ -174,7 +173,7 @@ def read_entry(data: pa.Buffer | bytes | None) -> pa.Table:
     return table
 
 
-def microbatch_to_arrow(batch: MicroBatch, meta: Mapping[str, Any]) -> bytes:
+def microbatch_to_arrow(batch: MicroBatch, meta: BatchMeta) -> bytes:
     """One micro-batch as an Arrow IPC stream; schema metadata ``weir`` = batch id, rank and ``meta``."""
     metadata = dict(batch.table.schema.metadata or {})
     metadata[b"weir"] = json.dumps({"batch_id": batch.batch_id, "rank": batch.rank, **meta}).encode()

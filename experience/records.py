@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired, TypedDict
 
 import pyarrow as pa
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
@@ -27,8 +27,10 @@ __all__ = [
     "GROUP_ADAPTER",
     "GROUP_ID_PATTERN",
     "MICROBATCH_SCHEMA",
+    "BatchMeta",
     "FinishReason",
     "Group",
+    "MicroBatchRow",
     "PolicyVersion",
     "Sample",
     "SampleStatus",
@@ -226,3 +228,29 @@ MICROBATCH_SCHEMA = pa.schema(
 """One row per sequence. A batch's schema metadata ``weir`` holds ``batch_id``, ``rank``,
 ``consumer`` and the data role's ``policy_version``; with ``inline_media`` a ``media`` column
 (``list<binary>``: each feature entry as Arrow IPC) follows."""
+
+
+class MicroBatchRow(TypedDict):
+    """One row of `MICROBATCH_SCHEMA` as Python values (what the store writes; what `MicroBatch.rows` reads)."""
+
+    sample_id: str
+    group_id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    advantage: float
+    reward: float
+    policy_version: int
+    policy_versions: list[int]
+    feature_keys: list[str]
+    routed_experts: list[int]
+    media: NotRequired[list[bytes]]  # with inline_media: each feature entry as Arrow IPC
+
+
+class BatchMeta(TypedDict, total=False):
+    """A micro-batch's schema metadata ``weir`` (JSON): which delivery it is and the policy it was cut under."""
+
+    batch_id: str
+    rank: int
+    consumer: str
+    policy_version: int

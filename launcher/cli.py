@@ -220,6 +220,33 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) {unset}",
     )
     train.add_argument(
+        "--trainer",
+        choices=("fsdp", "megatron"),
+        default="fsdp",
+        help="fsdp: the PyTorch reference trainer (FSDP2 with --nproc); megatron: megatron-core's schedules, DDP "
+        "and distributed checkpoints (pip install -e '.[megatron]')",
+    )
+    train.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="bf16: bf16 parameters and compute, fp32 gradient reduction and master weights",
+    )
+    train.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each decoder layer's activations in the backward pass (memory for compute)",
+    )
+    train.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="fsdp with --nproc: FSDP2's CPU offload (parameters, gradients and optimizer state in host memory)",
+    )
+    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
+        train.add_argument(
+            f"--{name}", type=int, default=1, help=f"with --trainer megatron: {what}-parallel size (1 for now)"
+        )
+    train.add_argument(
         "--nproc",
         type=int,
         default=1,

@@ -11,11 +11,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from services.roles import ROLES
 
 if TYPE_CHECKING:
+    from services.cluster.autoscaling import EngineAutoscaling
+
     from .cluster.stack import RayStack
 
 __all__ = ["HANDLERS", "WORKER_APPS", "preprocess_app"]
@@ -51,6 +53,14 @@ def preprocess_app() -> Any:
     return _role_app("preprocess")
 
 
+class _UvicornOptions(TypedDict):
+    host: str
+    port: int
+    log_level: str
+    log_config: None
+    access_log: bool
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -82,7 +92,7 @@ def _serve(args: argparse.Namespace) -> int:
     level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
     configure_logging(level)
     # uvicorn's own access log is off: the template logs each request with its request id instead.
-    common: dict[str, Any] = {
+    common: _UvicornOptions = {
         "host": host,
         "port": port,
         "log_level": level.lower(),
@@ -140,7 +150,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _autoscaling(spec: str) -> dict[str, Any]:
+def _autoscaling(spec: str) -> EngineAutoscaling:
     """Serve's autoscaling config for engines from ``MIN:MAX[:TARGET]``."""
     from services.cluster.autoscaling import engine_autoscaling
     from services.settings import SettingsError

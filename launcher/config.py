@@ -8,14 +8,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from services.roles import BASE_PORT
 
-__all__ = ["AGENT_DEMO_DEFAULTS", "DEMO_DEFAULTS", "GENERIC_DEFAULTS", "VIDEO_DEMO_DEFAULTS", "TrainConfig"]
+__all__ = [
+    "AGENT_DEMO_DEFAULTS",
+    "DEMO_DEFAULTS",
+    "GENERIC_DEFAULTS",
+    "VIDEO_DEMO_DEFAULTS",
+    "TrainConfig",
+    "TrainDefaults",
+]
+
+
+class TrainDefaults(TypedDict):
+    """A task's defaults for the RL loop's options the command line left unset (`TrainConfig` fields)."""
+
+    steps: int
+    n: int
+    groups_per_step: int
+    max_new_tokens: int
+    max_tokens_per_batch: int
+    lr: float
+    warmup_steps: int
+    max_staleness: int | None
+
 
 # Options left unset on the command line: generic defaults, and the demo's (chosen on a 2-core machine).
-GENERIC_DEFAULTS: dict[str, Any] = {
+GENERIC_DEFAULTS: TrainDefaults = {
     "steps": 20,
     "n": 4,
     "groups_per_step": 4,
@@ -25,7 +46,7 @@ GENERIC_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 0,
     "max_staleness": None,
 }
-DEMO_DEFAULTS: dict[str, Any] = {
+DEMO_DEFAULTS: TrainDefaults = {
     "steps": 150,
     "n": 8,
     "groups_per_step": 8,
@@ -37,7 +58,7 @@ DEMO_DEFAULTS: dict[str, Any] = {
 }
 # --demo --demo-task visual-search: multi-turn trajectories (a crop call ~80 tokens, its observation ~50,
 # the answer), so longer responses and fewer, bigger groups.
-AGENT_DEMO_DEFAULTS: dict[str, Any] = {
+AGENT_DEMO_DEFAULTS: TrainDefaults = {
     **DEMO_DEFAULTS,
     "steps": 60,
     "n": 4,
@@ -47,7 +68,7 @@ AGENT_DEMO_DEFAULTS: dict[str, Any] = {
     "warmup_steps": 300,
 }
 # --demo --demo-task video-audio: ~300-token prompts (a clip's frames and its track), so fewer, smaller groups.
-VIDEO_DEMO_DEFAULTS: dict[str, Any] = {
+VIDEO_DEMO_DEFAULTS: TrainDefaults = {
     **DEMO_DEFAULTS,
     "steps": 20,
     "n": 4,
@@ -77,7 +98,15 @@ class TrainConfig:
     max_tokens_per_batch: int = GENERIC_DEFAULTS["max_tokens_per_batch"]
     lr: float = GENERIC_DEFAULTS["lr"]
     warmup_steps: int = GENERIC_DEFAULTS["warmup_steps"]
-    # the trainer's ranks, restarts and checkpoints
+    # the trainer: which, its precision and model parallelism (megatron), its ranks, restarts and checkpoints
+    trainer: Literal["fsdp", "megatron"] = "fsdp"
+    precision: Literal["fp32", "bf16"] = "fp32"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False  # fsdp with --nproc: parameters, gradients and optimizer state on the host
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
     nproc: int = 1
     max_restarts: int = 0
     checkpoint_every: int = 0

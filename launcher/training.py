@@ -20,13 +20,14 @@ task's defaults there). On Ray (``--ray``) the ranks are Ray tasks (`launcher.cl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
@@ -34,8 +35,13 @@ import preprocess as pp
 from preprocess.dataset import iter_rows
 from trainer.data_parallel import DataParallel, run_ranks
 from trainer.loop import LoopConfig, evaluate, run_loop
-from trainer.publish import data_policy_version, publish_weights
+from trainer.policy_version import PolicyVersion, WeightRecipients
+from trainer.protocol import Ranks
+from trainer.publish import PAUSE_MODE, data_policy_version
 from trainer.reference import ReferenceTrainer
+
+if TYPE_CHECKING:
+    from trainer.megatron.trainer import MegatronTrainer
 
 from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
@@ -87,7 +93,7 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
 
 
 def _warm_up(
-    trainer: ReferenceTrainer, config: TrainConfig, urls: dict[str, str], out: Path, token: str | None
+    trainer: ReferenceTrainer | MegatronTrainer, config: TrainConfig, urls: dict[str, str], out: Path, token: str | None
 ) -> None:
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
     crop-then-answer trajectories (`launcher.demo.task.agent_warmup_pairs`); then the engines and the encoder
@@ -104,23 +110,21 @@ def _warm_up(
         loss = trainer.supervised_step(pairs, lr=_WARMUP_LR)
     if trainer.parallel is None or trainer.parallel.is_main:
         console.print(f"Warm-up: {config.warmup_steps} supervised steps on {what}, loss {loss:.3f}")
-    # An attached data role may already hold a policy: versions only go up from it.
-    trainer.policy_version = max(trainer.policy_version, data_policy_version(urls["data"], token=token)) + 1
-    folder = trainer.export(out / "weights" / f"v{trainer.policy_version}")  # collective with several ranks
-    if trainer.parallel is not None and not trainer.parallel.is_main:
-        return
-    engines = [u for k, u in urls.items() if k.startswith("engine")]
-    if config.ray:  # engines come and go: the registry's, and joining ones load these weights
-        record_weights(folder, trainer.policy_version)
-        engines = cluster_engines()
-    publish_weights(
-        folder,
-        trainer.policy_version,
-        engine_urls=engines,
+    # An attached data role may already hold a policy: versions only go up from it; then the warmed-up
+    # weights are the next version, published through the policy version's one owner as the loop does.
+    main = trainer.parallel is None or trainer.parallel.is_main
+    recipients = WeightRecipients(
+        engines=[u for k, u in urls.items() if k.startswith("engine")],
+        current=cluster_engines if config.ray else None,  # engines come and go: the registry's at the time
         data_url=urls["data"],
         encoder_url=urls.get("encoder"),
         token=token,
+        pause_mode=PAUSE_MODE,
+        on_weights=record_weights if config.ray else None,  # joining engines load these weights
     )
+    policy = PolicyVersion(trainer, weights=out / "weights", main=main, recipients=recipients)
+    policy.join(data_policy_version(urls["data"], token=token))
+    policy.publish()  # collective export with several ranks; rank 0 tells the recipients
 
 
 def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
@@ -129,13 +133,6 @@ def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
         path.parent.name: [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         for path in sorted(root.glob("*/metrics.jsonl"))
     }
-
-
-def _cluster_hooks(config: TrainConfig) -> dict[str, Any]:
-    """On Ray: publish to the engines there are at the time, and record each weights folder first."""
-    if not config.ray:
-        return {}
-    return {"engines": cluster_engines, "on_weights": record_weights}
 
 
 def _forget_earlier_run(config: TrainConfig) -> None:
@@ -202,16 +199,83 @@ def run_training(config: TrainConfig) -> int:
         return run_on_ray(config, train=run_training, forget_earlier_run=_forget_earlier_run, stack_for=_stack)
     if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(config)
-    parallel = DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    refusal = _refusal(config)
+    if refusal:
+        console.print(f"[red]{refusal}[/red]")
+        return 2
+    parallel = _ranks(config)
     main = parallel is None or parallel.is_main
     try:
         return _run(config, parallel, main)
     finally:
-        if parallel is not None:
+        if config.trainer == "megatron":
+            from trainer.megatron.trainer import close_megatron_ranks
+
+            close_megatron_ranks()
+        elif parallel is not None:
             parallel.close()
 
 
-def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
+def _refusal(config: TrainConfig) -> str | None:
+    """What this run asks that its trainer cannot do, said before any stack starts."""
+    if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
+        return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
+    if config.cpu_offload and (config.trainer != "fsdp" or config.nproc < 2):
+        return "--cpu-offload is FSDP2's: use it with --trainer fsdp and --nproc 2 or more"
+    if config.trainer == "megatron":
+        if config.ray:
+            return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
+        if config.r3:
+            return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
+        from trainer.megatron.trainer import check_model_parallel
+
+        try:
+            check_model_parallel(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+def _ranks(config: TrainConfig) -> Ranks | None:
+    """This process's data-parallel place (torchrun's environment), or None alone; megatron joins its own
+    parallel state (and a process group even alone)."""
+    if config.trainer == "megatron":
+        from trainer.megatron.trainer import megatron_ranks
+
+        return megatron_ranks(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep)
+    return DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+
+
+def _trainer(
+    config: TrainConfig, features: pp.FeatureStore, parallel: Ranks | None
+) -> ReferenceTrainer | MegatronTrainer:
+    if config.trainer == "megatron":
+        from trainer.megatron.trainer import MegatronTrainer
+
+        return MegatronTrainer(
+            config.home / "model",
+            features=features,
+            lr=config.lr,
+            precision=config.precision,
+            activation_checkpointing=config.activation_checkpointing,
+        )
+    assert parallel is None or isinstance(parallel, DataParallel)
+    trainer = ReferenceTrainer(
+        config.home / "model",
+        features=features,
+        lr=config.lr,
+        parallel=parallel,
+        routing_replay=config.r3,
+        precision=config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+        cpu_offload=config.cpu_offload,
+    )
+    if parallel is None or parallel.is_main:  # before the first step: what a rank will hold
+        console.print(str(trainer.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)
+    return trainer
+
+
+def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
@@ -253,18 +317,14 @@ def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
         urls = stack.start()
     if parallel is not None and main:
         parallel.barrier()
+    closing = contextlib.ExitStack()
     try:
         if config.ray:  # features from the node that made them, through this node's cache
             features = trainer_features(config.home, stack.token)
         else:
             features = pp.FeatureStore(config.home / "cache", 10 << 30)
-        trainer = ReferenceTrainer(
-            config.home / "model",
-            features=features,
-            lr=config.lr,
-            parallel=parallel,
-            routing_replay=config.r3,
-        )
+        trainer = _trainer(config, features, parallel)
+        closing.callback(getattr(trainer, "close", lambda: None))  # megatron's: its CPU adaptations, its ranks
         if config.warmup_steps and not config.resume:
             _warm_up(trainer, config, urls, out, stack.token)
         check = evaluate
@@ -288,7 +348,9 @@ def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
             out=out,
             checkpoint_every=config.checkpoint_every,
             resume=config.resume,
-            **_cluster_hooks(config),
+            # On Ray: publish to the engines there are at the time, and record each weights folder first.
+            engines=cluster_engines if config.ray else None,
+            on_weights=record_weights if config.ray else None,
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
         if main:
@@ -310,3 +372,4 @@ def _run(config: TrainConfig, parallel: DataParallel | None, main: bool) -> int:
         if parallel is not None:
             parallel.barrier()  # every rank is done with the stack before rank 0 stops it
         stack.stop()  # an attached stack has no children here: nothing is stopped
+        closing.close()

@@ -34,18 +34,20 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import yaml
 
 from engines.sim_backend import SimProfile
 from trainer.loop import LoopConfig, run_loop
-from trainer.reference import ReferenceTrainer
 from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 
 from .stack import LocalStack
-from .twin_report import RELAX, summary
+from .twin_report import RELAX, DataLoad, RunFigures, TwinRun, TwinSummary, summary
+
+if TYPE_CHECKING:
+    from .demo.task import PromptRow
 
 __all__ = [
     "Layout",
@@ -67,9 +69,9 @@ _DAPO_TEMPLATE = (
 )
 
 
-def dapo_like_rows(count: int, seed: int = 0) -> list[dict[str, Any]]:
+def dapo_like_rows(count: int, seed: int = 0) -> list[PromptRow]:
     """``count`` text prompts in DAPO-Math-17k's template (a generated problem each), exact-match rewarded."""
-    rows = []
+    rows: list[PromptRow] = []
     for i in range(count):
         a, b, c = 3 + (seed + 7 * i) % 41, 5 + (seed + 13 * i) % 37, 2 + (seed + 5 * i) % 11
         problem = (
@@ -173,7 +175,15 @@ def _twin_profile(source: Path, model: Path, out: Path, *, replicas: int = 1) ->
     return out
 
 
-def data_role_load(metrics_text: str) -> dict[str, Any]:
+def _requests_p99(pairs: list[tuple[float, float]]) -> tuple[int, float | None]:
+    """A route's requests and the upper bound (ms) of the bucket its 99th percentile falls in."""
+    pairs.sort()
+    total = pairs[-1][1] if pairs else 0.0
+    p99 = next((le for le, count in pairs if count >= 0.99 * total), None) if total else None
+    return int(total), None if p99 is None or math.isinf(p99) else p99 * 1000
+
+
+def data_role_load(metrics_text: str) -> DataLoad:
     """From the data role's /metrics: requests and their p99 latency (ms, from the histogram's buckets: the
     upper bound of the bucket the 99th percentile falls in) for ingest, micro-batch fetch and ack, and the
     groups stored."""
@@ -181,7 +191,7 @@ def data_role_load(metrics_text: str) -> dict[str, Any]:
 
     routes = {"/v1/experience": "ingest", "/v1/microbatches": "fetch", "/v1/microbatches/{batch_id}/ack": "ack"}
     buckets: dict[str, list[tuple[float, float]]] = {name: [] for name in routes.values()}
-    out: dict[str, Any] = {}
+    out: DataLoad = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             route = routes.get(sample.labels.get("route", ""))
@@ -189,12 +199,9 @@ def data_role_load(metrics_text: str) -> dict[str, Any]:
                 buckets[route].append((float(sample.labels["le"]), sample.value))
             elif sample.name == "weir_data_groups_stored_total":
                 out["groups"] = int(sample.value)
-    for name, pairs in buckets.items():
-        pairs.sort()
-        total = pairs[-1][1] if pairs else 0.0
-        out[f"{name}_requests"] = int(total)
-        p99 = next((le for le, count in pairs if count >= 0.99 * total), None) if total else None
-        out[f"{name}_p99_ms"] = None if p99 is None or math.isinf(p99) else p99 * 1000
+    out["ingest_requests"], out["ingest_p99_ms"] = _requests_p99(buckets["ingest"])
+    out["fetch_requests"], out["fetch_p99_ms"] = _requests_p99(buckets["fetch"])
+    out["ack_requests"], out["ack_p99_ms"] = _requests_p99(buckets["ack"])
     return out
 
 
@@ -278,7 +285,7 @@ def run_mode(
     *,
     gpus: int | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+) -> TwinRun:
     """One mode at one compression factor on ``gpus`` GPUs on a fresh stack; its results (simulated seconds)."""
     from encoders.embedded_model import ensure_model
 
@@ -326,33 +333,32 @@ def run_mode(
             batch_timeout_s=600.0,
             partial_rollouts=partial,
         )
-        rows = dapo_like_rows(config.prompts)
-        # SimTrainer has the loop's interface of ReferenceTrainer (duck-typed; the loop's annotation names that).
-        records = run_loop(cast(ReferenceTrainer, trainer), rows, loop, on_step=on_step)
+        rows = [dict(row) for row in dapo_like_rows(config.prompts)]  # the loop takes rows as plain dicts
+        records = run_loop(trainer, rows, loop, on_step=on_step)  # SimTrainer is a `trainer.protocol.LoopTrainer`
         try:
             load = data_role_load(
                 httpx.get(f"{urls['data']}/metrics", headers={"Authorization": f"Bearer {stack.token}"}).text
             )
         except httpx.HTTPError:
-            load = {}
+            load = DataLoad()
     finally:
         stack.stop()
-    result = summarise(records, trainer, mode=mode, compression=compression, gpus=gpus, engines=plan.engines)
+    figures = summarise(records, trainer, mode=mode, compression=compression, gpus=gpus, engines=plan.engines)
     wall = records[-1]["time_s"] if records else 0.0
-    result.update(
-        nodes=gpus / config.gpus_per_node,
-        processes=plan.processes,
-        trainer_gpus=plan.trainer_gpus,
-        data=load,
-        data_groups_per_wall_s=load.get("groups", 0) / wall if wall else None,
-        data_microbatches_per_wall_s=load.get("ack_requests", 0) / wall if wall else None,
-    )
-    return result
+    return {
+        **figures,
+        "nodes": gpus / config.gpus_per_node,
+        "processes": plan.processes,
+        "trainer_gpus": plan.trainer_gpus,
+        "data": load,
+        "data_groups_per_wall_s": load.get("groups", 0) / wall if wall else None,
+        "data_microbatches_per_wall_s": load.get("ack_requests", 0) / wall if wall else None,
+    }
 
 
 def summarise(
     records: list[dict[str, Any]], trainer: SimTrainer, *, mode: str, compression: float, gpus: int, engines: int
-) -> dict[str, Any]:
+) -> RunFigures:
     """The run's figures. Step 1 (pipeline fill) is left out of the per-step figures when there are more."""
     if not records:
         raise RuntimeError(f"{mode}: the loop trained no step")
@@ -393,15 +399,15 @@ def summarise(
 def run_twin(
     config: TwinConfig,
     *,
-    on_result: Callable[[dict[str, Any]], None] | None = None,
+    on_result: Callable[[TwinRun], None] | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+) -> TwinSummary:
     """Every mode at every node count and compression factor; the table rows, control-plane findings and
     calibration (each written to ``home/results.json`` as it comes, so a long run keeps what it measured)."""
-    results: list[dict[str, Any]] = []
+    results: list[TwinRun] = []
     config.home.mkdir(parents=True, exist_ok=True)
 
-    def write() -> dict[str, Any]:
+    def write() -> TwinSummary:
         out = summary(results, config)
         (config.home / "results.json").write_text(json.dumps(out, indent=2))
         return out

@@ -7,18 +7,125 @@ is `launcher.twin`.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
 if TYPE_CHECKING:
     from .twin import TwinConfig
 
-__all__ = ["RELAX", "control_plane", "plot_twin", "print_twin", "scaling", "summary", "twin_table"]
+__all__ = [
+    "RELAX",
+    "Calibration",
+    "ControlPlane",
+    "DataLoad",
+    "RunFigures",
+    "ScalingPoint",
+    "TwinRow",
+    "TwinRun",
+    "TwinSummary",
+    "control_plane",
+    "plot_twin",
+    "print_twin",
+    "scaling",
+    "summary",
+    "twin_table",
+]
 
 # Relax (arXiv 2604.11554), Qwen3-4B on DAPO-Math-17k, 16xH800: the published figures the twin is checked on.
 RELAX = {"colocate_s_per_step": 225.9, "async_s_per_step": 128.6, "speedup": 1.76, "gpus": 16, "prompts": 32, "n": 8}
 
 
-def control_plane(*runs: dict[str, Any]) -> dict[str, float]:
+# The shapes below are JSON: ``results.json`` holds a `TwinSummary`, and ``--merge`` reads its rows back.
+class DataLoad(TypedDict, total=False):
+    """The data role's load from its /metrics (`launcher.twin.data_role_load`); empty when it did not answer."""
+
+    groups: int
+    ingest_requests: int
+    ingest_p99_ms: float | None
+    fetch_requests: int
+    fetch_p99_ms: float | None
+    ack_requests: int
+    ack_p99_ms: float | None
+
+
+class RunFigures(TypedDict):
+    """One run's figures from its step records (`launcher.twin.summarise`); simulated seconds unless wall."""
+
+    mode: str
+    compression: float
+    gpus: int
+    engines: int
+    steps: int
+    wall_s_per_step: float
+    sim_s_per_step: float
+    first_step_sim_s: float
+    samples_per_step: float
+    tokens_per_step: float
+    tokens_per_s_per_gpu: float
+    trainer_sim_s_per_step: float
+    engine_idle_share: float | None
+    trainer_idle_share: float | None
+    dropped_stale: int
+    max_staleness_seen: int
+    staleness_histogram: dict[str, int]  # versions behind (a string: a JSON key) → trained samples
+
+
+class TwinRun(RunFigures):
+    """One run of `launcher.twin.run_mode`: its figures, its layout and the data role's load."""
+
+    nodes: float
+    processes: int
+    trainer_gpus: int
+    data: DataLoad
+    data_groups_per_wall_s: float | None
+    data_microbatches_per_wall_s: float | None
+
+
+class TwinRow(TwinRun):
+    """A row of the table (`twin_table`): the run, its speed-up over colocate and its linearity."""
+
+    speedup: float | None
+    linearity: float | None
+
+
+class ControlPlane(TypedDict):
+    """`control_plane`'s decomposition ``w = S / c + P`` of one mode at one size."""
+
+    gpu_sim_s: float
+    plane_wall_s: float
+    plane_share_low: float
+    plane_share_high: float
+    moved: float
+    moved_per_token: NotRequired[float]
+
+
+class ScalingPoint(TypedDict):
+    """One size of a mode in `scaling`."""
+
+    gpus: int
+    gpu_sim_s: float
+    tokens_per_step: float
+    tokens_per_s_per_gpu: float
+    factors: list[float]
+    left_out: list[float]
+    linearity: NotRequired[float]
+
+
+# The calibration's keys are per mode ("gpus", "<mode>_basis", "<mode>_s_per_step", "colocate_error",
+# "<mode>_speedup"), so a mapping rather than a fixed set of keys: the bases are strings, the rest numbers.
+Calibration = dict[str, float | str]
+
+
+class TwinSummary(TypedDict):
+    """`summary`: what `weir twin` prints, plots and writes to ``results.json``."""
+
+    rows: list[TwinRow]
+    control_plane: dict[str, ControlPlane]  # by "<mode>@<gpus>"
+    scaling: dict[str, list[ScalingPoint]]  # by mode
+    calibration: Calibration
+    relax: dict[str, float]
+
+
+def control_plane(*runs: TwinRun) -> ControlPlane:
     """From one mode at two or more compression factors: the simulated GPU seconds ``S`` and the control
     plane's real seconds ``P`` per step (``w = S / c + P``, least squares in ``1 / c``), the control plane's share
     of wall time at the lowest and highest factor, and how much the simulated s/step moved between them.
@@ -39,7 +146,7 @@ def control_plane(*runs: dict[str, Any]) -> dict[str, float]:
     plane = (mean_y - gpu * mean_x) * scale
     gpu *= scale
     a, b = ordered[0], ordered[-1]
-    found = {
+    found: ControlPlane = {
         "gpu_sim_s": gpu,
         "plane_wall_s": plane,
         "plane_share_low": plane / a["wall_s_per_step"] if a["wall_s_per_step"] else float("nan"),
@@ -52,19 +159,19 @@ def control_plane(*runs: dict[str, Any]) -> dict[str, float]:
     return found
 
 
-def twin_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def twin_table(results: list[TwinRun]) -> list[TwinRow]:
     """Rows of the printed table: each run with its speed-up over colocate (same GPUs, same compression) and
     its linearity: tokens/s per GPU over the same mode's at the fewest GPUs (same compression; None where the
     mode ran at one size only)."""
     colocate = {(r.get("gpus"), r["compression"]): r["sim_s_per_step"] for r in results if r["mode"] == "colocate"}
-    smallest: dict[tuple[str, float], dict[str, Any]] = {}
+    smallest: dict[tuple[str, float], TwinRun] = {}
     sizes: dict[tuple[str, float], set[int]] = {}
     for r in results:
         key = (r["mode"], r["compression"])
         sizes.setdefault(key, set()).add(r.get("gpus", 0))
         if "tokens_per_s_per_gpu" in r and (key not in smallest or r["gpus"] < smallest[key]["gpus"]):
             smallest[key] = r
-    rows = []
+    rows: list[TwinRow] = []
     for r in results:
         base = colocate.get((r.get("gpus"), r["compression"]))
         key = (r["mode"], r["compression"])
@@ -76,21 +183,21 @@ def twin_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-def summary(results: list[dict[str, Any]], config: TwinConfig) -> dict[str, Any]:
+def summary(results: list[TwinRun], config: TwinConfig) -> TwinSummary:
     """The table rows; the control-plane findings per mode and GPUs run at two or more compression factors
     (`control_plane`); and the calibration against Relax at the GPUs nearest Relax's 16 (preferring a size
     where colocate was decomposed): each mode's simulated
     GPU time ``S`` where it was decomposed (else its s/step at the lowest factor), colocate's error against
     225.9 s, and each other mode's speed-up over colocate by those figures."""
     rows = twin_table(results)
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    runs: dict[tuple[str, int], list[TwinRun]] = {}
     for r in results:
         runs.setdefault((r["mode"], r["gpus"]), []).append(r)
-    findings: dict[str, Any] = {}
+    findings: dict[str, ControlPlane] = {}
     for (mode, gpus), mine in runs.items():
         if len({r["compression"] for r in mine}) >= 2:
             findings[f"{mode}@{gpus}"] = control_plane(*mine)
-    calibration: dict[str, Any] = {}
+    calibration: Calibration = {}
     if runs:
         # the GPUs nearest Relax's 16, preferring those where colocate was decomposed (a GPU time, not a wall time)
         nearest = min({g for _, g in runs}, key=lambda g: (f"colocate@{g}" not in findings, abs(g - RELAX["gpus"])))
@@ -120,7 +227,7 @@ def summary(results: list[dict[str, Any]], config: TwinConfig) -> dict[str, Any]
     }
 
 
-def scaling(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[str, Any]:
+def scaling(runs: dict[tuple[str, int], list[TwinRun]]) -> dict[str, list[ScalingPoint]]:
     """Per mode run at two or more sizes: each size's simulated GPU time per step, tokens/s per GPU by it, and
     linearity against the smallest size — the figure next to StaleSync's 91 %.
 
@@ -129,12 +236,12 @@ def scaling(runs: dict[tuple[str, int], list[dict[str, Any]]]) -> dict[str, Any]
     mean; a size with fewer than two such factors is left out (nothing shows it GPU-bound). (Extrapolating
     ``w = S / c + P`` to ``1 / c = 0`` from two GPU-bound factors doubles their noise — a step holds other
     samples at each factor — so it is not used here; `control_plane` still reports it.)"""
-    out: dict[str, Any] = {}
+    out: dict[str, list[ScalingPoint]] = {}
     for mode in dict.fromkeys(m for m, _ in runs):
         sizes = sorted(g for m, g in runs if m == mode)
         if len(sizes) < 2:
             continue
-        points = []
+        points: list[ScalingPoint] = []
         for gpus in sizes:
             mine = sorted(runs[(mode, gpus)], key=lambda r: r["compression"])
             if not all(r.get("tokens_per_step") for r in mine):
@@ -175,7 +282,7 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_twin(out: dict[str, Any], config: TwinConfig) -> None:
+def print_twin(out: TwinSummary, config: TwinConfig) -> None:
     """The table, the control-plane finding and the calibration against Relax, on the console."""
     from rich.table import Table
 
@@ -256,7 +363,7 @@ def print_twin(out: dict[str, Any], config: TwinConfig) -> None:
             )
 
 
-def plot_twin(out: dict[str, Any], path: Path, cost_model: list[dict[str, Any]] | None = None) -> Path:
+def plot_twin(out: TwinSummary, path: Path, cost_model: list[dict[str, float]] | None = None) -> Path:
     """Four panels: simulated s/step and linearity by GPUs per mode; idle shares; staleness of trained samples.
     The lowest compression of each (mode, GPUs) is drawn; ``cost_model`` (`cost_model_step` results) adds the
     colocate step from the cost model alone, dashed."""
@@ -265,7 +372,7 @@ def plot_twin(out: dict[str, Any], path: Path, cost_model: list[dict[str, Any]] 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lowest: dict[tuple[str, int], dict[str, Any]] = {}
+    lowest: dict[tuple[str, int], TwinRow] = {}
     for r in out["rows"]:  # each (mode, GPUs) at its lowest compression: the least control plane in it
         key = (r["mode"], r["gpus"])
         if key not in lowest or r["compression"] < lowest[key]["compression"]:
@@ -277,7 +384,7 @@ def plot_twin(out: dict[str, Any], path: Path, cost_model: list[dict[str, Any]] 
         mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["gpus"])
         gpus = [r["gpus"] for r in mine]
         axes[0][0].plot(gpus, [r["sim_s_per_step"] for r in mine], marker="o", label=mode)
-        linear = [(r["gpus"], 100 * r["linearity"]) for r in mine if r.get("linearity") is not None]
+        linear = [(r["gpus"], 100 * share) for r in mine if (share := r.get("linearity")) is not None]
         if mode in out.get("scaling", {}):  # by the GPU-bound runs of each size (`scaling`), where there are several
             linear = [(p["gpus"], 100 * p["linearity"]) for p in out["scaling"][mode]]
         if linear:
@@ -285,9 +392,9 @@ def plot_twin(out: dict[str, Any], path: Path, cost_model: list[dict[str, Any]] 
     if cost_model:
         model = sorted(cost_model, key=lambda r: r["gpus"])
         per_gpu = [r["tokens_per_step"] / r["s_per_step"] / r["gpus"] for r in model]
-        gpus = [r["gpus"] for r in model]
-        axes[0][0].plot(gpus, [r["s_per_step"] for r in model], "k--", marker="x", label="colocate, cost model only")
-        axes[0][1].plot(gpus, [100 * v / per_gpu[0] for v in per_gpu], "k--", marker="x", label="colocate, cost model")
+        sizes = [r["gpus"] for r in model]
+        axes[0][0].plot(sizes, [r["s_per_step"] for r in model], "k--", marker="x", label="colocate, cost model only")
+        axes[0][1].plot(sizes, [100 * v / per_gpu[0] for v in per_gpu], "k--", marker="x", label="colocate, cost model")
     axes[0][0].axhline(RELAX["colocate_s_per_step"], color="grey", ls="--", lw=1, label="Relax colocate (16 GPUs)")
     axes[0][0].axhline(RELAX["async_s_per_step"], color="grey", ls=":", lw=1, label="Relax async (16 GPUs)")
     axes[0][0].set(xlabel="GPUs", ylabel="simulated s / step", title="step time (each at its lowest compression)")

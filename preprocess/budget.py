@@ -1,16 +1,28 @@
 """Token budgets: how many tokens an item or a sample may cost, and what to do when it costs more.
 
-`TokenBudget` is a value; the arithmetic that applies it lives in `plan.py`.
+`TokenBudget` is a value; the arithmetic that applies it lives in `plan.py`. `TokenBudget.to_wire` is
+the JSON a client (the rollout role) sends the preprocess role as a request's ``budget``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
-__all__ = ["BudgetPolicy", "TokenBudget"]
+__all__ = ["BudgetJSON", "BudgetPolicy", "TokenBudget"]
 
 BudgetPolicy = Literal["shrink", "refuse"]
+
+
+class BudgetJSON(TypedDict, total=False):
+    """A request's ``budget`` as the preprocess role reads it: each field given overrides the role's
+    default budget, each one left out keeps it."""
+
+    max_image_tokens: int
+    max_video_tokens: int
+    max_audio_tokens: int
+    max_sample_tokens: int
+    policy: BudgetPolicy
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -25,13 +37,16 @@ class TokenBudget:
 
     ``max_decode_pixels`` is a safety limit, not a token limit: an image whose header declares
     more pixels is refused before decoding (a decompression bomb).
+
+    ``policy=None`` (a request that names none) applies as ``shrink`` here, and lets whoever receives the
+    budget on the wire (`to_wire`: the preprocess role, its ``WEIR_BUDGET_POLICY``) use its own default.
     """
 
     max_image_tokens: int | None = None
     max_video_tokens: int | None = None
     max_audio_tokens: int | None = None
     max_sample_tokens: int | None = None
-    policy: BudgetPolicy = "shrink"
+    policy: BudgetPolicy | None = "shrink"
     max_decode_pixels: int = 1 << 27
 
     def __post_init__(self) -> None:
@@ -39,8 +54,25 @@ class TokenBudget:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}")
-        if self.policy not in ("shrink", "refuse"):
+        if self.policy not in ("shrink", "refuse", None):
             raise ValueError(f"policy must be 'shrink' or 'refuse', got {self.policy!r}")
+
+    def to_wire(self) -> BudgetJSON:
+        """This budget as a preprocess request's ``budget``: the limits and the policy that are set (a budget
+        that names none keeps the preprocess role's own).
+        ``max_decode_pixels`` is the preprocess role's setting, never a request's."""
+        wire = BudgetJSON()
+        if self.max_image_tokens is not None:
+            wire["max_image_tokens"] = self.max_image_tokens
+        if self.max_video_tokens is not None:
+            wire["max_video_tokens"] = self.max_video_tokens
+        if self.max_audio_tokens is not None:
+            wire["max_audio_tokens"] = self.max_audio_tokens
+        if self.max_sample_tokens is not None:
+            wire["max_sample_tokens"] = self.max_sample_tokens
+        if self.policy is not None:
+            wire["policy"] = self.policy
+        return wire
 
     def limit_for(self, kind: str) -> int | None:
         return {

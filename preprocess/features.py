@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -94,8 +94,10 @@ class _Visual:
             out[:, :, t_stored:] = out[:, :, :t_stored]
         return out.reshape(n, channels * self.temporal_patch_size * pp)
 
-    def _meta(self) -> dict[str, Any]:
+    def _meta(self, kind: Literal["image", "video"]) -> _VisualMeta:
         return {
+            "format": FORMAT_VERSION,
+            "kind": kind,
             "key": self.key,
             "grid_thw": list(self.grid_thw),
             "num_tokens": self.num_tokens,
@@ -142,6 +144,55 @@ class AudioFeatures:
 Features = ImageFeatures | VideoFeatures | AudioFeatures
 
 
+class _VisualMeta(TypedDict):
+    """An image's or video's Arrow metadata (the compact JSON under ``weir``; its key order is part of the bytes)."""
+
+    format: int
+    kind: Literal["image", "video"]
+    key: str
+    grid_thw: list[int]
+    num_tokens: int
+    temporal_patch_size: int
+    norm: Normalization
+    image_mean: list[float]
+    image_std: list[float]
+    source_size: list[int]
+    resized_size: list[int]
+    patch_shape: list[int]  # (C, T_stored, P*P) of the compact patches
+    frame_indices: NotRequired[list[int]]  # the video's
+    total_frames: NotRequired[int]
+    video_fps: NotRequired[float]
+    sample_fps: NotRequired[float]
+    second_per_grid_t: NotRequired[float]
+
+
+class _AudioMeta(TypedDict):
+    """An audio item's Arrow metadata."""
+
+    format: int
+    kind: Literal["audio"]
+    key: str
+    num_tokens: int
+    num_samples: int
+    source_seconds: float
+    truncated: bool
+
+
+class _VisualFields(TypedDict):
+    """The keyword arguments image and video features share (`_Visual`'s fields)."""
+
+    key: str
+    patches: np.ndarray
+    grid_thw: tuple[int, int, int]
+    num_tokens: int
+    temporal_patch_size: int
+    norm: Normalization
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    source_size: tuple[int, int]
+    resized_size: tuple[int, int]
+
+
 def _fixed_rows(array: np.ndarray) -> pa.FixedSizeListArray:
     flat = np.ascontiguousarray(array).reshape(array.shape[0], -1)
     width = flat.shape[1]
@@ -154,26 +205,26 @@ def features_to_arrow(features: Features, *, materialize: bool = False) -> bytes
     ``materialize=True`` writes float32 ``pixel_values`` instead of the compact uint8 patches,
     for consumers that do not want to apply the lookup table themselves.
     """
-    meta: dict[str, Any] = {"format": FORMAT_VERSION, "kind": features.kind}
+    meta: _AudioMeta | _VisualMeta
     if isinstance(features, AudioFeatures):
         column, values = "input_features", features.input_features
-        meta.update(
-            key=features.key,
-            num_tokens=features.num_tokens,
-            num_samples=features.num_samples,
-            source_seconds=features.source_seconds,
-            truncated=features.truncated,
-        )
+        meta = {
+            "format": FORMAT_VERSION,
+            "kind": features.kind,
+            "key": features.key,
+            "num_tokens": features.num_tokens,
+            "num_samples": features.num_samples,
+            "source_seconds": features.source_seconds,
+            "truncated": features.truncated,
+        }
     else:
-        meta.update(features._meta())
+        meta = features._meta(features.kind)
         if isinstance(features, VideoFeatures):
-            meta.update(
-                frame_indices=list(features.frame_indices),
-                total_frames=features.total_frames,
-                video_fps=features.video_fps,
-                sample_fps=features.sample_fps,
-                second_per_grid_t=features.second_per_grid_t,
-            )
+            meta["frame_indices"] = list(features.frame_indices)
+            meta["total_frames"] = features.total_frames
+            meta["video_fps"] = features.video_fps
+            meta["sample_fps"] = features.sample_fps
+            meta["second_per_grid_t"] = features.second_per_grid_t
         if materialize:
             column, values = "pixel_values", features.pixel_values
         else:
@@ -186,12 +237,25 @@ def features_to_arrow(features: Features, *, materialize: bool = False) -> bytes
     return sink.getvalue().to_pybytes()
 
 
+_T = TypeVar("_T")
+
+
+def _two(values: list[_T]) -> tuple[_T, _T]:
+    first, second = values
+    return first, second
+
+
+def _three(values: list[_T]) -> tuple[_T, _T, _T]:
+    first, second, third = values
+    return first, second, third
+
+
 def features_from_arrow(data: bytes | memoryview | pa.Buffer) -> Features:
     """Inverse of `features_to_arrow` for the compact form; zero-copy over ``data``."""
     buffer = data if isinstance(data, pa.Buffer) else pa.py_buffer(data)
     reader = pa.ipc.open_stream(buffer)
     batch = reader.read_next_batch()
-    meta = json.loads(reader.schema.metadata[_META_KEY])
+    meta: _AudioMeta | _VisualMeta = json.loads(reader.schema.metadata[_META_KEY])
     column = batch.column(0)
     flat = column.values.to_numpy(zero_copy_only=True)
     rows = len(column)
@@ -206,18 +270,18 @@ def features_from_arrow(data: bytes | memoryview | pa.Buffer) -> Features:
         )
     if batch.schema.names[0] != "patches":
         raise ValueError("materialized pixel_values cannot be read back as compact features")
-    common: dict[str, Any] = dict(
-        key=meta["key"],
-        patches=flat.reshape(rows, *meta["patch_shape"]),
-        grid_thw=tuple(meta["grid_thw"]),
-        num_tokens=meta["num_tokens"],
-        temporal_patch_size=meta["temporal_patch_size"],
-        norm=meta["norm"],
-        image_mean=tuple(meta["image_mean"]),
-        image_std=tuple(meta["image_std"]),
-        source_size=tuple(meta["source_size"]),
-        resized_size=tuple(meta["resized_size"]),
-    )
+    common: _VisualFields = {
+        "key": meta["key"],
+        "patches": flat.reshape(rows, *meta["patch_shape"]),
+        "grid_thw": _three(meta["grid_thw"]),
+        "num_tokens": meta["num_tokens"],
+        "temporal_patch_size": meta["temporal_patch_size"],
+        "norm": meta["norm"],
+        "image_mean": _three(meta["image_mean"]),
+        "image_std": _three(meta["image_std"]),
+        "source_size": _two(meta["source_size"]),
+        "resized_size": _two(meta["resized_size"]),
+    }
     if meta["kind"] == "image":
         return ImageFeatures(**common)
     return VideoFeatures(

@@ -14,7 +14,7 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -49,6 +49,22 @@ class ItemOutcome:
     error_message: str | None = None
 
 
+class PrepReportJSON(TypedDict):
+    """`PrepReport` as ``report.json`` holds it: per-kind tables keyed by media kind (failures by error code)."""
+
+    rows: int
+    items: int
+    failed: int
+    cache_hits: int
+    seconds: float
+    tokens_before: dict[str, int]
+    tokens_after: dict[str, int]
+    raw_bytes: dict[str, int]
+    feature_bytes: dict[str, int]
+    failures: dict[str, int]
+    manifest: str
+
+
 @dataclass(slots=True, kw_only=True)
 class PrepReport:
     rows: int = 0
@@ -79,15 +95,38 @@ class PrepReport:
         ):
             table[kind] = table.get(kind, 0) + value
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_dict(self) -> PrepReportJSON:
+        """A copy of every field (the tables too), as `dataclasses.asdict` makes it."""
+        return {
+            "rows": self.rows,
+            "items": self.items,
+            "failed": self.failed,
+            "cache_hits": self.cache_hits,
+            "seconds": self.seconds,
+            "tokens_before": dict(self.tokens_before),
+            "tokens_after": dict(self.tokens_after),
+            "raw_bytes": dict(self.raw_bytes),
+            "feature_bytes": dict(self.feature_bytes),
+            "failures": dict(self.failures),
+            "manifest": self.manifest,
+        }
 
 
-_worker: dict[str, Any] = {}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Worker:
+    """What a worker process keeps between rows (`_init_worker` makes it once per process)."""
+
+    store: FeatureStore
+    spec: ProcessorSpec
+    budget: TokenBudget
+
+
+_worker: _Worker | None = None
 
 
 def _init_worker(cache_dir: str, max_bytes: int, spec: ProcessorSpec, budget: TokenBudget) -> None:
-    _worker.update(store=FeatureStore(cache_dir, max_bytes), spec=spec, budget=budget)
+    global _worker
+    _worker = _Worker(store=FeatureStore(cache_dir, max_bytes), spec=spec, budget=budget)
 
 
 def _failed(row: int, item: int, kind: str, source: str, error: MediaError, raw_bytes: int = 0) -> ItemOutcome:
@@ -104,9 +143,8 @@ def _failed(row: int, item: int, kind: str, source: str, error: MediaError, raw_
 
 def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
     row_index, row, base = task
-    store: FeatureStore = _worker["store"]
-    spec: ProcessorSpec = _worker["spec"]
-    budget: TokenBudget = _worker["budget"]
+    assert _worker is not None, "a pool worker runs _init_worker first"
+    store, spec, budget = _worker.store, _worker.spec, _worker.budget
     try:
         refs = row_media(row, Path(base))
     except MediaError as error:

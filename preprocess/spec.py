@@ -11,7 +11,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 __all__ = ["PIPELINE_VERSION", "AudioFamily", "ImageBackend", "ProcessorSpec", "VideoBackend", "VideoSampler"]
 
@@ -50,7 +50,13 @@ _QWEN3_OMNI_NAMES = frozenset({"Qwen3OmniMoeProcessor", "qwen3_omni_moe", "qwen3
 _AUDIO_FAMILY_DEFAULTS = {"audio_family": "qwen2_5", "audio_n_window": 50, "position_id_per_seconds": 25.0}
 
 
-def _video_pixels(factor: int) -> dict[str, Any]:
+class _VideoPixels(TypedDict):
+    video_min_pixels: int
+    video_max_pixels: int
+    video_total_pixels: float
+
+
+def _video_pixels(factor: int) -> _VideoPixels:
     """qwen-vl-utils' video pixel limits for a factor (it derives them from ``image_patch_size``)."""
     return {
         "video_min_pixels": VIDEO_MIN_TOKENS * factor * factor,

@@ -8,19 +8,37 @@ an engine sends at once), with their log-probs (and, when asked, each token's mo
 `rollout.logprobs.ChoiceLogprobs`); text that may still turn out to be a stop string is
 held back until the engine's next step says it is not. Tool calls are parsed from Qwen's format
 (`rollout.toolcalls`) into ``message.tool_calls``. The shapes are OpenAI's ``chat.completion`` and
-``chat.completion.chunk``. This module does not validate requests or talk to any role.
+``chat.completion.chunk`` (typed in `rollout.messages`). This module does not validate requests or talk to any
+role.
 """
 
 from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 from experience.records import Sample
 
 from .logprobs import ChoiceLogprobs, Top
+from .messages import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunk,
+    ChatCompletion,
+    ChunkHead,
+    Delta,
+    FinishReason,
+    LegacyLogprobs,
+    LogprobsContent,
+    OpenAIToolCall,
+    TextChoice,
+    TextChunk,
+    TextCompletion,
+    TokenLogprob,
+    Usage,
+)
 from .toolcalls import parse_calls
 from .tools import ToolCall
 
@@ -42,7 +60,6 @@ __all__ = [
 ]
 
 TokenText = Callable[[int], str]
-FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
@@ -53,7 +70,7 @@ def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
     return "length" if sample.finish_reason == "length" else "stop"
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_tool_calls(text: str) -> tuple[str | None, list[OpenAIToolCall]]:
     """(content, tool calls) of a model's answer in Qwen's format (`rollout.toolcalls.parse_calls`): the
     calls as OpenAI's ``{"id", "type": "function", "function": {"name", "arguments": JSON string}}``, the
     content the text before the first (None when there is none). An answer with no call, or any block that
@@ -62,7 +79,7 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[dict[str, Any]]]:
     return content, [openai_tool_call(call) for call in calls]
 
 
-def openai_tool_call(call: ToolCall) -> dict[str, Any]:
+def openai_tool_call(call: ToolCall) -> OpenAIToolCall:
     """One call as an OpenAI ``tool_calls`` entry, with a fresh id."""
     return {
         "id": f"call_{uuid.uuid4().hex[:24]}",
@@ -71,7 +88,7 @@ def openai_tool_call(call: ToolCall) -> dict[str, Any]:
     }
 
 
-def logprobs_content(sample: Sample, token_text: TokenText, top: Sequence[Top] | None = None) -> list[dict[str, Any]]:
+def logprobs_content(sample: Sample, token_text: TokenText, top: Sequence[Top] | None = None) -> list[TokenLogprob]:
     """``choices[i].logprobs.content``: one entry per generated token, with its ``top`` alternatives
     (most likely first) when they were asked for, else none."""
     return token_logprobs(sample.response_ids, sample.logprobs, token_text, top)
@@ -82,18 +99,16 @@ def token_logprobs(
     logprobs: Sequence[float | None],
     token_text: TokenText,
     top: Sequence[Top | None] | None = None,
-) -> list[dict[str, Any]]:
+) -> list[TokenLogprob]:
     """OpenAI's per-token entries ``{token, logprob, bytes, top_logprobs}``; ``top`` (one per token):
     the alternatives, ``[{token, logprob, bytes}]`` most likely first (None where there are none: a
     prompt's first token)."""
     tops = top if top is not None else [[]] * len(tokens)
-    content = []
+    content: list[TokenLogprob] = []
     for token, logprob, alternatives in zip(tokens, logprobs, tops, strict=True):
         piece = token_text(token)
-        entry: dict[str, Any] = {"token": piece, "logprob": logprob, "bytes": list(piece.encode())}
-        if alternatives is None:
-            entry["top_logprobs"] = None
-        else:
+        entry: TokenLogprob = {"token": piece, "logprob": logprob, "bytes": list(piece.encode()), "top_logprobs": None}
+        if alternatives is not None:
             entry["top_logprobs"] = [
                 {"token": (text := token_text(t)), "logprob": lp, "bytes": list(text.encode())}
                 for lp, t in alternatives
@@ -102,14 +117,14 @@ def token_logprobs(
     return content
 
 
-def prompt_logprobs(details: ChoiceLogprobs, token_text: TokenText) -> list[dict[str, Any]]:
+def prompt_logprobs(details: ChoiceLogprobs, token_text: TokenText) -> list[TokenLogprob]:
     """The prompt's tokens as `token_logprobs` entries (``echo``): the first has no log-prob and no
     alternatives (nothing predicts it)."""
     prompt = details.prompt or []
     return token_logprobs([t for _, t in prompt], [lp for lp, _ in prompt], token_text, details.prompt_top)
 
 
-def usage(prompt_tokens: int, samples: Sequence[Sample]) -> dict[str, int]:
+def usage(prompt_tokens: int, samples: Sequence[Sample]) -> Usage:
     completion_tokens = sum(len(s.response_ids) for s in samples)
     return {
         "prompt_tokens": prompt_tokens,
@@ -129,18 +144,18 @@ def completion(
     tools: bool = False,
     prefill: str = "",
     details: Sequence[ChoiceLogprobs] | None = None,
-) -> dict[str, Any]:
+) -> ChatCompletion:
     """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs, and each token's
     alternatives from ``details`` (one per sample) when they were asked for; ``tools``: tool calls
     parsed from each answer (``prefill`` + its text: the start the prompt forced on it)."""
-    choices = []
+    choices: list[ChatChoice] = []
     for k, sample in enumerate(samples):
-        logprobs = None
+        logprobs: LogprobsContent | None = None
         if token_text is not None:
             top = details[k].top if details is not None else None
             logprobs = {"content": logprobs_content(sample, token_text, top)}
-        message: dict[str, Any] = {"role": "assistant", "content": sample.text}
-        calls: list[dict[str, Any]] = []
+        message: AssistantMessage = {"role": "assistant", "content": sample.text}
+        calls: list[OpenAIToolCall] = []
         if tools:
             content, calls = parse_tool_calls(prefill + sample.text)
             message = {"role": "assistant", "content": content if calls else prefill + sample.text}
@@ -164,28 +179,30 @@ def completion(
     }
 
 
-def chunk_head(completion_id: str, created: int, model: str) -> dict[str, Any]:
+def chunk_head(completion_id: str, created: int, model: str) -> ChunkHead:
     return {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model}
 
 
 def _delta(
-    head: dict[str, Any], index: int, change: dict[str, Any], logprobs: Any = None, finish: str | None = None
-) -> dict[str, Any]:
+    head: ChunkHead,
+    index: int,
+    change: Delta,
+    logprobs: LogprobsContent | None = None,
+    finish: FinishReason | None = None,
+) -> ChatChunk:
     return {**head, "choices": [{"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-class ChoiceStream:
-    """One choice's ``chat.completion.chunk`` deltas, step by step (`step`): the first step sends the
-    role, each step the text that is new and safe to send (text that could still be the start of a
-    ``stop`` string is held back; the engine trims a stop string from its final text) with the new
-    tokens' log-probs when ``token_text`` is given, and the final step the rest and the finish reason.
-    With ``tools``, text from a ``<tool_call>`` on is held back and the final step sends the parsed
-    calls (one ``tool_calls`` delta, finish reason ``tool_calls``) or, if none parses, the text;
-    ``prefill`` (a forced start of a call) holds back everything until then."""
+ChunkT = TypeVar("ChunkT", ChatChunk, TextChunk)
+
+
+class _Choice(Generic[ChunkT]):
+    """What `ChoiceStream` and `TextChoiceStream` share: which text is new and safe to send at each engine
+    step; each says what its chunks look like (`_opening`, `_content`, `_calls`, `_finish`)."""
 
     def __init__(
         self,
-        head: dict[str, Any],
+        head: ChunkHead,
         index: int,
         *,
         stop: Sequence[str] = (),
@@ -198,7 +215,7 @@ class ChoiceStream:
         # With tools, "<tool_call>" is held back like a stop string: a call is sent whole, once parsed.
         self.stop = (*stop, "<tool_call>") if tools else tuple(stop)
         self.sent = ""  # the content sent so far
-        self.pending: list[dict[str, Any]] = []  # log-probs of tokens whose text is not sent yet
+        self.pending: list[TokenLogprob] = []  # log-probs of tokens whose text is not sent yet
         self.started = False
 
     def step(
@@ -208,17 +225,17 @@ class ChoiceStream:
         text: str,
         sample: Sample | None,
         top: Sequence[Top] | None = None,
-    ) -> list[dict[str, Any]]:
+    ) -> list[ChunkT]:
         """The chunks for one engine step: its new tokens (``top``: their alternatives, when asked),
         the text so far, and on the last step the finished sample."""
-        out = []
+        out: list[ChunkT] = []
         if not self.started:
             self.started = True
             out.extend(self._opening())
         if self.token_text is not None:
             self.pending.extend(token_logprobs(token_ids, logprobs, self.token_text, top))
         final = sample is not None
-        calls: list[dict[str, Any]] = []
+        calls: list[OpenAIToolCall] = []
         if sample is not None:
             safe = self.prefill + sample.text
             if self.tools:
@@ -232,20 +249,22 @@ class ChoiceStream:
             self.sent += new
             self.pending = []
         if calls:
-            delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
-            out.append(_delta(self.head, self.index, delta))
+            out.append(self._calls(calls))
         if sample is not None:
             out.append(self._finish(sample, tool_calls=bool(calls)))
         return out
 
-    def _opening(self) -> list[dict[str, Any]]:
-        return [_delta(self.head, self.index, {"role": "assistant", "content": ""})]
+    def _opening(self) -> list[ChunkT]:
+        raise NotImplementedError
 
-    def _content(self, new: str, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
-        return _delta(self.head, self.index, {"content": new}, {"content": entries} if entries is not None else None)
+    def _content(self, new: str, entries: list[TokenLogprob] | None) -> ChunkT:
+        raise NotImplementedError
 
-    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> dict[str, Any]:
-        return _delta(self.head, self.index, {}, finish=finish_reason(sample, tool_calls=tool_calls))
+    def _calls(self, calls: list[OpenAIToolCall]) -> ChunkT:
+        raise NotImplementedError
+
+    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> ChunkT:
+        raise NotImplementedError
 
     def _safe(self, text: str) -> str:
         """The part of the text so far that is sure to stay: before any stop string, not ending in the
@@ -263,14 +282,37 @@ class ChoiceStream:
         return text if text.strip() or not self.tools else ""  # with tools, blank text may yet be no content
 
 
-class TextChoiceStream(ChoiceStream):
+class ChoiceStream(_Choice[ChatChunk]):
+    """One choice's ``chat.completion.chunk`` deltas, step by step (`step`): the first step sends the
+    role, each step the text that is new and safe to send (text that could still be the start of a
+    ``stop`` string is held back; the engine trims a stop string from its final text) with the new
+    tokens' log-probs when ``token_text`` is given, and the final step the rest and the finish reason.
+    With ``tools``, text from a ``<tool_call>`` on is held back and the final step sends the parsed
+    calls (one ``tool_calls`` delta, finish reason ``tool_calls``) or, if none parses, the text;
+    ``prefill`` (a forced start of a call) holds back everything until then."""
+
+    def _opening(self) -> list[ChatChunk]:
+        return [_delta(self.head, self.index, {"role": "assistant", "content": ""})]
+
+    def _content(self, new: str, entries: list[TokenLogprob] | None) -> ChatChunk:
+        return _delta(self.head, self.index, {"content": new}, {"content": entries} if entries is not None else None)
+
+    def _calls(self, calls: list[OpenAIToolCall]) -> ChatChunk:
+        delta: Delta = {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}
+        return _delta(self.head, self.index, delta)
+
+    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> ChatChunk:
+        return _delta(self.head, self.index, {}, finish=finish_reason(sample, tool_calls=tool_calls))
+
+
+class TextChoiceStream(_Choice[TextChunk]):
     """`ChoiceStream` for ``/v1/completions``: ``text_completion`` chunks (``choices[i].text``, the
-    legacy log-probs shape: alternatives with ``top``), no role chunk; ``offset``: where the answer
-    starts in the choice's text (after an echoed prompt)."""
+    legacy log-probs shape: alternatives with ``top``), no role chunk, no tool calls; ``offset``: where
+    the answer starts in the choice's text (after an echoed prompt)."""
 
     def __init__(
         self,
-        head: dict[str, Any],
+        head: ChunkHead,
         index: int,
         *,
         stop: Sequence[str] = (),
@@ -281,29 +323,34 @@ class TextChoiceStream(ChoiceStream):
         super().__init__(head, index, stop=stop, token_text=token_text)
         self.top, self.offset = top, offset
 
-    def _opening(self) -> list[dict[str, Any]]:
+    def _opening(self) -> list[TextChunk]:
         return []
 
-    def _content(self, new: str, entries: list[dict[str, Any]] | None) -> dict[str, Any]:
+    def _content(self, new: str, entries: list[TokenLogprob] | None) -> TextChunk:
         logprobs = None
         if entries is not None:
             logprobs = legacy_logprobs(entries, offset=self.offset + len(self.sent), top=self.top)
         return _text_choice(self.head, self.index, new, logprobs, None)
 
-    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> dict[str, Any]:
+    def _calls(self, calls: list[OpenAIToolCall]) -> TextChunk:
+        raise AssertionError("a text completion is streamed without tools")  # never: tools is False
+
+    def _finish(self, sample: Sample, *, tool_calls: bool = False) -> TextChunk:
         return _text_choice(self.head, self.index, "", None, finish_reason(sample))
 
 
-def _text_choice(head: dict[str, Any], index: int, text: str, logprobs: Any, finish: str | None) -> dict[str, Any]:
+def _text_choice(
+    head: ChunkHead, index: int, text: str, logprobs: LegacyLogprobs | None, finish: FinishReason | None
+) -> TextChunk:
     return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def legacy_logprobs(entries: Sequence[dict[str, Any]], *, offset: int = 0, top: bool = False) -> dict[str, Any]:
+def legacy_logprobs(entries: Sequence[TokenLogprob], *, offset: int = 0, top: bool = False) -> LegacyLogprobs:
     """The completions API's log-probs of `token_logprobs` entries: ``tokens``, ``token_logprobs``,
     ``text_offset`` (each token's start in the text) and ``top_logprobs``: with ``top`` one dict per
     token, token text → log-prob, most likely first (null for a token with none: an echoed prompt's
     first), else null (``logprobs: 0``)."""
-    offsets = []
+    offsets: list[int] = []
     for entry in entries:
         offsets.append(offset)
         offset += len(entry["token"])
@@ -338,14 +385,14 @@ def text_completion(
     echo: str = "",
     details: Sequence[ChoiceLogprobs] | None = None,
     top: bool = False,
-) -> dict[str, Any]:
+) -> TextCompletion:
     """The ``text_completion`` object (``/v1/completions``); ``echo``: the prompt text put before each
     answer; ``token_text`` given: the legacy per-token log-probs of the generated tokens, with ``top``
     their alternatives, and with ``echo`` the prompt's tokens first — all from ``details`` (one per
     sample)."""
-    choices = []
+    choices: list[TextChoice] = []
     for k, sample in enumerate(samples):
-        logprobs = None
+        logprobs: LegacyLogprobs | None = None
         if token_text is not None:
             detail = details[k] if details is not None else None
             entries = logprobs_content(sample, token_text, detail.top if detail is not None else None)
@@ -353,7 +400,7 @@ def text_completion(
             if echo and detail is not None and detail.prompt is not None:
                 # Offsets into the choice's text: the answer's start after the echoed text as decoded whole.
                 prompt = legacy_logprobs(prompt_logprobs(detail, token_text), top=top)
-                logprobs = {k: None if v is None else [*v, *logprobs[k]] for k, v in prompt.items()}
+                logprobs = _joined(prompt, logprobs)
         choices.append(
             {
                 "index": sample.index,
@@ -372,5 +419,17 @@ def text_completion(
     }
 
 
-def sse(item: dict[str, Any]) -> bytes:
+def _joined(first: LegacyLogprobs, then: LegacyLogprobs) -> LegacyLogprobs:
+    """The log-probs of ``first``'s tokens, then ``then``'s (both with alternatives, or neither)."""
+    tops = first["top_logprobs"]
+    return {
+        "tokens": [*first["tokens"], *then["tokens"]],
+        "token_logprobs": [*first["token_logprobs"], *then["token_logprobs"]],
+        "top_logprobs": None if tops is None else [*tops, *(then["top_logprobs"] or [])],
+        "text_offset": [*first["text_offset"], *then["text_offset"]],
+    }
+
+
+def sse(item: Mapping[str, object]) -> bytes:
+    """One server-sent event of a JSON object (a chunk, or an error body)."""
     return f"data: {json.dumps(item)}\n\n".encode()

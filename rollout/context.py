@@ -16,7 +16,9 @@ from typing import Any, Protocol
 
 import httpx
 
+from engines.protocol import SamplingParams
 from experience.records import Group
+from preprocess.budget import TokenBudget
 
 from .admission import Admission
 from .dispatch import Dispatcher
@@ -90,8 +92,10 @@ class RolloutFunction(Protocol):
     """``async def f(ctx, prompt, *, index, sampling, budget) -> Group`` — what ``WEIR_ROLLOUT_FUNCTION`` names.
 
     ``ctx``: the `RolloutContext`; ``prompt``: the `PromptSpec`; ``index``: the prompt's position in
-    its request; ``sampling``: SGLang ``sampling_params`` (validated, ``max_new_tokens`` set);
-    ``budget``: the preprocess token budget or None. Returns the finished `Group` (samples rewarded).
+    its request; ``sampling``: the request's `engines.protocol.SamplingParams` (validated,
+    ``max_new_tokens`` set; derive another with `dataclasses.replace`); ``budget``: the preprocess
+    `preprocess.budget.TokenBudget` or None (the preprocess role's default). Returns the finished
+    `Group` (samples rewarded).
     """
 
     async def __call__(
@@ -101,6 +105,6 @@ class RolloutFunction(Protocol):
         /,
         *,
         index: int,
-        sampling: dict[str, Any],
-        budget: dict[str, Any] | None,
+        sampling: SamplingParams,
+        budget: TokenBudget | None,
     ) -> Group: ...

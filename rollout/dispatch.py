@@ -32,20 +32,50 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NotRequired, TypedDict, TypeVar
 
 import httpx
 
+from engines.sampling import SGLangSampling
+
 from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, refuses_token
 
-__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineStream"]
+__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineMediaRef", "EngineStream", "GenerateBody"]
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _KEY_NODES_KEPT = 100_000  # media keys remembered for cache-aware routing (the most recently used)
 
-BodyFor = Callable[["EngineEndpoint"], dict[str, Any]]
+
+class EngineMediaRef(TypedDict):
+    """One medium as Weir's engine takes it (``weir_media``): by its feature key (the engine encodes it)
+    or by the encoder role's embedding key; exactly one of the two."""
+
+    type: Literal["image", "video", "audio"]
+    feature_key: NotRequired[str]
+    embedding_key: NotRequired[str]
+
+
+class GenerateBody(TypedDict):
+    """An engine's ``/generate`` request (SGLang's native API): Weir's engine takes the media by cache key
+    (``weir_media``), a plain SGLang server inline (``image_data`` / ``video_data`` / ``audio_data``)."""
+
+    input_ids: list[int]
+    sampling_params: SGLangSampling
+    return_logprob: bool
+    rid: str
+    return_routed_experts: bool
+    top_logprobs_num: NotRequired[int]
+    logprob_start_len: NotRequired[int]
+    stream: NotRequired[bool]
+    weir_media: NotRequired[list[EngineMediaRef]]
+    image_data: NotRequired[list[str]]
+    video_data: NotRequired[list[str]]
+    audio_data: NotRequired[list[str]]
+
+
+BodyFor = Callable[["EngineEndpoint"], GenerateBody]
 EngineHealth = Literal["up", "down", "unauthorized"]
 
 
@@ -153,7 +183,7 @@ class Dispatcher:
         checked: a refusal is raised here, before any chunk). Opening is retried once on another
         engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`)."""
         return await self._on_one_then_another(
-            lambda engine: self._open(engine, {**body(engine), "stream": True}), group, self._media_keys(body)
+            lambda engine: self._open(engine, GenerateBody(**body(engine), stream=True)), group, self._media_keys(body)
         )
 
     async def _on_one_then_another(
@@ -195,7 +225,7 @@ class Dispatcher:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.cooldown_s)
             return self._pick(group, exclude=failed, keys=keys)
 
-    async def _open(self, engine: EngineEndpoint, body: dict[str, Any]) -> EngineStream:
+    async def _open(self, engine: EngineEndpoint, body: GenerateBody) -> EngineStream:
         engine.outstanding += 1
         request = self._client.build_request("POST", f"{engine.url}/generate", json=body)
         try:
@@ -221,7 +251,7 @@ class Dispatcher:
             raise EngineRefused(f"engine {engine.url}: {message}", code=code)
         return EngineStream(engine, response, abort=lambda: self._abort(engine, body.get("rid")))
 
-    async def _call(self, engine: EngineEndpoint, body: dict[str, Any]) -> dict[str, Any]:
+    async def _call(self, engine: EngineEndpoint, body: GenerateBody) -> dict[str, Any]:
         engine.outstanding += 1
         try:
             response = await asyncio.wait_for(self._client.post(f"{engine.url}/generate", json=body), self.timeout_s)

@@ -33,7 +33,7 @@ import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NotRequired, Protocol, TypedDict, cast, runtime_checkable
 
 import httpx
 
@@ -106,11 +106,11 @@ class EnvironmentRef:
     """A request's environment, resolved at start-up names: how to build one instance per sample."""
 
     name: str
-    factory: Callable[..., Any]
+    factory: Callable[..., Environment]
     options: Mapping[str, Any] = field(default_factory=dict)
     timeout_s: float = DEFAULT_TIMEOUT_S  # each reset / step's deadline
 
-    def build(self) -> Any:
+    def build(self) -> Environment:
         return self.factory(**dict(self.options))
 
 
@@ -168,6 +168,37 @@ class VisualSearch:
 
 
 # -- environments served elsewhere ----------------------------------------------------------------
+class _WireCall(TypedDict):
+    name: str
+    arguments: dict[str, Any]  # the model's JSON arguments, as it wrote them
+
+
+class _WireAction(TypedDict):
+    text: NotRequired[str]
+    tool_call: NotRequired[_WireCall]
+
+
+class _ResetBody(TypedDict):
+    options: dict[str, Any]  # the request's options, free-form JSON
+    messages: list[Any]
+    group_id: str
+    sample_index: int
+
+
+class _StepBody(TypedDict):
+    session: Any  # whatever the environment's reset answered
+    action: _WireAction
+
+
+class _Answer(TypedDict, total=False):
+    """An environment server's answer, read field by field (each checked where it is read)."""
+
+    session: Any
+    observation: Any
+    reward: Any
+    done: Any
+
+
 class HttpEnvironment:
     """An environment served at a URL the operator configured (``WEIR_HTTP_ENVIRONMENTS``; never one a
     request gives). ``POST {url}/reset`` with ``{"options", "messages", "group_id", "sample_index"}``
@@ -184,13 +215,13 @@ class HttpEnvironment:
         self.state: dict[str, Any] = {}
         self.session: Any = None
 
-    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    def _post(self, path: str, body: _ResetBody | _StepBody) -> _Answer:
         response = httpx.post(f"{self.url}{path}", json=body, timeout=self.timeout_s)
         response.raise_for_status()
         answer = response.json()
         if not isinstance(answer, dict):
             raise ValueError(f"{path}: the environment's answer is not an object")
-        return answer
+        return cast(_Answer, answer)  # any object: each field is checked where it is read
 
     @staticmethod
     def _observation(value: Any) -> Observation | None:
@@ -207,28 +238,28 @@ class HttpEnvironment:
     def reset(self, info: PromptInfo) -> Observation | None:
         answer = self._post(
             "/reset",
-            {
-                "options": self.options,
-                "messages": list(info.messages),
-                "group_id": info.group_id,
-                "sample_index": info.sample_index,
-            },
+            _ResetBody(
+                options=self.options,
+                messages=list(info.messages),
+                group_id=info.group_id,
+                sample_index=info.sample_index,
+            ),
         )
         self.session = answer.get("session")
         return self._observation(answer.get("observation"))
 
     def step(self, action: ToolCall | str) -> Step:
         wire = (
-            {"tool_call": {"name": action.name, "arguments": action.arguments}}
+            _WireAction(tool_call=_WireCall(name=action.name, arguments=action.arguments))
             if isinstance(action, ToolCall)
-            else {"text": action}
+            else _WireAction(text=action)
         )
-        answer = self._post("/step", {"session": self.session, "action": wire})
+        answer = self._post("/step", _StepBody(session=self.session, action=wire))
         reward = answer.get("reward")
         return step_of((self._observation(answer.get("observation")), reward, bool(answer.get("done"))))
 
 
-BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Any]] = {"visual_search": VisualSearch}
+BUILTIN_ENVIRONMENTS: dict[str, Callable[..., Environment]] = {"visual_search": VisualSearch}
 
 
 class EnvironmentRegistry:
@@ -236,13 +267,13 @@ class EnvironmentRegistry:
 
     def __init__(
         self,
-        classes: Mapping[str, Callable[..., Any]] | None = None,
+        classes: Mapping[str, Callable[..., Environment]] | None = None,
         urls: Mapping[str, str] | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.timeout_s = timeout_s
-        self._classes: dict[str, Callable[..., Any]] = {}
+        self._classes: dict[str, Callable[..., Environment]] = {}
         for name, factory in {**BUILTIN_ENVIRONMENTS, **dict(classes or {})}.items():
             check_name(name)
             if not callable(factory):
@@ -265,7 +296,7 @@ class EnvironmentRegistry:
     ) -> EnvironmentRegistry:
         """The built-ins, installed entry points, ``specs`` (``name`` → ``package.module:Class``), then
         ``urls`` (``name`` → an `HttpEnvironment` URL)."""
-        classes: dict[str, Callable[..., Any]] = {}
+        classes: dict[str, Callable[..., Environment]] = {}
         if entry_point_group:
             for name, loader in installed(entry_point_group).items():
                 try:

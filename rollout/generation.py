@@ -7,8 +7,10 @@ an OpenAI request's `LogprobAsk` asked for. A sample that fails — no engine co
 answered something unusable — is a ``failed`` `Sample` that says why, never an error of the whole request.
 A sample a pause (a weight update in abort mode) cut short is continued under the new weights when the
 context says ``keep`` (the rules are `rollout.partial`'s). A ``sampling_seed`` gives each sample of a group
-its own seed derived from it (`sample_seed`): reproducible, not identical. This module does not prepare
-prompts (`rollout.preparation`), reward samples (`rollout.scoring`) or stream to clients (`rollout.serving`).
+its own seed derived from it (`sample_seed`): reproducible, not identical. Sampling travels as
+`engines.protocol.SamplingParams`; the wire's ``sampling_params`` is `engines.sampling.sampling_json`'s.
+This module does not prepare prompts (`rollout.preparation`), reward samples (`rollout.scoring`) or stream
+to clients (`rollout.serving`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engines.protocol import SamplingParams
+from engines.sampling import sampling_json
 from experience.records import FinishReason, Sample, SampleStatus, policy_version_of, sample_id
 
 from .context import RolloutContext
-from .dispatch import EngineEndpoint
+from .dispatch import EngineEndpoint, GenerateBody
 from .errors import EngineRefused, EnginesUnavailable
 from .logprobs import SAMPLED_ONLY, ChoiceLogprobs, LogprobAsk, Top, choice_logprobs
 from .partial import MAX_CONTINUATIONS, continuable, continuation_sampling, join_segments, pause_abort
@@ -50,23 +54,23 @@ _FINISH_REASONS: dict[object, FinishReason] = {"stop": "stop", "length": "length
 def engine_body(
     engine: EngineEndpoint,
     prepared: Prepared,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     rid: str,
     *,
     routed_experts: bool,
     ask: LogprobAsk = SAMPLED_ONLY,
-) -> dict[str, Any]:
+) -> GenerateBody:
     """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
     server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
     paths the server can read), which SGLang's own processor turns into the same token counts.
     ``ask``: the top log-probs and prompt log-probs an OpenAI answer shows (both SGLang keys)."""
-    body: dict[str, Any] = {
-        "input_ids": prepared.prompt_ids,
-        "sampling_params": dict(sampling),
-        "return_logprob": True,
-        "rid": rid,
-        "return_routed_experts": routed_experts,
-    }
+    body = GenerateBody(
+        input_ids=prepared.prompt_ids,
+        sampling_params=sampling_json(sampling),
+        return_logprob=True,
+        rid=rid,
+        return_routed_experts=routed_experts,
+    )
     if ask.top:
         body["top_logprobs_num"] = ask.top
     if ask.prompt:
@@ -76,7 +80,12 @@ def engine_body(
         return body
     for item in prepared.inline:
         source = item.get("data") or item.get("url") or f"file://{item['path']}"
-        body.setdefault(f"{item['type']}_data", []).append(source)
+        if item["type"] == "image":
+            body.setdefault("image_data", []).append(source)
+        elif item["type"] == "video":
+            body.setdefault("video_data", []).append(source)
+        else:
+            body.setdefault("audio_data", []).append(source)
     return body
 
 
@@ -142,7 +151,7 @@ def _invalid_fields(error: ValidationError, shown: int = 3) -> str:
 
 
 async def generate(
-    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, index: int
+    ctx: RolloutContext, prepared: Prepared, sampling: SamplingParams, *, group_id: str, index: int
 ) -> Sample:
     """One sample from the engines; engines that fail or refuse give a ``failed`` sample, not an error."""
     sample, _ = await generate_choice(ctx, prepared, sampling, group_id=group_id, index=index, ask=SAMPLED_ONLY)
@@ -152,7 +161,7 @@ async def generate(
 async def generate_choice(
     ctx: RolloutContext,
     prepared: Prepared,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     *,
     group_id: str,
     index: int,
@@ -202,7 +211,7 @@ def _unavailable(rid: str, index: int, error: EnginesUnavailable | EngineRefused
 async def _continued(
     ctx: RolloutContext,
     prepared: Prepared,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     first: Sample,
     out: Mapping[str, Any],
     *,
@@ -268,8 +277,8 @@ async def _continued(
 
 
 def _body_for(
-    prepared: Prepared, sampling: Mapping[str, Any], rid: str, routed: bool, ask: LogprobAsk
-) -> Callable[[EngineEndpoint], dict[str, Any]]:
+    prepared: Prepared, sampling: SamplingParams, rid: str, routed: bool, ask: LogprobAsk
+) -> Callable[[EngineEndpoint], GenerateBody]:
     return lambda engine: engine_body(engine, prepared, sampling, rid, routed_experts=routed, ask=ask)
 
 
@@ -280,19 +289,15 @@ def sample_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def sample_sampling(sampling: Mapping[str, Any], index: int) -> dict[str, Any]:
+def sample_sampling(sampling: SamplingParams, index: int) -> SamplingParams:
     """``sampling`` for sample ``index``: a ``sampling_seed`` becomes that sample's own (`sample_seed`)."""
-    out = dict(sampling)
-    seed = out.get("sampling_seed")
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        out["sampling_seed"] = sample_seed(seed, index)
-    elif isinstance(seed, float) and seed.is_integer():
-        out["sampling_seed"] = sample_seed(int(seed), index)
-    return out
+    if sampling.sampling_seed is None:
+        return sampling
+    return dataclasses.replace(sampling, sampling_seed=sample_seed(sampling.sampling_seed, index))
 
 
 async def generate_n(
-    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], *, group_id: str, n: int
+    ctx: RolloutContext, prepared: Prepared, sampling: SamplingParams, *, group_id: str, n: int
 ) -> list[Sample]:
     """``n`` samples of one prepared prompt, concurrently, in index order; with a ``sampling_seed``,
     each sample has its own seed derived from it (`sample_seed`): reproducible, not identical."""

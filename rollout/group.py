@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
+from engines.protocol import SamplingParams
 from experience.records import Group
+from preprocess.budget import TokenBudget
 
 from .context import PromptSpec, RolloutContext, RolloutFunction
 from .generation import generate_n
@@ -37,8 +38,8 @@ async def rollout_group(
     /,
     *,
     index: int,
-    sampling: dict[str, Any],
-    budget: dict[str, Any] | None,
+    sampling: SamplingParams,
+    budget: TokenBudget | None,
 ) -> Group:
     """The default rollout function: prepare the prompt, generate ``n`` samples, reward them. A prompt
     with tools, an environment or ``max_turns`` is rolled out turn by turn (`rollout.multiturn`)."""
@@ -72,8 +73,8 @@ async def run_prompt(
     prompt: PromptSpec,
     *,
     index: int,
-    sampling: dict[str, Any],
-    budget: dict[str, Any] | None,
+    sampling: SamplingParams,
+    budget: TokenBudget | None,
     record: bool,
 ) -> Group:
     """``function``'s group for ``prompt``, appended to the sink when ``record`` (an evaluation is not)."""

@@ -31,19 +31,22 @@ import copy
 import dataclasses
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.protocol import SamplingParams
 from experience.records import FinishReason, Group, Sample, SampleStatus
+from preprocess.budget import TokenBudget
 
 from .context import PromptSpec, RolloutContext
-from .environments import EnvironmentRef, PromptInfo, Step, step_of
+from .environments import Environment, EnvironmentRef, PromptInfo, Step, step_of
 from .errors import InvalidPrompt, UpstreamUnavailable
 from .generation import generate, sample_sampling, sample_seed
+from .messages import FunctionTool, TemplateMessage
 from .observations import render_observations, user_turn
-from .preparation import Prepared, prepare, with_max_new_tokens
-from .prompts import parse_messages
+from .preparation import EngineMediaRef, Prepared, prepare, with_max_new_tokens
+from .prompts import MediaItem, parse_messages
 from .scoring import assemble_group, reward_samples
 from .toolcalls import parse_calls
 from .tools import (
@@ -67,13 +70,13 @@ class _Trajectory:
     """One sample's growing state."""
 
     prompt: Prepared
-    conversation: list[dict[str, Any]]
+    conversation: list[TemplateMessage]
     response: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    media: list[dict[str, str]] = field(default_factory=list)
-    inline: list[dict[str, str]] = field(default_factory=list)
+    media: list[EngineMediaRef] = field(default_factory=list)
+    inline: list[MediaItem] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # the observations' media tokens, per kind
     rewards: list[float] = field(default_factory=list)
@@ -116,8 +119,8 @@ async def rollout_multiturn(
     /,
     *,
     index: int,
-    sampling: dict[str, Any],
-    budget: dict[str, Any] | None,
+    sampling: SamplingParams,
+    budget: TokenBudget | None,
 ) -> Group:
     """A `RolloutFunction` for prompts with ``tools``, an ``environment`` or ``max_turns`` (`rollout_group`
     hands those here): ``n`` trajectories, rewarded, as one `Group`."""
@@ -126,7 +129,7 @@ async def rollout_multiturn(
     group_id = prompt.group_id or uuid.uuid4().hex
     max_turns = prompt.max_turns or DEFAULT_MAX_TURNS
     environment: EnvironmentRef | None = prompt.environment
-    envs: list[Any] = []
+    envs: list[Environment] = []
     messages = list(prompt.messages)
     if environment is not None:
         try:
@@ -226,17 +229,17 @@ async def _trajectory(
     ctx: RolloutContext,
     prompt: PromptSpec,
     run: _Trajectory,
-    env: Any,
-    sampling: Mapping[str, Any],
+    env: Environment | None,
+    sampling: SamplingParams,
     *,
     group_id: str,
     index: int,
     prompt_index: int,
     max_turns: int,
-    budget: Mapping[str, Any] | None,
+    budget: TokenBudget | None,
 ) -> tuple[Sample, _Trajectory]:
     start = time.perf_counter()
-    max_new = int(sampling["max_new_tokens"])
+    max_new = sampling.max_new_tokens
     tools = {t.name: t for t in prompt.tools}
     timeout_s = prompt.environment.timeout_s if prompt.environment is not None else DEFAULT_TIMEOUT_S
     state = env.state if env is not None and isinstance(getattr(env, "state", None), dict) else {}
@@ -248,10 +251,10 @@ async def _trajectory(
             room = min(max_new - len(run.response), ctx.context_length - len(run.prompt.prompt_ids) - len(run.response))
             if room <= 0:
                 raise _Ended("length")
-            choice = dict(sampling, max_new_tokens=room)
-            seed = choice.get("sampling_seed")
-            if turn and isinstance(seed, int) and not isinstance(seed, bool):
-                choice["sampling_seed"] = sample_seed(seed, turn)  # each turn its own draw, reproducibly
+            seed = sampling.sampling_seed
+            if turn and seed is not None:
+                seed = sample_seed(seed, turn)  # each turn its own draw, reproducibly
+            choice = dataclasses.replace(sampling, max_new_tokens=room, sampling_seed=seed)
             sample = await generate(ctx, run.prepared(), choice, group_id=group_id, index=index)
             if sample.status is SampleStatus.FAILED:
                 return dataclasses.replace(sample, timings={"generate_s": time.perf_counter() - start}), run
@@ -268,7 +271,7 @@ async def _trajectory(
             content, calls = parse_calls(sample.text)
             ended = bool(sample.response_ids) and sample.response_ids[-1] in ctx.prompts.eos_ids
             context = ToolContext(state=state, group_id=group_id, sample_index=index, turn=turn)
-            added: list[dict[str, Any]] = []
+            added: list[TemplateMessage] = []
             observations: list[Observation] = []
             if not calls:
                 if env is None:
@@ -336,7 +339,12 @@ async def _trajectory(
 
 
 async def _call(
-    tool: Tool | None, action: ToolCall, context: ToolContext, env: Any, timeout_s: float, run: _Trajectory
+    tool: Tool | None,
+    action: ToolCall,
+    context: ToolContext,
+    env: Environment | None,
+    timeout_s: float,
+    run: _Trajectory,
 ) -> tuple[Observation, bool]:
     """One call's observation, and whether the environment said done; a bad call's observation is its
     ``error: ...``; `ToolFailed` ends the trajectory."""
@@ -353,7 +361,7 @@ async def _call(
         raise ToolFailed(str(error)) from None
 
 
-async def _env_step(env: Any, action: ToolCall | str, timeout_s: float, run: _Trajectory) -> Step:
+async def _env_step(env: Environment, action: ToolCall | str, timeout_s: float, run: _Trajectory) -> Step:
     """The environment's `Step` (its reward kept); one that raises, is late or answers something else
     is `ToolFailed` (a `ToolError` passes: a bad call)."""
     value = await _in_worker(env.step, action, timeout_s=timeout_s, what="the environment's step")
@@ -369,13 +377,13 @@ async def _env_step(env: Any, action: ToolCall | str, timeout_s: float, run: _Tr
 async def _append_observation(
     ctx: RolloutContext,
     run: _Trajectory,
-    added: list[dict[str, Any]],
+    added: list[TemplateMessage],
     observations: Sequence[Observation],
-    tools: list[dict[str, Any]] | None,
+    tools: Sequence[FunctionTool] | None,
     ended: bool,
     version: int,
     max_new: int,
-    budget: Mapping[str, Any] | None,
+    budget: TokenBudget | None,
 ) -> None:
     """The observations as template-rendered tokens (mask 0), their media preprocessed and expanded."""
     used = run.prompt.media_tokens + sum(run.counts.values())

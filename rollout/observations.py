@@ -14,13 +14,18 @@ tokens still fit the trajectory, and adding them to it, is `rollout.multiturn`'s
 from __future__ import annotations
 
 import base64
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from preprocess.budget import TokenBudget
+
 from .context import RolloutContext
 from .errors import MediaRefused
-from .preparation import prepare
+from .messages import ContentPart, FunctionTool, Message, TemplateMessage, TemplatePart
+from .preparation import EngineMediaRef, prepare
+from .prompts import MediaItem
 from .tools import Observation, ToolFailed, image_bytes
 
 __all__ = ["RenderedObservations", "data_uri", "render_observations", "user_turn"]
@@ -32,11 +37,11 @@ class RenderedObservations:
     and their images as ``(kind, tokens)`` (``media``), engine refs (``refs``), inline items (``inline``)
     and feature keys (``keys``), in order."""
 
-    messages: list[dict[str, Any]]
+    messages: list[TemplateMessage]
     ids: list[int]
     media: list[tuple[str, int]]
-    refs: list[dict[str, str]]
-    inline: list[dict[str, str]]
+    refs: list[EngineMediaRef]
+    inline: list[MediaItem]
     keys: list[str]
 
 
@@ -45,9 +50,9 @@ def data_uri(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(image_bytes(image)).decode()
 
 
-def user_turn(observation: Observation) -> dict[str, Any]:
+def user_turn(observation: Observation) -> Message:
     """An observation as an OpenAI ``user`` message (images first, then the text)."""
-    parts: list[dict[str, Any]] = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in observation.images]
+    parts: list[ContentPart] = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in observation.images]
     if observation.text or not parts:
         parts.append({"type": "text", "text": observation.text})
     return {"role": "user", "content": parts}
@@ -55,13 +60,13 @@ def user_turn(observation: Observation) -> dict[str, Any]:
 
 async def render_observations(
     ctx: RolloutContext,
-    conversation: list[dict[str, Any]],
-    added: list[dict[str, Any]],
+    conversation: Sequence[TemplateMessage],
+    added: list[TemplateMessage],
     observations: Sequence[Observation],
     *,
-    tools: list[dict[str, Any]] | None,
+    tools: Sequence[FunctionTool] | None,
     ended: bool,
-    budget: Mapping[str, Any] | None,
+    budget: TokenBudget | None,
     used: int,
 ) -> RenderedObservations:
     """The turns ``added`` after ``conversation`` (one per observation, text only) with the observations'
@@ -79,22 +84,22 @@ async def render_observations(
     else:
         text = ctx.prompts.continuation(conversation, added, tools=tools, ended=ended)
     media: list[tuple[str, int]] = []
-    refs: list[dict[str, str]] = []
-    inline: list[dict[str, str]] = []
+    refs: list[EngineMediaRef] = []
+    inline: list[MediaItem] = []
     keys: list[str] = []
     for k, image in enumerate(images):
-        item_budget = dict(budget or {})
-        if item_budget.get("max_sample_tokens") is not None:
-            left = int(item_budget["max_sample_tokens"]) - used - sum(n for _, n in media)
+        item_budget = budget
+        if budget is not None and budget.max_sample_tokens is not None:
+            left = budget.max_sample_tokens - used - sum(n for _, n in media)
             if left < 1:
                 raise ToolFailed(f"the observation's image {k} does not fit the request's token budget")
-            item_budget["max_sample_tokens"] = left
+            item_budget = dataclasses.replace(budget, max_sample_tokens=left)
         try:
             item = await prepare(
                 ctx,
                 [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_uri(image)}}]}],
                 where=f"observation image {k}",
-                budget=item_budget or None,
+                budget=item_budget,
             )
         except MediaRefused as refused:
             raise ToolFailed(f"the observation's image was refused: {refused}") from None
@@ -106,10 +111,10 @@ async def render_observations(
     return RenderedObservations(messages=added, ids=ids, media=media, refs=refs, inline=inline, keys=keys)
 
 
-def _with_images(message: dict[str, Any], count: int) -> dict[str, Any]:
+def _with_images(message: TemplateMessage, count: int) -> TemplateMessage:
     """``message`` with ``count`` image parts before its text (a string, or text parts)."""
     content = message.get("content")
-    parts: list[dict[str, Any]] = [{"type": "image"} for _ in range(count)]
+    parts: list[TemplatePart] = [{"type": "image"} for _ in range(count)]
     if isinstance(content, str) and content:
         parts.append({"type": "text", "text": content})
     elif isinstance(content, list):

@@ -38,10 +38,12 @@ differ from decoding all ids at once (the ids and log-probs, which are what is t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+from engines.protocol import SamplingParams
 from experience.records import Sample, SampleStatus
 
 __all__ = [
@@ -59,7 +61,6 @@ PartialRollouts = Literal["keep", "drop"]
 MAX_CONTINUATIONS = 8
 PAUSE_ABORT_MESSAGES = frozenset({"paused (abort mode)", "Abort before prefill", "Abort in waiting queue"})
 GRAMMAR_KEYS = ("json_schema", "regex", "ebnf")
-_SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def pause_abort(out: Mapping[str, Any]) -> bool:
@@ -71,9 +72,9 @@ def pause_abort(out: Mapping[str, Any]) -> bool:
     )
 
 
-def continuable(sampling: Mapping[str, Any]) -> bool:
+def continuable(sampling: SamplingParams) -> bool:
     """Whether a sample with these sampling parameters may be continued (not under a grammar)."""
-    return not any(sampling.get(key) for key in GRAMMAR_KEYS)
+    return not any(getattr(sampling, key) for key in GRAMMAR_KEYS)
 
 
 def _derived_seed(seed: int, segment: int) -> int:
@@ -81,22 +82,19 @@ def _derived_seed(seed: int, segment: int) -> int:
     return int.from_bytes(digest, "big") >> 1
 
 
-def continuation_sampling(sampling: Mapping[str, Any], kept: int, segment: int) -> dict[str, Any] | None:
+def continuation_sampling(sampling: SamplingParams, kept: int, segment: int) -> SamplingParams | None:
     """The sampling parameters of continuation ``segment`` (1, 2, …) of a sample that has ``kept`` tokens:
     ``max_new_tokens`` and ``min_new_tokens`` less ``kept``, a ``sampling_seed`` derived from the sample's
     own and ``segment``. None when no new token is left to generate."""
-    out = dict(sampling)
-    limit = out.get("max_new_tokens")
-    limit = _SGLANG_DEFAULT_MAX_NEW_TOKENS if limit is None else int(limit)
-    if limit - kept <= 0:
+    if sampling.max_new_tokens - kept <= 0:
         return None
-    out["max_new_tokens"] = limit - kept
-    if out.get("min_new_tokens"):
-        out["min_new_tokens"] = max(0, int(out["min_new_tokens"]) - kept)
-    seed = out.get("sampling_seed")
-    if isinstance(seed, int | float) and not isinstance(seed, bool) and float(seed).is_integer():
-        out["sampling_seed"] = _derived_seed(int(seed), segment)
-    return out
+    seed = sampling.sampling_seed
+    return dataclasses.replace(
+        sampling,
+        max_new_tokens=sampling.max_new_tokens - kept,
+        min_new_tokens=max(0, sampling.min_new_tokens - kept),
+        sampling_seed=None if seed is None else _derived_seed(seed, segment),
+    )
 
 
 def join_segments(segments: Sequence[Sample], *, generate_s: float, exhausted: bool = False) -> Sample:

@@ -6,26 +6,52 @@ routed around, the engines then encode); applies the chat template and expands e
 its exact token count (`rollout.prompts`). `prepared_ids` takes a text-only prompt given as token ids.
 `check_context` / `with_max_new_tokens` check that prompt + new tokens fit the model. A role that
 refuses this role's API token is `UpstreamUnauthorized`, never passed on as the caller's own 401.
-This module does not talk to engines (`rollout.generation`) or shape answers.
+This module does not talk to engines (`rollout.generation`) or shape answers. The preprocess role's answer
+is read as `rollout.prompts.PreprocessedItem`s, the encoder role's as `EncodedItem`s; what the engines are
+sent of the media is `EngineMediaRef`s (Weir's engine) or the `rollout.prompts.MediaItem`s as given.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 import httpx
 
-from .context import RolloutContext
-from .errors import InvalidPrompt, MediaRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
-from .prompts import Expansion, parse_messages, with_tracks
+from engines.protocol import SamplingParams
+from preprocess.budget import BudgetJSON, TokenBudget
 
-__all__ = ["Prepared", "check_context", "prepare", "prepared_ids", "with_max_new_tokens"]
+from .context import RolloutContext
+from .dispatch import EngineMediaRef
+from .errors import InvalidPrompt, MediaRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
+from .messages import FunctionTool
+from .prompts import Expansion, MediaItem, PreprocessedItem, parse_messages, with_tracks
+
+__all__ = [
+    "EncodedItem",
+    "EngineMediaRef",
+    "Prepared",
+    "check_context",
+    "prepare",
+    "prepared_ids",
+    "with_max_new_tokens",
+]
 
 logger = logging.getLogger(__name__)
+
+
+class EncodedItem(TypedDict):
+    """What this module reads of one item of the encoder role's ``/v1/encode`` answer."""
+
+    embedding_key: str
+
+
+class _PreprocessRequest(TypedDict):
+    items: list[MediaItem]
+    budget: NotRequired[BudgetJSON]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,8 +59,8 @@ class Prepared:
     """A prompt ready for the engines."""
 
     prompt_ids: list[int]
-    media: list[dict[str, str]]  # engine `weir_media` refs, in prompt order
-    inline: list[dict[str, str]]  # the same media as given (for a plain SGLang engine)
+    media: list[EngineMediaRef]  # engine `weir_media` refs, in prompt order
+    inline: list[MediaItem]  # the same media as given (for a plain SGLang engine)
     feature_keys: list[str]
     token_counts: dict[str, int]  # per modality, and "text"
     preprocess_s: float
@@ -49,20 +75,22 @@ async def prepare(
     messages: Sequence[Any],
     *,
     where: str,
-    budget: Mapping[str, Any] | None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
+    budget: TokenBudget | None,
+    tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
 ) -> Prepared:
-    """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded).
-    ``tools`` (OpenAI function tools) are rendered by the chat template; ``prefill`` is text the
-    assistant's answer starts with (appended after the generation prompt)."""
+    """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded) under
+    ``budget`` (None: the preprocess role's default). ``tools`` (OpenAI function tools) are rendered by
+    the chat template; ``prefill`` is text the assistant's answer starts with (appended after the
+    generation prompt)."""
     template, items = parse_messages(list(messages), where)
     start = time.perf_counter()
-    results: list[dict[str, Any]] = []
+    results: list[PreprocessedItem] = []
     if items:
-        payload: dict[str, Any] = {"items": items}
-        if budget:
-            payload["budget"] = dict(budget)
+        payload = _PreprocessRequest(items=items)
+        wire_budget = budget.to_wire() if budget is not None else None
+        if wire_budget:
+            payload["budget"] = wire_budget
         try:
             response = await ctx.preprocess.post("/v1/preprocess", json=payload)
         except httpx.HTTPError as error:
@@ -74,7 +102,7 @@ async def prepare(
         if response.status_code >= 400:
             raise _media_refused(response, where)
         try:
-            answered = response.json()["items"]
+            answered: list[PreprocessedItem] = response.json()["items"]
             expansions = ctx.prompts.expansions(answered)
             results = with_tracks(answered)  # a video's own audio track is an engine media item of its own
             media = [(str(r["type"]), int(r["num_tokens"])) for r in results]
@@ -115,11 +143,11 @@ def _media_refused(response: httpx.Response, where: str) -> MediaRefused:
     return MediaRefused(f"{at}: {message}", status=status, code=code, item=item)
 
 
-async def _media_refs(ctx: RolloutContext, results: list[dict[str, Any]]) -> list[dict[str, str]]:
+async def _media_refs(ctx: RolloutContext, results: list[PreprocessedItem]) -> list[EngineMediaRef]:
     """Engine refs for the media: embedding keys from the encoder role when there is one (each
     unique item encoded once per weights version), else feature keys (the engine encodes). An encoder
     that does not answer is routed around; one that refuses this role's token is `UpstreamUnauthorized`."""
-    refs = [{"type": str(r["type"]), "feature_key": str(r["key"])} for r in results]
+    refs = [EngineMediaRef(type=r["type"], feature_key=str(r["key"])) for r in results]
     if not results or ctx.encoder is None:
         return refs
     try:
@@ -127,12 +155,12 @@ async def _media_refs(ctx: RolloutContext, results: list[dict[str, Any]]) -> lis
         if refuses_token(response):
             raise UpstreamUnauthorized("encoder", response.status_code)
         response.raise_for_status()
-        items = response.json()["items"]
+        items: list[EncodedItem] = response.json()["items"]
     except (httpx.HTTPError, ValueError, KeyError) as error:
         logger.warning("encoder role unavailable (%s): engines will encode", error)
         return refs
     return [
-        {"type": str(r["type"]), "embedding_key": str(item["embedding_key"])}
+        EngineMediaRef(type=r["type"], embedding_key=str(item["embedding_key"]))
         for r, item in zip(results, items, strict=True)
     ]
 
@@ -148,13 +176,12 @@ def check_context(ctx: RolloutContext, prepared: Prepared, max_new_tokens: int, 
 
 
 def with_max_new_tokens(
-    ctx: RolloutContext, prepared: Prepared, sampling: Mapping[str, Any], where: str
-) -> dict[str, Any]:
-    """``sampling`` with ``max_new_tokens`` set (the role's default when absent), checked against the context."""
-    given = sampling.get("max_new_tokens")
-    max_new = ctx.default_max_tokens if given is None else int(given)
-    check_context(ctx, prepared, max_new, where)
-    return {**sampling, "max_new_tokens": max_new}
+    ctx: RolloutContext, prepared: Prepared, sampling: SamplingParams, where: str
+) -> SamplingParams:
+    """``sampling``, its ``max_new_tokens`` checked against the context. The role sets it when it reads the
+    request (``ctx.default_max_tokens`` when the request gives none): a `SamplingParams` always has one."""
+    check_context(ctx, prepared, sampling.max_new_tokens, where)
+    return sampling
 
 
 def prepared_ids(ctx: RolloutContext, ids: Sequence[int], where: str) -> Prepared:

@@ -6,7 +6,9 @@ calls rendered by the chat template) and ``tool`` (a tool's result). Content par
 ``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
 URLs; a ``video_url`` may add ``"use_audio_in_video": true`` for Omni models: the video's own audio track
 is then taken and interleaved with its frames); ``input_audio`` (``{"data": base64, "format": ...}``).
-Errors are `InvalidPrompt`s that name the offending field.
+Errors are `InvalidPrompt`s that name the offending field. What comes out is typed: the chat template's
+`rollout.messages.TemplateMessage`s and the preprocess role's `MediaItem`s; its answer is read as
+`PreprocessedItem`s.
 
 Each placeholder expands to exactly what the model's processor puts there (`PromptBuilder.expansions`,
 from the preprocess role's answer): its token count, or for a Qwen3-VL video the ``<t seconds>``
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import NotRequired, TypedDict, TypeVar
 
 from transformers import AutoTokenizer
 
@@ -31,37 +33,79 @@ from preprocess.placeholders import expand_placeholders, timestamped_video_ids
 from preprocess.spec import ProcessorSpec
 
 from .errors import InvalidPrompt
+from .messages import FunctionTool, MediaKind, TemplateMessage, TemplatePart, TemplateRole, TemplateToolCall
 
-__all__ = ["Expansion", "PromptBuilder", "parse_messages", "with_tracks"]
+__all__ = ["Expansion", "MediaItem", "PreprocessedItem", "PromptBuilder", "parse_messages", "with_tracks"]
 
 logger = logging.getLogger(__name__)
 
 # A placeholder's expansion: its token count (the placeholder repeated), or the ids that replace it.
 Expansion = tuple[str, int | Sequence[int]]
 
-_MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
-_ROLES = {"system", "user", "assistant", "tool", "developer"}
+_T = TypeVar("_T")
+_MEDIA_PARTS: dict[str, MediaKind] = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+# Each role as the chat template takes it: ``developer`` is OpenAI's new name for ``system``.
+_ROLES: dict[str, TemplateRole] = {
+    "system": "system",
+    "user": "user",
+    "assistant": "assistant",
+    "tool": "tool",
+    "developer": "system",
+}
 
 
-def _source(url: str) -> dict[str, str]:
+class MediaItem(TypedDict):
+    """One medium of a prompt as the preprocess role takes it: its kind and one source."""
+
+    type: MediaKind
+    data: NotRequired[str]  # base64 or a data URI
+    url: NotRequired[str]
+    path: NotRequired[str]
+    use_audio_in_video: NotRequired[bool]
+
+
+class PreprocessedItem(TypedDict):
+    """What this library reads of one item of the preprocess role's answer (its JSON as sent; the other
+    fields are kept but not read): its kind, feature key and token count; for a video the frames and
+    grid its placeholder expansion needs, and with ``use_audio_in_video`` its own track (``audio``)."""
+
+    type: MediaKind
+    key: str
+    num_tokens: int
+    grid_thw: NotRequired[list[int] | None]
+    frame_indices: NotRequired[list[int] | None]
+    video_fps: NotRequired[float | None]
+    second_per_grid_t: NotRequired[float | None]
+    audio: NotRequired[PreprocessedItem | None]
+
+
+def _given(value: _T | None, name: str) -> _T:
+    """A field the preprocess role sends with this kind of item; missing, the answer is unreadable (`TypeError`)."""
+    if value is None:
+        raise TypeError(f"the preprocess role's item has no {name}")
+    return value
+
+
+def _media_item(kind: MediaKind, url: str) -> MediaItem:
     if url.startswith("data:"):
-        return {"data": url}
+        return {"type": kind, "data": url}
     if url.startswith(("http://", "https://")):
-        return {"url": url}
-    return {"path": url.removeprefix("file://")}
+        return {"type": kind, "url": url}
+    return {"type": kind, "path": url.removeprefix("file://")}
 
 
-def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(messages for the chat template, preprocess items in prompt order)."""
+def parse_messages(messages: object, where: str = "messages") -> tuple[list[TemplateMessage], list[MediaItem]]:
+    """(messages for the chat template, preprocess items in prompt order) of a client's OpenAI messages
+    (`rollout.messages.Message`s, checked here: any JSON is given a typed answer or an `InvalidPrompt`)."""
     if not isinstance(messages, list) or not messages:
         raise InvalidPrompt(f"{where}: a non-empty list of messages is required", code="invalid_messages")
-    template: list[dict[str, Any]] = []
-    items: list[dict[str, Any]] = []
+    template: list[TemplateMessage] = []
+    items: list[MediaItem] = []
     for i, message in enumerate(messages):
         path = f"{where}[{i}]"
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
             raise InvalidPrompt(f"{path}.role: one of {sorted(_ROLES)} is required", code="invalid_messages")
-        role = "system" if message["role"] == "developer" else message["role"]  # OpenAI's new name for it
+        role = _ROLES[message["role"]]
         content = message.get("content")
         calls = message.get("tool_calls")
         if role == "assistant" and calls:
@@ -75,7 +119,7 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
             continue
         if not isinstance(content, list):
             raise InvalidPrompt(f"{path}.content: a string or a list of parts is required", code="invalid_messages")
-        parts: list[dict[str, Any]] = []
+        parts: list[TemplatePart] = []
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             part_path = f"{path}.content[{j}]"
@@ -86,7 +130,7 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
                 url = value.get("url") if isinstance(value, dict) else value
                 if not isinstance(url, str) or not url:
                     raise InvalidPrompt(f"{part_path}.{kind}.url: a URL is required", code="invalid_messages")
-                item: dict[str, Any] = {"type": _MEDIA_PARTS[kind], **_source(url)}
+                item = _media_item(_MEDIA_PARTS[kind], url)
                 with_audio = value.get("use_audio_in_video") if isinstance(value, dict) else None
                 if with_audio is not None:
                     if kind != "video_url" or not isinstance(with_audio, bool):
@@ -113,7 +157,7 @@ def parse_messages(messages: Any, where: str = "messages") -> tuple[list[dict[st
     return template, items
 
 
-def _text_of(content: Any, path: str) -> str:
+def _text_of(content: object, path: str) -> str:
     """A tool result's or a tool-calling assistant turn's content: text, text parts, or none."""
     if content is None or isinstance(content, str):
         return content or ""
@@ -122,13 +166,13 @@ def _text_of(content: Any, path: str) -> str:
     raise InvalidPrompt(f"{path}.content: text (a string or text parts) is required here", code="invalid_messages")
 
 
-def _tool_calls(calls: Any, path: str) -> list[dict[str, Any]]:
+def _tool_calls(calls: object, path: str) -> list[TemplateToolCall]:
     """An assistant turn's OpenAI ``tool_calls`` as chat templates take them: ``{"type": "function",
     "function": {"name", "arguments"}}`` with the arguments' JSON string parsed into an object (as
     Hugging Face templates expect; a string that is not a JSON object stays as given)."""
     if not isinstance(calls, list):
         raise InvalidPrompt(f"{path}.tool_calls: a list is required", code="invalid_messages")
-    out = []
+    out: list[TemplateToolCall] = []
     for k, call in enumerate(calls):
         function = call.get("function") if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
@@ -186,7 +230,7 @@ class PromptBuilder:
     def _token_id(self, attribute: str) -> int:
         return int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, attribute)))  # type: ignore[arg-type]
 
-    def expansions(self, results: Sequence[Mapping[str, Any]]) -> list[Expansion]:
+    def expansions(self, results: Sequence[PreprocessedItem]) -> list[Expansion]:
         """Each placeholder's expansion, from the preprocess role's items (prompt order): the item's
         token count; a Qwen3-VL video's timestamped blocks (its frame indices and source fps); an Omni
         video with its own audio (``audio``: its track) the interleaved video and audio placeholders."""
@@ -200,9 +244,9 @@ class PromptBuilder:
                         kind,
                         timestamped_video_ids(
                             self._encode_text,
-                            frame_indices=r["frame_indices"],
-                            video_fps=float(r["video_fps"]),
-                            grid_thw=r["grid_thw"],
+                            frame_indices=_given(r.get("frame_indices"), "frame_indices"),
+                            video_fps=float(_given(r.get("video_fps"), "video_fps")),
+                            grid_thw=_given(r.get("grid_thw"), "grid_thw"),
                             merge_size=spec.merge_size,
                             temporal_patch_size=spec.temporal_patch_size,
                             video_id=self.placeholders["video"],
@@ -211,17 +255,17 @@ class PromptBuilder:
                         ),
                     )
                 )
-            elif kind == "video" and r.get("audio"):
+            elif kind == "video" and (track := r.get("audio")):
                 if spec is None or self._omni is None:
                     raise InvalidPrompt(
                         "use_audio_in_video: this model's tokenizer has no Omni audio tokens",
                         code="audio_in_video_unsupported",
                     )
                 layout = audio_in_video_layout(
-                    grid_thw=r["grid_thw"],
+                    grid_thw=_given(r.get("grid_thw"), "grid_thw"),
                     merge_size=spec.merge_size,
-                    second_per_grid=float(r["second_per_grid_t"]),
-                    audio_tokens=int(r["audio"]["num_tokens"]),
+                    second_per_grid=float(_given(r.get("second_per_grid_t"), "second_per_grid_t")),
+                    audio_tokens=int(track["num_tokens"]),
                     position_id_per_seconds=spec.position_id_per_seconds,
                     family=spec.audio_family,
                 )
@@ -230,23 +274,31 @@ class PromptBuilder:
                 out.append((kind, count))
         return out
 
+    def _apply_template(
+        self, conversation: Sequence[TemplateMessage], tools: Sequence[FunctionTool] | None, *, generation_prompt: bool
+    ) -> str:
+        """The chat template's text of ``conversation`` (with ``tools``, when any)."""
+        messages, rendered = list(conversation), [dict(t) for t in tools] if tools else None
+        # transformers annotates a conversation as ``dict[str, str]`` messages, narrower than what its
+        # templates take (content parts, tool calls); the TypedDicts are checked here instead.
+        text = self.tokenizer.apply_chat_template(
+            messages,  # type: ignore[arg-type]
+            tools=rendered,  # type: ignore[arg-type]
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
+        return str(text)
+
     def render(
-        self, template: list[dict[str, Any]], *, tools: Sequence[Mapping[str, Any]] | None = None, prefill: str = ""
+        self, template: Sequence[TemplateMessage], *, tools: Sequence[FunctionTool] | None = None, prefill: str = ""
     ) -> str:
         """The templated conversation as text, ending with the generation prompt and ``prefill``.
         ``tools`` that the model's chat template does not render are `InvalidPrompt`
         (``tools_not_supported``), never silently left out of the prompt."""
-        text = str(self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=True))
+        text = self._apply_template(template, None, generation_prompt=True)
         if tools:
             plain = text
-            text = str(
-                self.tokenizer.apply_chat_template(
-                    template,
-                    tools=[dict(t) for t in tools],
-                    tokenize=False,
-                    add_generation_prompt=True,
-                )
-            )
+            text = self._apply_template(template, tools, generation_prompt=True)
             if text == plain:
                 raise InvalidPrompt(
                     "tools: this model's chat template does not render tools", code="tools_not_supported"
@@ -255,10 +307,10 @@ class PromptBuilder:
 
     def build(
         self,
-        template: list[dict[str, Any]],
+        template: Sequence[TemplateMessage],
         media: Sequence[Expansion],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[FunctionTool] | None = None,
         prefill: str = "",
     ) -> list[int]:
         """Token ids of the templated conversation, each media placeholder expanded to its count (or
@@ -280,10 +332,10 @@ class PromptBuilder:
     # -- multi-turn: observations rendered by the chat template ------------------------------------
     def continuation(
         self,
-        template: list[dict[str, Any]],
-        added: list[dict[str, Any]],
+        template: Sequence[TemplateMessage],
+        added: Sequence[TemplateMessage],
         *,
-        tools: Sequence[Mapping[str, Any]] | None = None,
+        tools: Sequence[FunctionTool] | None = None,
         ended: bool = True,
     ) -> str:
         """The text the chat template puts after the model's last turn (the last message of ``template``)
@@ -292,13 +344,8 @@ class PromptBuilder:
         model generated that token itself when ``ended``; otherwise the template's end-of-turn text leads).
         So an observation's tokens are exactly what the template makes of it, and the model's own tokens
         are never re-tokenized."""
-        kwargs: dict[str, Any] = {"tools": [dict(t) for t in tools]} if tools else {}
-        before = str(
-            self.tokenizer.apply_chat_template(template, tokenize=False, add_generation_prompt=False, **kwargs)
-        )
-        after = str(
-            self.tokenizer.apply_chat_template(template + added, tokenize=False, add_generation_prompt=True, **kwargs)
-        )
+        before = self._apply_template(template, tools, generation_prompt=False)
+        after = self._apply_template([*template, *added], tools, generation_prompt=True)
         if not after.startswith(before):
             raise InvalidPrompt(
                 "this model's chat template renders the conversation differently once an observation is added",
@@ -325,12 +372,13 @@ class PromptBuilder:
         return str(self.tokenizer.convert_ids_to_tokens(self.placeholders[kind]))
 
 
-def with_tracks(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def with_tracks(results: Sequence[PreprocessedItem]) -> list[PreprocessedItem]:
     """The preprocess role's items with each video's own audio track (``use_audio_in_video``) as an
     audio item right after it: the media an engine consumes, in prompt order per kind."""
-    out: list[dict[str, Any]] = []
+    out: list[PreprocessedItem] = []
     for r in results:
         out.append(r)
-        if r.get("audio"):
-            out.append(r["audio"])
+        track = r.get("audio")
+        if track:
+            out.append(track)
     return out

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engines.protocol import SamplingParams
 from experience.records import Sample, SampleStatus, sample_id
 
 from .context import RolloutContext
@@ -28,6 +29,7 @@ from .dispatch import EngineStream
 from .errors import EnginesUnavailable
 from .generation import engine_body, generate_choice, sample_from_engine, sample_sampling
 from .logprobs import SAMPLED_ONLY, ChoiceLogprobs, LogprobAsk, choice_logprobs
+from .messages import FunctionTool
 from .preparation import Prepared, check_context, prepare
 
 __all__ = [
@@ -52,12 +54,12 @@ def chat_max_tokens(ctx: RolloutContext, prepared: Prepared, max_tokens: int | N
 
 async def chat_samples(
     ctx: RolloutContext,
-    messages: Sequence[Any],
+    messages: Sequence[object],
     *,
     n: int,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     max_tokens: int | None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
     ask: LogprobAsk = SAMPLED_ONLY,
 ) -> tuple[str, Prepared, list[Sample], list[ChoiceLogprobs]]:
@@ -79,7 +81,7 @@ async def complete_samples(
     prepared: Prepared,
     *,
     n: int,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     max_new_tokens: int,
     ask: LogprobAsk = SAMPLED_ONLY,
 ) -> tuple[str, list[Sample], list[ChoiceLogprobs]]:
@@ -87,7 +89,7 @@ async def complete_samples(
     prepared prompt (each its own seed when seeded); a failed sample is `EnginesUnavailable` (a
     client cannot use a partial answer)."""
     group_id = uuid.uuid4().hex
-    choice = {**sampling, "max_new_tokens": max_new_tokens}
+    choice = dataclasses.replace(sampling, max_new_tokens=max_new_tokens)
     with ctx.admission.admit(media_tokens=prepared.media_tokens * n):
         answers = await asyncio.gather(
             *(
@@ -217,12 +219,12 @@ def _chunk_parts(chunk: Mapping[str, Any]) -> tuple[list[int], list[float], str,
 
 async def chat_stream(
     ctx: RolloutContext,
-    messages: Sequence[Any],
+    messages: Sequence[object],
     *,
     n: int,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     max_tokens: int | None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
+    tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
     ask: LogprobAsk = SAMPLED_ONLY,
 ) -> ChatStream:
@@ -239,7 +241,7 @@ async def open_streams(
     prepared: Prepared,
     *,
     n: int,
-    sampling: Mapping[str, Any],
+    sampling: SamplingParams,
     max_new_tokens: int,
     ask: LogprobAsk = SAMPLED_ONLY,
 ) -> ChatStream:
@@ -251,7 +253,7 @@ async def open_streams(
     held.enter_context(ctx.admission.admit(media_tokens=prepared.media_tokens * n))
 
     async def open_one(index: int) -> EngineStream:
-        choice = sample_sampling({**sampling, "max_new_tokens": max_new_tokens}, index)
+        choice = sample_sampling(dataclasses.replace(sampling, max_new_tokens=max_new_tokens), index)
         rid = sample_id(group_id, index)
         return await ctx.dispatcher.stream(
             lambda engine: engine_body(engine, prepared, choice, rid, routed_experts=False, ask=ask), group=group_id

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidPrompt
+from .messages import FunctionTool, function_tool
 from .plugins import PluginError, check_name, installed, load_callable
 
 __all__ = [
@@ -179,12 +180,9 @@ class Tool:
     executor: Executor | None = None
 
     @property
-    def schema(self) -> dict[str, Any]:
+    def schema(self) -> FunctionTool:
         """The OpenAI function tool the chat template renders."""
-        return {
-            "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": dict(self.parameters)},
-        }
+        return function_tool(self.name, description=self.description, parameters=dict(self.parameters))
 
     async def run(self, arguments: dict[str, Any], context: ToolContext) -> Observation:
         """The observation; `ToolError` for a bad call, `ToolFailed` for a broken or slow tool."""

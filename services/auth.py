@@ -2,58 +2,42 @@
 
 With ``WEIR_API_TOKEN`` set, every request needs ``Authorization: Bearer <token>`` except the
 health checks (`OPEN_PATHS`), which orchestrators probe without credentials. The comparison is
-constant-time. Both are ASGI middlewares, so they hold before any route or body parsing runs.
+constant-time. Both are ASGI middlewares, so they hold before any route or body parsing runs; their
+refusals are `services.errors.ApiError`s answered through the app's `ErrorShapes` (the shape of the
+path's API: Weir's, or OpenAI's on the rollout role's OpenAI routes), as a route's would be.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import ApiError, ErrorShapes, app_path
 
 __all__ = ["OPEN_PATHS", "BearerAuth", "BodyLimit"]
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/health"})
 
 
-async def _refuse(send: Send, status: int, code: str, message: str, headers: list[tuple[bytes, bytes]]) -> None:
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
-
-
-def _app_path(scope: Scope) -> str:
-    """The path within the app: behind a proxy that mounts it under a prefix (Ray Serve's route prefix,
-    ``root_path``), the full path starts with that prefix."""
-    path, root = str(scope["path"]), str(scope.get("root_path", ""))
-    return path[len(root) :] if root and path.startswith(root) else path
+async def _refuse(shapes: ErrorShapes, scope: Scope, receive: Receive, send: Send, error: ApiError) -> None:
+    await shapes.response(scope, error, error.status, error.headers)(scope, receive, send)
 
 
 class BearerAuth:
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, token: str | None, shapes: ErrorShapes) -> None:
+        self.app, self.shapes = app, shapes
         self.expected = f"Bearer {token}".encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.expected is None or scope["type"] != "http" or _app_path(scope) in OPEN_PATHS:
+        if self.expected is None or scope["type"] != "http" or app_path(scope) in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            await _refuse(
-                send,
-                401,
-                "unauthorized",
-                "a valid 'Authorization: Bearer <token>' header is required",
-                [(b"www-authenticate", b"Bearer")],
-            )
+            message = "a valid 'Authorization: Bearer <token>' header is required"
+            refusal = ApiError(401, "unauthorized", message, headers={"WWW-Authenticate": "Bearer"})
+            await _refuse(self.shapes, scope, receive, send, refusal)
             return
         await self.app(scope, receive, send)
 
@@ -63,8 +47,8 @@ class BodyLimit:
     and by the bytes actually received when the length is not declared (chunked uploads). The body is
     read here, whole, before the route runs (every route reads its body whole anyway), and handed on."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app, self.limit = app, limit
+    def __init__(self, app: ASGIApp, limit: int, shapes: ErrorShapes) -> None:
+        self.app, self.limit, self.shapes = app, limit, shapes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -73,7 +57,7 @@ class BodyLimit:
         message = f"the request body is over {self.limit} bytes"
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            await _refuse(send, 413, "body_too_large", message, [])
+            await _refuse(self.shapes, scope, receive, send, ApiError(413, "body_too_large", message))
             return
         chunks: list[bytes] = []
         size = 0
@@ -85,7 +69,8 @@ class BodyLimit:
             chunk = event.get("body", b"")
             size += len(chunk)
             if size > self.limit:
-                await _refuse(send, 413, "body_too_large", message, [(b"connection", b"close")])
+                refusal = ApiError(413, "body_too_large", message, headers={"Connection": "close"})
+                await _refuse(self.shapes, scope, receive, send, refusal)
                 return
             chunks.append(chunk)
             if not event.get("more_body", False):

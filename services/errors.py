@@ -2,7 +2,8 @@
 
 ::
 
-    ApiError               a route's refusal: status, stable code, message (services only)
+    ApiError               a refusal: status, stable code, message — a route's, or the token check's and
+                           the body limit's before any route runs (`services.auth`)
     <library errors>       each library's own tree, mapped to a status per class by the role
                            (preprocess.MediaError, rollout.RolloutError, engines.EngineError,
                            experience.ExperienceError)
@@ -10,22 +11,40 @@
                            (malformed JSON → 400 malformed_json), with the offending ``field``
     HTTPException          404 / 405 from routing → not_found / method_not_allowed
     anything else          500 internal_error; logged with its trace, never sent to the caller
+
+Every error body is built by one `ErrorShapes`: Weir's ``{"code", "message", "field"?, "item"?}`` by
+default, or, on the path prefixes a role names (the rollout role's OpenAI routes), that role's shaper's
+object built from the same fields — so a refusal is answered in its path's shape where it is made, and
+nothing reshapes a body after the fact. What the shapes are is the roles'; this module only picks one.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, NotRequired, TypedDict
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
 
 from preprocess.errors import MediaError
 
-__all__ = ["ApiError", "error_body", "install_error_handlers", "media_error_status", "validation_error"]
+__all__ = [
+    "ApiError",
+    "ErrorDetail",
+    "ErrorResponse",
+    "ErrorShaper",
+    "ErrorShapes",
+    "app_path",
+    "error_body",
+    "install_error_handlers",
+    "media_error_status",
+    "validation_error",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +59,19 @@ _HTTP_CODES = {
     405: "method_not_allowed",
     413: "body_too_large",
 }
+
+
+class ErrorDetail(TypedDict):
+    """Weir's error object: what every shape is built from."""
+
+    code: str
+    message: str
+    item: NotRequired[int]
+    field: NotRequired[str]
+
+
+ErrorShaper = Callable[[ErrorDetail, int], object]
+"""Weir's error object and the status → the ``"error"`` object of another API's shape (JSON)."""
 
 
 class ApiError(Exception):
@@ -64,13 +96,46 @@ def media_error_status(error: MediaError) -> int:
     return _MEDIA_STATUS.get(error.code, 400)
 
 
-def error_body(code: str, message: str, item: int | None = None, field: str | None = None) -> dict[str, Any]:
-    error: dict[str, Any] = {"code": code, "message": message}
+def _detail(code: str, message: str, item: int | None = None, field: str | None = None) -> ErrorDetail:
+    error = ErrorDetail(code=code, message=message)
     if item is not None:
         error["item"] = item
     if field is not None:
         error["field"] = field
-    return {"error": error}
+    return error
+
+
+def error_body(code: str, message: str, item: int | None = None, field: str | None = None) -> dict[str, ErrorDetail]:
+    """Weir's shape, for bodies that are never an API's other shape (stream lines, health, SGLang's)."""
+    return {"error": _detail(code, message, item, field)}
+
+
+def app_path(scope: Scope) -> str:
+    """The path within the app: behind a proxy that mounts it under a prefix (Ray Serve's route prefix,
+    ``root_path``), the full path starts with that prefix."""
+    path, root = str(scope["path"]), str(scope.get("root_path", ""))
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+class ErrorResponse(JSONResponse):
+    """An error body `ErrorShapes` built: already in its path's shape."""
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorShapes:
+    """Which shape an error body takes, by the request's path: ``by_prefix`` maps a path prefix to its
+    shaper; every other path gets Weir's."""
+
+    by_prefix: Mapping[str, ErrorShaper] = field(default_factory=dict)
+
+    def response(
+        self, scope: Scope, error: ApiError | ErrorDetail, status: int, headers: Mapping[str, str] | None = None
+    ) -> ErrorResponse:
+        detail = _detail(error.code, error.message, error.item, error.field) if isinstance(error, ApiError) else error
+        path = app_path(scope)
+        shaper = next((s for prefix, s in self.by_prefix.items() if path.startswith(prefix)), None)
+        body = {"error": detail if shaper is None else shaper(detail, status)}
+        return ErrorResponse(body, status_code=status, headers=headers)
 
 
 def validation_error(errors: list[Any], *, status: int = 422, code: str = "invalid_request") -> ApiError:
@@ -87,34 +152,36 @@ def validation_error(errors: list[Any], *, status: int = 422, code: str = "inval
     return ApiError(status, code, message, item=item, field=where or None)
 
 
-def install_error_handlers(app: FastAPI, library_errors: Mapping[type[Exception], int] | None = None) -> None:
-    """Map errors to the JSON shape; ``library_errors`` gives each library error class its status
-    (the most specific class in an error's MRO wins); those errors carry a ``code`` attribute."""
+def install_error_handlers(
+    app: FastAPI, library_errors: Mapping[type[Exception], int] | None = None, shapes: ErrorShapes | None = None
+) -> None:
+    """Map errors to the JSON shape (``shapes``' for the request's path); ``library_errors`` gives each
+    library error class its status (the most specific class in an error's MRO wins); those errors carry a
+    ``code`` attribute."""
     statuses = dict(library_errors or {})
+    shape = shapes or ErrorShapes()
 
     @app.exception_handler(ApiError)
-    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(
-            error_body(exc.code, exc.message, exc.item, exc.field), status_code=exc.status, headers=exc.headers
-        )
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return shape.response(request.scope, exc, exc.status, exc.headers)
 
     @app.exception_handler(MediaError)
-    async def _media_error(_: Request, exc: MediaError) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, str(exc)), status_code=media_error_status(exc))
+    async def _media_error(request: Request, exc: MediaError) -> JSONResponse:
+        return shape.response(request.scope, _detail(exc.code, str(exc)), media_error_status(exc))
 
     for cls in statuses:
 
-        async def _library(_: Request, exc: Exception) -> JSONResponse:
+        async def _library(request: Request, exc: Exception) -> JSONResponse:
             status = next(statuses[c] for c in type(exc).__mro__ if c in statuses)
             code = str(getattr(exc, "code", "invalid_request"))
-            return JSONResponse(error_body(code, str(exc), getattr(exc, "item", None)), status_code=status)
+            return shape.response(request.scope, _detail(code, str(exc), getattr(exc, "item", None)), status)
 
         app.add_exception_handler(cls, _library)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = validation_error(list(exc.errors()))
-        return JSONResponse(error_body(error.code, error.message, error.item, error.field), status_code=error.status)
+        return shape.response(request.scope, error, error.status)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -122,9 +189,9 @@ def install_error_handlers(app: FastAPI, library_errors: Mapping[type[Exception]
         if exc.status_code == 400:  # FastAPI could not parse the body (nested too deep, a broken multipart)
             json_body = request.headers.get("content-type", "").startswith("application/json")
             code = "malformed_json" if json_body else "malformed_body"
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+        return shape.response(request.scope, _detail(code, str(exc.detail)), exc.status_code, exc.headers)
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("internal error on %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal_error", "the service failed; see its log"), status_code=500)
+        return shape.response(request.scope, _detail("internal_error", "the service failed; see its log"), 500)

@@ -2,7 +2,8 @@
 
 What every role gets from here, so its own ``app.py`` holds only its routes:
 
-* the JSON error shape (`services.errors`), with the role's library errors mapped to statuses;
+* the JSON error shape (`services.errors`), with the role's library errors mapped to statuses, and
+  another API's shape on the path prefixes the role names (``error_shapes``);
 * ``Authorization: Bearer`` when a token is set (`services.auth`), a body-size limit, a request id
   on every response and log line (`services.logs`);
 * ``GET /healthz`` (the process answers), ``GET /readyz`` (the role's own check, 503 with the
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from . import __version__
 from .auth import BearerAuth, BodyLimit
-from .errors import error_body, install_error_handlers
+from .errors import ErrorShaper, ErrorShapes, error_body, install_error_handlers
 from .logs import install_request_id_records
 from .metrics import CONTENT_TYPE_LATEST, RoleMetrics
 from .observe import RequestContext
@@ -46,10 +47,14 @@ def arrow_response(payload: bytes | memoryview | Any) -> Response:
     return Response(view, media_type=ARROW_STREAM, headers={DIGEST_HEADER: hashlib.sha256(view).hexdigest()})  # type: ignore[arg-type]
 
 
+ReadinessDetail = Mapping[str, int | float | str | bool]
+"""Figures ``/readyz`` adds to its body (counts, a version, a flag): never an address or a secret."""
+
+
 @dataclass(frozen=True, slots=True)
 class Readiness:
     ready: bool
-    detail: dict[str, Any] = field(default_factory=dict)
+    detail: ReadinessDetail = field(default_factory=dict)
     reason: str = ""
 
 
@@ -67,8 +72,10 @@ def build_app(
     on_close: Closer | None = None,
     state: Any = None,
     description: str = "",
+    error_shapes: Mapping[str, ErrorShaper] | None = None,
 ) -> FastAPI:
-    """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it."""
+    """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it.
+    ``error_shapes`` maps a path prefix to the shape its errors take (default: Weir's everywhere)."""
     metrics = metrics or RoleMetrics(role)
     install_request_id_records()
 
@@ -83,12 +90,13 @@ def build_app(
     app.state.metrics = metrics
     app.state.settings = settings
     app.state.ready = ready  # for hosts that check readiness without HTTP (Ray Serve's check_health)
-    install_error_handlers(app, library_errors)
+    shapes = ErrorShapes(error_shapes or {})
+    install_error_handlers(app, library_errors, shapes)
 
     # Outermost last: the request context (id, access line, count, last-resort 500) wraps everything;
     # auth and the size limit hold before any route or body parsing runs.
-    app.add_middleware(BodyLimit, limit=settings.max_body_bytes)
-    app.add_middleware(BearerAuth, token=settings.token)
+    app.add_middleware(BodyLimit, limit=settings.max_body_bytes, shapes=shapes)
+    app.add_middleware(BearerAuth, token=settings.token, shapes=shapes)
     app.add_middleware(RequestContext, role=role, metrics=metrics)
 
     @app.get("/healthz", tags=["health"])

@@ -20,7 +20,7 @@ import logging
 from pathlib import Path
 
 from .feed import MicroBatchFeed
-from .reference import ReferenceTrainer
+from .protocol import LoopTrainer
 
 __all__ = ["Committer"]
 
@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class Committer:
     """Holds this rank's trained, not yet committed batch ids, and commits them at checkpoint steps."""
 
-    def __init__(self, trainer: ReferenceTrainer, feed: MicroBatchFeed, checkpoint: Path, *, every: int) -> None:
+    def __init__(self, trainer: LoopTrainer, feed: MicroBatchFeed, checkpoint: Path, *, every: int) -> None:
         self.trainer, self.feed, self.checkpoint, self.every = trainer, feed, checkpoint, every
         self.uncommitted: list[str] = []
 

@@ -13,7 +13,8 @@ makes N ranks equal to one rank stepping on the union of their batches:
   zero-weight ones (`DataParallel.most` says how many), and parameters a rank did not use (a vision
   tower on a text-only batch) contribute zero gradients instead of desynchronising the reduction.
 
-Backends: NCCL when CUDA is available, else gloo (CPU). One process per rank, started by
+Backends: NCCL when CUDA is available (with gloo for CPU tensors: CPU-offloaded gradients), else gloo
+(CPU). One process per rank, started by
 ``torchrun`` or by `run_ranks` (``weir train --nproc N``); ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` are read from the environment, as torchrun sets them.
 
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 __all__ = ["DataParallel", "run_ranks"]
 
@@ -59,7 +60,8 @@ class DataParallel:
         if cuda:
             torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
+            # gloo beside NCCL for CPU tensors: with CPU offload the gradients (and their norm) live on the host
+            dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo")
         device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
         return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), device=device, mesh=mesh)
@@ -68,13 +70,24 @@ class DataParallel:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def shard(self, model: torch.nn.Module, layers: list[torch.nn.Module]) -> FSDPModule:
+    def shard(
+        self,
+        model: torch.nn.Module,
+        layers: list[torch.nn.Module],
+        *,
+        mp_policy: MixedPrecisionPolicy | None = None,
+        offload_policy: OffloadPolicy | None = None,
+    ) -> FSDPModule:
         """Shard each decoder layer, then the rest (embeddings, towers, head) as the root group.
 
         Gradients are summed, not averaged (the trainer divides by the global units), and a
-        parameter a rank did not use still takes part in the reduction with a zero gradient."""
-        units = [fully_shard(layer, mesh=self.mesh) for layer in layers]
-        root = fully_shard(model, mesh=self.mesh)
+        parameter a rank did not use still takes part in the reduction with a zero gradient.
+        ``mp_policy`` (mixed precision: the dtype units are gathered and reduced in; the sharded
+        parameters keep theirs) and ``offload_policy`` (``CPUOffloadPolicy``: shards, gradients and
+        optimizer state in host memory) apply to every unit; None: FSDP2's defaults."""
+        mp, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()
+        units = [fully_shard(layer, mesh=self.mesh, mp_policy=mp, offload_policy=offload) for layer in layers]
+        root = fully_shard(model, mesh=self.mesh, mp_policy=mp, offload_policy=offload)
         for unit in [*units, root]:  # each setting applies to one FSDP unit's parameter group
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no pre-multiplied sum

@@ -30,6 +30,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 import preprocess as pp
+from experience.records import BatchMeta
 
 __all__ = ["AckRefused", "FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
 
@@ -49,7 +50,7 @@ class FeedBatch:
     tensors: dict[str, torch.Tensor]
     sample_ids: list[str]
     feature_keys: list[list[str]]
-    meta: dict[str, Any]
+    meta: BatchMeta  # the schema metadata ``weir``: batch id, rank, consumer, the data role's policy version
     media: list[list[pp.Features]] | None = None  # each sequence's features, when fetched inline
 
 

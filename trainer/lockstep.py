@@ -12,8 +12,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from .data_parallel import DataParallel
 from .feed import FeedBatch, MicroBatchFeed
+from .protocol import Ranks
 
 __all__ = ["Lockstep"]
 
@@ -21,7 +21,7 @@ __all__ = ["Lockstep"]
 class Lockstep:
     """This process's rank among the loop's ranks (one, or a `DataParallel`'s), and the collectives it needs."""
 
-    def __init__(self, parallel: DataParallel | None) -> None:
+    def __init__(self, parallel: Ranks | None) -> None:
         self.parallel = parallel
         self.main = parallel is None or parallel.is_main  # rank 0 drives rollouts and reports steps
         self.rank = 0 if parallel is None else parallel.rank

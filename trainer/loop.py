@@ -38,7 +38,7 @@ and writes metrics; checkpoints and weight exports are collective (each rank its
 `run_loop` is the algorithm and only that; its parts live one to a module: `trainer.strategy` (async or
 colocate: how many samples a step trains, whether it publishes), `trainer.lockstep` (the ranks' sums and
 feed rounds; nothing with one rank), `trainer.commit` (checkpoint, then acknowledge; resume),
-`trainer.policy_version` (the one owner of the policy version: it only goes up, by publishing),
+`trainer.policy_version` (the one owner of the policy version: a checkpoint's on resume, then only up, by publishing),
 `trainer.step_record` (the typed step record and the clocks it reports), `trainer.readings` (what the
 loop reads from the roles) and `trainer.driver` (rows to rollout requests).
 """
@@ -61,8 +61,8 @@ from .driver import RolloutDriver
 from .feed import MicroBatchFeed
 from .lockstep import Lockstep
 from .policy_version import PolicyVersion, WeightRecipients
+from .protocol import LoopTrainer
 from .readings import EngineClock, Readings
-from .reference import ReferenceTrainer
 from .step_record import Progress, StepTally, straddling
 from .strategy import rollout_strategy
 
@@ -159,7 +159,7 @@ def _recipients(config: LoopConfig, engines: list[str]) -> WeightRecipients:
 
 
 def run_loop(
-    trainer: ReferenceTrainer,
+    trainer: LoopTrainer,
     rows: list[dict[str, Any]],
     config: LoopConfig,
     on_step: Callable[[dict[str, Any]], None] | None = None,
@@ -185,6 +185,8 @@ def run_loop(
     policy = PolicyVersion(trainer, weights=config.out / "weights", main=ranks.main, recipients=recipients)
 
     resumed = committer.restore() if config.resume else None
+    if resumed is not None:
+        policy.restore(committer.checkpoint)
     # Versions only go up from the data role's (a data role may already hold a policy: `weir train --attach`).
     policy.join(int(ranks.from_main(readings.stats()["policy_version"] if ranks.main else 0)))
     if resumed is not None:

@@ -4,9 +4,10 @@ one), and each publish raises it by one, exports the weights as that version and
 `WeightRecipients` of them.
 
 The number itself lives on the trainer (``trainer.policy_version``), because the trainer's checkpoints
-store it and `trainer.ReferenceTrainer.load` restores it; within the loop nothing else writes it. How
-weights reach an engine (pause, load, continue) is `trainer.publish`'s; this module only decides when
-and as which version.
+store it (`ReferenceTrainer.save`); a resumed run gets it back through `PolicyVersion.restore`, and the
+warm-up of `weir train` (`launcher.training`) publishes through a `PolicyVersion` too, so nothing else
+writes it. How weights reach an engine (pause, load, continue) is `trainer.publish`'s; this module only
+decides when and as which version.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .protocol import LoopTrainer
 from .publish import PauseMode, publish_weights
-from .reference import ReferenceTrainer
 
 __all__ = ["PolicyVersion", "WeightRecipients"]
 
@@ -65,12 +66,17 @@ class PolicyVersion:
     ``publish`` exports on every rank (the export is collective with several ranks); only rank 0
     (``main``) tells the recipients."""
 
-    def __init__(self, trainer: ReferenceTrainer, *, weights: Path, main: bool, recipients: WeightRecipients) -> None:
+    def __init__(self, trainer: LoopTrainer, *, weights: Path, main: bool, recipients: WeightRecipients) -> None:
         self.trainer, self.weights, self.main, self.recipients = trainer, weights, main, recipients
 
     @property
     def current(self) -> int:
         return self.trainer.policy_version
+
+    def restore(self, checkpoint: Path) -> None:
+        """Back to the version ``checkpoint`` holds (a resumed run: `trainer.commit.Committer.restore`
+        loaded the rest of it)."""
+        self.trainer.policy_version = self.trainer.saved_policy_version(checkpoint)
 
     def join(self, data_version: int) -> None:
         """Come up to the data role's version (a data role that already holds a policy: `weir train

@@ -19,14 +19,22 @@ import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import httpx
 import torch
 
 from engines.weights_group import join_weights_group
 
-__all__ = ["BroadcastWeightSync", "NcclWeightSync", "data_policy_version", "publish_weights"]
+__all__ = [
+    "BroadcastWeightSync",
+    "GroupJoin",
+    "NcclWeightSync",
+    "PublishResult",
+    "TensorBucket",
+    "data_policy_version",
+    "publish_weights",
+]
 
 # Requests in flight keep their tokens across a publish: "retract" puts them back in the queue and they go on
 # under the new weights (SGLang's default, "abort", would throw that work away; "in_place" keeps KV that a
@@ -41,6 +49,35 @@ PAUSE = {"mode": PAUSE_MODE}
 logger = logging.getLogger(__name__)
 
 
+class PublishResult(TypedDict):
+    """What one publish did: the engines skipped as unreachable, the seconds the engines took."""
+
+    unreachable: list[str]
+    engines_s: float
+
+
+class GroupJoin(TypedDict):
+    """SGLang's ``/init_weights_update_group`` body: where one engine joins the broadcast group."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+class TensorBucket(TypedDict):
+    """SGLang's ``/update_weights_from_distributed`` body: the tensors of one broadcast bucket."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str
+    flush_cache: bool
+    weight_version: str | None
+
+
 def publish_weights(
     folder: str | Path,
     version: int,
@@ -51,7 +88,7 @@ def publish_weights(
     timeout_s: float = 300.0,
     token: str | None = None,
     pause_mode: PauseMode = PAUSE_MODE,
-) -> dict[str, Any]:
+) -> PublishResult:
     """Point every reachable engine at ``folder`` as weight version ``version``, the engines paused in
     ``pause_mode`` meanwhile (``abort`` for partial rollouts: see `PAUSE`).
 
@@ -59,7 +96,7 @@ def publish_weights(
     rollout role already routes around it, and one dead engine must not stop training. An engine
     that answers but refuses the weights is an error.
     """
-    out: dict[str, Any] = {"unreachable": []}
+    unreachable: list[str] = []
     live: list[str] = []
     with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None) as client:
         start = time.perf_counter()
@@ -69,7 +106,7 @@ def publish_weights(
                 live.append(url)
             except httpx.TransportError:
                 logger.warning("engine %s is unreachable; publishing to the others", url)
-                out["unreachable"].append(url)
+                unreachable.append(url)
         try:
             if encoder_url:  # while the engines are paused, so no new generation mixes old towers with new weights
                 client.post(f"{encoder_url}/v1/weights", json={"model_path": str(folder)}).raise_for_status()
@@ -83,7 +120,7 @@ def publish_weights(
             for url in live:
                 with contextlib.suppress(httpx.TransportError):
                     client.post(f"{url}/continue_generation", json={})
-        out["engines_s"] = time.perf_counter() - start
+        out = PublishResult(unreachable=unreachable, engines_s=time.perf_counter() - start)
         if data_url:
             client.post(f"{data_url}/v1/policy", json={"version": version}).raise_for_status()
     return out
@@ -160,7 +197,7 @@ class BroadcastWeightSync:
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
 
-    def _post_all(self, path: str, bodies: list[dict[str, Any]]) -> list[Future[httpx.Response]]:
+    def _post_all(self, path: str, bodies: list[GroupJoin] | list[TensorBucket]) -> list[Future[httpx.Response]]:
         return [
             self.pool.submit(self.client.post, f"{url}/{path}", json=body)
             for url, body in zip(self.engine_urls, bodies, strict=True)
@@ -178,14 +215,14 @@ class BroadcastWeightSync:
 
     def connect(self) -> None:
         bodies = [
-            {
-                "master_address": self.master_address,
-                "master_port": self.master_port,
-                "rank_offset": 1 + i * self.tp_size,
-                "world_size": self.world_size,
-                "group_name": self.group_name,
-                "backend": self.backend,
-            }
+            GroupJoin(
+                master_address=self.master_address,
+                master_port=self.master_port,
+                rank_offset=1 + i * self.tp_size,
+                world_size=self.world_size,
+                group_name=self.group_name,
+                backend=self.backend,
+            )
             for i in range(len(self.engine_urls))
         ]
         pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
@@ -207,14 +244,13 @@ class BroadcastWeightSync:
 
     def publish(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, pause_mode: PauseMode = PAUSE_MODE
-    ) -> dict[str, Any]:
+    ) -> PublishResult:
         """Broadcast ``named_tensors`` to every engine as weight version ``version`` (the engines paused in
         ``pause_mode``, as `publish_weights`); returns the seconds the engines took (``engines_s``)."""
         if self.group is None:
             raise RuntimeError("connect() first")
         import torch.distributed as dist
 
-        out: dict[str, Any] = {"unreachable": []}
         start = time.perf_counter()
         for url in self.engine_urls:
             self.client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
@@ -222,14 +258,14 @@ class BroadcastWeightSync:
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                body = {
-                    "names": [name for name, _ in bucket],
-                    "dtypes": [_dtype_name(t.dtype) for _, t in bucket],
-                    "shapes": [list(t.shape) for _, t in bucket],
-                    "group_name": self.group_name,
-                    "flush_cache": last,
-                    "weight_version": str(version) if last else None,
-                }
+                body = TensorBucket(
+                    names=[name for name, _ in bucket],
+                    dtypes=[_dtype_name(t.dtype) for _, t in bucket],
+                    shapes=[list(t.shape) for _, t in bucket],
+                    group_name=self.group_name,
+                    flush_cache=last,
+                    weight_version=str(version) if last else None,
+                )
                 pending = self._post_all("update_weights_from_distributed", [body] * len(self.engine_urls))
                 works = [
                     dist.broadcast(self._device_tensor(tensor), group=self.group, group_src=0, async_op=True)
@@ -243,7 +279,7 @@ class BroadcastWeightSync:
             for url in self.engine_urls:
                 with contextlib.suppress(httpx.TransportError):
                     self.client.post(f"{url}/continue_generation", json={})
-        out["engines_s"] = time.perf_counter() - start
+        out = PublishResult(unreachable=[], engines_s=time.perf_counter() - start)
         if self.data_url:
             self.client.post(f"{self.data_url}/v1/policy", json={"version": version}).raise_for_status()
         return out

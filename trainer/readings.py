@@ -9,11 +9,24 @@ Reads only: nothing here trains, acknowledges or publishes. Requests carry the s
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TypedDict
 
 import httpx
 
-__all__ = ["EngineClock", "Readings"]
+__all__ = ["DataStats", "EngineClock", "Readings"]
+
+
+class DataStats(TypedDict):
+    """The data role's ``/v1/stats`` (its ``StatsOut``), as the loop reads it."""
+
+    groups: int
+    samples: int
+    queue_samples: int
+    consumed: int
+    bytes: int
+    policy_version: int
+    staleness_histogram: dict[str, int]  # stored samples by versions behind the policy
+    drops: dict[str, int]  # groups and samples dropped, by counter name
 
 
 class Readings:
@@ -23,11 +36,12 @@ class Readings:
         self.urls = urls
         self.client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> DataStats:
         """The data role's ``/v1/stats``, waited for up to 2 minutes while it is unreachable (restarting)."""
         for _ in range(240):
             try:
-                return dict(self.client.get(f"{self.urls['data']}/v1/stats").json())
+                stats: DataStats = self.client.get(f"{self.urls['data']}/v1/stats").json()
+                return stats
             except httpx.TransportError:
                 time.sleep(0.5)
         raise RuntimeError("the data role stayed unreachable for 2 minutes")

@@ -24,6 +24,15 @@ forwards: they are collectives), and the step divides by the loss units summed o
 ranks step exactly as one rank on the union of their batches. Checkpoints are then written with
 ``torch.distributed.checkpoint`` (each rank its shard), committed by one rename on rank 0 after
 every rank has written.
+
+Precision and memory (``precision``, ``activation_checkpointing``, ``cpu_offload``): ``bf16`` computes
+in bf16 and keeps fp32 master weights (the optimizer's) and fp32 gradient reductions — under FSDP2 a
+``MixedPrecisionPolicy`` (units gathered in bf16, reduced in fp32, shards fp32), on one rank the forward
+under ``torch.autocast`` over fp32 parameters; log-probs are taken in fp32 from the logits either way.
+Activation checkpointing recomputes each decoder layer in the backward (torch's
+``apply_activation_checkpointing``, wrapped before sharding; checkpoints keep the layers' plain names).
+CPU offload (FSDP2 only) keeps the shards, gradients and AdamW state in host memory.
+`memory_estimate` says what a rank will need before the first step (`trainer.memory`).
 """
 
 from __future__ import annotations
@@ -32,11 +41,17 @@ import contextlib
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from transformers import AutoTokenizer
 
 import preprocess as pp
@@ -47,6 +62,7 @@ from encoders.routing import RoutingReplay, is_moe
 from .data_parallel import DataParallel
 from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
+from .memory import MemoryEstimate, Precision, estimate_memory
 
 __all__ = ["ReferenceTrainer", "StepResult", "media_inputs"]
 
@@ -95,9 +111,22 @@ class ReferenceTrainer:
         seed: int = 0,
         parallel: DataParallel | None = None,
         routing_replay: bool = False,
+        precision: Precision = "fp32",
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
     ) -> None:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', not {precision!r}")
+        if cpu_offload and parallel is None:
+            raise ValueError("cpu_offload needs FSDP2 (parallel=DataParallel...): one rank without it offloads nothing")
+        if routing_replay and activation_checkpointing:  # the replayed routes are gone when the backward recomputes
+            raise ValueError("routing_replay with activation_checkpointing is not supported: the recomputed "
+                             "forward would route freely, not as the rollout engine did")  # fmt: skip
         torch.manual_seed(seed)
         self.parallel = parallel
+        self.precision: Precision = precision
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
         self.device = parallel.device if parallel is not None else torch.device("cpu")
         self.model = load_thinker(model_dir, dtype=torch.float32)  # the class the folder's config names
         torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
@@ -107,8 +136,21 @@ class ReferenceTrainer:
             raise ValueError(f"routing replay (R3) needs a mixture-of-experts model; {model_dir} has no routers")
         # Hooks on the routers, registered before sharding (they stay on the same modules under FSDP).
         self.replay = RoutingReplay(self.model) if routing_replay else None
+        if activation_checkpointing:  # before sharding: FSDP then gathers around the recomputed layer
+            layers = set(decoder_layers(self.model))
+            apply_activation_checkpointing(
+                self.model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: module in layers
+            )
         if parallel is not None:  # before the optimizer: it must hold the sharded parameters
-            parallel.shard(self.model, decoder_layers(self.model))
+            parallel.shard(
+                self.model,
+                decoder_layers(self.model),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                if precision == "bf16"
+                else None,
+                # pinned host memory for fast copies to the GPU (a CPU run has nothing to pin)
+                offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else None,
+            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
@@ -117,6 +159,28 @@ class ReferenceTrainer:
         self.policy_version = 0
         self._units, self._loss = 0.0, 0.0
         self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
+
+    def memory_estimate(self, tokens_per_micro_batch: int) -> MemoryEstimate:
+        """What one rank of this trainer needs for micro-batches of ``tokens_per_micro_batch`` tokens
+        (`trainer.memory.estimate_memory`: approximate)."""
+        return estimate_memory(
+            self.model,
+            precision=self.precision,
+            world_size=self.parallel.world_size if self.parallel is not None else 1,
+            activation_checkpointing=self.activation_checkpointing,
+            cpu_offload=self.cpu_offload,
+            tokens_per_micro_batch=tokens_per_micro_batch,
+            sharded=self.parallel is not None,
+        )
+
+    def _logits(self, **inputs: torch.Tensor) -> torch.Tensor:
+        """The model's forward, every caller's (log-probs, supervised steps, lockstep fillers). bf16 on one
+        rank: under autocast, fp32 parameters cast per op; under FSDP2 the mixed-precision policy casts."""
+        autocast = self.precision == "bf16" and self.parallel is None
+        with torch.autocast(self.device.type, dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
+            # No KV cache: training never reuses one, and a recomputed (checkpointed) layer would append
+            # its keys to it a second time.
+            return self.model(**inputs, use_cache=False).logits  # type: ignore[no-any-return]
 
     def _media(self, feature_keys: list[str], media: list[pp.Features] | None) -> list[pp.Features]:
         """One sequence's features: ``media`` when given (fetched inline with the batch), else read
@@ -161,7 +225,7 @@ class ReferenceTrainer:
         inputs = self._inputs([self._media(feature_keys, media)], ids, [ids.shape[1]])
         replayed = self._routes(routes)
         with self._replaying(replayed):
-            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs).logits[0]
+            logits = self._logits(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)[0]
         picked = torch.log_softmax(logits[:-1].float(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
         return torch.cat([torch.zeros(1, device=self.device), picked])
 
@@ -187,7 +251,7 @@ class ReferenceTrainer:
                 padded[i, :length] = routes[cu[i] : cu[i + 1]]
             padded = padded.flatten(0, 1)
         with self._replaying(padded):
-            logits = self.model(input_ids=ids, attention_mask=mask, **self._inputs(media, ids, lengths)).logits
+            logits = self._logits(input_ids=ids, attention_mask=mask, **self._inputs(media, ids, lengths))
         picked = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(2, ids[:, 1:, None])[..., 0]
         zero = torch.zeros(1, device=self.device)
         return torch.cat([torch.cat([zero, picked[i, : length - 1]]) for i, length in enumerate(lengths)])
@@ -318,10 +382,10 @@ class ReferenceTrainer:
         """A zero-weight forward and backward: a rank with nothing more to train in this step still
         takes part in the collectives the others' forwards and backwards make."""
         ids = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        (self.model(input_ids=ids, attention_mask=ids).logits.sum() * 0.0).backward()
+        (self._logits(input_ids=ids, attention_mask=ids).float().sum() * 0.0).backward()
 
     # -- checkpoints and export -----------------------------------------------------------------
-    def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:
+    def save(self, folder: str | Path, feed_state: Mapping[str, Any] | None = None) -> Path:
         """Write a checkpoint (model, optimizer, policy version, this rank's feed state) to a staging
         folder and rename it into place. Data-parallel: every rank writes its shards and its feed state;
         rank 0 renames once all have written, so the checkpoint exists for all ranks or for none."""
@@ -343,7 +407,7 @@ class ReferenceTrainer:
         os.rename(staging, final)
         return final
 
-    def _save_sharded(self, final: Path, feed_state: dict[str, Any]) -> Path:
+    def _save_sharded(self, final: Path, feed_state: Mapping[str, Any]) -> Path:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -366,11 +430,17 @@ class ReferenceTrainer:
         self.parallel.barrier()
         return final
 
+    @staticmethod
+    def saved_policy_version(folder: str | Path) -> int:
+        """The policy version a checkpoint written by `save` holds; `trainer.policy_version.PolicyVersion`
+        (its one owner) restores it."""
+        return int(json.loads((Path(folder) / "trainer.json").read_text())["policy_version"])
+
     def load(self, folder: str | Path) -> dict[str, Any]:
-        """Restore a checkpoint written by `save`; returns the feed state stored with it (this rank's)."""
+        """Restore a checkpoint written by `save` (model, optimizer; not the policy version, which
+        `PolicyVersion.restore` sets); returns the feed state stored with it (this rank's)."""
         root = Path(folder)
         meta = json.loads((root / "trainer.json").read_text())
-        self.policy_version = int(meta["policy_version"])
         if self.parallel is not None:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

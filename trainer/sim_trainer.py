@@ -234,7 +234,7 @@ class SimTrainer:
         (path / "sim-weights.json").write_text(json.dumps({"policy_version": self.policy_version}))
         return path
 
-    def save(self, folder: str | Path, feed_state: dict[str, Any] | None = None) -> Path:
+    def save(self, folder: str | Path, feed_state: Mapping[str, Any] | None = None) -> Path:
         """``folder/trainer.json`` (version, ``feed_state``, clock), written aside, fsync'd and renamed in."""
         final = Path(folder)
         staging = final.with_name(final.name + ".tmp")
@@ -252,6 +252,11 @@ class SimTrainer:
         staging.rename(final)
         shutil.rmtree(old, ignore_errors=True)
         return final
+
+    @staticmethod
+    def saved_policy_version(folder: str | Path) -> int:
+        """The policy version a checkpoint written by `save` holds (as `ReferenceTrainer.saved_policy_version`)."""
+        return int(json.loads((Path(folder) / "trainer.json").read_text()).get("policy_version", 0))
 
     def load(self, folder: str | Path) -> dict[str, Any]:
         state: dict[str, Any] = json.loads((Path(folder) / "trainer.json").read_text())

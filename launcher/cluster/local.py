@@ -14,13 +14,19 @@ import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from services.cluster.placement import DATA_RESOURCE, ENGINE_NODE_RESOURCE, ENGINE_RESOURCE
 
 __all__ = ["local_cluster"]
 
-_NODE: dict[str, Any] = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
+
+class _NodeArgs(TypedDict):
+    node_ip_address: str
+    object_store_memory: int
+
+
+_NODE: _NodeArgs = {"node_ip_address": "127.0.0.1", "object_store_memory": 80 << 20}
 
 
 @contextlib.contextmanager

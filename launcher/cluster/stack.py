@@ -16,13 +16,13 @@ import contextlib
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 
-from services.cluster.apps import role_app
+from services.cluster.apps import AppArgs, role_app
+from services.cluster.autoscaling import EngineAutoscaling
 from services.cluster.placement import (
     DATA_RESOURCE,
     ENGINE_NODE_RESOURCE,
@@ -50,7 +50,7 @@ class RayStack:
     port: int = SERVE_PORT
     env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role
     token: str | None = None
-    engine_autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config (`autoscaling.engine_autoscaling`)
+    engine_autoscaling: EngineAutoscaling | None = None  # Serve's autoscaling_config (`autoscaling.engine_autoscaling`)
     placements: dict[str, Placement] = field(default_factory=dict)
     started_ray: bool = False
     deployed: bool = False
@@ -105,7 +105,7 @@ class RayStack:
             for role in ROLES
         }
         if self.engine_autoscaling is not None:
-            plan["engine"].autoscaling = dict(self.engine_autoscaling)
+            plan["engine"] = replace(plan["engine"], autoscaling=self.engine_autoscaling.copy())
         return plan
 
     # -- life --------------------------------------------------------------------------------
@@ -145,7 +145,7 @@ class RayStack:
         deadline = time.monotonic() + timeout_s
         registry = registry_handle()
         for role in ROLES:  # in start-up order: a role starts after the roles it calls
-            args = {"role": role, "env": env, **self.placements[role].as_args()}
+            args: AppArgs = {"role": role, "env": env, **self.placements[role].as_args()}
             ray.get(registry.set_app.remote(role, args))
             serve.run(role_app(args), name=role, route_prefix=f"/{role}", blocking=False)
             self.wait_ready(role, deadline)
@@ -184,7 +184,7 @@ class RayStack:
             time.sleep(0.5)
         return urls
 
-    def autoscale_engines(self, autoscaling: dict[str, Any]) -> None:
+    def autoscale_engines(self, autoscaling: EngineAutoscaling) -> None:
         """Let Serve scale the engines from now on (``autoscaling``: `autoscaling.engine_autoscaling`'s config);
         the running engines stay, and Serve adds or removes them as their load asks."""
         low, high = int(autoscaling["min_replicas"]), int(autoscaling["max_replicas"])
@@ -193,17 +193,23 @@ class RayStack:
         running = min(max(len(self.engine_urls()), low), high)
         self._redeploy_engines(autoscaling={**autoscaling, "initial_replicas": running})
 
-    def _redeploy_engines(self, **change: Any) -> None:
+    def _redeploy_engines(self, *, replicas: int | None = None, autoscaling: EngineAutoscaling | None = None) -> None:
         """The engine application with its settings and placement as deployed, and a new replica count or
         autoscaling config (Serve applies either in place: same version, so no running engine restarts)."""
         import ray
         from ray import serve
 
         registry = registry_handle()
-        deployed = ray.get(registry.app.remote("engine"))
+        deployed: AppArgs | None = ray.get(registry.app.remote("engine"))
         if deployed is None or "engine" not in serve.status().applications:
             raise RuntimeError("no Weir engine application on this cluster: start the stack with `weir up --ray`")
-        args = {**{k: v for k, v in deployed.items() if k not in ("autoscaling", "replicas")}, **change}
+        args = deployed.copy()  # its settings and placement; the count or autoscaling config replaced
+        args.pop("autoscaling", None)
+        args.pop("replicas", None)
+        if replicas is not None:
+            args["replicas"] = replicas
+        if autoscaling is not None:
+            args["autoscaling"] = autoscaling
         ray.get(registry.set_app.remote("engine", args))
         serve.run(role_app(args), name="engine", route_prefix="/engine", blocking=False)
 

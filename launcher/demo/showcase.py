@@ -4,8 +4,9 @@ both sent with the stack's API token."""
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from rich.table import Table
 
@@ -15,14 +16,58 @@ from services.http import sync_client
 
 from ..console import console
 
-__all__ = ["run_showcase"]
+__all__ = ["Showcase", "run_showcase"]
+
+
+class _Url(TypedDict):
+    url: str
+
+
+class _MediaPart(TypedDict, total=False):
+    """One media part of a message's content (an OpenAI-style ``image_url``, ``video_url`` or ``audio_url``)."""
+
+    type: str
+    image_url: _Url
+    video_url: _Url
+    audio_url: _Url
+
+
+class _TextPart(TypedDict):
+    type: str
+    text: str
+
+
+class _Message(TypedDict):
+    role: str
+    content: list[_MediaPart | _TextPart]
+
+
+class _Reward(TypedDict):
+    type: str
+    answer: str
+
+
+class _Prompt(TypedDict):
+    """One prompt of the showcase's ``POST /v1/rollouts`` body."""
+
+    messages: list[_Message]
+    n: int
+    reward: _Reward
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Showcase:
+    """What came back: the rollout groups, and the chat completion's text."""
+
+    groups: list[Group]
+    chat: str | None
 
 
 def _data_uri(mime: str, data: bytes) -> str:
     return f"data:{mime};base64,{base64.b64encode(data).decode()}"
 
 
-def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None) -> dict[str, Any]:
+def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None) -> Showcase:
     """Send image, video and audio prompts (n=4) and a chat completion; print what came back."""
     import openai
 
@@ -30,7 +75,7 @@ def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None)
     (media / "clip.mp4").write_bytes(samples.make_video(320, 180, 25, 75))
     (media / "tone.wav").write_bytes(samples.make_audio(2.0, 44100, 2))
 
-    def ask(part: dict[str, Any], question: str, answer: str) -> dict[str, Any]:
+    def ask(part: _MediaPart, question: str, answer: str) -> _Prompt:
         return {
             "messages": [{"role": "user", "content": [part, {"type": "text", "text": question}]}],
             "n": 4,
@@ -91,4 +136,4 @@ def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None)
         f"(usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens, "
         f"{reply.usage.completion_tokens if reply.usage else '?'} completion tokens)"
     )
-    return {"groups": groups, "chat": reply.choices[0].message.content}
+    return Showcase(groups=groups, chat=reply.choices[0].message.content)

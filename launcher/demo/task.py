@@ -30,7 +30,7 @@ import json
 import re
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import httpx
 import numpy as np
@@ -40,6 +40,7 @@ __all__ = [
     "AGENT_QUESTION",
     "COLOURS",
     "QUESTION",
+    "PromptRow",
     "VIDEO_QUESTION",
     "agent_row",
     "agent_warmup_pairs",
@@ -55,6 +56,54 @@ __all__ = [
     "write_demo_task",
     "write_video_audio_task",
 ]
+
+
+class _Url(TypedDict):
+    url: str
+
+
+class _VideoUrl(_Url, total=False):
+    use_audio_in_video: bool
+
+
+class _ContentPart(TypedDict, total=False):
+    type: Required[str]
+    text: str
+    image_url: _Url
+    video_url: _VideoUrl
+
+
+class _Message(TypedDict):
+    role: str
+    content: str | list[_ContentPart]
+
+
+class _Reward(TypedDict):
+    type: str
+    answer: str
+
+
+class _EnvironmentOptions(TypedDict):
+    seed: int
+    size: int
+    patch: int
+
+
+class _Environment(TypedDict):
+    name: str
+    options: _EnvironmentOptions
+
+
+class PromptRow(TypedDict, total=False):
+    """A demo task's row, as the tasks build it: a rollout prompt (its messages, and its reward or its
+    environment and turns). The RL loop takes rows as plain dicts (a dataset's rows are free-form JSON), so the
+    ``write_*_task`` functions hand them over as such."""
+
+    messages: Required[list[_Message]]
+    reward: _Reward
+    environment: _Environment
+    max_turns: int
+
 
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (215, 40, 35),
@@ -88,7 +137,7 @@ def colour_picture(colour: str, seed: int) -> bytes:
     return out.getvalue()
 
 
-def _row(path: Path, colour: str) -> dict[str, Any]:
+def _row(path: Path, colour: str) -> PromptRow:
     return {
         "messages": [
             {
@@ -110,8 +159,8 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
     """
     folder = (media_root / "colours").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    train: list[dict[str, Any]] = []
-    evaluation: list[dict[str, Any]] = []
+    train: list[PromptRow] = []
+    evaluation: list[PromptRow] = []
     for c, colour in enumerate(COLOURS):
         for i in range(per_colour + held_out):
             path = folder / f"{colour}-{i:03d}.png"
@@ -120,7 +169,7 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
             (train if i < per_colour else evaluation).append(_row(path, colour))
     # Interleave colours so any prefix of the rows is balanced.
     order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
-    return [train[k] for k in order], evaluation
+    return [dict(train[k]) for k in order], [dict(row) for row in evaluation]
 
 
 # -- the video-with-its-audio task (`weir train --demo --demo-task video-audio`) -------------------------
@@ -170,14 +219,14 @@ def write_video_audio_task(
     """Write the clips under ``media_root/clips``; returns (training rows, held-out rows), as `write_demo_task`."""
     folder = (media_root / "clips").resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    train: list[dict[str, Any]] = []
-    evaluation: list[dict[str, Any]] = []
+    train: list[PromptRow] = []
+    evaluation: list[PromptRow] = []
     for c, colour in enumerate(COLOURS):
         for i in range(per_colour + held_out):
             path = folder / f"{colour}-{i:03d}.mp4"
             if not path.is_file():
                 path.write_bytes(colour_clip(colour, seed=1000 * c + i))
-            row = {
+            row: PromptRow = {
                 "messages": [
                     {
                         "role": "user",
@@ -191,7 +240,7 @@ def write_video_audio_task(
             }
             (train if i < per_colour else evaluation).append(row)
     order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
-    return [train[k] for k in order], evaluation
+    return [dict(train[k]) for k in order], [dict(row) for row in evaluation]
 
 
 def warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
@@ -258,7 +307,7 @@ def _agent_seeds(start: int, per_colour: int) -> list[int]:
     return [buckets[c][i] for i in range(per_colour) for c in buckets]
 
 
-def agent_row(seed: int) -> dict[str, Any]:
+def agent_row(seed: int) -> PromptRow:
     """One rollout prompt of the visual tool task: the question, the environment (its reward), max_turns."""
     return {
         "messages": [{"role": "user", "content": AGENT_QUESTION}],
@@ -270,17 +319,17 @@ def agent_row(seed: int) -> dict[str, Any]:
 def write_agent_task(*, per_colour: int = 8, held_out: int = 2) -> tuple[list[dict], list[dict]]:
     """(training rows, held-out rows) of the visual tool task; nothing is written (the environment draws its
     picture from the seed). Held-out seeds are drawn from another range than training's."""
-    train = [agent_row(s) for s in _agent_seeds(_TRAIN_SEEDS, per_colour)]
-    return train, [agent_row(s) for s in _agent_seeds(_HELD_OUT_SEEDS, held_out)]
+    train = [dict(agent_row(s)) for s in _agent_seeds(_TRAIN_SEEDS, per_colour)]
+    return train, [dict(agent_row(s)) for s in _agent_seeds(_HELD_OUT_SEEDS, held_out)]
 
 
-def agent_warmup_rows(per_colour: int = 1) -> list[dict[str, Any]]:
+def agent_warmup_rows(per_colour: int = 1) -> list[PromptRow]:
     """Rows for the scripted warm-up, from a third seed range (neither trained on by RL nor held out)."""
     return [agent_row(s) for s in _agent_seeds(_WARMUP_SEEDS, per_colour)]
 
 
 def agent_warmup_pairs(
-    rows: list[dict[str, Any]],
+    rows: list[PromptRow],
     answer_ids: Callable[[str], list[int]],
     *,
     rollout_url: str,

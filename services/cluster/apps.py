@@ -17,17 +17,70 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, NotRequired, Required, TypedDict
 
 from ..roles import ROLES
+from .autoscaling import EngineAutoscaling
 from .placement import Placement
 
-__all__ = ["HEALTH_CHECK_PERIOD_S", "role_app", "serve_config"]
+__all__ = ["HEALTH_CHECK_PERIOD_S", "AppArgs", "ServeApplication", "ServeConfig", "role_app", "serve_config"]
 
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default is 10 s: a dead engine would take requests for longer
 
 
-def role_app(args: dict[str, Any]) -> Any:
+class AppArgs(TypedDict, total=False):
+    """`role_app`'s arguments (a Serve config file's ``args``: only ``role`` is required there)."""
+
+    role: Required[str]
+    env: dict[str, str]
+    replicas: int
+    resources: dict[str, float]
+    num_gpus: float
+    max_replicas_per_node: int
+    autoscaling: EngineAutoscaling
+
+
+class _ActorOptions(TypedDict):
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]
+
+
+class _DeploymentOptions(TypedDict):
+    """The keyword arguments of ``serve.deployment`` that `role_app` sets."""
+
+    name: str
+    ray_actor_options: _ActorOptions
+    health_check_period_s: float
+    health_check_timeout_s: float
+    graceful_shutdown_timeout_s: float
+    max_ongoing_requests: int
+    autoscaling_config: NotRequired[EngineAutoscaling]
+    num_replicas: NotRequired[int]
+    max_replicas_per_node: NotRequired[int]
+
+
+class _HttpOptions(TypedDict):
+    host: str
+    port: int
+
+
+class ServeApplication(TypedDict):
+    name: str
+    route_prefix: str
+    import_path: str
+    args: AppArgs
+
+
+class ServeConfig(TypedDict):
+    """A Serve config file (``serve deploy FILE``), as `serve_config` writes it."""
+
+    proxy_location: str
+    http_options: _HttpOptions
+    applications: list[ServeApplication]
+
+
+def role_app(args: AppArgs) -> Any:
     """The Serve application of one role (a Serve application builder: ``import_path: services.cluster.apps:role_app``).
 
     ``args``: ``role`` (a name in the role table), ``env`` (its ``WEIR_*`` settings), ``replicas``,
@@ -41,7 +94,7 @@ def role_app(args: dict[str, Any]) -> Any:
     role = str(args["role"])
     if role not in ROLES:
         raise ValueError(f"unknown role {role!r}; one of {', '.join(ROLES)}")
-    options: dict[str, Any] = {
+    options: _DeploymentOptions = {
         "name": role,
         "ray_actor_options": {
             "num_cpus": 0,  # the roles' work is I/O or a model sharing the node's cores; GPUs are what is placed
@@ -54,7 +107,7 @@ def role_app(args: dict[str, Any]) -> Any:
         "max_ongoing_requests": 1024,  # the roles bound their own work (admission, 429s); Serve must not queue first
     }
     if args.get("autoscaling"):
-        options["autoscaling_config"] = dict(args["autoscaling"])
+        options["autoscaling_config"] = args["autoscaling"].copy()
     elif role == "engine":
         # A fixed count of engines is Weir's policy held at that count (min = max), not ``num_replicas``:
         # Serve (2.60) starts a replica's metrics pusher only at its start, and only under an autoscaling
@@ -69,7 +122,8 @@ def role_app(args: dict[str, Any]) -> Any:
     if args.get("max_replicas_per_node"):
         options["max_replicas_per_node"] = int(args["max_replicas_per_node"])
     env = {str(k): str(v) for k, v in (args.get("env") or {}).items()}
-    deployment = serve.deployment(**options)(serve.ingress()(RoleReplica))
+    # Serve annotates these options as plain dicts; a TypedDict is one at run time.
+    deployment = serve.deployment(**options)(serve.ingress()(RoleReplica))  # type: ignore[arg-type]
     # Serve replaces every replica when a deployment's version changes, and otherwise applies a new replica
     # count in place; an imperative `serve.run` gets a random version each time unless one is given. Ours is
     # what the replicas run (Weir's version, the role, its settings, its resources), not how many there are,
@@ -79,7 +133,7 @@ def role_app(args: dict[str, Any]) -> Any:
     return deployment.bind(role, env)
 
 
-def _code_version(role: str, env: dict[str, str], options: dict[str, Any]) -> str:
+def _code_version(role: str, env: dict[str, str], options: _DeploymentOptions) -> str:
     from .. import __version__
 
     placement = {k: v for k, v in options.items() if k not in ("num_replicas", "autoscaling_config")}
@@ -89,7 +143,7 @@ def _code_version(role: str, env: dict[str, str], options: dict[str, Any]) -> st
 
 def serve_config(
     env: dict[str, str], placements: dict[str, Placement], *, host: str = "127.0.0.1", port: int = 8000
-) -> dict[str, Any]:
+) -> ServeConfig:
     """A Serve config file (``serve deploy FILE``) for the whole stack: one application per role."""
     return {
         "proxy_location": "HeadOnly",

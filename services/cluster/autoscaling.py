@@ -21,11 +21,35 @@ waves: the lull of a weight publish between two steps must not drop engines the 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
-__all__ = ["METRIC", "EnginePolicy", "engine_autoscaling"]
+__all__ = ["METRIC", "EngineAutoscaling", "EnginePolicy", "PolicyConfig", "PolicyKwargs", "engine_autoscaling"]
 
 METRIC = "engine_running"
+
+
+class PolicyKwargs(TypedDict):
+    target_running: float
+
+
+class PolicyConfig(TypedDict):
+    """Serve's ``autoscaling_config.policy``: the custom policy by dotted path and its keyword arguments."""
+
+    policy_function: str
+    policy_kwargs: PolicyKwargs
+
+
+class EngineAutoscaling(TypedDict):
+    """Serve's ``autoscaling_config`` for the engine application, as `engine_autoscaling` writes it."""
+
+    min_replicas: int
+    max_replicas: int
+    initial_replicas: int
+    metrics_interval_s: float
+    look_back_period_s: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    policy: PolicyConfig
 
 
 class EnginePolicy:
@@ -36,7 +60,7 @@ class EnginePolicy:
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         """Serve's policy contract: (replicas wanted, state kept for the next call). Before any engine has
-        reported, the count stays."""
+        reported, the count stays. The state is Serve's opaque ``policy_state``, handed back as it came."""
         per_replica = (ctx.aggregated_metrics or {}).get(METRIC, {})
         if not per_replica:
             return int(ctx.current_num_replicas), dict(ctx.policy_state or {})
@@ -50,7 +74,7 @@ def engine_autoscaling(
     target_running: float = 32.0,
     downscale_delay_s: float = 60.0,
     upscale_delay_s: float = 0.0,
-) -> dict[str, Any]:
+) -> EngineAutoscaling:
     """Serve's ``autoscaling_config`` for the engine application, with `EnginePolicy`."""
     if not 1 <= min_replicas <= max_replicas:
         raise ValueError(f"engine autoscaling needs 1 <= min ({min_replicas}) <= max ({max_replicas})")

@@ -19,11 +19,12 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
 import httpx
 
 from ..template import DIGEST_HEADER
+from .registry import ReplicaInfo
 
 __all__ = ["Cache", "PeerFill"]
 
@@ -57,7 +58,7 @@ class PeerFill:
         cache: Cache,
         *,
         node: str,
-        peers: Callable[[str], list[dict[str, Any]]],
+        peers: Callable[[str], list[ReplicaInfo]],
         token: str | None,
         timeout_s: float = 30.0,
     ) -> None:

@@ -21,13 +21,17 @@ Not here: building the Serve application of a role (`services.cluster.apps`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, NotRequired, TypedDict
+
+if TYPE_CHECKING:
+    from .autoscaling import EngineAutoscaling
 
 __all__ = [
     "DATA_RESOURCE",
     "ENGINE_NODE_RESOURCE",
     "ENGINE_RESOURCE",
     "Placement",
+    "PlacementArgs",
     "default_placement",
 ]
 
@@ -38,20 +42,30 @@ _NODE_SHARE = 0.001  # what a per-node replica asks of the marker: "a node with 
 _DATA_SHARE = 0.99  # the data role's share of its node's marker: one fits, two never do; the rollout role's sliver too
 
 
-@dataclass(slots=True)
+class PlacementArgs(TypedDict):
+    """A placement as a Serve application's arguments (`services.cluster.apps.AppArgs` less role and env)."""
+
+    replicas: int
+    resources: dict[str, float]
+    num_gpus: float
+    max_replicas_per_node: NotRequired[int]
+    autoscaling: NotRequired[EngineAutoscaling]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Placement:
     replicas: int = 1
     resources: dict[str, float] = field(default_factory=dict)
     num_gpus: float = 0.0
     max_replicas_per_node: int | None = None
-    autoscaling: dict[str, Any] | None = None  # Serve's autoscaling_config (engines)
+    autoscaling: EngineAutoscaling | None = None  # Serve's autoscaling_config (engines)
 
-    def as_args(self) -> dict[str, Any]:
-        args: dict[str, Any] = {"replicas": self.replicas, "resources": dict(self.resources), "num_gpus": self.num_gpus}
+    def as_args(self) -> PlacementArgs:
+        args: PlacementArgs = {"replicas": self.replicas, "resources": dict(self.resources), "num_gpus": self.num_gpus}
         if self.max_replicas_per_node is not None:
             args["max_replicas_per_node"] = self.max_replicas_per_node
         if self.autoscaling is not None:
-            args["autoscaling"] = dict(self.autoscaling)
+            args["autoscaling"] = self.autoscaling.copy()
         return args
 
 
@@ -60,11 +74,13 @@ def default_placement(role: str, *, engines: int, engine_nodes: int, use_gpus: b
     each taking ``engine_gpus`` GPUs where there are GPUs (an SGLang engine's tp × pp × dp)."""
     engine_slot = {} if use_gpus else {ENGINE_RESOURCE: 1.0}
     if role == "engine":
-        return Placement(engines, engine_slot, num_gpus=float(engine_gpus) if use_gpus else 0.0)
+        return Placement(replicas=engines, resources=engine_slot, num_gpus=float(engine_gpus) if use_gpus else 0.0)
     if role in ("preprocess", "encoder"):
-        return Placement(max(1, engine_nodes), {ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1)
+        return Placement(
+            replicas=max(1, engine_nodes), resources={ENGINE_NODE_RESOURCE: _NODE_SHARE}, max_replicas_per_node=1
+        )
     if role == "data":
-        return Placement(1, {DATA_RESOURCE: _DATA_SHARE})
+        return Placement(replicas=1, resources={DATA_RESOURCE: _DATA_SHARE})
     if role == "rollout":
-        return Placement(1, {DATA_RESOURCE: _NODE_SHARE})
-    return Placement(1)
+        return Placement(replicas=1, resources={DATA_RESOURCE: _NODE_SHARE})
+    return Placement(replicas=1)

@@ -1,5 +1,6 @@
-"""The data role: `experience.ExperienceStore` over HTTP (routes in `app.py`, wire models in `schemas.py`,
-settings in `settings.py`)."""
+"""The data role: `experience.ExperienceStore` over HTTP (`app.py` assembles; routes in `experience.py`,
+`microbatches.py` and `policy.py`, reading `state.py`'s `DataState` through `deps.py`; wire models in
+`schemas.py`, settings in `settings.py`)."""
 
 from __future__ import annotations
 

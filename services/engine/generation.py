@@ -20,7 +20,7 @@ from engines import GenerateRequest, GenerateResult
 from ..errors import ApiError
 from .deps import ERRORS, Role
 from .schemas import ErrorResponse, GenerateBody, GenerateResponse
-from .service import plan_generate, refuse, result_json
+from .service import GenerateAnswer, plan_generate, refuse, result_json
 from .streaming import GenerateStream
 
 __all__ = ["router"]
@@ -49,7 +49,7 @@ async def generate(body: GenerateBody, http: Request, role: Role) -> Any:
     token_text = (lambda token: str(role.tokenizer.decode([token]))) if body.return_text_in_logprobs else None
     start = time.perf_counter()
 
-    def shaped(request: GenerateRequest, result: GenerateResult, latency: float) -> dict[str, Any]:
+    def shaped(request: GenerateRequest, result: GenerateResult, latency: float) -> GenerateAnswer:
         return result_json(
             result,
             logprobs=request.return_logprob,

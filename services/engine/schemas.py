@@ -11,9 +11,13 @@ of ``sampling_params`` documents them without enforcing them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+from pydantic.json_schema import JsonDict
+from typing_extensions import TypedDict  # pydantic takes typing's TypedDict from Python 3.12 only
+
+from engines.protocol import FinishReason
 
 from ..template import FEATURE_KEY_PATTERN
 
@@ -31,6 +35,7 @@ __all__ = [
     "GenerateResponse",
     "InitWeightsGroupBody",
     "MediaRef",
+    "MetaInfo",
     "ModelInfo",
     "PauseBody",
     "ServerInfo",
@@ -42,7 +47,7 @@ __all__ = [
 ]
 
 # Each key may be null (SGLang's "the default").
-_SAMPLING_SCHEMA: dict[str, Any] = {
+_SAMPLING_SCHEMA: JsonDict = {
     "properties": {
         "max_new_tokens": {"anyOf": [{"type": "integer", "minimum": 0}, {"type": "null"}], "default": 128},
         "temperature": {"anyOf": [{"type": "number", "minimum": 0}, {"type": "null"}], "default": 1.0},
@@ -196,13 +201,34 @@ class GenerateBody(BaseModel):
     weir_media: list[MediaRef] = Field(default_factory=list)
 
 
+class MetaInfo(TypedDict):
+    """SGLang's ``meta_info`` of one result. Log-prob entries are ``[logprob, token_id, text or null]``; top
+    log-probs are lists of such entries per position (null where SGLang pads the first prompt position)."""
+
+    id: str
+    finish_reason: FinishReason | None  # SGLang's {"type": ...} (`GenerateResult.finish_reason`); null mid-stream
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    weight_version: str
+    num_retractions: int
+    e2e_latency: float
+    routed_experts: NotRequired[str]  # with return_routed_experts, on a MoE model
+    top_p_token_ids: NotRequired[list[int]]  # slime's top-p replay: ids[offsets[i]:offsets[i + 1]] for token i
+    top_p_token_offsets: NotRequired[list[int] | None]
+    output_token_logprobs: NotRequired[list[list[Any]]]
+    input_token_logprobs: NotRequired[list[list[Any]]]
+    output_top_logprobs: NotRequired[list[list[list[Any]] | None]]
+    input_top_logprobs: NotRequired[list[list[list[Any]] | None]]
+
+
 class GenerateResponse(BaseModel):
     """One result; a batch or n > 1 is answered with a JSON list of these (item-major, as SGLang)."""
 
     text: str
     output_ids: list[int]
     prompt_token_ids: list[int] | None = Field(None, description="with return_prompt_token_ids")
-    meta_info: dict[str, Any] = Field(
+    meta_info: MetaInfo = Field(
         description="id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, "
         "num_retractions, e2e_latency; with return_logprob: output_token_logprobs and input_token_logprobs "
         "([logprob, token_id, text or null]), with top_logprobs_num: output_top_logprobs and input_top_logprobs"
@@ -345,7 +371,7 @@ class ModelInfo(BaseModel):
     served_model_name: str
     tokenizer_path: str
     is_generation: bool
-    preferred_sampling_params: dict[str, Any] | None
+    preferred_sampling_params: dict[str, JsonValue] | None  # SGLang's --preferred-sampling-params (Weir: none)
     weight_version: str
     has_image_understanding: bool
     has_audio_understanding: bool

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal, NotRequired, TypedDict
 
 import preprocess as pp
 from engines import (
@@ -33,14 +33,17 @@ from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..template import Readiness
 from .media import MediaSources, expand_prompt, items_for, read_media
-from .schemas import REFUSED_FIELDS, GenerateBody
+from .schemas import REFUSED_FIELDS, GenerateBody, MetaInfo
 from .settings import EngineSettings
 
 __all__ = [
     "HEALTH_GENERATE_TIMEOUT_S",
     "EngineRole",
+    "GenerateAnswer",
     "GeneratePlan",
+    "ModelCard",
     "Probe",
+    "StreamError",
     "engine_metrics",
     "plan_generate",
     "refuse",
@@ -53,6 +56,39 @@ PROBE_TTL_S = 5.0  # /readyz: a probe's answer is reused this long, so probing d
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
+class ModelCard(TypedDict):
+    """This model's entry in ``GET /v1/models`` (`schemas.ListedModel`)."""
+
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int | None
+
+
+class GenerateAnswer(TypedDict):
+    """SGLang's answer to one generate request (`schemas.GenerateResponse`), and a stream's chunk."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+    prompt_token_ids: NotRequired[list[int]]  # with return_prompt_token_ids
+    index: NotRequired[int]  # a stream's chunk of a batch or n > 1: its place in the JSON list
+
+
+class StreamErrorDetail(TypedDict):
+    code: str
+    message: str
+
+
+class StreamError(TypedDict):
+    """A request that failed while streaming: SGLang's error event, with Weir's ``code``."""
+
+    error: StreamErrorDetail
+    index: NotRequired[int]
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRole:
     """What the routes share (``app.state.weir``; routes take it through `deps.Role`)."""
@@ -61,7 +97,7 @@ class EngineRole:
     engine: Engine
     probe: Probe
     counted: Callable[[GenerateResult], GenerateResult]  # counts a finished request in the metrics
-    model_card: dict[str, Any]  # the /v1/models entry, made once at start-up
+    model_card: ModelCard  # the /v1/models entry, made once at start-up
     tokenizer: Any
     config: dict[str, Any]
     media: MediaResolver
@@ -80,11 +116,11 @@ def result_json(
     input_ids: Sequence[int] = (),
     token_text: Callable[[int], str] | None = None,
     prompt_token_ids: bool = False,
-) -> dict[str, Any]:
+) -> GenerateAnswer:
     """SGLang's response to one generate request. Log-prob entries are ``[logprob, token_id, text]``, the
     text filled by ``token_text`` (``return_text_in_logprobs``), else null; top log-probs are lists of such
     entries per position (null where SGLang pads the first prompt position)."""
-    meta: dict[str, Any] = {
+    meta: MetaInfo = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": result.prompt_tokens,
@@ -117,13 +153,13 @@ def result_json(
             meta["output_top_logprobs"] = [tops(p) for p in result.output_top_logprobs]
         if result.input_top_logprobs is not None:
             meta["input_top_logprobs"] = [tops(p) for p in result.input_top_logprobs]
-    out: dict[str, Any] = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+    out: GenerateAnswer = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if prompt_token_ids:
         out["prompt_token_ids"] = list(input_ids)
     return out
 
 
-def sse(payload: dict[str, Any]) -> bytes:
+def sse(payload: GenerateAnswer | StreamError) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
@@ -154,7 +190,10 @@ class Probe:
         engine = self.engine
         if not engine.healthy():
             return Readiness(False, reason="the engine's scheduler is not running")
-        detail: dict[str, Any] = {"weight_version": engine.weight_version, "running": engine.running}
+        detail: dict[str, int | float | str | bool] = {
+            "weight_version": engine.weight_version,
+            "running": engine.running,
+        }
         if engine.paused:
             return Readiness(True, {**detail, "paused": True})
         async with self.lock:

@@ -12,19 +12,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from typing import Any
 
 import engines
 from engines import GenerateRequest, GenerateResult
 from engines.protocol import StepCallback, TokenStep
 
-from .service import EngineRole, refuse, sse
+from .service import EngineRole, GenerateAnswer, StreamError, refuse, sse
 
 __all__ = ["GenerateStream", "Shaper"]
 
 logger = logging.getLogger(__name__)
 
-Shaper = Callable[[GenerateRequest, GenerateResult, float], dict[str, Any]]
+Shaper = Callable[[GenerateRequest, GenerateResult, float], GenerateAnswer]
 
 
 class GenerateStream:
@@ -77,10 +76,12 @@ class GenerateStream:
 
         return finish
 
-    def _tagged(self, index: int, chunk: dict[str, Any]) -> bytes:
-        return sse({**chunk, "index": index} if self.listed else chunk)
+    def _tagged(self, index: int, chunk: GenerateAnswer | StreamError) -> bytes:
+        if self.listed:  # every chunk is a fresh dict: tagging it in place is safe
+            chunk["index"] = index
+        return sse(chunk)
 
-    def _partial(self, request: GenerateRequest, so_far: GenerateResult) -> dict[str, Any]:
+    def _partial(self, request: GenerateRequest, so_far: GenerateResult) -> GenerateAnswer:
         params = request.sampling
         so_far.weight_version = self.engine.weight_version
         so_far.text = str(
@@ -94,7 +95,7 @@ class GenerateStream:
         chunk["meta_info"]["finish_reason"] = None
         return chunk
 
-    def _finished(self, index: int) -> dict[str, Any]:
+    def _finished(self, index: int) -> GenerateAnswer | StreamError:
         request = self.requests[index]
         try:
             result = self.role.counted(self.futures[index].result())
@@ -111,7 +112,7 @@ class GenerateStream:
                 rid=request.rid,
                 output_ids=[],
                 output_logprobs=[],
-                finish_reason={},
+                finish_reason={"type": "stop"},  # never sent: a partial chunk's is null (`_partial`)
                 prompt_tokens=len(request.input_ids),
                 weight_version=self.engine.weight_version,
             )

@@ -8,7 +8,6 @@ import dataclasses
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 from fastapi import Request
 from fastapi.concurrency import run_in_threadpool
@@ -157,32 +156,29 @@ def total_tokens(results: list[ItemResult]) -> int:
 def item_result(
     index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = None, track: pp.ProcessedItem | None = None
 ) -> ItemResult:
-    out: dict[str, Any] = dict(
+    video = plan.kind == "video"
+    num_frames, num_samples = (plan.num_frames, plan.num_samples) if plan.kind == "audio" else (None, None)
+    if done is not None and isinstance(done.features, pp.AudioFeatures):
+        num_frames, num_samples = done.features.num_frames, done.features.num_samples
+    return ItemResult(
         index=index,
+        key=None if done is None else done.key,
         type=plan.kind,
-        num_tokens=plan.num_tokens,
+        num_tokens=plan.num_tokens if done is None else done.features.num_tokens,
         tokens_unbudgeted=plan.tokens_unbudgeted,
+        cache_hit=None if done is None else done.cache_hit,
         exact=plan.exact,
+        grid_thw=None if plan.grid_thw is None else list(plan.grid_thw),
+        resized_size=None if plan.grid_thw is None else list(plan.resized_size or ()),
+        frame_indices=list(plan.frame_indices) if video else None,
+        video_fps=plan.header.video_fps if video else None,
+        second_per_grid_t=plan.second_per_grid_t if video else None,
+        num_frames=num_frames,
+        num_samples=num_samples,
         truncated=plan.truncated,
         shrunk=plan.shrunk,
+        audio=None if plan.audio is None else item_result(index, plan.audio, track),
     )
-    if plan.grid_thw is not None:
-        out.update(grid_thw=list(plan.grid_thw), resized_size=list(plan.resized_size or ()))
-    if plan.kind == "video":
-        out.update(
-            frame_indices=list(plan.frame_indices),
-            video_fps=plan.header.video_fps,
-            second_per_grid_t=plan.second_per_grid_t,
-        )
-    if plan.kind == "audio":
-        out.update(num_frames=plan.num_frames, num_samples=plan.num_samples)
-    if done is not None:
-        out.update(key=done.key, cache_hit=done.cache_hit, num_tokens=done.features.num_tokens)
-        if isinstance(done.features, pp.AudioFeatures):
-            out.update(num_frames=done.features.num_frames, num_samples=done.features.num_samples)
-    if plan.audio is not None:
-        out["audio"] = item_result(index, plan.audio, track)
-    return ItemResult(**out)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

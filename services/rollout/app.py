@@ -32,12 +32,12 @@ from rollout.errors import (
 )
 from rollout.plugins import load_coroutine_function
 
-from ..errors import error_body
+from ..errors import ErrorShapes
 from ..metrics import RoleMetrics
 from ..settings import load_settings
 from ..template import Readiness, build_app
 from . import chat, completions, models, rewards, rollouts
-from .openai_errors import OpenAIRefusals
+from .openai_errors import OPENAI_SHAPES
 from .service import RolloutMetrics, RolloutRole, build_context, build_plugins
 from .settings import RolloutSettings
 
@@ -103,20 +103,22 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         state=context,
         description="Rollout requests (groups of rewarded trajectories) and OpenAI-compatible chat over the "
         "preprocess, encoder and engine roles.",
+        error_shapes=OPENAI_SHAPES,  # every refusal on OpenAI's paths in its shape, the token's and size's too
     )
     app.state.rollout = RolloutRole(
         settings=settings, context=context, function=function, tools=tools, environments=environments, figures=figures
     )
-    app.add_middleware(OpenAIRefusals)  # outermost: the token and size refusals on OpenAI's paths in its shape
+
+    shapes = ErrorShapes(OPENAI_SHAPES)  # the app's own: these two answers take the path's shape too
 
     @app.exception_handler(MediaRefused)
-    async def _media_refused(_: Request, exc: MediaRefused) -> JSONResponse:
-        return JSONResponse(error_body(exc.code, exc.message), status_code=exc.status)
+    async def _media_refused(request: Request, exc: MediaRefused) -> JSONResponse:
+        return shapes.response(request.scope, {"code": exc.code, "message": exc.message}, exc.status)
 
     @app.exception_handler(Overloaded)
-    async def _overloaded(_: Request, exc: Overloaded) -> JSONResponse:
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)}
-        return JSONResponse(error_body(exc.code, exc.message), status_code=429, headers=headers)
+        return shapes.response(request.scope, {"code": exc.code, "message": exc.message}, 429, headers)
 
     for module in (rollouts, chat, completions, models, rewards):
         app.include_router(module.router)

@@ -49,7 +49,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
     ask = chat_logprobs(body)
     tools, prefill = tool_prompt(body)
-    sampling = {**chat_sampling(body), **response_format_sampling(body, prefill=prefill)}
+    sampling = chat_sampling(body, json_schema=response_format_sampling(body, prefill=prefill).get("json_schema"))
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -66,9 +66,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
             held.close()
             raise
         head = chat.chunk_head(f"chatcmpl-{streams.group_id}", created, model)
-        shape = functools.partial(
-            chat.ChoiceStream, stop=sampling.get("stop") or (), token_text=token_text, tools=tools is not None
-        )
+        shape = functools.partial(chat.ChoiceStream, stop=sampling.stop, token_text=token_text, tools=tools is not None)
         events = stream_events(
             streams, head, lambda index: shape(head, index, prefill=prefill), include_usage, held, what="chat"
         )
@@ -93,7 +91,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
 
 async def stream_events(
     streams: ChatStream,
-    head: dict[str, Any],
+    head: chat.ChunkHead,
     shaper_for: Callable[[int], Any],
     include_usage: bool,
     held: contextlib.ExitStack,

@@ -70,10 +70,15 @@ async def completions(body: CompletionRequest, request: Request, role: Role) -> 
         except BaseException:
             held.close()
             raise
-        head = {"id": f"cmpl-{streams.group_id}", "object": "text_completion", "created": created, "model": model}
+        head: chat.ChunkHead = {
+            "id": f"cmpl-{streams.group_id}",
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+        }
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         echo = _decode(context, prepared[0].prompt_ids) if body.echo else ""
-        stop = sampling.get("stop") or ()
+        stop = sampling.stop
 
         def echoed(step: Progress) -> list[dict[str, Any]]:
             if not echo:

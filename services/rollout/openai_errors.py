@@ -2,31 +2,29 @@
 ``type`` and ``param`` as it does from OpenAI; Weir's own routes keep Weir's shape.
 
 ``openai_error``   Weir's ``{"code", "message", "field"?}`` as OpenAI's ``{"message", "type", "param", "code"}``
-``OpenAIRoute``    the OpenAI routers' route class: an error raised while a route handles a request (its
-                   body refused by the schema, a wrong method, the route's refusal, a library error, an
-                   unexpected failure) is answered by the app's own handler for it (`services.errors`, the
-                   role's), then reshaped; a stream's 200 is never held back
-``OpenAIRefusals`` the refusals made before any route runs on an OpenAI path — the token check (401) and
-                   the body limit (413) of `services.auth`, routing's 404 — reshaped as they are sent; an
-                   answer an `OpenAIRoute` gave passes as it is
+``OPENAI_SHAPES``  the role's ``error_shapes`` (`services.template.build_app`): every error body on an
+                   OpenAI path — the token check's 401 and the body limit's 413 (`services.auth`), routing's
+                   404 and 405, a schema's 422, a library error — is built in OpenAI's shape by the app's
+                   `services.errors.ErrorShapes` where the refusal is made
+``OpenAIRoute``    the OpenAI routers' route class: an error that would leave the route unhandled (an
+                   unexpected failure, answered 500) is answered by the app's own handler for it; a stream's
+                   200 is never held back
 
 What is shaped and which status an error gets stay the app's (`services.errors`); this module only
-changes the shape of the body.
+gives the shape.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["OPENAI_ROUTES", "OpenAIRefusals", "OpenAIRoute", "openai_error"]
+from ..errors import ErrorDetail, ErrorShaper
+
+__all__ = ["OPENAI_ROUTES", "OPENAI_SHAPES", "OpenAIError", "OpenAIRoute", "openai_error"]
 
 OPENAI_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models")
 _OPENAI_TYPES = {
@@ -40,32 +38,27 @@ _OPENAI_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
-_SKIPPED_HEADERS = frozenset({"content-length", "content-type"})
 
 
-def openai_error(error: dict[str, Any], status: int) -> dict[str, Any]:
+class OpenAIError(TypedDict):
+    """OpenAI's error object, with Weir's own keys kept (``item``, ``field``)."""
+
+    code: str
+    message: str
+    item: NotRequired[int]
+    field: NotRequired[str]
+    type: str
+    param: str | None
+
+
+def openai_error(error: ErrorDetail, status: int) -> OpenAIError:
     """Weir's ``{"code", "message", "field"?}`` as OpenAI's ``{"message", "type", "param", "code"}``
     (Weir's own keys kept): ``type`` from the status, ``param`` the field named, or null."""
     kind = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {
-        **error,
-        "message": error.get("message"),
-        "type": kind,
-        "param": error.get("field"),
-        "code": error.get("code"),
-    }
+    return {**error, "type": kind, "param": error.get("field")}
 
 
-def _reshaped(content: bytes, status: int) -> bytes | None:
-    """A Weir error body in OpenAI's shape; None for a body that is not one."""
-    try:
-        parsed = json.loads(content)
-    except ValueError:
-        return None
-    error = parsed.get("error") if isinstance(parsed, dict) else None
-    if not isinstance(error, dict):
-        return None
-    return json.dumps({"error": openai_error(error, status)}).encode()
+OPENAI_SHAPES: dict[str, ErrorShaper] = dict.fromkeys(OPENAI_ROUTES, openai_error)
 
 
 async def _answer(request: Request, error: Exception) -> Response:
@@ -74,12 +67,8 @@ async def _answer(request: Request, error: Exception) -> Response:
     cls = next((c for c in type(error).__mro__ if c in handlers), None)
     if cls is None:
         raise error
-    weir: Response = await handlers[cls](request, error)
-    content = _reshaped(bytes(weir.body), weir.status_code) if isinstance(weir, JSONResponse) else None
-    if content is None:
-        return weir
-    headers = {k: v for k, v in weir.headers.items() if k.lower() not in _SKIPPED_HEADERS}
-    return Response(content, status_code=weir.status_code, headers=headers, media_type="application/json")
+    answer: Response = await handlers[cls](request, error)  # every handler shapes by path (`ErrorShapes`)
+    return answer
 
 
 class OpenAIRoute(APIRoute):
@@ -91,53 +80,7 @@ class OpenAIRoute(APIRoute):
         async def openai_shaped(request: Request) -> Response:
             try:
                 return await handler(request)
-            except Exception as error:  # noqa: BLE001 - answered by the app's own handler for it, reshaped
+            except Exception as error:  # noqa: BLE001 - answered by the app's own handler for it
                 return await _answer(request, error)
 
         return openai_shaped
-
-    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().handle(scope, receive, send)
-        except StarletteHTTPException as error:  # a method this route does not take (405), before its handler
-            response = await _answer(Request(scope, receive), error)
-            await response(scope, receive, send)
-
-
-class OpenAIRefusals:
-    """ASGI middleware for the refusals made before an `OpenAIRoute` runs (see the module's docstring)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not str(scope.get("path", "")).startswith(OPENAI_ROUTES):
-            await self.app(scope, receive, send)
-            return
-        start: Message = {}
-        body = bytearray()
-
-        async def refusal(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                given = dict(message.get("headers") or [])
-                json_error = message["status"] >= 400 and given.get(b"content-type", b"").startswith(
-                    b"application/json"
-                )
-                if not json_error or isinstance(scope.get("route"), OpenAIRoute):
-                    await send(message)
-                    return
-                start.update(message)
-                return
-            if message["type"] == "http.response.body" and start:
-                body.extend(message.get("body", b""))
-                if message.get("more_body"):
-                    return
-                content = _reshaped(bytes(body), start["status"]) or bytes(body)
-                headers = [(k, v) for k, v in start.get("headers") or [] if k.lower() != b"content-length"]
-                headers.append((b"content-length", str(len(content)).encode()))
-                await send({**start, "headers": headers})
-                await send({"type": "http.response.body", "body": content})
-                return
-            await send(message)
-
-        await self.app(scope, receive, refusal)

@@ -16,8 +16,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.errors import InvalidSampling
-from engines.sampling import sampling_from
+from engines.protocol import SamplingParams
 from experience.records import Group
+from preprocess.budget import TokenBudget
 from rollout.context import PromptSpec
 from rollout.errors import InvalidPrompt, RolloutError
 from rollout.group import run_prompt
@@ -25,7 +26,7 @@ from rollout.group import run_prompt
 from ..errors import ApiError, error_body
 from .deps import Role, request_bytes
 from .schemas import RolloutRequest, RolloutResponse
-from .service import RolloutRole, library_reward, multiturn_fields, prompt_sampling
+from .service import RolloutRole, budget_of, library_reward, multiturn_fields, prompt_sampling
 
 __all__ = ["NDJSON", "router"]
 
@@ -49,9 +50,13 @@ router = APIRouter()
 async def rollouts(body: RolloutRequest, request: Request, role: Role) -> Any:
     """Roll out every prompt: ``n`` samples each, rewarded; each group recorded unless ``record`` is false."""
     checked = _check(role, body)
+    budget = budget_of(body)
     held = contextlib.ExitStack()  # the request's bytes, held until its last group is out
     held.enter_context(role.context.admission.admit(nbytes=await request_bytes(request)))
-    tasks = [asyncio.ensure_future(_group(role, s, i, sampling, body)) for i, (s, sampling) in enumerate(checked)]
+    tasks = [
+        asyncio.ensure_future(_group(role, s, i, sampling, budget, record=body.record))
+        for i, (s, sampling) in enumerate(checked)
+    ]
     if body.stream:
         return StreamingResponse(_lines(tasks, held), media_type=NDJSON)
     with held:
@@ -63,8 +68,8 @@ async def rollouts(body: RolloutRequest, request: Request, role: Role) -> Any:
     return JSONResponse({"groups": [g.to_json() for g in groups]})
 
 
-def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, dict[str, Any]]]:
-    """Every prompt checked before any work starts: n, reward, sampling."""
+def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, SamplingParams]]:
+    """Every prompt checked before any work starts: n, reward, sampling (read once, here)."""
     settings = role.settings
     if len(body.prompts) > settings.max_prompts:
         raise ApiError(400, "too_many_prompts", f"prompts: at most {settings.max_prompts}", field="prompts")
@@ -75,7 +80,6 @@ def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, di
         reward = library_reward(prompt.reward)
         role.context.rewards.check(reward)
         sampling = prompt_sampling(body, prompt, settings.default_max_tokens)
-        sampling_from(sampling)
         spec = PromptSpec(
             messages=[m.model_dump() for m in prompt.messages],
             n=prompt.n,
@@ -88,19 +92,19 @@ def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, di
 
 
 async def _group(
-    role: RolloutRole, spec: PromptSpec, index: int, sampling: dict[str, Any], body: RolloutRequest
+    role: RolloutRole,
+    spec: PromptSpec,
+    index: int,
+    sampling: SamplingParams,
+    budget: TokenBudget | None,
+    *,
+    record: bool,
 ) -> Group:
     start = time.perf_counter()
     group = await run_prompt(
-        role.context,
-        role.function,
-        spec,
-        index=index,
-        sampling=sampling,
-        budget=body.budget.model_dump(exclude_none=True) if body.budget else None,
-        record=body.record,
+        role.context, role.function, spec, index=index, sampling=sampling, budget=budget, record=record
     )
-    role.figures.finished(group, time.perf_counter() - start, recorded=body.record)
+    role.figures.finished(group, time.perf_counter() - start, recorded=record)
     return group
 
 

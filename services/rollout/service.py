@@ -6,21 +6,25 @@ routes here (the route modules: `rollouts`, `chat`, `completions`, `models`, `re
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
-from engines.sampling import SUPPORTED_SAMPLING
+from engines.protocol import SamplingParams
+from engines.sampling import SUPPORTED_SAMPLING, sampling_from
 from experience.records import Group, SampleStatus
+from preprocess.budget import TokenBudget
 from rollout.admission import Admission
 from rollout.context import RolloutContext, RolloutFunction
 from rollout.dispatch import Dispatcher
-from rollout.environments import EnvironmentRegistry
+from rollout.environments import EnvironmentRef, EnvironmentRegistry
 from rollout.logprobs import LogprobAsk
+from rollout.messages import FunctionTool, function_tool
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec
 from rollout.sink import HttpSink, JsonlSink, Sink
-from rollout.tools import ToolRegistry
+from rollout.tools import Tool, ToolRegistry
 
 from ..errors import ApiError
 from ..http import async_client
@@ -39,10 +43,12 @@ from .settings import RolloutSettings
 __all__ = [
     "ANY_JSON_OBJECT",
     "ENGINE_SAMPLING_FIELDS",
+    "MultiturnFields",
     "RolloutMetrics",
     "RolloutRole",
     "build_context",
     "build_plugins",
+    "budget_of",
     "chat_logprobs",
     "chat_sampling",
     "completion_logprobs",
@@ -158,9 +164,17 @@ def build_plugins(settings: RolloutSettings) -> tuple[ToolRegistry, EnvironmentR
     return tools, environments
 
 
+class MultiturnFields(TypedDict):
+    """The multi-turn fields of a `rollout.context.PromptSpec`, resolved."""
+
+    tools: Sequence[Tool]
+    environment: EnvironmentRef | None
+    max_turns: int | None
+
+
 def multiturn_fields(
     prompt: RolloutPrompt, index: int, tools: ToolRegistry, environments: EnvironmentRegistry
-) -> dict[str, Any]:
+) -> MultiturnFields:
     """A prompt's ``tools`` / ``environment`` / ``max_turns`` resolved against the registries (400
     ``unknown_tool`` naming the first unknown name) as `PromptSpec` fields; the environment's own
     registered tools are offered too."""
@@ -170,22 +184,32 @@ def multiturn_fields(
     if prompt.environment is not None:
         environment = environments.resolve(prompt.environment.name, prompt.environment.options, f"{where}.environment")
         names += [n for n in environments.tools_of(prompt.environment.name) if n not in names]
-    return {
-        "tools": tools.resolve(names, f"{where}.tools"),
-        "environment": environment,
-        "max_turns": prompt.max_turns,
-    }
+    return MultiturnFields(
+        tools=tools.resolve(names, f"{where}.tools"), environment=environment, max_turns=prompt.max_turns
+    )
 
 
 def library_reward(spec: RewardSpec) -> LibraryRewardSpec:
     return LibraryRewardSpec(type=spec.type, answer=spec.answer, function=spec.function)
 
 
-def prompt_sampling(request: RolloutRequest, prompt: RolloutPrompt, default_max_tokens: int) -> dict[str, Any]:
+def prompt_sampling(request: RolloutRequest, prompt: RolloutPrompt, default_max_tokens: int) -> SamplingParams:
+    """A prompt's `SamplingParams`: the request's ``sampling_params`` overridden key by key by the prompt's
+    own, ``max_new_tokens`` the role's default when absent or null (not SGLang's); `InvalidSampling`
+    (400) naming the field otherwise."""
     sampling = {**request.sampling_params, **(prompt.sampling_params or {})}
-    if sampling.get("max_new_tokens") is None:  # absent or null: the role's default, not SGLang's
+    if sampling.get("max_new_tokens") is None:
         sampling["max_new_tokens"] = default_max_tokens
-    return sampling
+    return sampling_from(sampling)
+
+
+def budget_of(request: RolloutRequest) -> TokenBudget | None:
+    """The request's preprocess `TokenBudget` (None: the preprocess role's default); a field not given is
+    not sent (`TokenBudget.to_wire`), so the preprocess role's default applies to it."""
+    if request.budget is None:
+        return None
+    given = request.budget.model_dump(exclude_none=True)
+    return TokenBudget(**{"policy": None, **given})  # no policy named: the preprocess role's own
 
 
 # OpenAI fields that are SGLang sampling keys of the same name and meaning: passed on when the engines
@@ -227,10 +251,12 @@ def completion_refusal(body: CompletionRequest) -> tuple[str, str] | None:
     return None
 
 
-def chat_sampling(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """SGLang ``sampling_params`` for a chat request (checked by `unsupported_parameter` first); a
-    ``seed`` becomes ``sampling_seed``, which gives each choice its own seed."""
-    sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p}
+def chat_sampling(body: ChatRequest | CompletionRequest, *, json_schema: str | None = None) -> SamplingParams:
+    """The `SamplingParams` of an OpenAI request (checked by `unsupported_parameter` first), read as
+    SGLang's ``sampling_params`` would be (`InvalidSampling`, 400, naming the field); a ``seed`` becomes
+    ``sampling_seed``, which gives each choice its own seed; ``json_schema``: the grammar of its
+    ``response_format`` (`response_format_sampling`). ``max_new_tokens`` is set per request by the caller."""
+    sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p, "json_schema": json_schema}
     if body.stop is not None:
         sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.seed is not None:
@@ -241,7 +267,7 @@ def chat_sampling(body: ChatRequest | CompletionRequest) -> dict[str, Any]:
         value = getattr(body, name)
         if value is not None and name in SUPPORTED_SAMPLING:
             sampling[name] = value
-    return sampling
+    return sampling_from(sampling)
 
 
 def chat_logprobs(body: ChatRequest) -> LogprobAsk:
@@ -292,7 +318,7 @@ def response_format_sampling(body: ChatRequest, *, prefill: str = "") -> dict[st
     return {"json_schema": json.dumps(fmt.json_schema.schema_)}
 
 
-def tool_prompt(body: ChatRequest) -> tuple[list[dict[str, Any]] | None, str]:
+def tool_prompt(body: ChatRequest) -> tuple[list[FunctionTool] | None, str]:
     """(the tools to render, the text the answer is forced to start with) for a chat request:
     ``tool_choice`` none leaves the tools out; required starts the answer with a ``<tool_call>`` block,
     a named function with a block calling it (no constrained decoding: the model writes the rest)."""
@@ -304,7 +330,10 @@ def tool_prompt(body: ChatRequest) -> tuple[list[dict[str, Any]] | None, str]:
         return None, ""
     if body.tool_choice == "none":
         return None, ""
-    tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    tools = [
+        function_tool(f.name, description=f.description, parameters=f.parameters, strict=f.strict)
+        for f in (t.function for t in body.tools)
+    ]
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
         names = [t.function.name for t in body.tools]

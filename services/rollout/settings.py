@@ -124,7 +124,7 @@ class RolloutSettings(RoleSettings):
         DEFAULT_ROLLOUT_FUNCTION,
         description="package.module:function run for each prompt of POST /v1/rollouts: "
         "async def f(ctx: rollout.RolloutContext, prompt: rollout.PromptSpec, /, *, index: int, "
-        "sampling: dict, budget: dict | None) -> experience.Group",
+        "sampling: engines.SamplingParams, budget: preprocess.TokenBudget | None) -> experience.Group",
     )
 
     @field_validator("engine_urls", mode="before")

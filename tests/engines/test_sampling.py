@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import random
 from typing import Any
 
 import pytest
@@ -17,6 +19,7 @@ from engines.sampling import (
     sample_count,
     sample_seed,
     sampling_from,
+    sampling_json,
 )
 
 
@@ -211,3 +214,68 @@ def test_wrong_types_and_ranges_are_bad_sampling_params(params: dict[str, Any]) 
 def test_not_a_mapping_is_refused() -> None:
     with pytest.raises(InvalidSampling):
         sampling_from([("temperature", 1)])  # type: ignore[arg-type]
+
+
+_ROUND_TRIPS = [
+    SamplingParams(),
+    SamplingParams(max_new_tokens=0, temperature=0),
+    SamplingParams(max_new_tokens=128, temperature=1.0),  # every value its default
+    SamplingParams(stop=("END",), stop_token_ids=(4, 5), sampling_seed=0),
+    SamplingParams(sampling_seed=-(2**63)),
+    SamplingParams(sampling_seed=2**64 - 1, ignore_eos=True, no_stop_trim=True),
+    SamplingParams(logit_bias=((0, -100.0), (5, 10.0), (70000, 0.5))),
+    SamplingParams(json_schema='{"type": "object"}'),
+    SamplingParams(json_schema="$$ANY$$", max_new_tokens=16),
+    SamplingParams(regex="[0-9]+", stop=("a", "b", "")),
+    SamplingParams(ebnf='root ::= "yes" | "no"'),
+    SamplingParams(skip_special_tokens=False, spaces_between_special_tokens=False),
+    SamplingParams(top_p=0.9, top_k=50, min_p=0.05, return_top_p_token_ids=True),
+    SamplingParams(repetition_penalty=1.2, presence_penalty=-2.0, frequency_penalty=2.0, min_new_tokens=3),
+]
+
+
+def _random_params(rng: random.Random) -> SamplingParams:
+    grammar = rng.choice([{}, {"json_schema": json.dumps({"type": "string"})}, {"regex": "a|b"}, {"ebnf": "x"}])
+    return SamplingParams(
+        max_new_tokens=rng.randrange(0, 4096),
+        temperature=rng.choice([0, 0.7, 1.0, 2.5]),
+        top_p=rng.choice([0.1, 0.95, 1.0]),
+        top_k=rng.choice([-1, 1, 40]),
+        min_p=rng.choice([0.0, 0.2]),
+        repetition_penalty=rng.choice([0.5, 1.0, 2.0]),
+        presence_penalty=rng.uniform(-2, 2),
+        frequency_penalty=rng.uniform(-2, 2),
+        min_new_tokens=rng.randrange(0, 8),
+        logit_bias=tuple(sorted({rng.randrange(0, 1000): rng.uniform(-5, 5) for _ in range(rng.randrange(4))}.items())),
+        stop=tuple(rng.choice(["</s>", "\n\n", "é", "STOP"]) for _ in range(rng.randrange(3))),
+        stop_token_ids=tuple(rng.randrange(0, 10**5) for _ in range(rng.randrange(3))),
+        sampling_seed=rng.choice([None, 0, rng.randrange(2**63)]),
+        ignore_eos=rng.random() < 0.5,
+        skip_special_tokens=rng.random() < 0.5,
+        no_stop_trim=rng.random() < 0.5,
+        return_top_p_token_ids=rng.random() < 0.5,
+        **grammar,
+    )
+
+
+@pytest.mark.parametrize("params", _ROUND_TRIPS + [_random_params(random.Random(seed)) for seed in range(200)])
+def test_sampling_json_is_the_inverse_of_sampling_from(params: SamplingParams) -> None:
+    wire = sampling_json(params)
+    assert sampling_from(wire) == params
+    assert sampling_from(json.loads(json.dumps(wire))) == params  # the same after the wire's JSON
+    assert wire["max_new_tokens"] == params.max_new_tokens  # always said, whatever the default
+    assert set(wire) <= KNOWN_SAMPLING
+
+
+def test_sampling_json_writes_only_what_differs_from_the_defaults() -> None:
+    assert sampling_json(SamplingParams()) == {"max_new_tokens": 128}
+    wire = sampling_json(
+        SamplingParams(temperature=0, stop=("x",), logit_bias=((5, 10.0),), return_top_p_token_ids=True)
+    )
+    assert wire == {
+        "max_new_tokens": 128,
+        "temperature": 0,
+        "stop": ["x"],
+        "logit_bias": {"5": 10.0},
+        "custom_params": {"return_top_p_token_ids": True},
+    }

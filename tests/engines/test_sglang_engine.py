@@ -191,10 +191,10 @@ def test_a_publish_in_abort_mode_continues_running_samples(engine: SGLangEngine,
         assert pause_abort({"meta_info": {"finish_reason": result.finish_reason}})
     continuations = []
     for r, result in zip(first, cut, strict=True):
-        sampling = continuation_sampling({"max_new_tokens": 300}, result.completion_tokens, 1)
+        sampling = continuation_sampling(SamplingParams(max_new_tokens=300), result.completion_tokens, 1)
         assert sampling is not None
         ids = [*r.input_ids, *result.output_ids]
-        continuations.append(engine.submit(request(max_new_tokens=sampling["max_new_tokens"], prompt=tuple(ids))))
+        continuations.append(engine.submit(request(max_new_tokens=sampling.max_new_tokens, prompt=tuple(ids))))
     for result, future in zip(cut, continuations, strict=True):
         rest = future.result(timeout=60)
         assert rest.weight_version == "1" and rest.finish_reason["type"] == "length"

@@ -1,4 +1,5 @@
-"""The experience store: idempotent durable appends, token-budgeted leases, acks, staleness, crashes."""
+"""The experience store: idempotent durable appends, token-budgeted leases, the scan's low-water mark,
+crashes. The ledger's leases and acks: test_ledger.py; staleness and admission: test_staleness.py."""
 
 from __future__ import annotations
 
@@ -21,12 +22,9 @@ from experience import (
     Group,
     InvalidGroup,
     InvalidRequest,
-    LeaseExpired,
-    PolicyRegression,
     Sample,
     SampleStatus,
     StoreNotWritable,
-    UnknownBatch,
     microbatch_to_arrow,
 )
 
@@ -126,28 +124,6 @@ def test_every_group_is_checked_before_any_is_stored(tmp_path: Path) -> None:
     assert store.append_all([group("a", [0.0, 1.0]), group("a", [0.0, 1.0])]) == [True, False]
 
 
-def test_leases_pack_to_the_budget_and_acks_are_final(tmp_path: Path) -> None:
-    store = ExperienceStore(tmp_path, DataConfig(lease_s=1.5))  # wide: a loaded machine must not expire it early
-    for i in range(5):
-        store.append(group(f"g{i}", [0.0, 1.0]))  # 2 samples × 7 tokens per group
-    batch = store.lease("trainer", max_tokens=30)
-    assert batch is not None and batch.tokens <= 30 and len(batch.rows()) == 4
-    assert store.ack(batch.batch_id) == store.ack(batch.batch_id) == batch.sample_ids  # idempotent
-    other = store.lease("trainer", max_tokens=30)
-    assert other is not None and not {s["sample_id"] for s in other.rows()} & {s["sample_id"] for s in batch.rows()}
-    time.sleep(1.6)  # not acknowledged within its lease: delivered again
-    again = store.lease("trainer", max_tokens=30)
-    assert again is not None and [s["sample_id"] for s in again.rows()] == [s["sample_id"] for s in other.rows()]
-    with pytest.raises(LeaseExpired):
-        store.ack(other.batch_id)  # too late: its samples went out again
-    assert store.ack(again.batch_id)
-    assert store.lease("other-consumer", max_tokens=1000) is not None  # offsets are per consumer
-    with pytest.raises(UnknownBatch):
-        store.ack("nope")
-    assert store.known(batch.batch_id) and not store.known("nope")
-    assert set(store.trained("trainer")) == set(batch.sample_ids) | set(again.sample_ids)
-
-
 def test_ranks_get_balanced_shares(tmp_path: Path) -> None:
     store = ExperienceStore(tmp_path)
     for i, length in enumerate([10, 9, 8, 3, 2, 1]):
@@ -168,79 +144,6 @@ def test_a_sequence_longer_than_the_budget_is_dropped_and_counted(tmp_path: Path
     batch = store.lease("trainer", max_tokens=10)
     assert batch is not None and batch.sample_ids == ["short/0"]
     assert store.stats().samples_dropped == {"stale": 0, "too_long": 2}
-
-
-def test_staleness_bound(tmp_path: Path) -> None:
-    store = ExperienceStore(tmp_path, DataConfig(max_staleness=2, max_queued_groups=3))
-    for version in range(6):
-        store.append(group(f"v{version}", [0.0, 1.0], version=version))
-    assert store.admission() == 0  # 6 groups queued, 3 allowed: hold the producer back
-    store.set_policy(5)
-    batch = store.lease("trainer", max_tokens=1000)
-    assert batch is not None and {s["policy_version"] for s in batch.rows()} == {3, 4, 5}
-    assert store.stats().drops["dropped_stale"] == 6
-    store.ack(batch.batch_id)
-    assert store.admission() == 3
-    with pytest.raises(InvalidRequest):
-        store.set_policy(-1)
-
-
-def test_admission_follows_the_trainers_pace_within_the_staleness_bound(tmp_path: Path) -> None:
-    store = ExperienceStore(tmp_path, DataConfig(max_staleness=3, max_queued_groups=100))
-    for i in range(12):
-        store.append(group(f"g{i}", [0.0, 1.0]))
-    assert store.admission() == 88  # no pace measured yet: only max_queued_groups holds it back
-    store.set_policy(1)
-    for _ in range(2):  # the trainer uses 4 groups (8 samples × 7 tokens) per version
-        batch = store.lease("trainer", max_tokens=56)
-        assert batch is not None and store.ack(batch.batch_id)
-        store.set_policy(store.policy + 1)
-    # 4 groups per version, K - 1 = 2 versions of queue: 8 groups; 4 are waiting.
-    assert store.admission() == 4
-
-
-def test_the_policy_only_goes_up_and_announcing_it_again_changes_nothing(tmp_path: Path) -> None:
-    """5 then 2 would make samples of versions 3..5 look fresh again: refused. 5 again (a publisher's
-    retry) is a no-op: it keeps the policy and does not re-anchor the pace measurement."""
-    store = ExperienceStore(tmp_path, DataConfig(max_staleness=3, max_queued_groups=100))
-    for i in range(8):
-        store.append(group(f"g{i}", [0.0, 1.0], version=5))
-    store.set_policy(5)
-    batch = store.lease("trainer", max_tokens=56)  # 4 groups (8 samples x 7 tokens) trained under 5
-    assert batch is not None and store.ack(batch.batch_id)
-    store.set_policy(5)  # the same version again: idempotent
-    assert store.policy == 5
-    with pytest.raises(PolicyRegression) as regression:
-        store.set_policy(2)
-    assert regression.value.code == "policy_regression"
-    assert (regression.value.version, regression.value.current) == (2, 5)
-    assert "2" in str(regression.value) and "5" in str(regression.value)
-    assert store.policy == 5 and store.stats().policy_version == 5
-    store.set_policy(6)  # measured from the first announcement of 5: 4 groups for one version
-    # 4 groups per version, K - 1 = 2 versions of queue: 8 groups; 4 are waiting.
-    assert store.admission() == 4
-    store.close()
-    reopened = ExperienceStore(tmp_path, DataConfig(max_staleness=3))
-    with pytest.raises(PolicyRegression):  # durable: a restarted data role refuses it too
-        reopened.set_policy(5)
-    assert reopened.policy == 6
-
-
-def test_release_and_regenerations(tmp_path: Path) -> None:
-    store = ExperienceStore(tmp_path, DataConfig(max_staleness=0, staleness_policy="regenerate"))
-    store.append(group("fresh", [0.0, 1.0], version=1))
-    batch = store.lease("trainer", max_tokens=1000)
-    assert batch is not None
-    assert store.release("trainer", rank=1) == 0 and store.release("trainer") == 1  # a restarted trainer
-    again = store.lease("trainer", max_tokens=1000)
-    assert again is not None and [s["sample_id"] for s in again.rows()] == [s["sample_id"] for s in batch.rows()]
-    with pytest.raises(LeaseExpired):
-        store.ack(batch.batch_id)
-    assert store.ack(again.batch_id)
-    store.append(group("old", [0.0, 1.0], version=0))
-    store.set_policy(1)
-    assert store.lease("trainer", max_tokens=1000) is None  # version 0 is one behind: stale
-    assert store.take_regenerations() == ["old"] and store.take_regenerations() == []
 
 
 def test_check_writable(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from engines.protocol import SamplingParams
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.context import PromptSpec, RolloutContext
@@ -107,7 +108,7 @@ PREPARED = Prepared(
 
 
 def test_engine_bodies() -> None:
-    sampling = {"max_new_tokens": 4}
+    sampling = SamplingParams(max_new_tokens=4)
     weir = engine_body(EngineEndpoint.parse("http://e:1/"), PREPARED, sampling, "g/0", routed_experts=False)
     assert weir["weir_media"] == PREPARED.media and weir["rid"] == "g/0" and weir["input_ids"] == [1, 2, 9, 9, 3]
     plain = engine_body(EngineEndpoint.parse("sglang+http://e:1"), PREPARED, sampling, "g/0", routed_experts=True)
@@ -166,9 +167,11 @@ async def not_a_group(ctx: RolloutContext, prompt: PromptSpec, /, *, index: int,
 
 def test_run_prompt_records_only_when_asked(context: RolloutContext, tmp_path: Path) -> None:
     prompt = PromptSpec(messages=[{"role": "user", "content": "hi"}], group_id="g1")
-    group = asyncio.run(run_prompt(context, fixed, prompt, index=2, sampling={}, budget=None, record=False))
+    group = asyncio.run(
+        run_prompt(context, fixed, prompt, index=2, sampling=SamplingParams(), budget=None, record=False)
+    )
     assert group.prompt_index == 2 and not (tmp_path / "experience.jsonl").exists()
-    asyncio.run(run_prompt(context, fixed, prompt, index=2, sampling={}, budget=None, record=True))
+    asyncio.run(run_prompt(context, fixed, prompt, index=2, sampling=SamplingParams(), budget=None, record=True))
     lines = (tmp_path / "experience.jsonl").read_text().splitlines()
     assert [Group.from_json(json.loads(line)) for line in lines] == [group]
 
@@ -176,7 +179,9 @@ def test_run_prompt_records_only_when_asked(context: RolloutContext, tmp_path: P
 def test_a_rollout_function_must_return_a_group(context: RolloutContext) -> None:
     prompt = PromptSpec(messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(TypeError, match="not a Group"):
-        asyncio.run(run_prompt(context, not_a_group, prompt, index=0, sampling={}, budget=None, record=True))
+        asyncio.run(
+            run_prompt(context, not_a_group, prompt, index=0, sampling=SamplingParams(), budget=None, record=True)
+        )
 
 
 IMAGE_MESSAGES = [

@@ -1,5 +1,6 @@
-"""Multi-turn rollouts without other roles: tools and their refusals, the turn loop against scripted engines
-(a `MockTransport` for the engines and the preprocess role), and the trainer's loss on such a trajectory."""
+"""Multi-turn rollouts without other roles: the turn loop against scripted engines (a `MockTransport` for the
+engines and the preprocess role), and the trainer's loss on such a trajectory. The tools themselves:
+test_tools.py; the registries' refusals: test_environments.py."""
 
 from __future__ import annotations
 
@@ -14,76 +15,22 @@ import httpx
 import pytest
 import torch
 
+from engines.protocol import SamplingParams
 from experience.microbatch import group_table
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.context import PromptSpec, RolloutContext
 from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRegistry, VisualSearch
-from rollout.errors import InvalidPrompt
 from rollout.group import rollout_group
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry, RewardSpec
 from rollout.sink import JsonlSink
-from rollout.tools import Observation, ToolContext, ToolError, ToolRegistry, calculator, evaluate
+from rollout.tools import Observation, ToolContext, ToolRegistry
 from trainer.feed import pack
 from trainer.losses import LossConfig, policy_loss
 
 KEY = "ab" * 20
-
-
-# -- tools ------------------------------------------------------------------------------------------
-def test_the_calculator_computes_arithmetic() -> None:
-    context = ToolContext()
-    assert calculator({"expression": "(3 + 4) * 12"}, context) == "84"
-    assert calculator({"expression": "7 / 2"}, context) == "3.5"
-    assert calculator({"expression": "-2 ** 3 % 5"}, context) == str(-(2**3) % 5)
-
-
-@pytest.mark.parametrize(
-    "expression",
-    [
-        "__import__('os').system('echo hi')",
-        "().__class__.__bases__",
-        "open('/etc/passwd')",
-        "x + 1",
-        "'a' * 3",
-        "[1, 2]",
-        "lambda: 1",
-        "2 ** 100000",
-        "1 / 0",
-        "9" * 300,
-    ],
-)
-def test_the_calculator_refuses_anything_but_arithmetic(expression: str) -> None:
-    with pytest.raises(ToolError):
-        evaluate(expression)
-
-
-def test_crop_cuts_the_environment_picture_and_refuses_a_region_outside() -> None:
-    env = VisualSearch(seed=3, size=112, patch=8)
-    env.reset(None)  # type: ignore[arg-type]
-    registry = ToolRegistry()
-    crop = registry.get("crop")
-    context = ToolContext(state=env.state)
-    out = asyncio.run(crop.run({"x": 10, "y": 20, "w": 30, "h": 40}, context))
-    assert out.images[0].size == (30, 40) and out.text == ""
-    for bad in ({"x": 100, "y": 0, "w": 30, "h": 5}, {"x": 0, "y": 0, "w": "9", "h": 5}, {"x": 0}):
-        with pytest.raises(ToolError):
-            asyncio.run(crop.run(bad, context))
-    x, y = env.state["patch_xy"]
-    assert env.step("  " + env.answer.upper() + ".") == (None, 1.0, True)
-    assert env.step("purple")[1] == 0.0 and (x, y) == env.state["patch_xy"]
-
-
-def test_unknown_names_are_refused_naming_them() -> None:
-    registry = ToolRegistry()
-    with pytest.raises(InvalidPrompt) as refused:
-        registry.resolve(["calculator", "shell"])
-    assert refused.value.code == "unknown_tool" and "'shell'" in str(refused.value) and "tools[1]" in str(refused.value)
-    with pytest.raises(InvalidPrompt, match="'builtins:print'"):
-        EnvironmentRegistry().resolve("builtins:print")
-    assert EnvironmentRegistry().tools_of("visual_search") == ("crop",)
 
 
 # -- the turn loop against scripted engines -------------------------------------------------------
@@ -153,7 +100,9 @@ def roll(builder: PromptBuilder, tmp_path: Path, texts: list[str], **spec: Any) 
     ctx = context(builder, engine, tmp_path)
     max_new = spec.pop("max_new", 200)
     prompt = PromptSpec(messages=spec.pop("messages", MESSAGES), **spec)
-    group = asyncio.run(rollout_group(ctx, prompt, index=0, sampling={"max_new_tokens": max_new}, budget=None))
+    group = asyncio.run(
+        rollout_group(ctx, prompt, index=0, sampling=SamplingParams(max_new_tokens=max_new), budget=None)
+    )
     return group, engine
 
 

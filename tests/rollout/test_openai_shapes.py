@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from engines.protocol import SamplingParams
+from engines.sampling import sampling_from
 from experience.records import Sample, SampleStatus
 from rollout import chat
 from rollout.errors import InvalidPrompt
@@ -44,13 +46,14 @@ def test_each_sample_of_a_seeded_group_has_its_own_reproducible_seed() -> None:
     assert len(set(seeds)) == 8 and seeds == [sample_seed(7, i) for i in range(8)]
     assert all(0 <= s < 2**63 for s in seeds)
     assert set(seeds).isdisjoint(sample_seed(8, i) for i in range(8))  # not seed + i: groups do not overlap
-    assert sample_sampling({"sampling_seed": 7, "temperature": 1.0}, 3) == {
-        "sampling_seed": sample_seed(7, 3),
-        "temperature": 1.0,
-    }
-    assert sample_sampling({"sampling_seed": 7.0}, 1) == {"sampling_seed": sample_seed(7, 1)}
-    assert sample_sampling({"temperature": 1.0}, 3) == {"temperature": 1.0}  # unseeded stays unseeded
-    assert sample_sampling({"sampling_seed": None}, 3) == {"sampling_seed": None}
+    assert sample_sampling(SamplingParams(sampling_seed=7, temperature=1.0), 3) == SamplingParams(
+        sampling_seed=sample_seed(7, 3),
+        temperature=1.0,
+    )
+    assert sample_sampling(sampling_from({"sampling_seed": 7.0}), 1) == SamplingParams(sampling_seed=sample_seed(7, 1))
+    unseeded = SamplingParams(temperature=1.0)
+    assert sample_sampling(unseeded, 3) == SamplingParams(temperature=1.0)  # unseeded stays unseeded
+    assert sample_sampling(SamplingParams(sampling_seed=None), 3) == SamplingParams(sampling_seed=None)
 
 
 # -- tools: input ---------------------------------------------------------------------------------
@@ -306,10 +309,15 @@ def test_the_engine_body_asks_for_what_the_request_shows() -> None:
 
     prepared = Prepared(prompt_ids=[1, 2], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
     for url in ("http://e:1", "sglang+http://e:1"):
-        body = engine_body(EngineEndpoint.parse(url), prepared, {}, "g/0", routed_experts=False)
+        body = engine_body(EngineEndpoint.parse(url), prepared, SamplingParams(), "g/0", routed_experts=False)
         assert "top_logprobs_num" not in body and "logprob_start_len" not in body
         asked = engine_body(
-            EngineEndpoint.parse(url), prepared, {}, "g/0", routed_experts=False, ask=LogprobAsk(top=3, prompt=True)
+            EngineEndpoint.parse(url),
+            prepared,
+            SamplingParams(),
+            "g/0",
+            routed_experts=False,
+            ask=LogprobAsk(top=3, prompt=True),
         )
         assert asked["top_logprobs_num"] == 3 and asked["logprob_start_len"] == 0 and asked["return_logprob"]
 

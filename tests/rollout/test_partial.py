@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
+from engines.protocol import SamplingParams
 from experience.records import Group, Sample, SampleStatus
 from rollout.admission import Admission
 from rollout.context import RolloutContext
@@ -35,7 +36,7 @@ from trainer.feed import MicroBatchFeed
 from trainer.loop import straddling
 from trainer.reference import ReferenceTrainer
 
-GREEDY_LONG = {"max_new_tokens": 48, "temperature": 0.0, "ignore_eos": True}
+GREEDY_LONG = SamplingParams(max_new_tokens=48, temperature=0.0, ignore_eos=True)
 MESSAGES = [{"role": "user", "content": "Count slowly."}]
 
 
@@ -236,10 +237,10 @@ def test_only_a_pause_abort_is_continuable_and_the_pieces_join() -> None:
     assert pause_abort(answer("Abort in waiting queue"))  # sglang 0.5.23's message for a queued request
     assert not pause_abort(answer("aborted by request")) and not pause_abort(answer("the engine closed"))
     assert not pause_abort({"meta_info": {"finish_reason": {"type": "length", "length": 4}}})
-    sampling = {"max_new_tokens": 10, "min_new_tokens": 4, "sampling_seed": 7}
+    sampling = SamplingParams(max_new_tokens=10, min_new_tokens=4, sampling_seed=7)
     later = continuation_sampling(sampling, 6, 1)
-    assert later is not None and later["max_new_tokens"] == 4 and later["min_new_tokens"] == 0
-    assert later["sampling_seed"] != 7 and later == continuation_sampling(sampling, 6, 1)  # derived, reproducible
+    assert later is not None and later.max_new_tokens == 4 and later.min_new_tokens == 0
+    assert later.sampling_seed != 7 and later == continuation_sampling(sampling, 6, 1)  # derived, reproducible
     assert continuation_sampling(sampling, 10, 1) is None
     cut = Sample(
         index=0, status=SampleStatus.ABORTED, response_ids=[1, 2], logprobs=[-1.0, -2.0], text="ab", policy_version=3

@@ -3,7 +3,9 @@ gloo (see /work/shared/reference/megatron-and-ray-on-cpu.md). Nothing here belon
 each shim papers over a CUDA assumption megatron makes, not over a behaviour Weir depends on.
 
 `megatron_cpu()` is a context manager so the two-rank child processes (`test_megatron_parallel.py`)
-use exactly the same shims as the in-process fixture."""
+use exactly the same shims as the in-process fixture. `SegmentAttention` (packed attention without
+transformer-engine) is library code now (`trainer.megatron.attention`); it is re-exported here for the
+tests that import it from this module."""
 
 from __future__ import annotations
 
@@ -14,6 +16,10 @@ from typing import Any
 
 import pytest
 import torch
+
+from trainer.megatron.attention import SegmentAttention
+
+__all__ = ["SegmentAttention", "free_port", "gpt_from_hf", "megatron_cpu"]
 
 
 def free_port() -> int:
@@ -35,86 +41,44 @@ class _CudaKwargsToCpu(torch.overrides.TorchFunctionMode):
 
 @contextlib.contextmanager
 def megatron_cpu() -> Iterator[None]:
-    """The four shims; requires torch.distributed already initialised (gloo)."""
+    """The four shims, and a fifth for MoE routers without transformer-engine; requires torch.distributed
+    already initialised (gloo)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.tensor_parallel import random as mp_random
 
     # model_parallel_cuda_manual_seed needs CUDA RNG state; the inference tracker's fork() is a no-op.
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     saved = torch.cuda.current_device
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
+    # megatron-core 0.16.1's MoE router reads transformer-engine's GEMM without importing it when TE is absent.
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    if not had_gemm:
+        moe_utils.te_general_gemm = None
     try:
         with _CudaKwargsToCpu():
             yield
     finally:
         torch.cuda.current_device = saved  # type: ignore[method-assign]
+        if not had_gemm:
+            del moe_utils.te_general_gemm
 
 
-class SegmentAttention(torch.nn.Module):
-    """Causal attention per packed segment (THD); megatron's local DotProductAttention refuses
-    packed sequences (only transformer-engine's supports them)."""
+def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True, mrope: bool = False, **kwargs: Any) -> Any:
+    """A megatron-core GPTModel (local spec, CPU, dropout 0, `SegmentAttention`) holding the HF model's
+    language model (`trainer.megatron.build_gpt` + `hf_to_megatron`); ``mrope``: with Qwen's 3-D rotary
+    positions (``mrope_section`` from the HF config), as the model. ``kwargs`` go to `transformer_config`."""
+    from trainer.megatron import QwenLayout, SegmentAttention, build_gpt, hf_to_megatron
 
-    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str, **_: Any) -> None:
-        super().__init__()
-        self.config = config
-
-    def forward(  # type: ignore[no-untyped-def]
-        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
-    ):
-        assert packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        repeat = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
-        cu = packed_seq_params.cu_seqlens_q.tolist()
-        outs = []
-        for a, b in zip(cu[:-1], cu[1:], strict=True):
-            q, k, v = (x[a:b].transpose(0, 1) for x in (query, key, value))  # (heads, s, d)
-            outs.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(0, 1))
-        return torch.cat(outs)  # (t, heads, d); megatron reshapes to (t, 1, hidden)
-
-
-def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True, mrope: bool = False) -> Any:
-    """A megatron-core GPTModel (local spec, CPU, dropout 0) holding the HF thinker's language model;
-    ``mrope``: with Qwen's 3-D rotary positions (``mrope_section`` from the HF config), as the thinker."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from trainer.megatron import QwenLayout, hf_to_megatron, mrope_section
-
-    text = hf_model.config.get_text_config()
-    config = TransformerConfig(
-        num_layers=text.num_hidden_layers,
-        hidden_size=text.hidden_size,
-        num_attention_heads=text.num_attention_heads,
-        num_query_groups=text.num_key_value_heads,
-        ffn_hidden_size=text.intermediate_size,
-        add_qkv_bias=True,
-        add_bias_linear=False,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        layernorm_epsilon=text.rms_norm_eps,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=False,
-        params_dtype=torch.float32,
-        use_cpu_initialization=True,
+    gpt = build_gpt(
+        hf_model.config,
+        core_attention=SegmentAttention,
         calculate_per_token_loss=calculate_per_token_loss,
-        mrope_section=mrope_section(hf_model.config) if mrope else None,
+        mrope=mrope,
+        **kwargs,
     )
-    spec = get_gpt_layer_local_spec()
-    spec.submodules.self_attention.submodules.core_attention = SegmentAttention
-    gpt = GPTModel(
-        config,
-        spec,
-        vocab_size=text.vocab_size,
-        max_sequence_length=4096,
-        position_embedding_type="mrope" if mrope else "rope",
-        rotary_base=int(text.rope_parameters["rope_theta"]),
-        share_embeddings_and_output_weights=False,
-    )
-    hf = {k: v for k, v in hf_model.state_dict().items() if k.startswith(("model.", "lm_head"))}
     layout = QwenLayout.from_hf_config(hf_model.config)
-    missing, unexpected = gpt.load_state_dict(hf_to_megatron(hf, layout, fused_norms=False), strict=False)
+    state = hf_to_megatron(hf_model.state_dict(), layout, fused_norms=False)
+    missing, unexpected = gpt.load_state_dict(state, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing), (missing, unexpected)
     return gpt
 

@@ -29,7 +29,12 @@ def main(config_path: str, rank: int) -> None:
     torch.set_num_threads(1)
     parallel = DataParallel.from_env()
     loss = LossConfig(aggregation=config["aggregation"], tis_cap=None)
-    trainer = ReferenceTrainer(config["model"], lr=1e-3, max_grad_norm=1e9, loss=loss, parallel=parallel)
+    options = {  # bf16, activation checkpointing and CPU offload under FSDP2, when the test asks for them
+        "precision": config.get("precision", "fp32"),
+        "activation_checkpointing": config.get("activation_checkpointing", False),
+        "cpu_offload": config.get("cpu_offload", False),
+    }
+    trainer = ReferenceTrainer(config["model"], lr=1e-3, max_grad_norm=1e9, loss=loss, parallel=parallel, **options)
     trainer.optimizer = sgd(trainer)
     mine = batches_for(config["model"], rank, config["world"])
     for i in range(parallel.most(len(mine))):  # lockstep: a rank with fewer micro-batches runs fillers
@@ -37,7 +42,7 @@ def main(config_path: str, rank: int) -> None:
     result = trainer.apply()
     out = Path(config["out"])
     trainer.save(out / "ckpt", {"acked": [b.batch_id for b in mine]})
-    restored = ReferenceTrainer(config["model"], lr=1e-3, max_grad_norm=1e9, loss=loss, parallel=parallel)
+    restored = ReferenceTrainer(config["model"], lr=1e-3, max_grad_norm=1e9, loss=loss, parallel=parallel, **options)
     restored.optimizer = sgd(restored)
     feed_state = restored.load(out / "ckpt")
     whole, back = trainer.full_state_dict(), restored.full_state_dict()

@@ -51,6 +51,7 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
     assert main(["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "2"]) == 0
     out = capsys.readouterr().out
     assert "Greedy accuracy on 16 held-out pictures before RL" in out and "Training summary" in out
+    assert "memory per rank (estimate)" in out  # printed before the first step
     lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert json.loads(lines[0])["samples"] == 64  # 8 groups × n=8: one optimizer step

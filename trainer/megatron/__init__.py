@@ -1,6 +1,11 @@
 """What a Megatron-LM user plugs in: batches from the feed in Megatron's packed layout, the
-``forward_step`` / loss function that megatron-core's ``get_forward_backward_func`` schedules, and
-weight export from megatron-core's GPT naming to Hugging Face Qwen2 naming for the engines.
+``forward_step`` / loss function that megatron-core's ``get_forward_backward_func`` schedules, the
+family's GPTModel (`build_gpt`), and weights between megatron-core's GPT naming and Hugging Face's for
+every family Weir serves (Qwen2.5-Omni, Qwen3-VL with DeepStack, Qwen3-Omni-MoE).
+
+`weir train --trainer megatron` runs all of it as the RL loop's trainer: `trainer.megatron.trainer.
+MegatronTrainer` (imported from its module, not from here, so this package stays light). Without CUDA,
+`trainer.megatron.cpu` keeps megatron-core's schedules and checkpoints running on gloo.
 
 Megatron's convention is *labels*: the logits at position t score ``labels[t] = tokens[t + 1]``.
 The feed's per-token fields describe token t itself (its log-prob given the prefix, whether it is a
@@ -47,6 +52,14 @@ each router's top-k is the rollout engine's and its probabilities are the softma
 those experts. Limits: activation recomputation of MoE layers (``REPLAY_BACKWARD``) and sequence
 parallelism (each tensor-parallel rank routes its own slice of tokens) are not wired.
 
+Models and weights for every family Weir serves: `transformer_config` / `build_gpt` make the language model
+of a Qwen2/2.5 (QKV bias), Qwen3 (q/k norms) or Qwen3-MoE (experts, router as Hugging Face's) Hugging Face
+config as a local-spec GPTModel (``core_attention=SegmentAttention`` for packed sequences without
+transformer-engine; Qwen3's interleaved 3-D rotary with ``mrope=True``); `hf_to_megatron` /
+`megatron_to_hf` map every language-model weight, pass the towers through and refuse a weight they do not
+know; `shard_tp` / `gather_tp` and `shard_ep` / `gather_ep` cut a full state as megatron-core's parallel
+layers hold it; `deepstack` adds Qwen3-VL's DeepStack features after the first layers during a forward.
+
 Tested on CPU against megatron-core's real schedules (tests/trainer/test_megatron_cpu.py and
 test_megatron_parallel.py: gloo, one and two ranks, a tiny GPTModel with the local layer spec). That
 needs test-only shims for megatron's CUDA assumptions (RNG tracker, ``torch.cuda.current_device``,
@@ -59,15 +72,30 @@ one gets, through an mrope GPTModel, the reference trainer's log-probs, and the 
 
 The modules: `batch` (packed batches, the context-parallel cut, the leasing iterator), `media` (towers'
 embeddings and 3-D positions), `loss` (`forward_step`, `loss_func`, routing replay), `weights` (megatron-core
-↔ Hugging Face names, `export_hf`).
+↔ Hugging Face names for every family, tensor/expert-parallel shards, `export_hf`), `model` (the family's
+``TransformerConfig`` and a local-spec GPTModel: `transformer_config`, `build_gpt`), `attention`
+(`SegmentAttention`, packed attention without transformer-engine), `deepstack` (Qwen3-VL's visual
+features added to the first layers' hidden states).
 """
 
 from __future__ import annotations
 
+from .attention import SegmentAttention
 from .batch import MegatronBatchIterator, RouterReplaySpec, megatron_batch, thd_cp_partition_index
+from .deepstack import deepstack
 from .loss import forward_step, loss_func, replay_routes
 from .media import QwenMedia, decoder_input, mrope_section
-from .weights import QwenLayout, export_hf, hf_to_megatron, megatron_to_hf
+from .model import build_gpt, transformer_config
+from .weights import (
+    QwenLayout,
+    export_hf,
+    gather_ep,
+    gather_tp,
+    hf_to_megatron,
+    megatron_to_hf,
+    shard_ep,
+    shard_tp,
+)
 
 __all__ = [
     "MegatronBatchIterator",
@@ -84,4 +112,12 @@ __all__ = [
     "megatron_to_hf",
     "mrope_section",
     "thd_cp_partition_index",
+    "SegmentAttention",
+    "build_gpt",
+    "deepstack",
+    "gather_ep",
+    "gather_tp",
+    "shard_ep",
+    "shard_tp",
+    "transformer_config",
 ]

@@ -11,16 +11,48 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 import torch
 
 from ..feed import FeedBatch, MicroBatchFeed
 
 if TYPE_CHECKING:
-    from .media import QwenMedia
+    from .media import MediaRows, QwenMedia
 
-__all__ = ["MegatronBatchIterator", "RouterReplaySpec", "megatron_batch", "packed_seq_params", "thd_cp_partition_index"]
+__all__ = [
+    "MegatronBatch",
+    "MegatronBatchIterator",
+    "RouterReplaySpec",
+    "megatron_batch",
+    "packed_seq_params",
+    "thd_cp_partition_index",
+]
+
+
+class MegatronBatch(TypedDict):
+    """Megatron's packed-sequence batch as `megatron_batch` builds it (leading batch dimension 1; T the
+    pack's tokens on this rank). `MegatronBatchIterator` moves its tensors to the device."""
+
+    tokens: torch.Tensor  # (1, T)
+    labels: torch.Tensor  # (1, T): the next token
+    loss_mask: torch.Tensor  # (1, T)
+    advantages: torch.Tensor  # (1, T)
+    rollout_logprobs: torch.Tensor  # (1, T)
+    sequence_ids: torch.Tensor  # (1, T): each token's sequence in the pack
+    position_ids: torch.Tensor  # (1, T), or Qwen's 3-D positions (3, 1, T)
+    media_embeds: NotRequired[torch.Tensor]  # [M, H] with ``media``
+    media_index: NotRequired[torch.Tensor]  # [M]: their pack positions
+    deepstack_embeds: NotRequired[torch.Tensor]  # [n_deepstack, V, H] with ``media`` of a DeepStack model
+    deepstack_index: NotRequired[torch.Tensor]  # [V]: the visual placeholders' pack positions
+    router_replay: NotRequired[torch.Tensor]  # [MoE layers, T, top_k] with ``router_replay``
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: NotRequired[torch.Tensor]  # context parallelism
+    max_seqlen: int
+    cp_size: NotRequired[int]  # context parallelism
+    batch_id: str
+    feature_keys: list[list[str]]
+
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +103,7 @@ def megatron_batch(
     cp_size: int = 1,
     cp_rank: int = 0,
     router_replay: RouterReplaySpec | None = None,
-) -> dict[str, Any]:
+) -> MegatronBatch:
     """A fed micro-batch as Megatron's packed-sequence batch (leading batch dimension 1).
 
     ``pad_to_multiple`` pads the pack's end (with a masked padding sequence of its own) to a length
@@ -80,7 +112,11 @@ def megatron_batch(
     ``media`` (a `QwenMedia`): the batch also carries what `decoder_input` splices into the word
     embeddings (``media_embeds`` [M, H], the towers' outputs, and ``media_index`` [M], their pack
     positions) and ``position_ids`` become Qwen's 3-D positions, shape (3, 1, T), for a GPTModel
-    built with ``position_embedding_type="mrope"`` and ``mrope_section=mrope_section(hf_config)``.
+    built with ``position_embedding_type="mrope"`` and ``mrope_section=mrope_section(hf_config)``. For a
+    DeepStack model (Qwen3-VL, Qwen3-Omni-MoE) it also carries the visual tokens' DeepStack maps
+    (``deepstack_embeds`` [n_deepstack, V, H], ``deepstack_index`` [V]: the pack positions of the image and
+    video placeholders), which `forward_step` adds after the first decoder layers (`deepstack`); they are
+    not cut for context parallelism (refused: Qwen3's interleaved mrope has none either).
 
     ``cp_size`` > 1 (context parallelism, THD): each sequence is padded to a multiple of
     ``2 * cp_size`` (``cu_seqlens_padded``; ``cu_seqlens`` keeps the real lengths, as
@@ -114,13 +150,15 @@ def megatron_batch(
     }
     # Per-token fields, last dimension the pack: 1-D positions (T,) or Qwen's 3-D positions (3, T).
     positions = t["position_ids"] if media is None else media.position_ids(batch)
-    extra_out: dict[str, Any] = {}
-    if media is not None:
-        embeds, index = media.embeddings(batch)
-        extra_out.update(media_embeds=embeds, media_index=index)
+    embedded = media.embeddings(batch) if media is not None else None
+    if cp_size > 1 and embedded is not None and embedded.deepstack is not None:
+        raise NotImplementedError(
+            "context parallelism with DeepStack (Qwen3-VL / Qwen3-Omni): its features are not cut per rank "
+            "(and Qwen3's interleaved mrope refuses context parallelism)"
+        )
     routes = _replay_routes(t, cu, router_replay)
     if cp_size > 1:
-        return _cp_slice(fields, positions, cu, cp_size, cp_rank, batch, extra_out, routes)
+        return _cp_slice(fields, positions, cu, cp_size, cp_rank, batch, embedded, routes)
     length = int(tokens.numel())
     padded = -(-length // pad_to_multiple) * pad_to_multiple
     if padded != length:
@@ -132,18 +170,57 @@ def megatron_batch(
         positions = torch.cat([positions, steps], dim=-1)
         cu = torch.cat([cu, torch.tensor([padded], dtype=torch.int32)])
     seqlens = cu[1:] - cu[:-1]
-    out: dict[str, Any] = {name: value[None] for name, value in fields.items()}
-    out["position_ids"] = positions.unsqueeze(-2)  # (1, T) or (3, 1, T)
-    out.update(extra_out)
+    replayed = None
     if routes is not None:  # the padding sequence's rows: any valid experts (nothing reads them)
         pad = torch.arange(routes[0].shape[1]).expand(padded - length, -1)
-        out["router_replay"] = torch.stack([torch.cat([layer, pad]) for layer in routes])
-    out.update(
-        cu_seqlens=cu,
+        replayed = torch.stack([torch.cat([layer, pad]) for layer in routes])
+    return _assembled(
+        {name: value[None] for name, value in fields.items()},
+        positions.unsqueeze(-2),  # (1, T) or (3, 1, T)
+        embedded,
+        replayed,
+        cu=cu,
         max_seqlen=int(seqlens.max()) if seqlens.numel() else 0,
+        batch=batch,
+    )
+
+
+def _assembled(
+    per_token: dict[str, torch.Tensor],
+    position_ids: torch.Tensor,
+    embedded: MediaRows | None,
+    router_replay: torch.Tensor | None,
+    *,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    batch: FeedBatch,
+    cu_padded: torch.Tensor | None = None,
+    cp_size: int | None = None,
+) -> MegatronBatch:
+    """The batch's fields, whichever way it was cut."""
+    out = MegatronBatch(
+        tokens=per_token["tokens"],
+        labels=per_token["labels"],
+        loss_mask=per_token["loss_mask"],
+        advantages=per_token["advantages"],
+        rollout_logprobs=per_token["rollout_logprobs"],
+        sequence_ids=per_token["sequence_ids"],
+        position_ids=position_ids,
+        cu_seqlens=cu,
+        max_seqlen=max_seqlen,
         batch_id=batch.batch_id,
         feature_keys=batch.feature_keys,
     )
+    if embedded is not None:
+        out["media_embeds"], out["media_index"] = embedded.embeds, embedded.index
+        if embedded.deepstack is not None and embedded.deepstack_index is not None:
+            out["deepstack_embeds"], out["deepstack_index"] = embedded.deepstack, embedded.deepstack_index
+    if router_replay is not None:
+        out["router_replay"] = router_replay
+    if cu_padded is not None:
+        out["cu_seqlens_padded"] = cu_padded
+    if cp_size is not None:
+        out["cp_size"] = cp_size
     return out
 
 
@@ -181,9 +258,9 @@ def _cp_slice(
     cp_size: int,
     cp_rank: int,
     batch: FeedBatch,
-    extra_out: dict[str, Any],
+    embedded: MediaRows | None,
     routes: list[torch.Tensor] | None = None,
-) -> dict[str, Any]:
+) -> MegatronBatch:
     """Pad every sequence to a multiple of ``2 * cp_size`` and keep this rank's chunks of it."""
     lengths = (cu[1:] - cu[:-1]).long()
     padded_lengths = -(-lengths // (2 * cp_size)) * (2 * cp_size)
@@ -204,36 +281,39 @@ def _cp_slice(
     laid_positions = torch.zeros(*positions.shape[:-1], total, dtype=positions.dtype)
     laid_positions[..., where] = positions
     index = thd_cp_partition_index(cu_padded, cp_size, cp_rank)
-    out: dict[str, Any] = {name: value[index][None] for name, value in out_fields.items()}
     # Not cut: megatron's THD RoPE takes a per-token table of the whole padded pack
     # (size cu_seqlens_padded[-1]) and picks each rank's chunks of each sequence from it itself.
-    out["position_ids"] = laid_positions.unsqueeze(-2)
-    if "media_index" in extra_out:  # keep the media rows whose tokens this rank holds, at their local slots
+    position_ids = laid_positions.unsqueeze(-2)
+    if embedded is not None:  # keep the media rows whose tokens this rank holds, at their local slots
+        from .media import MediaRows
+
         local = torch.full((total,), -1, dtype=torch.long)
         local[index] = torch.arange(index.numel())
-        slot = local[where[extra_out["media_index"]]]
+        slot = local[where[embedded.index]]
         kept = slot >= 0
-        extra_out = {"media_embeds": extra_out["media_embeds"][kept], "media_index": slot[kept]}
-    out.update(extra_out)
+        embedded = MediaRows(embeds=embedded.embeds[kept], index=slot[kept])
+    replayed = None
     if routes is not None:  # padding slots: any valid experts (nothing reads them)
         laid_routes = []
         for layer in routes:
             laid = torch.arange(layer.shape[1]).repeat(total, 1)
             laid[where] = layer
             laid_routes.append(laid[index])
-        out["router_replay"] = torch.stack(laid_routes)
-    out.update(
-        cu_seqlens=cu,
-        cu_seqlens_padded=cu_padded,
+        replayed = torch.stack(laid_routes)
+    return _assembled(
+        {name: value[index][None] for name, value in out_fields.items()},
+        position_ids,
+        embedded,
+        replayed,
+        cu=cu,
         max_seqlen=int(padded_lengths.max()) if padded_lengths.numel() else 0,
+        batch=batch,
+        cu_padded=cu_padded,
         cp_size=cp_size,
-        batch_id=batch.batch_id,
-        feature_keys=batch.feature_keys,
     )
-    return out
 
 
-def packed_seq_params(batch: Mapping[str, Any]) -> Any:
+def packed_seq_params(batch: MegatronBatch) -> Any:
     """megatron-core's ``PackedSeqParams`` (THD) for a `megatron_batch` (with the padded offsets when
     the batch was cut for context parallelism)."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -298,7 +378,7 @@ class MegatronBatchIterator:
     def __iter__(self) -> MegatronBatchIterator:
         return self
 
-    def _lease(self) -> dict[str, Any] | None:
+    def _lease(self) -> MegatronBatch | None:
         if self._batches is None:
             assert self.feed is not None
             self._batches = iter(self.feed)
@@ -309,7 +389,7 @@ class MegatronBatchIterator:
             fed, pad_to_multiple=self.pad_to_multiple, media=self.media, router_replay=self.router_replay
         )
 
-    def __next__(self) -> dict[str, Any]:
+    def __next__(self) -> MegatronBatch:
         if not self.broadcasting:
             batch = self._lease()
         elif not self.leasing:
@@ -325,9 +405,11 @@ class MegatronBatchIterator:
         if batch is None:
             raise StopIteration
         self.pending.append(batch["batch_id"])
-        return {k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        device = self.device
+        moved = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return cast(MegatronBatch, moved)  # the same keys, the tensors on the device
 
-    def _broadcast(self, batch: dict[str, Any] | None, *, error: str | None = None) -> dict[str, Any] | None:
+    def _broadcast(self, batch: MegatronBatch | None, *, error: str | None = None) -> MegatronBatch | None:
         """The leasing rank's batch on every rank of the group: the small metadata (and the tensors'
         shapes and dtypes) as one pickled object, then each tensor on the device (NCCL needs it there).
         ``None`` (the feed ended) and a failed lease are broadcast too, so no rank waits for a batch
@@ -345,16 +427,17 @@ class MegatronBatchIterator:
             return None
         if "error" in meta[0]:
             raise RuntimeError(f"the leasing rank {self.src} of this tensor-parallel group failed: {meta[0]['error']}")
+        sent = {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)} if batch is not None else {}
         out = dict(meta[0]["rest"])
         for name, (shape, dtype) in meta[0]["tensors"].items():
             tensor = (
-                batch[name].to(self._comm_device())
+                sent[name].to(self._comm_device())
                 if batch is not None
                 else torch.empty(shape, dtype=dtype, device=self._comm_device())
             )
             torch.distributed.broadcast(tensor, src=self.src, group=self.group)
             out[name] = tensor
-        return out
+        return cast(MegatronBatch, out)  # the leasing rank's keys, rebuilt
 
     def _comm_device(self) -> torch.device:
         backend = torch.distributed.get_backend(self.group)

@@ -5,7 +5,8 @@ tokens). The loss itself is `trainer.losses.policy_loss`; the batches are `train
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -13,7 +14,8 @@ from typing import Any
 import torch
 
 from ..losses import LossConfig, policy_loss
-from .batch import packed_seq_params
+from .batch import MegatronBatch, packed_seq_params
+from .deepstack import deepstack
 from .media import decoder_input
 
 __all__ = ["forward_step", "loss_func", "replay_routes"]
@@ -32,7 +34,7 @@ def _units(mask: torch.Tensor, sequence_ids: torch.Tensor, aggregation: str) -> 
 
 
 def loss_func(
-    batch: Mapping[str, Any], output_tensor: torch.Tensor, *, config: LossConfig | None = None
+    batch: MegatronBatch, output_tensor: torch.Tensor, *, config: LossConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss from ``GPTModel``'s per-token cross-entropy (``-logprob`` of each label), in
     megatron-core 0.16's three-value form ``(loss_sum, num_tokens, metrics)``.
@@ -87,12 +89,12 @@ def loss_func(
 
 
 def forward_step(
-    data_iterator: Iterator[dict[str, Any]],
+    data_iterator: Iterator[MegatronBatch],
     model: Callable[..., torch.Tensor],
     checkpoint_activations_microbatch: bool | None = None,
     *,
     config: LossConfig | None = None,
-    packed: Callable[[Mapping[str, Any]], Any] = packed_seq_params,
+    packed: Callable[[MegatronBatch], Any] = packed_seq_params,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
     """megatron-core's ``forward_step_func``: one micro-batch through ``model``, and its loss function.
 
@@ -104,7 +106,10 @@ def forward_step(
     ``model`` is called as ``GPTModel`` is: ``(tokens, position_ids, attention_mask, labels=...,
     packed_seq_params=...)``, returning the per-token cross-entropy; for a batch built with
     ``media`` (`QwenMedia`) also ``decoder_input=`` (`decoder_input`), its ``position_ids`` Qwen's
-    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``. A batch built with
+    3-D positions (3, 1, T) for a GPTModel with ``position_embedding_type="mrope"``; a batch with a
+    DeepStack model's visual maps (``deepstack_embeds``) has them added after the first decoder layers
+    during the call (`trainer.megatron.deepstack.deepstack`, through megatron's wrappers; a pipeline stage
+    adds the maps of the layers it holds; refused under sequence parallelism). A batch built with
     ``router_replay`` has its routes replayed in this forward (`replay_routes`).
     """
     batch = next(data_iterator)
@@ -113,9 +118,18 @@ def forward_step(
     else:
         _route_freely()
     extra = {"decoder_input": decoder_input(model, batch)} if "media_embeds" in batch else {}
-    output = model(
-        batch["tokens"], batch["position_ids"], None, labels=batch["labels"], packed_seq_params=packed(batch), **extra
-    )
+    adding: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if "deepstack_embeds" in batch and batch["deepstack_index"].numel():
+        adding = deepstack(model, list(batch["deepstack_embeds"].unbind(0)), batch["deepstack_index"])
+    with adding:
+        output = model(
+            batch["tokens"],
+            batch["position_ids"],
+            None,
+            labels=batch["labels"],
+            packed_seq_params=packed(batch),
+            **extra,
+        )
     return output, partial(loss_func, batch, config=config)
 
 

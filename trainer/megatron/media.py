@@ -1,11 +1,14 @@
 """Media for Megatron: the towers' embeddings spliced into the word embeddings (`QwenMedia`,
-`decoder_input`) and Qwen's 3-D (mrope) positions (`mrope_section`). The batch layout that carries them is
-`trainer.megatron.batch`; the towers themselves are `encoders.towers`.
+`decoder_input`), a DeepStack model's visual maps beside them (`MediaRows`), and Qwen's 3-D (mrope)
+positions (`mrope_section`), for Qwen2.5-Omni, Qwen3-VL and Qwen3-Omni-MoE thinkers. The batch layout that
+carries them is `trainer.megatron.batch`; adding the DeepStack maps during a forward is
+`trainer.megatron.deepstack`; the towers themselves are `encoders.towers`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +16,7 @@ import torch
 
 from ..feed import FeedBatch
 
-__all__ = ["QwenMedia", "decoder_input", "mrope_section"]
+__all__ = ["MediaRows", "QwenMedia", "decoder_input", "mrope_section"]
 
 
 def mrope_section(config: Any) -> list[int]:
@@ -30,19 +33,68 @@ def mrope_section(config: Any) -> list[int]:
 
 
 class _RopeIndex:
-    """The thinker's own ``get_rope_index`` (and the two helpers it calls), run over its config alone,
-    without building the model: the very code Hugging Face's forward uses for its 3-D positions."""
+    """The thinker's own ``get_rope_index`` (and the helpers it calls), run over its config alone, without
+    building the model: the very code Hugging Face's forward uses for its 3-D positions — Qwen3-VL's
+    (``Qwen3VLModel``: token types, each video frame its own grid) or Qwen2.5-Omni's."""
 
     def __init__(self, config: Any) -> None:
+        self.config = config
+        self.spatial_merge_size = config.vision_config.spatial_merge_size
+        self.qwen3_vl = getattr(config, "model_type", None) == "qwen3_vl"
+        if self.qwen3_vl:
+            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
+
+            self.get_vision_position_ids = Qwen3VLModel.get_vision_position_ids.__get__(self)
+            self.get_rope_index = Qwen3VLModel.get_rope_index.__get__(self)
+            return
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
             Qwen2_5OmniPreTrainedModelForConditionalGeneration as Owner,
         )
 
-        self.config = config
-        self.spatial_merge_size = config.vision_config.spatial_merge_size
         self.get_llm_pos_ids_for_vision = Owner.get_llm_pos_ids_for_vision.__get__(self)
         self.get_chunked_index = Owner.get_chunked_index.__get__(self)
         self.get_rope_index = Owner.get_rope_index.__get__(self)
+
+    def positions(self, ids: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """(3, L) positions of one sequence ``ids`` (L,) with its media inputs (`trainer.reference.media_inputs`),
+        called with the arguments the model's forward gives ``get_rope_index``."""
+        ids = ids.long()[None]
+        if self.qwen3_vl:
+            types = torch.zeros_like(ids, dtype=torch.int)  # the processor's mm_token_type_ids
+            types[ids == self.config.image_token_id] = 1
+            types[ids == self.config.video_token_id] = 2
+            videos = inputs.get("video_grid_thw")
+            positions, _ = self.get_rope_index(
+                ids,
+                mm_token_type_ids=types,
+                image_grid_thw=inputs.get("image_grid_thw"),
+                video_grid_thw=None if videos is None else videos.clone(),  # it edits its argument
+                attention_mask=torch.ones_like(ids),
+            )
+            return positions[:, 0]
+        mask = inputs.get("feature_attention_mask")
+        positions, _ = self.get_rope_index(
+            ids,
+            inputs.get("image_grid_thw"),
+            inputs.get("video_grid_thw"),
+            torch.ones_like(ids),
+            False,
+            None if mask is None else mask.sum(1),
+            inputs.get("video_second_per_grid"),
+        )
+        return positions[:, 0]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MediaRows:
+    """What `QwenMedia.embeddings` gives a pack: the rows `decoder_input` splices in, and — for a DeepStack
+    model (Qwen3-VL, Qwen3-Omni) — the visual tokens' DeepStack maps, which `deepstack` adds after the first
+    decoder layers."""
+
+    embeds: torch.Tensor  # [M, H]: every media placeholder's row (the merged output for visual items)
+    index: torch.Tensor  # [M]: their pack positions
+    deepstack: torch.Tensor | None = None  # [n_deepstack, V, H]: the visual placeholders' maps
+    deepstack_index: torch.Tensor | None = None  # [V]: the visual placeholders' pack positions
 
 
 Encode = Callable[[Sequence[Any]], list[torch.Tensor]]
@@ -50,15 +102,20 @@ Encode = Callable[[Sequence[Any]], list[torch.Tensor]]
 
 class QwenMedia:
     """What a Megatron GPTModel needs beyond token ids for samples with media: the towers' embeddings
-    at the placeholder positions and Qwen's 3-D (mrope) positions. Pass it to `megatron_batch` /
+    at the placeholder positions, Qwen's 3-D (mrope) positions and, for a DeepStack model (Qwen3-VL,
+    Qwen3-Omni-MoE), the visual tokens' DeepStack maps. Pass it to `megatron_batch` /
     `MegatronBatchIterator` (``media=``); `forward_step` then hands GPTModel ``decoder_input``
-    (`decoder_input`) and the 3-D ``position_ids``.
+    (`decoder_input`) and the 3-D ``position_ids``, and adds the DeepStack maps (`deepstack`).
+    Families: a Qwen2.5-Omni thinker (vision + audio), Qwen3-VL (vision with DeepStack), a Qwen3-Omni-MoE
+    thinker (vision with DeepStack + audio).
 
     ``encode`` maps a sequence's media items (``preprocess`` features, in prompt order) to one
     embedding per item, (placeholder tokens, hidden): `encoders.towers.Towers.encode` (the default
     of `from_folder` / `from_thinker`: the Hugging Face towers of the thinker, exactly what the
     reference trainer's model runs). A user with a Megatron vision / audio encoder passes its own
-    callable here (its outputs after the merger/projection, one tensor per item). Media come by
+    callable here (its outputs after the merger/projection, one tensor per item; for a DeepStack model a
+    visual item's tensor is the merged output and its DeepStack maps side by side, (tokens, hidden ·
+    (1 + n_deepstack)), as `encoders.architectures.pack_visual` lays them). Media come by
     feature key from ``features`` (the feature cache) or inline from ``FeedBatch.media``, as for the
     reference trainer. The towers run without gradient, when the batch is made (on the leasing rank,
     whose tensor-parallel peers receive the embeddings): only the language model trains in the
@@ -74,12 +131,16 @@ class QwenMedia:
         self.encode, self.features = encode, features
         self._rope = _RopeIndex(self.config)
         self._omni = OmniRope.of(self.config)  # an Omni model's positions, per media item
+        self.hidden = int(self.config.get_text_config().hidden_size)
+        # DeepStack maps per visual token (0: none, Qwen2.5-Omni): the vision tower's deepstack layers.
+        layers = getattr(self.config.vision_config, "deepstack_visual_indexes", None) or []
+        self.n_deepstack = len(layers)
 
     @classmethod
     def from_folder(
         cls, model_dir: str | Path, *, features: Any = None, device: str = "cpu", dtype: torch.dtype = torch.float32
     ) -> QwenMedia:
-        """The towers of a thinker (or whole Omni) folder, loaded alone (`encoders.towers.Towers`)."""
+        """The towers of a thinker (or whole Omni, or Qwen3-VL) folder, loaded alone (`encoders.towers.Towers`)."""
         from transformers import AutoConfig
 
         from encoders.towers import Towers
@@ -89,10 +150,17 @@ class QwenMedia:
 
     @classmethod
     def from_thinker(cls, thinker: Any, *, features: Any = None) -> QwenMedia:
-        """The towers of a loaded ``Qwen2_5OmniThinkerForConditionalGeneration`` (shared, not copied)."""
+        """The towers of a loaded thinker (shared, not copied): ``Qwen2_5OmniThinkerForConditionalGeneration``,
+        ``Qwen3VLForConditionalGeneration`` (vision tower at ``model.visual``, no audio tower) or
+        ``Qwen3OmniMoeThinkerForConditionalGeneration``."""
         from encoders.towers import Towers
 
-        towers = Towers.from_modules(thinker.visual, thinker.audio_tower, "thinker")
+        visual = getattr(thinker, "visual", None)
+        if visual is None:
+            visual = getattr(getattr(thinker, "model", None), "visual", None)
+        if visual is None:
+            raise ValueError(f"{type(thinker).__name__} has no vision tower (at .visual or .model.visual)")
+        towers = Towers.from_modules(visual, getattr(thinker, "audio_tower", None), "thinker")
         return cls(thinker.config, towers.encode, features=features)
 
     def sequence_media(self, batch: FeedBatch) -> list[list[Any]]:
@@ -115,7 +183,8 @@ class QwenMedia:
         """(3, L) positions of one sequence. An Omni thinker's per media item (`encoders.positions`: a video
         laid out with its own audio track — the audio item after it — gets the interleaved positions of
         ``get_rope_index(use_audio_in_video=True)``, others the plain ones), as the engine and the reference
-        trainer compute them; otherwise the thinker's ``get_rope_index`` with the arguments its forward gives it."""
+        trainer compute them; otherwise (Qwen3-VL) the model's ``get_rope_index`` with the arguments its forward
+        gives it (`_RopeIndex`)."""
         from ..reference import media_inputs
 
         if self._omni is not None:
@@ -123,19 +192,7 @@ class QwenMedia:
 
             positions, _ = self._omni.positions(input_ids.tolist(), feature_items(media))
             return positions
-        inputs = media_inputs(media)
-        mask = inputs.get("feature_attention_mask")
-        ids = input_ids.long()[None]
-        positions, _ = self._rope.get_rope_index(
-            ids,
-            inputs.get("image_grid_thw"),
-            inputs.get("video_grid_thw"),
-            torch.ones_like(ids),
-            False,
-            None if mask is None else mask.sum(1),
-            inputs.get("video_second_per_grid"),
-        )
-        return positions[:, 0]
+        return self._rope.positions(input_ids, media_inputs(media))
 
     def position_ids(self, batch: FeedBatch) -> torch.Tensor:
         """(3, T): every sequence's 3-D positions (each from 0), concatenated as the pack is."""
@@ -145,20 +202,25 @@ class QwenMedia:
         parts = [self.sequence_positions(ids[a:b], media[i]) for i, (a, b) in enumerate(spans)]
         return torch.cat(parts, dim=-1) if parts else torch.zeros(3, 0, dtype=torch.long)
 
-    def embeddings(self, batch: FeedBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(``media_embeds`` [M, H], ``media_index`` [M]): the towers' outputs and the pack positions
-        of the placeholder tokens they replace — per sequence, images fill the image placeholders in
-        order, videos the video ones, audio the audio ones, as the thinker's forward does."""
+    def embeddings(self, batch: FeedBatch) -> MediaRows:
+        """The towers' outputs and the pack positions of the placeholder tokens they replace — per
+        sequence, images fill the image placeholders in order, videos the video ones, audio the audio ones,
+        as the thinker's forward does. A DeepStack model's visual rows are split
+        (`encoders.architectures.split_visual`): the merged output goes into ``embeds``, the maps into
+        ``deepstack`` (empty, [n_deepstack, 0, H], for a pack without images or videos)."""
+        from encoders.architectures import split_visual
         from preprocess import AudioFeatures, ImageFeatures, VideoFeatures
 
         token = {
             ImageFeatures: self.config.image_token_id,
             VideoFeatures: self.config.video_token_id,
-            AudioFeatures: self.config.audio_token_id,
+            AudioFeatures: getattr(self.config, "audio_token_id", None),  # Qwen3-VL: none
         }
         ids, cu = batch.tensors["input_ids"], batch.tensors["cu_seqlens"].tolist()
         rows: list[torch.Tensor] = []
         where: list[torch.Tensor] = []
+        maps: list[list[torch.Tensor]] = []  # per visual item: its n_deepstack maps
+        visual_where: list[torch.Tensor] = []
         for i, items in enumerate(self.sequence_media(batch)):
             if not items:
                 continue
@@ -166,19 +228,42 @@ class QwenMedia:
             sequence = ids[cu[i] : cu[i + 1]]
             for kind, token_id in token.items():
                 mine = [e for item, e in zip(items, encoded, strict=True) if isinstance(item, kind)]
+                if token_id is None:
+                    if mine:
+                        raise ValueError(f"sequence {i}: {kind.__name__} for a model without that tower")
+                    continue
                 slots = torch.nonzero(sequence == token_id)[:, 0]
                 count = sum(int(e.shape[0]) for e in mine)
                 if count != slots.numel():
                     raise ValueError(
                         f"sequence {i}: {slots.numel()} {kind.__name__} placeholders, {count} embedding rows"
                     )
-                if mine:
+                if not mine:
+                    continue
+                where.append(slots + cu[i])
+                if kind is AudioFeatures or not self.n_deepstack:
                     rows += mine
-                    where.append(slots + cu[i])
-        hidden = self.config.get_text_config().hidden_size
-        if not rows:
-            return torch.zeros(0, hidden), torch.zeros(0, dtype=torch.long)
-        return torch.cat(rows).float().detach(), torch.cat(where)
+                    continue
+                for e in mine:
+                    merged, item_maps = split_visual(e, self.hidden)
+                    if len(item_maps) != self.n_deepstack:
+                        raise ValueError(
+                            f"sequence {i}: a {kind.__name__} embedding of width {e.shape[-1]}, not hidden "
+                            f"{self.hidden} · (1 + {self.n_deepstack} DeepStack maps)"
+                        )
+                    rows.append(merged)
+                    maps.append(item_maps)
+                visual_where.append(slots + cu[i])
+        empty = torch.zeros(0, self.hidden)
+        embeds = torch.cat(rows).float().detach() if rows else empty
+        index = torch.cat(where) if where else torch.zeros(0, dtype=torch.long)
+        if not self.n_deepstack:
+            return MediaRows(embeds=embeds, index=index)
+        deepstack = torch.stack(
+            [torch.cat([m[k] for m in maps]).float().detach() if maps else empty for k in range(self.n_deepstack)]
+        )
+        deepstack_index = torch.cat(visual_where) if visual_where else torch.zeros(0, dtype=torch.long)
+        return MediaRows(embeds=embeds, index=index, deepstack=deepstack, deepstack_index=deepstack_index)
 
 
 def decoder_input(model: Any, batch: Mapping[str, Any]) -> torch.Tensor | None:

@@ -1,41 +1,162 @@
-"""Weights: megatron-core GPT naming ↔ Hugging Face Qwen2 naming (fused QKV and norms), and `export_hf`,
-a Megatron state dict written as a Hugging Face folder an engine can load. Nothing here runs a model.
+"""Weights: megatron-core GPT naming ↔ Hugging Face naming for the language model of every family Weir
+serves (Qwen2/2.5 with QKV bias, Qwen3 dense with per-head q/k norms, Qwen3-MoE with routed experts and,
+where the config has one, a shared expert), tensor- and expert-parallel shards of a Megatron state
+(`shard_tp` / `gather_tp`, `shard_ep` / `gather_ep`), and `export_hf`, a Megatron state dict written as a
+Hugging Face folder an engine can load. Nothing here builds or runs a model (`trainer.megatron.model`).
+
+Every Hugging Face weight is classified (`QwenLayout.classify`): a language-model weight is mapped; a tower
+weight (vision / audio towers, mergers, DeepStack mergers; an Omni model's talker) is not Megatron's — the
+Megatron trainer runs the Hugging Face towers frozen and `export_hf` writes them from the base model — and
+is passed through under its Hugging Face name on request (``keep_towers``); anything else is a
+``ValueError`` naming the weight, as is a Megatron weight the mapping does not know (``_extra_state``
+aside). A silently dropped weight would be a model that loads and is wrong.
+
+The families' Hugging Face names (transformers 5.19): a thinker's language model is ``model.layers.N…``
+with ``lm_head.weight`` and towers ``visual.`` / ``audio_tower.``; Qwen3-VL's is
+``model.language_model.layers.N…`` with towers ``model.visual.``; a whole Omni model prefixes its
+thinker's names with ``thinker.``. MoE experts come in two forms: a checkpoint's per-expert
+``mlp.experts.J.{gate,up,down}_proj.weight`` (what safetensors files and engines hold; the default of
+`megatron_to_hf`) and the transformers-5 module's fused ``mlp.experts.gate_up_proj`` (E, 2I, H) /
+``mlp.experts.down_proj`` (E, H, I) (a loaded model's ``state_dict``; ``fused_experts=True``).
+`hf_to_megatron` reads either.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-__all__ = ["QwenLayout", "export_hf", "hf_to_megatron", "megatron_to_hf"]
+__all__ = [
+    "QwenLayout",
+    "export_hf",
+    "gather_ep",
+    "gather_tp",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "shard_ep",
+    "shard_tp",
+    "text_config",
+]
+
+# model_type → (language-model prefix, lm_head name, tower prefixes)
+_THINKER = ("model.", "lm_head.weight", ("visual.", "audio_tower."))
+_OMNI = (
+    "thinker.model.",
+    "thinker.lm_head.weight",
+    ("thinker.visual.", "thinker.audio_tower.", "talker.", "token2wav.", "code2wav."),
+)
+_VL = ("model.language_model.", "lm_head.weight", ("model.visual.",))
+_TEXT = ("model.", "lm_head.weight", ())
+_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "qwen2_5_omni_thinker": _THINKER,
+    "qwen3_omni_moe_thinker": _THINKER,
+    "qwen2_5_omni": _OMNI,
+    "qwen3_omni_moe": _OMNI,
+    "qwen3_vl": _VL,
+    "qwen2_5_vl": _VL,
+    "qwen2_vl": _VL,
+    "qwen2": _TEXT,
+    "qwen3": _TEXT,
+    "qwen3_moe": _TEXT,
+    "qwen2_moe": _TEXT,
+}
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config of a Hugging Face config (a whole Omni model's thinker's)."""
+    config = getattr(config, "thinker_config", None) or config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QwenLayout:
-    """The attention geometry needed to (un)interleave megatron-core's fused QKV."""
+    """What the name mapping needs to know about a family's language model: the attention geometry (to
+    (un)interleave megatron-core's fused QKV), q/k norms, which layers are MoE and with how many experts,
+    and the Hugging Face prefixes. The defaults are a dense Qwen2 thinker's."""
 
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    hf_prefix: str = "model."  # the thinker's language model: "model.layers.N..." and "lm_head"
+    hf_prefix: str = "model."  # the language model's "…layers.N…", "…embed_tokens", "…norm"
+    lm_head: str = "lm_head.weight"
+    tower_prefixes: tuple[str, ...] = ("visual.", "audio_tower.")
+    qk_norm: bool = False
+    num_experts: int = 0
+    moe_layers: tuple[int, ...] = ()
+    shared_expert: bool = False  # Qwen2-MoE's: an MLP beside the routed experts, with a sigmoid gate
+    vocab_size: int | None = None  # to drop the padding rows `shard_tp` adds when tp does not divide it
 
     @classmethod
     def from_hf_config(cls, config: Any) -> QwenLayout:
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = str(getattr(config, "model_type", ""))
+        if model_type not in _FAMILIES:
+            raise ValueError(f"no weight mapping for model_type {model_type!r}: one of {', '.join(_FAMILIES)}")
+        prefix, lm_head, towers = _FAMILIES[model_type]
+        text = text_config(config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        experts = int(getattr(text, "num_experts", 0) or 0)
+        if experts and model_type.startswith("qwen3_vl"):
+            raise ValueError("Qwen3-VL-MoE's fused expert layout is not mapped")
+        moe_layers: tuple[int, ...] = ()
+        if experts:
+            skip = set(getattr(text, "mlp_only_layers", None) or ())
+            step = int(getattr(text, "decoder_sparse_step", 1) or 1)
+            moe_layers = tuple(i for i in range(text.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
         return cls(
             num_layers=text.num_hidden_layers,
             num_heads=text.num_attention_heads,
             num_kv_heads=text.num_key_value_heads,
             head_dim=head_dim,
+            hf_prefix=prefix,
+            lm_head=lm_head,
+            tower_prefixes=towers,
+            qk_norm=model_type.startswith("qwen3"),
+            num_experts=experts,
+            moe_layers=moe_layers,
+            shared_expert=bool(experts and getattr(text, "shared_expert_intermediate_size", 0)),
+            vocab_size=int(text.vocab_size),
         )
+
+    def classify(self, hf_name: str) -> Literal["language", "tower"]:
+        """``language`` (mapped), ``tower`` (not Megatron's), or a ``ValueError`` naming the weight."""
+        if hf_name.startswith(self.tower_prefixes):
+            return "tower"
+        if hf_name == self.lm_head or hf_name in _hf_names(self):
+            return "language"
+        raise ValueError(f"{hf_name} is neither a language-model nor a tower weight of this model")
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_names(layout: QwenLayout) -> frozenset[str]:
+    """Every language-model name the mapping knows (either expert form, biases included)."""
+    p = layout.hf_prefix
+    names = {f"{p}embed_tokens.weight", f"{p}norm.weight", layout.lm_head}
+    for i in range(layout.num_layers):
+        h = f"{p}layers.{i}."
+        names |= {f"{h}input_layernorm.weight", f"{h}post_attention_layernorm.weight", f"{h}self_attn.o_proj.weight"}
+        names |= {f"{h}self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")}
+        if layout.qk_norm:
+            names |= {f"{h}self_attn.q_norm.weight", f"{h}self_attn.k_norm.weight"}
+        if i in layout.moe_layers:
+            names |= {f"{h}mlp.gate.weight", f"{h}mlp.experts.gate_up_proj", f"{h}mlp.experts.down_proj"}
+            names |= {
+                f"{h}mlp.experts.{j}.{x}_proj.weight" for j in range(layout.num_experts) for x in ("gate", "up", "down")
+            }
+            if layout.shared_expert:
+                names |= {f"{h}mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")}
+                names.add(f"{h}mlp.shared_expert_gate.weight")
+        else:
+            names |= {f"{h}mlp.{x}_proj.weight" for x in ("gate", "up", "down")}
+    return frozenset(names)
 
 
 def _split_qkv(fused: torch.Tensor, layout: QwenLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -60,84 +181,287 @@ def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: QwenLay
     return fused.reshape(-1, *rest)
 
 
-def _either(state: Mapping[str, torch.Tensor], fused: str, separate: str) -> torch.Tensor:
-    return state[fused] if fused in state else state[separate]
+class _Source:
+    """A state dict read by name, remembering what was read, so that what is left can be judged."""
+
+    def __init__(self, state: Mapping[str, torch.Tensor], what: str) -> None:
+        self.state, self.what, self.used = state, what, set[str]()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.state
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.state:
+            raise ValueError(f"{self.what} has no {name}")
+        self.used.add(name)
+        return self.state[name]
+
+    def either(self, *names: str) -> torch.Tensor:
+        for name in names:
+            if name in self.state:
+                return self.take(name)
+        raise ValueError(f"{self.what} has none of {', '.join(names)}")
+
+    def left(self) -> list[str]:
+        return [name for name in self.state if name not in self.used]
 
 
-def megatron_to_hf(state: Mapping[str, torch.Tensor], layout: QwenLayout) -> dict[str, torch.Tensor]:
-    """A megatron-core GPT state dict (TP-gathered) as Hugging Face Qwen2 language-model tensors; the
-    norms are read under either spec's names (see `hf_to_megatron`)."""
+_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def megatron_to_hf(
+    state: Mapping[str, torch.Tensor], layout: QwenLayout, *, fused_experts: bool = False
+) -> dict[str, torch.Tensor]:
+    """A megatron-core GPT state dict (TP- and EP-gathered) as Hugging Face language-model tensors; the
+    norms are read under either spec's names (see `hf_to_megatron`). Tower weights in ``state`` (under
+    their Hugging Face names) are passed through; ``_extra_state`` is ignored; any other weight is an error.
+
+    ``fused_experts``: MoE experts as the transformers-5 module holds them (``mlp.experts.gate_up_proj``,
+    ``mlp.experts.down_proj``) instead of a checkpoint's per-expert names (the default, for files)."""
+    src = _Source(state, "the Megatron state")
     p = layout.hf_prefix
-    out = {f"{p}embed_tokens.weight": state["embedding.word_embeddings.weight"]}
+    out = {f"{p}embed_tokens.weight": src.take("embedding.word_embeddings.weight")}
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"{p}layers.{i}."
-        out[f"{h}input_layernorm.weight"] = _either(
-            state, f"{m}self_attention.linear_qkv.layer_norm_weight", f"{m}input_layernorm.weight"
+        out[f"{h}input_layernorm.weight"] = src.either(
+            f"{m}self_attention.linear_qkv.layer_norm_weight", f"{m}input_layernorm.weight"
         )
         for kind in ("weight", "bias"):
-            fused = state.get(f"{m}self_attention.linear_qkv.{kind}")
-            if fused is not None:
-                q, k, v = _split_qkv(fused, layout)
+            if f"{m}self_attention.linear_qkv.{kind}" in src:
+                q, k, v = _split_qkv(src.take(f"{m}self_attention.linear_qkv.{kind}"), layout)
                 out[f"{h}self_attn.q_proj.{kind}"], out[f"{h}self_attn.k_proj.{kind}"] = q, k
                 out[f"{h}self_attn.v_proj.{kind}"] = v
-        out[f"{h}self_attn.o_proj.weight"] = state[f"{m}self_attention.linear_proj.weight"]
-        out[f"{h}post_attention_layernorm.weight"] = _either(
-            state, f"{m}mlp.linear_fc1.layer_norm_weight", f"{m}pre_mlp_layernorm.weight"
+        if layout.qk_norm:
+            out[f"{h}self_attn.q_norm.weight"] = src.take(f"{m}self_attention.q_layernorm.weight")
+            out[f"{h}self_attn.k_norm.weight"] = src.take(f"{m}self_attention.k_layernorm.weight")
+        out[f"{h}self_attn.o_proj.weight"] = src.take(f"{m}self_attention.linear_proj.weight")
+        out[f"{h}post_attention_layernorm.weight"] = src.either(
+            f"{m}mlp.linear_fc1.layer_norm_weight", f"{m}pre_mlp_layernorm.weight"
         )
-        gate, up = torch.chunk(state[f"{m}mlp.linear_fc1.weight"], 2, dim=0)
-        out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up
-        out[f"{h}mlp.down_proj.weight"] = state[f"{m}mlp.linear_fc2.weight"]
-    out[f"{p}norm.weight"] = state["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])
+        if i in layout.moe_layers:
+            out[f"{h}mlp.gate.weight"] = src.take(f"{m}mlp.router.weight")
+            fc1 = [src.take(f"{m}mlp.experts.local_experts.{j}.linear_fc1.weight") for j in range(layout.num_experts)]
+            fc2 = [src.take(f"{m}mlp.experts.local_experts.{j}.linear_fc2.weight") for j in range(layout.num_experts)]
+            if fused_experts:
+                out[f"{h}mlp.experts.gate_up_proj"] = torch.stack(fc1)
+                out[f"{h}mlp.experts.down_proj"] = torch.stack(fc2)
+            else:
+                for j, (up, down) in enumerate(zip(fc1, fc2, strict=True)):
+                    e = f"{h}mlp.experts.{j}."
+                    out[f"{e}gate_proj.weight"], out[f"{e}up_proj.weight"] = torch.chunk(up, 2, dim=0)
+                    out[f"{e}down_proj.weight"] = down
+            if layout.shared_expert:
+                s = f"{h}mlp.shared_expert."
+                gate, up = torch.chunk(src.take(f"{m}mlp.shared_experts.linear_fc1.weight"), 2, dim=0)
+                out[f"{s}gate_proj.weight"], out[f"{s}up_proj.weight"] = gate, up
+                out[f"{s}down_proj.weight"] = src.take(f"{m}mlp.shared_experts.linear_fc2.weight")
+                out[f"{h}mlp.shared_expert_gate.weight"] = src.take(f"{m}mlp.shared_experts.gate_weight")
+        else:
+            gate, up = torch.chunk(src.take(f"{m}mlp.linear_fc1.weight"), 2, dim=0)
+            out[f"{h}mlp.gate_proj.weight"], out[f"{h}mlp.up_proj.weight"] = gate, up
+            out[f"{h}mlp.down_proj.weight"] = src.take(f"{m}mlp.linear_fc2.weight")
+    out[f"{p}norm.weight"] = src.take("decoder.final_layernorm.weight")
+    if "output_layer.weight" in src:
+        out[layout.lm_head] = src.take("output_layer.weight")
+    else:  # tied: the embedding is the head
+        out[layout.lm_head] = state["embedding.word_embeddings.weight"]
+    for name in src.left():
+        if name.endswith("_extra_state"):
+            continue
+        if not name.startswith(layout.tower_prefixes):
+            raise ValueError(f"{name} is not a weight the Megatron → Hugging Face mapping knows")
+        out[name] = state[name]
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def hf_to_megatron(
-    state: Mapping[str, torch.Tensor], layout: QwenLayout, *, fused_norms: bool = True
+    state: Mapping[str, torch.Tensor], layout: QwenLayout, *, fused_norms: bool = True, keep_towers: bool = False
 ) -> dict[str, torch.Tensor]:
-    """The inverse of `megatron_to_hf` (to start a Megatron run from a Hugging Face checkpoint).
+    """The inverse of `megatron_to_hf` (to start a Megatron run from a Hugging Face checkpoint or model):
+    either expert form is read. Tower weights are left out, or with ``keep_towers`` passed through under
+    their Hugging Face names; any weight neither the language model's nor a tower's is a ``ValueError``.
 
     ``fused_norms``: transformer-engine's layer spec fuses each pre-norm into the following linear
     (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``); the local spec
     (``get_gpt_layer_local_spec``, no transformer-engine) keeps them as modules of their own
-    (``input_layernorm``, ``pre_mlp_layernorm``): pass ``fused_norms=False`` for it.
+    (``input_layernorm``, ``pre_mlp_layernorm``): pass ``fused_norms=False`` for it. (An MoE layer's
+    pre-MLP norm is its own module in both specs.)
     """
+    src = _Source(state, "the Hugging Face state")
     p = layout.hf_prefix
-    qkv_norm, mlp_norm = (
-        ("self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight")
-        if fused_norms
-        else ("input_layernorm.weight", "pre_mlp_layernorm.weight")
-    )
-    out = {"embedding.word_embeddings.weight": state[f"{p}embed_tokens.weight"]}
+    out = {"embedding.word_embeddings.weight": src.take(f"{p}embed_tokens.weight")}
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"{p}layers.{i}."
-        out[f"{m}{qkv_norm}"] = state[f"{h}input_layernorm.weight"]
+        moe = i in layout.moe_layers
+        qkv_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+        mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
+        out[f"{m}{qkv_norm}"] = src.take(f"{h}input_layernorm.weight")
         for kind in ("weight", "bias"):
-            if f"{h}self_attn.q_proj.{kind}" in state:
+            if f"{h}self_attn.q_proj.{kind}" in src:
                 out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                    state[f"{h}self_attn.q_proj.{kind}"],
-                    state[f"{h}self_attn.k_proj.{kind}"],
-                    state[f"{h}self_attn.v_proj.{kind}"],
+                    src.take(f"{h}self_attn.q_proj.{kind}"),
+                    src.take(f"{h}self_attn.k_proj.{kind}"),
+                    src.take(f"{h}self_attn.v_proj.{kind}"),
                     layout,
                 )
-        out[f"{m}self_attention.linear_proj.weight"] = state[f"{h}self_attn.o_proj.weight"]
-        out[f"{m}{mlp_norm}"] = state[f"{h}post_attention_layernorm.weight"]
-        out[f"{m}mlp.linear_fc1.weight"] = torch.cat(
-            [state[f"{h}mlp.gate_proj.weight"], state[f"{h}mlp.up_proj.weight"]], dim=0
-        )
-        out[f"{m}mlp.linear_fc2.weight"] = state[f"{h}mlp.down_proj.weight"]
-    out["decoder.final_layernorm.weight"] = state[f"{p}norm.weight"]
-    if "lm_head.weight" in state:
-        out["output_layer.weight"] = state["lm_head.weight"]
+        if layout.qk_norm:
+            out[f"{m}self_attention.q_layernorm.weight"] = src.take(f"{h}self_attn.q_norm.weight")
+            out[f"{m}self_attention.k_layernorm.weight"] = src.take(f"{h}self_attn.k_norm.weight")
+        out[f"{m}self_attention.linear_proj.weight"] = src.take(f"{h}self_attn.o_proj.weight")
+        out[f"{m}{mlp_norm}"] = src.take(f"{h}post_attention_layernorm.weight")
+        if moe:
+            out[f"{m}mlp.router.weight"] = src.take(f"{h}mlp.gate.weight")
+            e = f"{m}mlp.experts.local_experts."
+            if f"{h}mlp.experts.gate_up_proj" in src:
+                fc1s, fc2s = src.take(f"{h}mlp.experts.gate_up_proj"), src.take(f"{h}mlp.experts.down_proj")
+                for j in range(layout.num_experts):
+                    out[f"{e}{j}.linear_fc1.weight"], out[f"{e}{j}.linear_fc2.weight"] = fc1s[j], fc2s[j]
+            else:
+                for j in range(layout.num_experts):
+                    x = f"{h}mlp.experts.{j}."
+                    out[f"{e}{j}.linear_fc1.weight"] = torch.cat(
+                        [src.take(f"{x}gate_proj.weight"), src.take(f"{x}up_proj.weight")], dim=0
+                    )
+                    out[f"{e}{j}.linear_fc2.weight"] = src.take(f"{x}down_proj.weight")
+            if layout.shared_expert:
+                s = f"{h}mlp.shared_expert."
+                out[f"{m}mlp.shared_experts.linear_fc1.weight"] = torch.cat(
+                    [src.take(f"{s}gate_proj.weight"), src.take(f"{s}up_proj.weight")], dim=0
+                )
+                out[f"{m}mlp.shared_experts.linear_fc2.weight"] = src.take(f"{s}down_proj.weight")
+                out[f"{m}mlp.shared_experts.gate_weight"] = src.take(f"{h}mlp.shared_expert_gate.weight")
+        else:
+            out[f"{m}mlp.linear_fc1.weight"] = torch.cat(
+                [src.take(f"{h}mlp.gate_proj.weight"), src.take(f"{h}mlp.up_proj.weight")], dim=0
+            )
+            out[f"{m}mlp.linear_fc2.weight"] = src.take(f"{h}mlp.down_proj.weight")
+    out["decoder.final_layernorm.weight"] = src.take(f"{p}norm.weight")
+    if layout.lm_head in src:
+        out["output_layer.weight"] = src.take(layout.lm_head)
+    for name in src.left():
+        if layout.classify(name) == "tower" and keep_towers:  # classify raises for a stray weight
+            out[name] = state[name]
+        elif layout.classify(name) == "language":
+            raise ValueError(f"{name} is not used by this layout's mapping (a duplicate, or another layout's weight)")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+# Tensor parallelism: how megatron-core's parallel layers cut each weight.
+_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
+_GATED = ("linear_fc1.weight", "linear_fc1.bias")  # [gate; up], each half cut by rows
+_ROW = ("linear_proj.weight", "linear_fc2.weight")
+_REPLICATED = (
+    "layernorm.weight",  # input_layernorm, pre_mlp_layernorm, final_layernorm, q/k_layernorm
+    "layer_norm_weight",  # transformer-engine's fused pre-norms
+    "layer_norm_bias",
+    "router.weight",
+    "router.expert_bias",
+    "shared_experts.gate_weight",
+    "linear_proj.bias",
+    "linear_fc2.bias",
+    "_extra_state",
+)
+
+
+def _tp_kind(name: str) -> Literal["column", "gated", "row", "replicated"]:
+    if name.endswith(_REPLICATED):
+        return "replicated"
+    if name.endswith(_COLUMN):
+        return "column"
+    if name.endswith(_GATED):
+        return "gated"
+    if name.endswith(_ROW):
+        return "row"
+    raise ValueError(f"{name}: no tensor-parallel rule for this Megatron weight")
+
+
+def _vocab(name: str) -> bool:
+    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
+
+
+def shard_tp(state: Mapping[str, torch.Tensor], layout: QwenLayout, *, tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """Tensor-parallel rank ``rank``'s part of a full Megatron state, as megatron-core's layers hold it:
+    column-parallel weights (fused QKV, whose rows are grouped per query group, so ranks get whole groups;
+    vocab rows of the embedding and output layer) cut by rows, each half of a gated ``linear_fc1``
+    ([gate; up]) cut by rows, row-parallel weights (``linear_proj``, ``linear_fc2``) by columns, norms and
+    routers replicated. Experts are cut as dense MLPs (expert tensor parallelism = tp, megatron-core's
+    default); cut experts across ranks with `shard_ep` first. A vocabulary tp does not divide is padded
+    with zero rows (build the GPTModel with the padded size; `gather_tp` drops them given
+    ``layout.vocab_size``)."""
+    if layout.num_kv_heads % tp:
+        raise ValueError(f"tp={tp} does not divide the {layout.num_kv_heads} query groups")
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        kind = _tp_kind(name)
+        if kind == "replicated":
+            out[name] = tensor
+            continue
+        if kind == "column" and _vocab(name) and tensor.shape[0] % tp:
+            pad = tp - tensor.shape[0] % tp
+            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
+        if kind == "gated":
+            halves = torch.chunk(tensor, 2, dim=0)
+            out[name] = torch.cat([torch.tensor_split(half, tp, dim=0)[rank] for half in halves]).contiguous()
+        else:
+            out[name] = torch.tensor_split(tensor, tp, dim=0 if kind == "column" else 1)[rank].contiguous()
+    return out
+
+
+def gather_tp(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) -> dict[str, torch.Tensor]:
+    """The full Megatron state from every tensor-parallel rank's `shard_tp` part, in rank order."""
+    out: dict[str, torch.Tensor] = {}
+    for name, first in shards[0].items():
+        kind = _tp_kind(name)
+        parts = [shard[name] for shard in shards]
+        if kind == "replicated":
+            out[name] = first
+        elif kind == "gated":
+            halves = [torch.chunk(part, 2, dim=0) for part in parts]
+            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+        else:
+            out[name] = torch.cat(parts, dim=0 if kind == "column" else 1)
+            if _vocab(name) and layout.vocab_size is not None:
+                out[name] = out[name][: layout.vocab_size]
+    return out
+
+
+def shard_ep(state: Mapping[str, torch.Tensor], layout: QwenLayout, *, ep: int, rank: int) -> dict[str, torch.Tensor]:
+    """Expert-parallel rank ``rank``'s part: experts ``rank·E/ep … (rank+1)·E/ep - 1`` renumbered from 0
+    (megatron-core's ``local_experts``), everything else whole."""
+    if layout.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the {layout.num_experts} experts")
+    per = layout.num_experts // ep
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        match = _EXPERT.match(name)
+        if match is None:
+            out[name] = tensor
+        elif rank * per <= int(match[2]) < (rank + 1) * per:
+            out[f"{match[1]}{int(match[2]) - rank * per}{match[3]}"] = tensor
+    return out
+
+
+def gather_ep(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) -> dict[str, torch.Tensor]:
+    """The inverse of `shard_ep`, given every expert-parallel rank's part in rank order."""
+    per = layout.num_experts // len(shards)
+    out: dict[str, torch.Tensor] = {}
+    for rank, shard in enumerate(shards):
+        for name, tensor in shard.items():
+            match = _EXPERT.match(name)
+            if match is not None:
+                out[f"{match[1]}{int(match[2]) + rank * per}{match[3]}"] = tensor
+            elif rank == 0:
+                out[name] = tensor
+    return out
 
 
 def export_hf(
     state: Mapping[str, torch.Tensor], layout: QwenLayout, folder: str | Path, *, base_model: str | Path
 ) -> Path:
-    """Write a megatron-core state dict (TP-gathered) as a Hugging Face folder an engine can load:
-    the language model's tensors converted, every other tensor (towers) and the config, tokenizer and
-    preprocessor files taken from ``base_model``. Written beside ``folder`` and renamed into place."""
+    """Write a megatron-core state dict (TP- and EP-gathered) as a Hugging Face folder an engine can load:
+    the language model's tensors converted (experts under a checkpoint's per-expert names), every other
+    tensor (towers) and the config, tokenizer and preprocessor files taken from ``base_model``. Written
+    beside ``folder`` and renamed into place."""
     from safetensors.torch import load_file, save_file
 
     base, final = Path(base_model), Path(folder)

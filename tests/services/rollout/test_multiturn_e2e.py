@@ -29,8 +29,7 @@ from services.preprocess import PreprocessSettings
 from services.preprocess import create_app as preprocess_app
 from services.rollout.app import create_app as rollout_app
 from services.rollout.settings import RolloutSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 CALL = '<tool_call>\n{"name": "crop", "arguments": {"x": 0, "y": 0, "w": 16, "h": 16}}\n</tool_call>'
 

@@ -13,8 +13,7 @@ import pytest
 from encoders.embedded_model import init_model
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 PROMPT = "<|im_start|>user\nGive me a JSON object.<|im_end|>\n<|im_start|>assistant\n"
 SCHEMA = {

@@ -15,8 +15,7 @@ import pytest
 import preprocess as pp
 from preprocess import samples
 from tests.preprocess.test_plan import png_with_declared_size
-
-from .conftest import free_port
+from tests.services.conftest import free_port
 
 JPEG = samples.encode_image(samples.test_pattern(640, 480), "JPEG")
 

@@ -21,8 +21,7 @@ import pytest
 from encoders.embedded_model import init_model
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 PROMPT = "<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
 META_KEYS = {

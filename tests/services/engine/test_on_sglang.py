@@ -21,8 +21,7 @@ from encoders.embedded_model import init_model
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
 from tests.engines import sglang_standin as standin
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 
 @pytest.fixture(scope="module")

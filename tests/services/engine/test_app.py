@@ -19,8 +19,7 @@ from preprocess import samples
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
 from services.settings import SettingsError, load_settings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,7 @@ from preprocess import samples
 from services import media_urls
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 TEXT = "<|im_start|>user\n<|vision_bos|><|IMAGE|><|vision_eos|>What is it?<|im_end|>\n<|im_start|>assistant\n"
 MAX_BYTES = 256 << 10

@@ -17,8 +17,7 @@ from services.encoder.app import EncoderSettings
 from services.encoder.app import create_app as encoder_app
 from services.engine.app import create_app as engine_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 
 @pytest.fixture(scope="module")

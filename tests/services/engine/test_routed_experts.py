@@ -20,8 +20,7 @@ from experience.microbatch import group_table
 from rollout.generation import sample_from_engine
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 
 @pytest.fixture(scope="module")

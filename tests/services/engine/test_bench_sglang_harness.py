@@ -8,7 +8,7 @@ from pathlib import Path
 
 from encoders.embedded_model import init_model
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_sglang.py"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_sglang.py"
 
 
 def test_the_harness_runs_both_servers_on_the_standin(tmp_path: Path) -> None:

@@ -15,10 +15,10 @@ import signal
 import httpx
 import pytest
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported (see test_cluster)
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before Ray is imported (see test_multinode)
 pytest.importorskip("ray.serve")
 
-from tests.services.test_cluster import _free_port, _replica_pids, _replicas, _wait  # noqa: E402
+from tests.services.cluster.test_multinode import _free_port, _replica_pids, _replicas, _wait  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

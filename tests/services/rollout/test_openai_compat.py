@@ -16,9 +16,8 @@ import openai
 import pytest
 
 from engines.sampling import SUPPORTED_SAMPLING
-
-from .conftest import RunningServer
-from .test_rollout_e2e import Stack
+from tests.services.conftest import RunningServer
+from tests.services.rollout.test_e2e import Stack
 
 MODEL = "weir-tiny-omni"
 TOOLS: list[Any] = [

@@ -11,8 +11,7 @@ import yaml
 from encoders.embedded_model import init_model
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
-
-from .conftest import RunningServer
+from tests.services.conftest import RunningServer
 
 
 def _profile(path: Path) -> Path:

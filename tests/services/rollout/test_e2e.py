@@ -35,8 +35,7 @@ from services.preprocess import PreprocessSettings
 from services.preprocess import create_app as preprocess_app
 from services.rollout.app import create_app as rollout_app
 from services.rollout.settings import RolloutSettings
-
-from .conftest import RunningServer, free_port
+from tests.services.conftest import RunningServer, free_port
 
 
 def data_uri(mime: str, data: bytes) -> str:

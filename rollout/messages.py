@@ -1,0 +1,296 @@
+"""What an OpenAI message is here: the shapes the rollout library reads and writes in OpenAI's format, as
+`TypedDict`s (plain dicts at run time, so they go to JSON as they are, and mypy checks every key).
+
+* A request's side: a chat `Message` (its content a string or `ContentPart`s; an assistant turn's
+  `OpenAIToolCall`s), and the `FunctionTool`s offered to the model (`function_tool`).
+* What a chat template takes: `TemplateMessage`s (media parts reduced to placeholders, a call's
+  arguments parsed into an object), made by `rollout.prompts.parse_messages` and the multi-turn rollout.
+* An answer's side: ``chat.completion`` (`ChatCompletion`), its chunks (`ChatChunk`), ``text_completion``
+  (`TextCompletion`, `TextChunk`), per-token log-probs in both APIs' shapes, and `Usage`.
+
+Only genuinely free-form JSON stays an untyped object: a tool's JSON-Schema ``parameters`` and a call's
+arguments. This module does not validate a client's messages (`rollout.prompts.parse_messages` does) nor
+shape answers (`rollout.chat`); the rollout role's pydantic wire models are converted to these by the
+service, never imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, NotRequired, TypedDict
+
+__all__ = [
+    "AssistantMessage",
+    "AudioURLPart",
+    "ChatChoice",
+    "ChatChunk",
+    "ChatCompletion",
+    "ChunkChoice",
+    "ChunkHead",
+    "ContentPart",
+    "Delta",
+    "FinishReason",
+    "FunctionCall",
+    "FunctionSpec",
+    "FunctionTool",
+    "ImageURLPart",
+    "InputAudio",
+    "InputAudioPart",
+    "LegacyLogprobs",
+    "LogprobsContent",
+    "MediaKind",
+    "MediaURL",
+    "Message",
+    "OpenAIToolCall",
+    "Role",
+    "TemplateFunction",
+    "TemplateMessage",
+    "TemplatePart",
+    "TemplateRole",
+    "TemplateToolCall",
+    "TextChoice",
+    "TextChunk",
+    "TextCompletion",
+    "TextPart",
+    "TokenLogprob",
+    "ToolCallDelta",
+    "TopLogprob",
+    "Usage",
+    "VideoURL",
+    "VideoURLPart",
+    "function_tool",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+TemplateRole = Literal["system", "user", "assistant", "tool"]
+MediaKind = Literal["image", "video", "audio"]
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+# -- a request's messages ----------------------------------------------------------------------------
+class TextPart(TypedDict):
+    type: Literal["text"]
+    text: str
+
+
+class MediaURL(TypedDict):
+    """A medium's source: a data URI, ``file://`` or a plain path, or http(s)."""
+
+    url: str
+
+
+class VideoURL(MediaURL):
+    use_audio_in_video: NotRequired[bool]  # Omni models: the video's own audio track, interleaved with its frames
+
+
+class ImageURLPart(TypedDict):
+    type: Literal["image_url"]
+    image_url: MediaURL
+
+
+class VideoURLPart(TypedDict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+class AudioURLPart(TypedDict):
+    type: Literal["audio_url"]
+    audio_url: MediaURL
+
+
+class InputAudio(TypedDict):
+    data: str  # base64
+    format: NotRequired[str]
+
+
+class InputAudioPart(TypedDict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+ContentPart = TextPart | ImageURLPart | VideoURLPart | AudioURLPart | InputAudioPart
+
+
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class OpenAIToolCall(TypedDict):
+    """One entry of an assistant message's ``tool_calls``."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(TypedDict):
+    """One OpenAI chat message."""
+
+    role: Role
+    content: NotRequired[str | list[ContentPart] | None]
+    tool_calls: NotRequired[list[OpenAIToolCall]]
+    tool_call_id: NotRequired[str]
+    name: NotRequired[str]
+
+
+class FunctionSpec(TypedDict):
+    name: str
+    description: NotRequired[str]
+    parameters: NotRequired[dict[str, Any]]  # a JSON Schema object: free-form
+    strict: NotRequired[bool]
+
+
+class FunctionTool(TypedDict):
+    """An OpenAI function tool, as the chat template renders it."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+def function_tool(
+    name: str, *, description: str | None = None, parameters: dict[str, Any] | None = None, strict: bool | None = None
+) -> FunctionTool:
+    """The function tool ``name``; the fields given as None are left out (as a client that did not send them)."""
+    function: FunctionSpec = {"name": name}
+    if description is not None:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    if strict is not None:
+        function["strict"] = strict
+    return {"type": "function", "function": function}
+
+
+# -- what a chat template takes ----------------------------------------------------------------------
+class TemplatePart(TypedDict):
+    """A content part for the chat template: text, or a medium's placeholder."""
+
+    type: Literal["text", "image", "video", "audio"]
+    text: NotRequired[str]
+
+
+class TemplateFunction(TypedDict):
+    name: str
+    arguments: dict[str, Any] | str  # parsed into an object, as Hugging Face templates expect (else as given)
+
+
+class TemplateToolCall(TypedDict):
+    type: Literal["function"]
+    id: NotRequired[str | None]
+    function: TemplateFunction
+
+
+class TemplateMessage(TypedDict):
+    """One message for the chat template (``developer`` already rendered as ``system``)."""
+
+    role: TemplateRole
+    content: str | list[TemplatePart]
+    tool_calls: NotRequired[list[TemplateToolCall]]
+
+
+# -- an answer ---------------------------------------------------------------------------------------
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TypedDict):
+    """One token of ``logprobs.content``; ``top_logprobs`` None where there are none (a prompt's first token)."""
+
+    token: str
+    logprob: float | None
+    bytes: list[int]
+    top_logprobs: list[TopLogprob] | None
+
+
+class LogprobsContent(TypedDict):
+    content: list[TokenLogprob]
+
+
+class LegacyLogprobs(TypedDict):
+    """The completions API's log-probs: per token its text, log-prob, start in the text and (when asked)
+    its alternatives, token text → log-prob."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
+class AssistantMessage(TypedDict):
+    role: Literal["assistant"]
+    content: str | None
+    tool_calls: NotRequired[list[OpenAIToolCall]]
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatChoice(TypedDict):
+    index: int
+    message: AssistantMessage
+    logprobs: LogprobsContent | None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(TypedDict):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkHead(TypedDict):
+    """What every chunk of one streamed answer repeats."""
+
+    id: str
+    object: Literal["chat.completion.chunk", "text_completion"]
+    created: int
+    model: str
+
+
+class ToolCallDelta(OpenAIToolCall):
+    index: int
+
+
+class Delta(TypedDict):
+    role: NotRequired[Literal["assistant"]]
+    content: NotRequired[str]
+    tool_calls: NotRequired[list[ToolCallDelta]]
+
+
+class ChunkChoice(TypedDict):
+    index: int
+    delta: Delta
+    logprobs: LogprobsContent | None
+    finish_reason: FinishReason | None
+
+
+class ChatChunk(ChunkHead):
+    choices: list[ChunkChoice]
+
+
+class TextChoice(TypedDict):
+    index: int
+    text: str
+    logprobs: LegacyLogprobs | None
+    finish_reason: FinishReason | None
+
+
+class TextChunk(ChunkHead):
+    choices: list[TextChoice]
+
+
+class TextCompletion(TypedDict):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage

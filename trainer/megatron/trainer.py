@@ -1,0 +1,481 @@
+"""`MegatronTrainer`: the RL loop's trainer (`trainer.loop.run_loop`) on megatron-core — the same surface as
+`trainer.reference.ReferenceTrainer` (``accumulate`` / ``apply`` / ``save`` / ``load`` / ``export`` /
+``supervised_step``), so `weir train --trainer megatron` runs the same loop: the feed, checkpoint then
+acknowledge, staleness, publishing.
+
+What it runs: the thinker's language model as a megatron-core ``GPTModel`` (`trainer.megatron.model`, its
+weights mapped from the Hugging Face folder by `trainer.megatron.weights`), wrapped in megatron's
+``DistributedDataParallel``; each fed micro-batch goes through megatron's ``get_forward_backward_func`` as
+soon as it arrives (`trainer.megatron.loss.forward_step`, its media spliced in by `QwenMedia`: the Hugging
+Face towers, frozen), the gradients accumulating in megatron's ``main_grad`` buffers; ``apply`` finalizes
+them as megatron's schedule would at the end of a step (``finalize_model_grads`` with the step's loss units
+summed over data-parallel ranks: the exact token / sequence mean under any split), clips and steps.
+
+Parallelism: data-parallel ranks as torchrun starts them (``weir train --nproc N``). Tensor / pipeline /
+context / expert parallel sizes are megatron's ``initialize_model_parallel``; the loop here feeds every
+rank its own micro-batches, so sizes other than 1 are refused by `MegatronTrainer` until the feed hands a
+tensor-parallel group one stream (`trainer.megatron.batch.MegatronBatchIterator` does that for a caller's
+own loop).
+
+Precision: float32 on any device (``torch.optim.AdamW`` over ``main_grad``); ``bf16`` (bf16 parameters and
+compute, fp32 gradient reduction and master weights) uses megatron's mixed-precision optimizer, which
+needs CUDA. Checkpoints: the model through megatron's distributed checkpointing (``torch_dist``: each rank
+its shards), the optimizer per rank, the policy version and every rank's feed state; written to a staging
+folder and renamed into place once every rank has written. Export: a Hugging Face folder
+(`trainer.megatron.weights.export_hf`) with the towers of the base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import pyarrow as pa
+import torch
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+import preprocess as pp
+from encoders.architectures import load_thinker
+
+from ..feed import FeedBatch, pack
+from ..losses import LossConfig
+from ..reference import StepResult
+from .attention import SegmentAttention
+from .batch import MegatronBatch, megatron_batch
+from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
+from .loss import forward_step
+from .media import QwenMedia
+from .model import build_gpt
+from .weights import QwenLayout, export_hf, hf_to_megatron, megatron_to_hf
+
+__all__ = ["MegatronParallel", "MegatronTrainer", "close_megatron_ranks", "megatron_ranks"]
+
+logger = logging.getLogger(__name__)
+
+Precision = Literal["fp32", "bf16"]
+
+
+@dataclass(frozen=True, slots=True)
+class MegatronParallel:
+    """This process among the trainer's data-parallel ranks (megatron's data-parallel group), with the
+    collectives the loop's `trainer.lockstep.Lockstep` needs — the same surface as
+    `trainer.data_parallel.DataParallel`."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _group(self) -> Any:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    def total(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group())
+        return [float(v) for v in tensor.tolist()]
+
+    def union(self, names: Any) -> list[str]:
+        gathered: list[list[str] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, sorted(names), group=self._group())
+        return sorted({name for part in gathered for name in part or []})
+
+    def most(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group())
+        return int(tensor.item())
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        """The trainer owns the process group: `MegatronTrainer.close` ends it."""
+
+
+def check_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+    """Refuse, by name, the model-parallel sizes the RL loop cannot feed yet (before any stack starts)."""
+    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+        if size != 1:
+            raise ValueError(
+                f"--{name} {size}: the RL loop feeds each rank its own micro-batches, so megatron's model "
+                f"parallelism ({name}) is not wired into `weir train` yet; use data-parallel ranks (--nproc)"
+            )
+
+
+def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MegatronParallel | None:
+    """Join torchrun's process group (or a world of one on a free port: megatron needs a process group even
+    alone) and megatron's parallel state, once per process; this rank's data-parallel place, or None alone."""
+    from megatron.core import parallel_state
+
+    check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(device)
+        backend = "nccl" if cuda else "gloo"
+        if "WORLD_SIZE" in os.environ:  # torchrun's (or `weir train --nproc`'s) variables
+            dist.init_process_group(backend)
+        else:  # alone: a world of one on a free port (the environment is left as it is, for child processes)
+            from ..data_parallel import _free_port
+
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
+    if dist.get_world_size() == 1:
+        return None
+    return MegatronParallel(
+        rank=parallel_state.get_data_parallel_rank(),
+        world_size=parallel_state.get_data_parallel_world_size(),
+        device=device,
+    )
+
+
+def close_megatron_ranks() -> None:
+    """Leave megatron's parallel state and the process group (`megatron_ranks`' inverse)."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class MegatronTrainer:
+    """The RL loop's trainer on megatron-core (see the module docstring)."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        features: pp.FeatureStore | None = None,
+        lr: float = 1e-5,
+        max_grad_norm: float = 1.0,
+        loss: LossConfig | None = None,
+        seed: int = 0,
+        precision: Precision = "fp32",
+        activation_checkpointing: bool = False,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+    ) -> None:
+        check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep)
+        cuda = torch.cuda.is_available()
+        if precision == "bf16" and not cuda:
+            raise ValueError(
+                "--precision bf16 with --trainer megatron needs CUDA (megatron's mixed-precision optimizer)"
+            )
+        self.model_dir = Path(model_dir)
+        self.parallel = megatron_ranks(tp=tp, pp=pp, cp=cp, ep=ep)  # joined already by `weir train`: as it is
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        self._context = contextlib.ExitStack()
+        if not cuda:
+            self._context.enter_context(megatron_on_cpu(seed))
+        else:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            torch.manual_seed(seed)
+            model_parallel_cuda_manual_seed(seed)
+        self.precision = precision
+        # The Hugging Face thinker: its towers make the media embeddings (frozen); its language model's
+        # weights start the GPTModel and are then dropped from it.
+        thinker = load_thinker(model_dir, dtype=torch.float32)
+        self.hf_config = thinker.config
+        self.layout = QwenLayout.from_hf_config(thinker.config)
+        towers = _has_towers(thinker)
+        gpt = build_gpt(
+            thinker.config,
+            core_attention=None if cuda else SegmentAttention,
+            params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+            bf16=precision == "bf16",
+            recompute=activation_checkpointing,
+            mrope=towers,  # Qwen's 3-D rotary positions, as the thinker's
+        )
+        mapped = hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False)
+        missing, unexpected = gpt.load_state_dict(mapped, strict=False)
+        if unexpected or any(not k.endswith("_extra_state") for k in missing):
+            raise ValueError(
+                f"the mapped weights do not fit the GPTModel: missing {missing[:3]}, unexpected {unexpected[:3]}"
+            )
+        gpt.to(self.device)
+        self.media = QwenMedia.from_thinker(thinker, features=features) if towers else None
+        self.features = features
+        self.gpt = gpt
+        self.model = self._wrap(gpt)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer: Any = self._optimizer(lr)
+        self.max_grad_norm = max_grad_norm
+        self.loss_config = loss or LossConfig()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.policy_version = 0
+        self._units, self._loss = 0, 0.0
+        self._metrics: dict[str, float] = {}
+
+    # -- building -------------------------------------------------------------------------------------
+    def _wrap(self, gpt: Any) -> Any:
+        """megatron's DDP (gradient buffers in fp32, no reduction until `apply`); the schedule's end-of-step
+        finalisation is `apply`'s, not each micro-batch's."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp = DistributedDataParallel(
+            gpt.config,
+            DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=self.precision == "bf16"),
+            module=gpt,
+        )
+        gpt.config.no_sync_func = ddp.no_sync
+        gpt.config.finalize_model_grads_func = None  # each micro-batch is its own schedule call: see `apply`
+        return ddp
+
+    def _optimizer(self, lr: float) -> Any:
+        if self.precision == "bf16":  # fp32 master weights, megatron's distributed optimizer (CUDA)
+            from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+            config = OptimizerConfig(
+                optimizer="adam", lr=lr, weight_decay=0.0, bf16=True, params_dtype=torch.bfloat16,
+                clip_grad=1.0, use_distributed_optimizer=True,
+            )  # fmt: skip
+            return get_megatron_optimizer(config, [self.model])
+        return torch.optim.AdamW(self.params, lr=lr, weight_decay=0.0)
+
+    # -- one step -------------------------------------------------------------------------------------
+    def _schedule(self, data: MegatronBatch, step: Callable[..., Any]) -> list[dict[str, torch.Tensor]]:
+        """One micro-batch forward and backward through megatron's schedule (gradients accumulate)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        moved = cast(
+            MegatronBatch, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
+        )
+        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+        with guard:
+            return list(
+                get_forward_backward_func()(
+                    forward_step_func=step,
+                    data_iterator=iter([moved]),
+                    model=[self.model],
+                    num_microbatches=1,
+                    seq_length=int(moved["tokens"].shape[1]),
+                    micro_batch_size=1,
+                    forward_only=False,
+                )
+            )
+
+    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
+        """Forward and backward one fed micro-batch, adding to the step's gradients (``None``: another
+        data-parallel rank got one this round; nothing here is a collective until `apply`)."""
+        if batch is None:
+            return {}
+        data = megatron_batch(batch, media=self.media)  # a thinker with towers: 3-D positions, media spliced in
+        metrics = self._schedule(data, partial(forward_step, config=self.loss_config))[0]
+        loss_sum, units = (float(x) for x in metrics.pop("policy loss"))
+        self._units += int(units)
+        self._loss += loss_sum
+        weight = max(units, 1.0)
+        out = {name: float(value) for name, value in metrics.items()}
+        for name, value in out.items():
+            self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
+        return out
+
+    def apply(self) -> StepResult:
+        """The step's end as megatron's schedule ends one: gradients reduced over data-parallel ranks and
+        divided by the step's loss units (summed over ranks), clipped, one optimizer step."""
+        from megatron.core.distributed import finalize_model_grads
+
+        names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
+        sums = [float(self._units), self._loss, *(self._metrics.get(name, 0.0) for name in names)]
+        if self.parallel is not None:
+            sums = self.parallel.total(sums)
+        aggregation = self.loss_config.aggregation
+        units = torch.tensor(self._units if aggregation != "sum" else 0, dtype=torch.int, device=self.device)
+        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+        with guard:
+            finalize_model_grads([self.model], units if aggregation != "sum" else None)
+        norm = self._optimizer_step()
+        total_units = max(sums[0], 1e-9)
+        divisor = 1.0 if aggregation == "sum" else total_units
+        result = StepResult(
+            loss=sums[1] / divisor,
+            grad_norm=norm,
+            metrics={name: value / total_units for name, value in zip(names, sums[2:], strict=True)},
+        )
+        self._units, self._loss, self._metrics = 0, 0.0, {}
+        return result
+
+    def _optimizer_step(self, lr: float | None = None) -> float:
+        saved = [group["lr"] for group in self.optimizer.param_groups]
+        if lr is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+        if self.precision == "bf16":
+            _, norm, _ = self.optimizer.step()
+        else:
+            for p in self.params:
+                p.grad = p.main_grad  # megatron's fp32 accumulation buffer, reduced and scaled by `apply`
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        for group, value in zip(self.optimizer.param_groups, saved, strict=True):
+            group["lr"] = value
+        self.model.zero_grad_buffer()
+        return float(norm)
+
+    # -- the demo's warm-up -----------------------------------------------------------------------------
+    def answer_ids(self, answer: str) -> list[int]:
+        """A response as an engine would produce it: the answer's tokens, then end-of-turn."""
+        return self.tokenizer.encode(answer, add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
+
+    def chat_pair(self, messages: list[Any], answer: str) -> tuple[list[int], list[int], list[str]]:
+        """A text-only supervised example: (prompt ids, response ids, no media)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
+
+    def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
+        """One cross-entropy step on (prompt ids, response ids, feature keys): the mean over pairs of each
+        response's mean token loss (data-parallel: each rank takes every N-th pair), as the reference
+        trainer's. Each pair is a micro-batch of megatron's schedule."""
+        mine = pairs if self.parallel is None else pairs[self.parallel.rank :: self.parallel.world_size]
+        total = 0.0
+        for prompt, response, keys in mine:
+            batch = _supervised_batch(prompt, response, keys)
+            data = megatron_batch(batch, media=self.media)
+            metrics = self._schedule(data, _supervised_forward)[0]
+            total += float(metrics["nll"][0])
+        count = self.parallel.total([float(len(mine)), total]) if self.parallel is not None else [len(mine), total]
+        from megatron.core.distributed import finalize_model_grads
+
+        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+        with guard:
+            finalize_model_grads([self.model], torch.tensor(len(mine), dtype=torch.int, device=self.device))
+        self._optimizer_step(lr=lr)
+        return count[1] / max(1.0, count[0])
+
+    # -- checkpoints and export -----------------------------------------------------------------------
+    def _rank(self) -> int:
+        return dist.get_rank()
+
+    def save(self, folder: str | Path, feed_state: Mapping[str, Any] | None = None) -> Path:
+        """The model (megatron's distributed checkpoint), each rank's optimizer and feed state, the policy
+        version; staged and renamed into place by rank 0 once every rank has written."""
+        from megatron.core import dist_checkpointing
+
+        final = Path(folder)
+        staging = final.parent / f".{final.name}.tmp"
+        if self._rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+            (staging / "model").mkdir(parents=True)
+        dist.barrier()
+        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+        with guard:
+            dist_checkpointing.save(self.gpt.sharded_state_dict(prefix=""), str(staging / "model"))
+        rank = self._rank()
+        with open(staging / f"optimizer-{rank}.pt", "wb") as fh:
+            torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.random.get_rng_state()}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _write_synced(staging / f"feed-{rank}.json", json.dumps(dict(feed_state or {})))
+        if rank == 0:
+            meta = {"policy_version": self.policy_version, "world_size": dist.get_world_size(), "trainer": "megatron"}
+            _write_synced(staging / "trainer.json", json.dumps(meta))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(staging, final)
+        dist.barrier()
+        return final
+
+    @staticmethod
+    def saved_policy_version(folder: str | Path) -> int:
+        """The policy version a checkpoint written by `save` holds (`trainer.policy_version.PolicyVersion`,
+        its one owner, restores it)."""
+        return int(json.loads((Path(folder) / "trainer.json").read_text())["policy_version"])
+
+    def load(self, folder: str | Path) -> dict[str, Any]:
+        """Restore a checkpoint written by `save` by as many ranks (model, optimizer; not the policy version,
+        which `PolicyVersion.restore` sets); returns this rank's feed state."""
+        from megatron.core import dist_checkpointing
+
+        root = Path(folder)
+        meta = json.loads((root / "trainer.json").read_text())
+        if meta.get("world_size") != dist.get_world_size() or meta.get("trainer") != "megatron":
+            raise ValueError(f"{root} was written by {meta.get('world_size')} {meta.get('trainer', 'fsdp')} ranks")
+        state = dist_checkpointing.load(self.gpt.sharded_state_dict(prefix=""), str(root / "model"))
+        self.gpt.load_state_dict(state, strict=False)
+        saved = torch.load(root / f"optimizer-{self._rank()}.pt", weights_only=False)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        torch.random.set_rng_state(saved["rng"])
+        return dict(json.loads((root / f"feed-{self._rank()}.json").read_text()))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The language model's weights under Hugging Face names, on the CPU (tensor parallel 1: whole)."""
+        state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        return megatron_to_hf(state, self.layout)
+
+    def export(self, folder: str | Path) -> Path:
+        """A Hugging Face folder an engine loads (rank 0 writes; every rank calls it)."""
+        root = Path(folder)
+        if self._rank() == 0:
+            state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+            export_hf(state, self.layout, root, base_model=self.model_dir)
+        dist.barrier()
+        return root
+
+    def close(self) -> None:
+        """The CPU adaptations undone, megatron's parallel state and the process group left."""
+        self._context.close()
+        close_megatron_ranks()
+
+
+def _has_towers(thinker: Any) -> bool:
+    return getattr(thinker, "visual", None) is not None or getattr(thinker, "audio_tower", None) is not None
+
+
+def _supervised_batch(prompt: list[int], response: list[int], keys: list[str]) -> FeedBatch:
+    """One (prompt, response) pair as a fed micro-batch: the response tokens are the loss tokens."""
+    table = pa.table(
+        {
+            "input_ids": [prompt + response],
+            "loss_mask": [[0] * len(prompt) + [1] * len(response)],
+            "rollout_logprobs": [[0.0] * (len(prompt) + len(response))],
+            "advantage": [1.0],
+            "reward": [0.0],
+            "policy_version": [0],
+        }
+    )
+    return FeedBatch(batch_id="warm-up", tensors=pack(table), sample_ids=["warm-up"], feature_keys=[keys], meta={})
+
+
+def _supervised_forward(data_iterator: Iterator[MegatronBatch], model: Any, *_: Any) -> tuple[Any, Any]:
+    """`forward_step` with the warm-up's loss: the response's mean negative log-likelihood (one sequence per
+    micro-batch, so ``num_tokens`` 1: the step divides by the number of pairs)."""
+    batch = next(data_iterator)
+    output, _policy_loss = forward_step(iter([batch]), model)
+
+    def loss(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        mask = batch["loss_mask"].reshape(-1).float()
+        nll = (output_tensor.float().reshape(-1) * mask).sum() / mask.sum().clamp(min=1)
+        one = torch.ones((), dtype=torch.int, device=nll.device)
+        return nll, one, {"nll": torch.stack([nll.detach().clone(), one.float()])}
+
+    return output, loss
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

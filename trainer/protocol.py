@@ -1,0 +1,54 @@
+"""What the RL loop asks of a trainer and of its ranks: `LoopTrainer` and `Ranks`.
+
+`trainer.reference.ReferenceTrainer` (PyTorch, FSDP2), `trainer.megatron.trainer.MegatronTrainer`
+(megatron-core) and `trainer.sim_trainer.SimTrainer` (the capacity twin's) are loop trainers; `run_loop`,
+`Committer` and `PolicyVersion` are written against these protocols, never against one of them. A
+trainer's ranks are `trainer.data_parallel.DataParallel` or `trainer.megatron.trainer.MegatronParallel`
+(its data-parallel group), or None alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from .feed import FeedBatch
+from .reference import StepResult
+
+__all__ = ["LoopTrainer", "Ranks"]
+
+
+class Ranks(Protocol):
+    """This process among the trainer's data-parallel ranks; every method but the properties is a collective."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def is_main(self) -> bool: ...
+    def total(self, values: list[float]) -> list[float]: ...
+    def union(self, names: Iterable[str]) -> list[str]: ...
+    def most(self, value: int) -> int: ...
+    def barrier(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class LoopTrainer(Protocol):
+    """What `trainer.loop.run_loop` drives: micro-batches accumulated into a step, checkpoints, exports."""
+
+    policy_version: int  # written only by `trainer.policy_version.PolicyVersion`
+
+    @property
+    def parallel(self) -> Ranks | None: ...
+    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]: ...
+    def apply(self) -> StepResult: ...
+    def save(self, folder: str | Path, feed_state: Mapping[str, Any] | None = None) -> Path: ...
+    def load(self, folder: str | Path) -> dict[str, Any]: ...
+    def saved_policy_version(self, folder: str | Path) -> int: ...
+    def export(self, folder: str | Path) -> Path: ...
