@@ -23,6 +23,7 @@ import torch
 import preprocess as pp
 
 from .protocol import FinishReason, GenerateRequest, GenerateResult, MediaInput, TokenStep
+from .sampling import SGLangSampling  # the same JSON whoever writes it
 
 __all__ = [
     "GenerateKwargs",
@@ -35,33 +36,6 @@ __all__ = [
     "result_from",
     "token_step",
 ]
-
-
-class SGLangSampling(TypedDict, total=False):
-    """The ``sampling_params`` dict SGLang's ``SamplingParams(**...)`` takes: the first eight keys always, the
-    rest only when not neutral."""
-
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    ignore_eos: bool
-    no_stop_trim: bool
-    skip_special_tokens: bool
-    spaces_between_special_tokens: bool
-    min_p: float
-    repetition_penalty: float
-    presence_penalty: float
-    frequency_penalty: float
-    min_new_tokens: int
-    logit_bias: dict[str, float]
-    custom_params: dict[str, bool]
-    stop: list[str]
-    stop_token_ids: list[int]
-    sampling_seed: int
-    json_schema: str
-    regex: str
-    ebnf: str
 
 
 class MediaData(TypedDict, total=False):

@@ -1,6 +1,7 @@
-"""Test-only shims that let megatron-core 0.16's real schedules run forward + backward on CPU under
-gloo (see /work/shared/reference/megatron-and-ray-on-cpu.md). Nothing here belongs in library code:
-each shim papers over a CUDA assumption megatron makes, not over a behaviour Weir depends on.
+"""megatron-core 0.16's real schedules on CPU under gloo for the tests (see
+/work/shared/reference/megatron-and-ray-on-cpu.md): the adaptations are the library's own
+(`trainer.megatron.cpu`, which `weir train --trainer megatron` uses on a machine without CUDA); each papers
+over a CUDA assumption megatron makes, not over a behaviour Weir depends on.
 
 `megatron_cpu()` is a context manager so the two-rank child processes (`test_megatron_parallel.py`)
 use exactly the same shims as the in-process fixture. `SegmentAttention` (packed attention without
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from trainer.megatron.attention import SegmentAttention
+from trainer.megatron.cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 
 __all__ = ["SegmentAttention", "free_port", "gpt_from_hf", "megatron_cpu"]
 
@@ -28,39 +30,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class _CudaKwargsToCpu(torch.overrides.TorchFunctionMode):
-    """schedules.py allocates ``total_num_tokens`` with ``device="cuda"``."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = dict(kwargs or {})
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type == "cuda":
-            kwargs["device"] = "cpu"
-        return func(*args, **kwargs)
-
-
 @contextlib.contextmanager
 def megatron_cpu() -> Iterator[None]:
-    """The four shims, and a fifth for MoE routers without transformer-engine; requires torch.distributed
-    already initialised (gloo)."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    from megatron.core.tensor_parallel import random as mp_random
-
-    # model_parallel_cuda_manual_seed needs CUDA RNG state; the inference tracker's fork() is a no-op.
-    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
-    # megatron-core 0.16.1's MoE router reads transformer-engine's GEMM without importing it when TE is absent.
-    had_gemm = hasattr(moe_utils, "te_general_gemm")
-    if not had_gemm:
-        moe_utils.te_general_gemm = None
-    try:
-        with _CudaKwargsToCpu():
-            yield
-    finally:
-        torch.cuda.current_device = saved  # type: ignore[method-assign]
-        if not had_gemm:
-            del moe_utils.te_general_gemm
+    """What runs megatron-core on CPU (`trainer.megatron.cpu`: the RNG tracker, the device arguments, the MoE
+    router's GEMM name), for a whole test module; requires torch.distributed already initialised (gloo)."""
+    with megatron_on_cpu(seed=None), cuda_kwargs_to_cpu():
+        yield
 
 
 def gpt_from_hf(hf_model: Any, *, calculate_per_token_loss: bool = True, mrope: bool = False, **kwargs: Any) -> Any:

@@ -11,6 +11,8 @@ megatron-core 0.16 assumes CUDA in five places, none of which changes what is co
 * its schedules allocate a token count with ``device="cuda"``: a `torch.overrides.TorchFunctionMode` turns
   such keyword arguments into ``"cpu"`` (only around a schedule call or a checkpoint save: `cuda_kwargs_to_cpu`);
 * its checkpoint writer calls ``torch.cuda.synchronize()``: a no-op without CUDA;
+* its MoE router (0.16.1) reads transformer-engine's ``te_general_gemm`` from ``moe_utils`` without importing
+  it when transformer-engine is absent: the name is set to None while the context is open;
 * its fused optimizer's gradient clipping asserts CUDA tensors: the CPU trainer uses ``torch.optim.AdamW``
   over megatron's ``main_grad`` buffers instead (`trainer.megatron.trainer`), which is what megatron falls
   back to without apex or transformer-engine anyway.
@@ -49,19 +51,26 @@ def cuda_kwargs_to_cpu() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(seed: int = 0) -> Iterator[None]:
-    """megatron's RNG tracker, ``torch.cuda.current_device`` and ``torch.cuda.synchronize`` for a machine
-    without CUDA, for as long as the context is open (a trainer's lifetime). Needs torch.distributed
-    initialised (gloo) and megatron's parallel state."""
+def megatron_on_cpu(seed: int | None = 0) -> Iterator[None]:
+    """megatron's RNG tracker, ``torch.cuda.current_device``, ``torch.cuda.synchronize`` and the MoE router's
+    GEMM name for a machine without CUDA, for as long as the context is open (a trainer's lifetime); the CPU
+    generator seeded with ``seed`` (None: left as it is). Needs torch.distributed initialised (gloo)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     from megatron.core.tensor_parallel import random as mp_random
 
     mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    torch.manual_seed(seed)
+    if seed is not None:
+        torch.manual_seed(seed)
     saved_device, saved_sync = torch.cuda.current_device, torch.cuda.synchronize
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    had_gemm = hasattr(moe_utils, "te_general_gemm")
+    if not had_gemm:
+        moe_utils.te_general_gemm = None
     try:
         yield
     finally:
         torch.cuda.current_device = saved_device  # type: ignore[method-assign]
         torch.cuda.synchronize = saved_sync  # type: ignore[method-assign]
+        if not had_gemm:
+            del moe_utils.te_general_gemm
