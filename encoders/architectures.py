@@ -50,6 +50,7 @@ __all__ = [
     "pack_visual",
     "rope_index",
     "split_visual",
+    "thinker_class",
     "thinker_config",
     "towers_of",
 ]
@@ -102,10 +103,14 @@ def thinker_config(model_dir: str | Path) -> Any:
     return getattr(config, "thinker_config", config)
 
 
+def thinker_class(model_dir: str | Path) -> type[PreTrainedModel]:
+    """The class `load_thinker` loads a folder's model in."""
+    return _CLASSES[family_of(model_dir)]
+
+
 def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """The folder's model, in the class its config names (not a hard-coded one)."""
-    family = family_of(model_dir)
-    model = _CLASSES[family].from_pretrained(model_dir, dtype=dtype)
+    model = thinker_class(model_dir).from_pretrained(model_dir, dtype=dtype)
     return model  # type: ignore[no-any-return]
 
 

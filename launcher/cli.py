@@ -18,6 +18,8 @@ Commands::
                                    # capacity twin: sim engines + sim trainer, real control plane
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
+    weir export-hf CHECKPOINT OUT [--base MODEL_DIR] [--max-shard-size 2GB]
+                                   # a checkpoint of `weir train` (either trainer) as a Hugging Face folder
     weir init-model DIR [--if-missing] [--arch qwen3-vl|qwen3-omni-moe]
                                    # write a tiny model folder (default: Qwen2.5-Omni)
     weir token --out FILE [--uid UID]    # the API token file the roles share (compose's `token` service)
@@ -41,6 +43,8 @@ from services import __version__
 from services.roles import BASE_PORT, ROLES
 
 from .commands import HANDLERS, WORKER_APPS
+
+DEFAULT_MAX_SHARD_SIZE = "2GB"  # trainer.hf_folder's, kept here so that `weir --help` imports no torch
 
 __all__ = ["build_parser", "main"]
 
@@ -260,6 +264,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
+    train.add_argument(
+        "--weights",
+        choices=("broadcast", "disk"),
+        default="broadcast",
+        help="how new weights reach the engines: broadcast (the trainer's tensors straight into them, gloo on CPU, "
+        "NCCL on CUDA; disk for the rest of the run if that fails) or disk (a folder per version); with --ray "
+        "always disk for now (an engine that joins later loads the recorded folder)",
+    )
     train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
     train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home (see `weir up --home`)")
     train.add_argument(
@@ -333,6 +345,35 @@ def build_parser() -> argparse.ArgumentParser:
     twin.add_argument("--home", type=Path, default=Path(".weir/twin"), help="the twin's stacks and results.json")
     twin.add_argument("--base-port", type=int, default=9500, help="the twin's stacks' base port")
 
+    export = command(
+        "export-hf",
+        "write a checkpoint of `weir train` (--trainer fsdp, one rank or several, or megatron) as a Hugging Face "
+        "model folder: sharded safetensors with their index, and the base model's config, tokenizer and "
+        "processor files",
+    )
+    export.add_argument(
+        "checkpoint",
+        type=Path,
+        metavar="CHECKPOINT",
+        help="the checkpoint folder `weir train` wrote (HOME/train/MODE/checkpoint)",
+    )
+    export.add_argument("out", type=Path, metavar="OUT", help="the folder to write (an existing one is replaced whole)")
+    export.add_argument(
+        "--base",
+        type=Path,
+        default=None,
+        metavar="MODEL_DIR",
+        help="the model folder the run started from (default: HOME/model of the run's home, that is "
+        "CHECKPOINT/../../../model)",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_shard_size,
+        default=DEFAULT_MAX_SHARD_SIZE,
+        metavar="SIZE",
+        help="the largest safetensors file, e.g. 500MB, 2GB (decimal units, as Hugging Face's)",
+    )
+
     init = command("init-model", "write the tiny embedded Qwen2.5-Omni model folder")
     init.add_argument("folder", type=Path, help="where to write it")
     init.add_argument("--seed", type=int, default=0, help="weights seed (the same seed, the same model)")
@@ -367,6 +408,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the owner stays who wrote it)",
     )
     return parser
+
+
+def _shard_size(text: str) -> int:
+    from trainer.hf_folder import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _add_ray(parser: argparse.ArgumentParser) -> None:

@@ -1,8 +1,9 @@
 """What each ``weir`` command does, given its parsed options: serve one role, prep a dataset, the demo
-media set, the local or Ray stack (`weir up`, `weir engines`), training, the twin, a tiny model, the token
-file. The parser is `launcher.cli`; the options (`argparse.Namespace`) reach no further than this module —
-each command hands the work on as a typed configuration (`launcher.config`, `launcher.twin.TwinConfig`) or
-plain values, to `launcher.stack`, `launcher.training`, `launcher.twin` and the roles in ``services/``.
+media set, the local or Ray stack (`weir up`, `weir engines`), training, the twin, a checkpoint as a Hugging
+Face folder, a tiny model, the token file. The parser is `launcher.cli`; the options (`argparse.Namespace`)
+reach no further than this module — each command hands the work on as a typed configuration
+(`launcher.config`, `launcher.twin.TwinConfig`) or plain values, to `launcher.stack`, `launcher.training`,
+`launcher.twin`, `trainer.export` and the roles in ``services/``.
 """
 
 from __future__ import annotations
@@ -347,6 +348,18 @@ def _twin(args: argparse.Namespace) -> int:
     return 0
 
 
+def _export_hf(args: argparse.Namespace) -> int:
+    from trainer.export import ExportError, export_checkpoint
+
+    try:
+        out = export_checkpoint(args.checkpoint, args.out, base_model=args.base, max_shard_size=args.max_shard_size)
+    except ExportError as error:
+        print(f"weir export-hf: {error}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
 def _init_model(args: argparse.Namespace) -> int:
     from encoders.embedded_model import ensure_model, init_model
 
@@ -377,6 +390,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "engines": _engines,
     "train": _train,
     "twin": _twin,
+    "export-hf": _export_hf,
     "init-model": _init_model,
     "demo": _demo,
     "token": _token,

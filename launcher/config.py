@@ -111,6 +111,7 @@ class TrainConfig:
     max_restarts: int = 0
     checkpoint_every: int = 0
     resume: bool = False
+    weights: Literal["broadcast", "disk"] = "broadcast"  # how weights reach the engines (disk on Ray for now)
     # the stack
     engines: int = 1
     home: Path = Path(".weir")

@@ -16,6 +16,9 @@ evaluates, prints and plots; the other ranks attach to it once rank 0 has it rea
 The run is a `launcher.config.TrainConfig`, built once by the command line (options it left unset take the
 task's defaults there). On Ray (``--ray``) the ranks are Ray tasks (`launcher.cluster.training`), each running
 `run_training` again, attached to the stack.
+
+New weights reach the engines by broadcast on a local stack (``--weights broadcast``, the default), through a
+folder per version with ``--weights disk`` and always on Ray (`trainer.policy_version`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.table import Table
 
@@ -121,10 +124,20 @@ def _warm_up(
         token=token,
         pause_mode=PAUSE_MODE,
         on_weights=record_weights if config.ray else None,  # joining engines load these weights
+        weights=_weights(config),
     )
     policy = PolicyVersion(trainer, weights=out / "weights", main=main, recipients=recipients)
     policy.join(data_policy_version(urls["data"], token=token))
-    policy.publish()  # collective export with several ranks; rank 0 tells the recipients
+    try:
+        policy.publish()  # collective (export or state dict) with several ranks; rank 0 tells the recipients
+    finally:
+        policy.close()  # the engines leave the warm-up's broadcast group; the loop joins its own
+
+
+def _weights(config: TrainConfig) -> Literal["broadcast", "disk"]:
+    """How weights reach the engines: ``--weights``, but disk on Ray for now (engines come and go there, and
+    one that joins later loads the recorded folder)."""
+    return "disk" if config.ray else config.weights
 
 
 def _runs(root: Path) -> dict[str, list[dict[str, Any]]]:
@@ -351,6 +364,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             # On Ray: publish to the engines there are at the time, and record each weights folder first.
             engines=cluster_engines if config.ray else None,
             on_weights=record_weights if config.ray else None,
+            weights=_weights(config),
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
         if main:

@@ -60,7 +60,7 @@ from .commit import Committer
 from .driver import RolloutDriver
 from .feed import MicroBatchFeed
 from .lockstep import Lockstep
-from .policy_version import PolicyVersion, WeightRecipients
+from .policy_version import PolicyVersion, WeightRecipients, WeightsPath
 from .protocol import LoopTrainer
 from .readings import EngineClock, Readings
 from .step_record import Progress, StepTally, straddling
@@ -99,6 +99,10 @@ class LoopConfig:
     # (so an engine joining meanwhile loads them: `services.cluster`).
     engines: Callable[[], list[str]] | None = field(default=None, repr=False)
     on_weights: Callable[[Path, int], None] | None = field(default=None, repr=False)
+    # How weights reach the engines (`trainer.policy_version`): "broadcast" (the trainer's state dict straight
+    # into them, no folder; disk for the rest of the run when that fails) or "disk" (a folder per version,
+    # which engines that come and go always use). `weir train` broadcasts on a local stack.
+    weights: WeightsPath = "disk"
 
 
 def evaluate(
@@ -155,6 +159,7 @@ def _recipients(config: LoopConfig, engines: list[str]) -> WeightRecipients:
         token=config.token,
         pause_mode="abort" if config.partial_rollouts else "retract",
         on_weights=config.on_weights,
+        weights=config.weights,
     )
 
 
@@ -232,4 +237,5 @@ def run_loop(
             driver.close()
         feed.close()
         readings.close()
+        policy.close()  # the engines leave the broadcast group
     return records

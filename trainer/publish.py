@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
@@ -184,6 +185,7 @@ class BroadcastWeightSync:
         group_name: str = "weight_update_group",
         bucket_bytes: int = 512 << 20,
         data_url: str | None = None,
+        encoder_url: str | None = None,
         timeout_s: float = 600.0,
         token: str | None = None,
     ) -> None:
@@ -192,7 +194,7 @@ class BroadcastWeightSync:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.world_size = 1 + len(self.engine_urls) * tp_size
         self.bucket_bytes = bucket_bytes
-        self.data_url = data_url
+        self.data_url, self.encoder_url = data_url, encoder_url
         self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
@@ -226,11 +228,28 @@ class BroadcastWeightSync:
             for i in range(len(self.engine_urls))
         ]
         pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
-        # Should rank 0 fail to join, its error is raised at once: the engines' calls then end on their own
-        # rendezvous timeout, and waiting for them here would only hide the cause.
-        self.group = join_weights_group(
-            self.master_address, self.master_port, 0, self.world_size, self.group_name, self.backend
-        )
+        # Rank 0 joins in a thread of its own, so an engine that refuses at once (NCCL on a CPU engine, a
+        # group name it already holds) or cannot be reached fails the connect at once instead of after the
+        # rendezvous timeout; the abandoned rendezvous ends on that timeout, in a daemon thread. Should rank 0
+        # fail to join, its error is raised at once too: waiting for the engines would only hide the cause.
+        joined: Future[Any] = Future()
+
+        def join() -> None:
+            try:
+                joined.set_result(
+                    join_weights_group(
+                        self.master_address, self.master_port, 0, self.world_size, self.group_name, self.backend
+                    )
+                )
+            except BaseException as error:  # noqa: BLE001 - handed to the caller through the future
+                joined.set_exception(error)
+
+        threading.Thread(target=join, name=f"join-{self.group_name}", daemon=True).start()
+        waiting: set[Future[Any]] = {joined, *pending}
+        while not joined.done():
+            done, waiting = wait(waiting, return_when=FIRST_COMPLETED)
+            self._check([f for f in done if f is not joined])
+        self.group = joined.result()
         self._check(pending)
 
     def _device_tensor(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -243,18 +262,30 @@ class BroadcastWeightSync:
         return tensor.contiguous()
 
     def publish(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, pause_mode: PauseMode = PAUSE_MODE
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        pause_mode: PauseMode = PAUSE_MODE,
+        towers: Path | None = None,
     ) -> PublishResult:
         """Broadcast ``named_tensors`` to every engine as weight version ``version`` (the engines paused in
-        ``pause_mode``, as `publish_weights`); returns the seconds the engines took (``engines_s``)."""
+        ``pause_mode``, as `publish_weights`); returns the seconds the engines took (``engines_s``).
+
+        ``towers``: a folder of new tower weights for the encoder role (``encoder_url``), told while the
+        engines are paused, as `publish_weights` tells it; None tells the encoder role nothing (its towers
+        did not change). An engine that cannot be reached fails the publish before anything is broadcast
+        (``httpx.TransportError`` from its pause), the others continued."""
         if self.group is None:
             raise RuntimeError("connect() first")
         import torch.distributed as dist
 
         start = time.perf_counter()
-        for url in self.engine_urls:
-            self.client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
-        try:
+        try:  # an engine that cannot be paused (it died) fails the publish, the ones paused already continued
+            for url in self.engine_urls:
+                self.client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
+            if towers is not None and self.encoder_url:  # while the engines are paused, as publish_weights
+                self.client.post(f"{self.encoder_url}/v1/weights", json={"model_path": str(towers)}).raise_for_status()
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1

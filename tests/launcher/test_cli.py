@@ -126,7 +126,9 @@ def test_version() -> None:
 def test_every_option_of_every_command_shows_its_default() -> None:
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    assert set(commands) == {"serve", "prep", "up", "engines", "train", "twin", "init-model", "demo", "token"}
+    assert set(commands) == {
+        "serve", "prep", "up", "engines", "train", "twin", "export-hf", "init-model", "demo", "token"
+    }  # fmt: skip
     for name, command in commands.items():
         formatter = command._get_formatter()
         for action in command._actions:

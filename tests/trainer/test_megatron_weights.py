@@ -7,6 +7,7 @@ with an image and audio (3-D interleaved rotary, DeepStack)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -91,12 +92,15 @@ def test_hf_to_megatron_to_hf_is_bit_exact(models: dict[str, Any], folders: dict
 def test_export_writes_a_folder_the_family_loads(
     models: dict[str, Any], folders: dict[str, Path], arch: str, tmp_path: Path
 ) -> None:
-    """Trained language-model weights (here: + 0.5) exported; the towers are the base model's."""
+    """Trained language-model weights (here: + 0.5) exported, sharded with an index; the towers are the base
+    model's."""
     model = models[arch]
     layout = QwenLayout.from_hf_config(model.config)
     original = model.state_dict()
     trained = {k: v + 0.5 for k, v in hf_to_megatron(original, layout).items()}
-    folder = export_hf(trained, layout, tmp_path / arch, base_model=folders[arch])
+    folder = export_hf(trained, layout, tmp_path / arch, base_model=folders[arch], max_shard_size="300KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and set(index.values()) == {p.name for p in folder.glob("*.safetensors")}
     loaded = type(model).from_pretrained(folder, dtype=torch.float32).state_dict()
     assert loaded.keys() == original.keys()
     for name, tensor in original.items():

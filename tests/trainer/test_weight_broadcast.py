@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
+from trainer.policy_version import WeightRecipients
 from trainer.publish import BroadcastWeightSync
 from trainer.reference import ReferenceTrainer
 
@@ -161,3 +162,44 @@ def test_the_engine_refuses_nccl_on_cpu_and_pickled_tensors(stack: dict[str, Any
         "message": pickled.json()["message"],
         "field": "serialized_named_tensors",
     }
+
+
+def test_a_dead_engine_is_dropped_and_the_rest_joined_again_then_a_refusal_falls_back_to_disk(
+    tmp_path: Path,
+) -> None:
+    """`WeightRecipients` (what `weir train` publishes through): an engine killed between two publishes fails
+    the broadcast; it is dropped for good and the other one is broadcast to in a new group. Weights an engine
+    refuses (it answers /health) stop broadcasting: that version and the later ones go through disk."""
+    model = init_model(tmp_path / "model")
+    engines = [start_engine(model, tmp_path) for _ in range(2)]
+    try:
+        for process, url in engines:
+            wait_healthy(process, url)
+        urls = [url for _, url in engines]
+        live = urls[0]
+        recipients = WeightRecipients(
+            engines=list(urls), data_url=None, encoder_url=None, token=None, pause_mode="retract", weights="broadcast"
+        )
+        state = ReferenceTrainer(model).full_state_dict()
+        small = dict(sorted(state.items(), key=lambda item: item[1].numel())[:4])  # a subset: engines take one
+        try:
+            assert recipients.send(small, 1, towers=None) is True
+            assert [version(url) for url in urls] == ["1", "1"]
+
+            engines[1][0].kill()
+            engines[1][0].wait(30)
+            assert recipients.send(small, 2, towers=None) is True
+            assert recipients.engines == [live] and recipients.broadcasting
+            assert version(live) == "2"
+
+            name = next(iter(small))
+            assert recipients.send({name: torch.zeros(3, 5)}, 3, towers=None) is False
+            assert not recipients.broadcasting and recipients.sync is None
+            assert recipients.engines == [live] and version(live) == "2"  # nothing of the refused one loaded
+        finally:
+            recipients.close()
+    finally:
+        for process, _ in engines:
+            process.terminate()
+        for process, _ in engines:
+            process.wait(30)

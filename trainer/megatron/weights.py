@@ -24,15 +24,15 @@ thinker's names with ``thinker.``. MoE experts come in two forms: a checkpoint's
 from __future__ import annotations
 
 import functools
-import os
 import re
-import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
+
+from ..hf_folder import DEFAULT_MAX_SHARD_SIZE, base_weights, check_fits, weight_files, write_hf_folder
 
 __all__ = [
     "QwenLayout",
@@ -456,30 +456,33 @@ def gather_ep(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) 
 
 
 def export_hf(
-    state: Mapping[str, torch.Tensor], layout: QwenLayout, folder: str | Path, *, base_model: str | Path
+    state: Mapping[str, torch.Tensor],
+    layout: QwenLayout,
+    folder: str | Path,
+    *,
+    base_model: str | Path,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a megatron-core state dict (TP- and EP-gathered) as a Hugging Face folder an engine can load:
-    the language model's tensors converted (experts under a checkpoint's per-expert names), every other
-    tensor (towers) and the config, tokenizer and preprocessor files taken from ``base_model``. Written
+    the language model's tensors converted (experts under a checkpoint's per-expert names) in the base
+    model's dtypes, every other tensor (towers) and the config, tokenizer and preprocessor files taken from
+    ``base_model``; the weights sharded at ``max_shard_size`` with an index (`trainer.hf_folder`). Written
     beside ``folder`` and renamed into place."""
-    from safetensors.torch import load_file, save_file
+    from safetensors import safe_open
 
-    base, final = Path(base_model), Path(folder)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(base.glob("*.safetensors")):
-        tensors.update(load_file(str(file)))
+    base = Path(base_model)
+    known = base_weights(base)
     converted = megatron_to_hf(state, layout)
-    unknown = converted.keys() - tensors.keys()
+    if layout.lm_head not in known:  # tied in the base model: the head is the embedding, written once
+        converted.pop(layout.lm_head, None)
+    unknown = converted.keys() - known.keys()
     if unknown:
         raise ValueError(f"{sorted(unknown)[:3]} are not weights of {base}: a different architecture?")
-    tensors.update({name: value.detach().to("cpu", tensors[name].dtype) for name, value in converted.items()})
-    staging = final.parent / f".{final.name}.tmp"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging / "model.safetensors"))
-    for file in base.iterdir():
-        if file.is_file() and file.suffix != ".safetensors" and not file.name.endswith(".index.json"):
-            shutil.copy2(file, staging / file.name)
-    shutil.rmtree(final, ignore_errors=True)
-    os.rename(staging, final)
-    return final
+    tensors = {name: value.detach().to("cpu", known[name].dtype) for name, value in converted.items()}
+    for file in weight_files(base):  # the rest (towers) as the base model has them
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
+                if name not in tensors:
+                    tensors[name] = f.get_tensor(name)
+    check_fits(tensors, known, base)
+    return write_hf_folder(tensors, folder, base_model=base, max_shard_size=max_shard_size)
