@@ -64,7 +64,7 @@ from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
 from .memory import MemoryEstimate, Precision, estimate_memory
 
-__all__ = ["ReferenceTrainer", "StepResult", "media_inputs"]
+__all__ = ["ReferenceTrainer", "StepResult", "SupervisedPairs", "media_inputs", "write_synced"]
 
 
 def media_inputs(features: list[pp.Features]) -> dict[str, torch.Tensor]:
@@ -99,7 +99,24 @@ class StepResult:
     metrics: dict[str, float]
 
 
-class ReferenceTrainer:
+class SupervisedPairs:
+    """The warm-up's examples as a trainer's tokenizer makes them (both trainers of `weir train` have one)."""
+
+    tokenizer: Any
+
+    def answer_ids(self, answer: str) -> list[int]:
+        """A response as an engine would produce it: the answer's tokens, then end-of-turn."""
+        return self.tokenizer.encode(answer, add_special_tokens=False) + [
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        ]
+
+    def chat_pair(self, messages: list[dict[str, Any]], answer: str) -> tuple[list[int], list[int], list[str]]:
+        """A text-only supervised example: (prompt ids, response ids, no media)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
+
+
+class ReferenceTrainer(SupervisedPairs):
     def __init__(
         self,
         model_dir: str | Path,
@@ -346,17 +363,6 @@ class ReferenceTrainer:
         self.accumulate(batch)
         return self.apply()
 
-    def answer_ids(self, answer: str) -> list[int]:
-        """A response as an engine would produce it: the answer's tokens, then end-of-turn."""
-        return self.tokenizer.encode(answer, add_special_tokens=False) + [
-            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        ]
-
-    def chat_pair(self, messages: list[dict[str, Any]], answer: str) -> tuple[list[int], list[int], list[str]]:
-        """A text-only supervised example: (prompt ids, response ids, no media)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
-
     def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
         """One cross-entropy step on (prompt ids, response ids, feature keys) — the warm-up before RL: the
         mean over pairs of each response's mean token loss. Data-parallel: each rank takes every N-th
@@ -419,10 +425,10 @@ class ReferenceTrainer:
         self.parallel.barrier()
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging)
-        _write_synced(staging / f"feed-{self.parallel.rank}.json", json.dumps(feed_state))
+        write_synced(staging / f"feed-{self.parallel.rank}.json", json.dumps(feed_state))
         if self.parallel.is_main:
             meta = {"policy_version": self.policy_version, "world_size": self.parallel.world_size}
-            _write_synced(staging / "trainer.json", json.dumps(meta))
+            write_synced(staging / "trainer.json", json.dumps(meta))
         self.parallel.barrier()  # every rank's shards and feed state are on disk
         if self.parallel.is_main:
             shutil.rmtree(final, ignore_errors=True)
@@ -487,7 +493,7 @@ class ReferenceTrainer:
         return root
 
 
-def _write_synced(path: Path, text: str) -> None:
+def write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
         f.write(text)
         f.flush()

@@ -48,7 +48,7 @@ from encoders.architectures import load_thinker
 
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
-from ..reference import StepResult
+from ..reference import StepResult, SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
 from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
@@ -154,7 +154,7 @@ def close_megatron_ranks() -> None:
         dist.destroy_process_group()
 
 
-class MegatronTrainer:
+class MegatronTrainer(SupervisedPairs):
     """The RL loop's trainer on megatron-core (see the module docstring)."""
 
     def __init__(
@@ -225,6 +225,10 @@ class MegatronTrainer:
         self._units, self._loss = 0, 0.0
         self._metrics: dict[str, float] = {}
 
+    def _cuda_names(self) -> contextlib.AbstractContextManager[None]:
+        """Around a megatron call that allocates on ``"cuda"`` by name: those become ``"cpu"`` without CUDA."""
+        return cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
+
     # -- building -------------------------------------------------------------------------------------
     def _wrap(self, gpt: Any) -> Any:
         """megatron's DDP (gradient buffers in fp32, no reduction until `apply`); the schedule's end-of-step
@@ -259,8 +263,7 @@ class MegatronTrainer:
         moved = cast(
             MegatronBatch, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
         )
-        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
-        with guard:
+        with self._cuda_names():
             return list(
                 get_forward_backward_func()(
                     forward_step_func=step,
@@ -300,8 +303,7 @@ class MegatronTrainer:
             sums = self.parallel.total(sums)
         aggregation = self.loss_config.aggregation
         units = torch.tensor(self._units if aggregation != "sum" else 0, dtype=torch.int, device=self.device)
-        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
-        with guard:
+        with self._cuda_names():
             finalize_model_grads([self.model], units if aggregation != "sum" else None)
         norm = self._optimizer_step()
         total_units = max(sums[0], 1e-9)
@@ -333,17 +335,6 @@ class MegatronTrainer:
         return float(norm)
 
     # -- the demo's warm-up -----------------------------------------------------------------------------
-    def answer_ids(self, answer: str) -> list[int]:
-        """A response as an engine would produce it: the answer's tokens, then end-of-turn."""
-        return self.tokenizer.encode(answer, add_special_tokens=False) + [
-            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        ]
-
-    def chat_pair(self, messages: list[Any], answer: str) -> tuple[list[int], list[int], list[str]]:
-        """A text-only supervised example: (prompt ids, response ids, no media)."""
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
-
     def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
         """One cross-entropy step on (prompt ids, response ids, feature keys): the mean over pairs of each
         response's mean token loss (data-parallel: each rank takes every N-th pair), as the reference
@@ -358,8 +349,7 @@ class MegatronTrainer:
         count = self.parallel.total([float(len(mine)), total]) if self.parallel is not None else [len(mine), total]
         from megatron.core.distributed import finalize_model_grads
 
-        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
-        with guard:
+        with self._cuda_names():
             finalize_model_grads([self.model], torch.tensor(len(mine), dtype=torch.int, device=self.device))
         self._optimizer_step(lr=lr)
         return count[1] / max(1.0, count[0])
@@ -379,18 +369,17 @@ class MegatronTrainer:
             shutil.rmtree(staging, ignore_errors=True)
             (staging / "model").mkdir(parents=True)
         dist.barrier()
-        guard = cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
-        with guard:
+        with self._cuda_names():
             dist_checkpointing.save(self.gpt.sharded_state_dict(prefix=""), str(staging / "model"))
         rank = self._rank()
         with open(staging / f"optimizer-{rank}.pt", "wb") as fh:
             torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.random.get_rng_state()}, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        _write_synced(staging / f"feed-{rank}.json", json.dumps(dict(feed_state or {})))
+        write_synced(staging / f"feed-{rank}.json", json.dumps(dict(feed_state or {})))
         if rank == 0:
             meta = {"policy_version": self.policy_version, "world_size": dist.get_world_size(), "trainer": "megatron"}
-            _write_synced(staging / "trainer.json", json.dumps(meta))
+            write_synced(staging / "trainer.json", json.dumps(meta))
         dist.barrier()
         if rank == 0:
             shutil.rmtree(final, ignore_errors=True)
@@ -472,10 +461,3 @@ def _supervised_forward(data_iterator: Iterator[MegatronBatch], model: Any, *_: 
         return nll, one, {"nll": torch.stack([nll.detach().clone(), one.float()])}
 
     return output, loss
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
