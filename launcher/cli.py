@@ -246,21 +246,25 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fsdp with --nproc: FSDP2's CPU offload (parameters, gradients and optimizer state in host memory)",
     )
-    for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("cp", "context"), ("ep", "expert")):
-        train.add_argument(
-            f"--{name}", type=int, default=1, help=f"with --trainer megatron: {what}-parallel size (1 for now)"
-        )
+    for name, what in (
+        ("tp", "tensor-parallel size (--nproc a multiple of it)"),
+        ("ep", "expert-parallel size (MoE models; --nproc a multiple of tp × ep)"),
+        ("pp", "pipeline-parallel size: refused for now, the loop trains each micro-batch as it arrives"),
+        ("cp", "context-parallel size: refused for now, it needs transformer-engine's attention"),
+    ):
+        train.add_argument(f"--{name}", type=int, default=1, help=f"with --trainer megatron: {what}")
     train.add_argument(
         "--nproc",
         type=int,
         default=1,
-        help="data-parallel trainer ranks, one process each (FSDP2; under torchrun, each process is one rank)",
+        help="trainer ranks, one process each under torchrun's elastic agent (FSDP2's data-parallel ranks; "
+        "megatron's tp × ep groups inside them); under torchrun, each process is one rank",
     )
     train.add_argument(
         "--max-restarts",
         type=int,
         default=0,
-        help="with --nproc: times every rank is started again (with --resume) after one fails",
+        help="with --nproc: times torchrun's agent starts every rank again (resuming) after one fails",
     )
     train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")

@@ -8,10 +8,12 @@ picture → name mapping; greedy accuracy on held-out pictures is measured befor
 the small square's colour), warmed up on scripted crop-then-answer trajectories (`launcher.demo.task`).
 ``--demo-task video-audio`` (Omni models) asks the colour of short clips sent with their own audio track.
 
-``--nproc N``: N data-parallel trainer ranks (`trainer.data_parallel`). This process runs the same
-command N times with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``…), so running
-``weir train`` under ``torchrun`` works the same way. Rank 0 starts (or attaches to) the stack,
-evaluates, prints and plots; the other ranks attach to it once rank 0 has it ready.
+``--nproc N``: N trainer ranks (`trainer.data_parallel`; megatron's ``--tp`` / ``--ep`` groups inside them).
+This process starts the stack, then runs the same command N times under torchrun's elastic agent
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``… set; ``--max-restarts R``: after a failed rank every rank starts
+again and resumes from the last checkpoint), so running ``weir train`` under ``torchrun`` works the same way.
+Rank 0 evaluates, prints and plots; the other ranks attach to the stack once rank 0 has it ready (their
+output: HOME/logs/ranks).
 
 The run is a `launcher.config.TrainConfig`, built once by the command line (options it left unset take the
 task's defaults there). On Ray (``--ray``) the ranks are Ray tasks (`launcher.cluster.training`), each running
@@ -24,6 +26,7 @@ folder per version with ``--weights disk`` and always on Ray (`trainer.policy_ve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -36,7 +39,7 @@ from rich.table import Table
 
 import preprocess as pp
 from preprocess.dataset import iter_rows
-from trainer.data_parallel import DataParallel, run_ranks
+from trainer.data_parallel import DataParallel, restarted, run_ranks
 from trainer.loop import LoopConfig, evaluate, run_loop
 from trainer.policy_version import PolicyVersion, WeightRecipients
 from trainer.protocol import Ranks
@@ -189,33 +192,34 @@ def _launch_ranks(config: TrainConfig) -> int:
     outlives rank restarts: after a failed rank, every rank starts again with ``--resume``."""
     if not config.resume:
         _forget_earlier_run(config)
+    if not config.attach:
+        _ensure_arch(config)  # before the stack starts on HOME/model (the ranks attach to it)
     stack = _stack(config)
     if config.attach:
         stack.attach()
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         stack.start()
-    ranks_argv = [*config.argv, *([] if config.attach else ["--attach"])]
-
-    def command(attempt: int) -> list[str]:
-        again = ["--resume"] if attempt and not config.resume else []
-        return [sys.executable, "-m", "launcher.cli", *ranks_argv, *again]
-
-    try:
-        return run_ranks(command, config.nproc, max_restarts=config.max_restarts)
+    command = [sys.executable, "-m", "launcher.cli", *config.argv, *([] if config.attach else ["--attach"])]
+    try:  # a rank started again after a failed one resumes (`run_training`)
+        return run_ranks(
+            command, config.nproc, max_restarts=config.max_restarts, log_dir=config.home / "logs" / "ranks"
+        )
     finally:
         stack.stop()  # an attached stack has no children here: nothing is stopped
 
 
 def run_training(config: TrainConfig) -> int:
+    refusal = _refusal(config)  # before any stack or rank starts
+    if refusal:
+        console.print(f"[red]{refusal}[/red]")
+        return 2
     if config.ray and not in_trainer_task():
         return run_on_ray(config, train=run_training, forget_earlier_run=_forget_earlier_run, stack_for=_stack)
     if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(config)
-    refusal = _refusal(config)
-    if refusal:
-        console.print(f"[red]{refusal}[/red]")
-        return 2
+    if restarted() and not config.resume:  # torchrun's agent started every rank again: from the checkpoint
+        config = dataclasses.replace(config, resume=True)
     parallel = _ranks(config)
     main = parallel is None or parallel.is_main
     try:
@@ -240,13 +244,26 @@ def _refusal(config: TrainConfig) -> str | None:
             return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
         if config.r3:
             return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
+        if config.ep > 1 and _family(config) != "qwen3_omni_moe":
+            return f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model (--arch qwen3-omni-moe)"
         from trainer.megatron.trainer import check_model_parallel
 
         try:
-            check_model_parallel(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep)
+            check_model_parallel(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, world=config.nproc)
         except ValueError as error:
             return str(error)
     return None
+
+
+def _family(config: TrainConfig) -> str:
+    """The family this run trains: ``--arch``'s, else that of the model folder HOME holds (the default
+    architecture when it holds none yet)."""
+    from encoders.architectures import family_of
+
+    if config.arch is not None:
+        return config.arch.replace(".", "_").replace("-", "_")
+    folder = config.home / "model"
+    return family_of(folder) if (folder / "config.json").is_file() else "qwen2_5_omni"
 
 
 def _ranks(config: TrainConfig) -> Ranks | None:
@@ -265,13 +282,18 @@ def _trainer(
     if config.trainer == "megatron":
         from trainer.megatron.trainer import MegatronTrainer
 
-        return MegatronTrainer(
+        megatron = MegatronTrainer(
             config.home / "model",
             features=features,
             lr=config.lr,
             precision=config.precision,
             activation_checkpointing=config.activation_checkpointing,
+            tp=config.tp,
+            ep=config.ep,
         )
+        if megatron.parallel is None or megatron.parallel.is_main:  # before the first step: what a rank will hold
+            console.print(str(megatron.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)
+        return megatron
     assert parallel is None or isinstance(parallel, DataParallel)
     trainer = ReferenceTrainer(
         config.home / "model",
@@ -367,6 +389,9 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             weights=_weights(config),
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
+        model_parallel = [f"{name} {size}" for name, size in (("tensor", config.tp), ("expert", config.ep)) if size > 1]
+        if model_parallel:
+            ranks += f" ({config.nproc} ranks: {', '.join(model_parallel)} parallel)"
         if main:
             console.print(f"[bold]RL ({config.mode})[/bold]: {config.steps} steps, n={config.n}, lr={config.lr}{ranks}")
         records = run_loop(trainer, rows, loop, on_step=_show if main else None)

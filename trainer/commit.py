@@ -28,9 +28,11 @@ logger = logging.getLogger(__name__)
 
 
 class Committer:
-    """Holds this rank's trained, not yet committed batch ids, and commits them at checkpoint steps."""
+    """Holds this rank's trained, not yet committed batch ids, and commits them at checkpoint steps. ``feed``
+    None: a rank that does not lease (tensor parallel: its group's first rank acknowledges, and releases on
+    resume); it still checkpoints."""
 
-    def __init__(self, trainer: LoopTrainer, feed: MicroBatchFeed, checkpoint: Path, *, every: int) -> None:
+    def __init__(self, trainer: LoopTrainer, feed: MicroBatchFeed | None, checkpoint: Path, *, every: int) -> None:
         self.trainer, self.feed, self.checkpoint, self.every = trainer, feed, checkpoint, every
         self.uncommitted: list[str] = []
 
@@ -43,7 +45,8 @@ class Committer:
         state = self.trainer.load(self.checkpoint)
         for batch_id in state.get("commit", []):  # committed by the checkpoint, maybe not yet acknowledged
             self.acknowledge(batch_id)
-        self.feed.release()  # what the previous run fetched but never committed comes back now
+        if self.feed is not None:
+            self.feed.release()  # what the previous run fetched but never committed comes back now
         return int(state.get("step", 0))
 
     def hold(self, batch_id: str) -> None:
@@ -63,7 +66,7 @@ class Committer:
 
     def acknowledge(self, batch_id: str) -> None:
         """`MicroBatchFeed.ack`, tolerating only an expired lease (its samples were delivered again)."""
-        if not self.feed.ack(batch_id):
+        if self.feed is not None and not self.feed.ack(batch_id):
             logger.warning(
                 "micro-batch %s was acknowledged after its lease expired: its samples went out again and "
                 "may be trained twice (raise the data role's WEIR_LEASE_S above a step's duration)",

@@ -18,9 +18,10 @@ Backends: NCCL when CUDA is available (with gloo for CPU tensors: CPU-offloaded 
 ``torchrun`` or by `run_ranks` (``weir train --nproc N``); ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR`` and ``MASTER_PORT`` are read from the environment, as torchrun sets them.
 
-`run_ranks` is torchrun's agent in small: it starts the ranks, and when one dies it stops the others
-(they would wait for it in a collective) and, while restarts remain, starts them all again — the
-command for a restart resumes from the last checkpoint, so every sample is still trained once.
+`run_ranks` starts the ranks under torchrun's elastic agent (`torch.distributed.launcher.elastic_launch`):
+when one dies the agent stops the others (they would wait for it in a collective) and, while restarts
+remain, starts them all again — a restarted rank resumes from the last checkpoint (`restarted`), so every
+sample is still trained once.
 """
 
 from __future__ import annotations
@@ -28,17 +29,19 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import subprocess
-import time
-from collections.abc import Callable, Iterable
+import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-__all__ = ["DataParallel", "run_ranks"]
+from .feed import FeedBatch
+
+__all__ = ["DataParallel", "restarted", "run_ranks"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,21 @@ class DataParallel:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def feeds(self) -> bool:
+        """Every FSDP rank leases its own micro-batches."""
+        return True
+
+    def mirror(self, batch: FeedBatch | None) -> FeedBatch | None:
+        """FSDP ranks train their own batches: nothing to hand on."""
+        return batch
+
+    def from_main(self, value: float) -> float:
+        """Rank 0's ``value`` on every rank."""
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return float(tensor.item())
 
     def shard(
         self,
@@ -129,52 +147,55 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    command: Callable[[int], list[str]],
+    command: list[str],
     nproc: int,
     *,
     max_restarts: int = 0,
     quiet_ranks: bool = True,
-    poll_s: float = 0.5,
+    log_dir: str | Path | None = None,
 ) -> int:
-    """Run ``command(attempt)`` as ``nproc`` ranks on this host (torchrun's variables set); returns the
-    exit code of the last attempt (0 when every rank succeeded).
+    """Run ``command`` as ``nproc`` ranks on this host under torchrun's elastic agent (`elastic_launch`:
+    a c10d rendezvous on a free loopback port, torchrun's variables set); returns 0 when every rank
+    succeeded, else the first failed rank's exit code (1 for a rank killed by a signal).
 
-    When a rank fails, the others are stopped; while restarts remain, every rank starts again with
-    ``command(attempt + 1)`` (on a fresh rendezvous port). ``quiet_ranks``: only rank 0 prints."""
+    When a rank fails the agent stops the others and, while ``max_restarts`` remain, starts them all again;
+    a restarted rank sees ``TORCHELASTIC_RESTART_COUNT`` > 0 (`restarted`) and resumes from the last
+    checkpoint. ``quiet_ranks``: only rank 0 prints, the others' output goes to ``log_dir`` (torchelastic's
+    per-attempt, per-rank files; a temporary folder when None)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     threads = os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    for attempt in range(max_restarts + 1):
-        port = _free_port()
-        ranks = []
-        for rank in range(nproc):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "WORLD_SIZE": str(nproc),
-                "LOCAL_WORLD_SIZE": str(nproc),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "OMP_NUM_THREADS": threads,
-                "WEIR_RESTART": str(attempt),
-            }
-            output = subprocess.DEVNULL if quiet_ranks and rank else None
-            ranks.append(subprocess.Popen(command(attempt), env=env, stdout=output))
-        try:
-            while any(p.poll() is None for p in ranks) and not any(p.poll() not in (None, 0) for p in ranks):
-                time.sleep(poll_s)
-        finally:
-            for process in ranks:
-                if process.poll() is None:
-                    process.terminate()  # one rank failed: the others would wait for it until gloo times out
-        codes = [process.wait() for process in ranks]
-        failed = {rank: code for rank, code in enumerate(codes) if code}
-        if not failed:
-            return 0
-        first = next(iter(failed))
-        if attempt < max_restarts:
-            logger.warning("rank %d exited with %d: restarting all %d ranks (%d of %d)", first, failed[first],
-                           nproc, attempt + 1, max_restarts)  # fmt: skip
+    quiet = {rank: Std.ALL for rank in range(1, nproc)} if quiet_ranks else Std.NONE
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"weir-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        max_restarts=max_restarts,
+        monitor_interval=0.2,
+        logs_specs=DefaultLogsSpecs(log_dir=None if log_dir is None else str(log_dir), redirects=quiet),
+    )
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = threads  # the agent hands its environment to the ranks
+    try:
+        elastic_launch(config, entrypoint=command[0])(*command[1:])
+        return 0
+    except ChildFailedError as error:
+        failures = sorted(error.failures.items())
+        logger.error("ranks failed (%s); no restarts left", {rank: f.exitcode for rank, f in failures})
+        code = failures[0][1].exitcode
+        return code if code > 0 else 1
+    finally:
+        if saved is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
         else:
-            logger.error("ranks failed (exit codes %s); no restarts left", failed)
-            return codes[0] or failed[first]
-    return 1
+            os.environ["OMP_NUM_THREADS"] = saved
+
+
+def restarted() -> bool:
+    """Whether this rank was started again by `run_ranks` (torchrun's agent) after a failed one."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0

@@ -26,6 +26,7 @@ class Lockstep:
         self.main = parallel is None or parallel.is_main  # rank 0 drives rollouts and reports steps
         self.rank = 0 if parallel is None else parallel.rank
         self.world = 1 if parallel is None else parallel.world_size
+        self.feeds = parallel is None or parallel.feeds  # False: a tensor-parallel rank fed by its group's first
 
     def total(self, values: list[float]) -> list[float]:
         """Each value summed over ranks (as is, with one rank)."""
@@ -33,7 +34,7 @@ class Lockstep:
 
     def from_main(self, value: float) -> float:
         """Rank 0's value on every rank."""
-        return self.total([value if self.main else 0.0])[0]
+        return value if self.parallel is None else self.parallel.from_main(value)
 
     def least(self, value: int) -> int:
         """The smallest ``value`` over ranks."""
@@ -48,13 +49,16 @@ class Lockstep:
     ) -> FeedBatch | None:
         """This rank's next micro-batch of at most its share of ``max_samples``; with several ranks, None
         when this round brought this rank none while another rank got one (the caller then runs a lockstep
-        filler). ``check`` runs on rank 0 each round (the rollout driver's failure, raised)."""
+        filler). ``check`` runs on rank 0 each round (the rollout driver's failure, raised). A rank that does
+        not feed (tensor parallel) never touches ``feed``: it gets its group's batch."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.main:
                 check()
             share = max(1, -(-max_samples // self.world))  # ceil: the ranks together may take the whole rest
-            batch = feed.next(timeout=0.5, max_samples=share)
+            batch = feed.next(timeout=0.5, max_samples=share) if self.feeds else None
+            if self.parallel is not None:
+                batch = self.parallel.mirror(batch)  # tensor parallel: the group's first rank's batch
             if self.any(batch is not None):
                 return batch
         raise TimeoutError(f"no micro-batch within {timeout_s} s")

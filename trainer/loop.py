@@ -185,7 +185,8 @@ def run_loop(
         groups_per_step=config.groups_per_step,
         publish_every=config.publish_every,
     )
-    committer = Committer(trainer, feed, config.out / "checkpoint", every=config.checkpoint_every)
+    leases = feed if ranks.feeds else None  # a tensor-parallel rank fed by its group's first never acknowledges
+    committer = Committer(trainer, leases, config.out / "checkpoint", every=config.checkpoint_every)
     recipients = _recipients(config, engines)
     policy = PolicyVersion(trainer, weights=config.out / "weights", main=ranks.main, recipients=recipients)
 

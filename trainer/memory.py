@@ -33,7 +33,7 @@ import torch
 
 from encoders.architectures import decoder_layers
 
-__all__ = ["MemoryEstimate", "Precision", "estimate_memory"]
+__all__ = ["MemoryEstimate", "Precision", "estimate_megatron_memory", "estimate_memory"]
 
 Precision = Literal["fp32", "bf16"]
 
@@ -161,14 +161,8 @@ def estimate_memory(
     else:  # the fp32 parameters themselves
         compute = 0
 
-    hidden, query, kv, intermediate, vocab = _text_shapes(model.config)
     tokens = tokens_per_micro_batch
-    per_layer = tokens * (c * (2 * hidden + 3 * query + 3 * kv + 4 * intermediate) + 8 * hidden)
-    head = tokens * vocab * (8 if precision == "fp32" else c + 8)
-    if activation_checkpointing:
-        activations = len(layers) * tokens * hidden * c + per_layer + head
-    else:
-        activations = len(layers) * per_layer + head
+    activations = _activations(model.config, len(layers), tokens, precision, activation_checkpointing)
     return MemoryEstimate(
         parameters=shard(4 * count),
         compute_parameters=compute,
@@ -181,4 +175,58 @@ def estimate_memory(
         activation_checkpointing=activation_checkpointing,
         cpu_offload=cpu_offload,
         tokens_per_micro_batch=tokens,
+    )
+
+
+def _activations(
+    config: Any, layers: int, tokens: int, precision: Precision, checkpointing: bool, *, tp: int = 1
+) -> int:
+    """`estimate_memory`'s activation bytes; ``tp``: megatron's tensor parallelism (no sequence parallel),
+    which cuts the query, key/value, MLP and vocabulary widths and keeps the hidden ones whole."""
+    c = _COMPUTE_BYTES[precision]
+    hidden, query, kv, intermediate, vocab = _text_shapes(config)
+    query, kv, intermediate, vocab = (math.ceil(width / tp) for width in (query, kv, intermediate, vocab))
+    per_layer = tokens * (c * (2 * hidden + 3 * query + 3 * kv + 4 * intermediate) + 8 * hidden)
+    head = tokens * vocab * (8 if precision == "fp32" else c + 8)
+    if checkpointing:
+        return layers * tokens * hidden * c + per_layer + head
+    return layers * per_layer + head
+
+
+def estimate_megatron_memory(
+    gpt: torch.nn.Module,
+    hf_config: Any,
+    *,
+    frozen: int,
+    precision: Precision,
+    data_parallel: int,
+    tensor_parallel: int,
+    world_size: int,
+    activation_checkpointing: bool,
+    tokens_per_micro_batch: int,
+) -> MemoryEstimate:
+    """What one rank of `trainer.megatron.trainer.MegatronTrainer` needs: ``gpt``'s parameters are this
+    rank's already (tensor- and expert-parallel shards). fp32: the parameters are the master weights, AdamW's
+    moments beside them. bf16: bf16 parameters (the compute copy), fp32 master weights and moments sharded over
+    the data-parallel ranks (megatron's distributed optimizer). Gradients: megatron's fp32 ``main_grad``
+    buffers, whole on every rank. ``frozen``: the towers' parameters (fp32, no gradient), counted in the
+    compute copy. Activations as `estimate_memory`'s, their widths cut by ``tensor_parallel``."""
+    count = _numel(gpt)
+    layers = len(getattr(getattr(gpt, "decoder", None), "layers", []))
+    bf16 = precision == "bf16"
+    optimizer_ranks = data_parallel if bf16 else 1
+    return MemoryEstimate(
+        parameters=math.ceil(4 * count / optimizer_ranks),
+        compute_parameters=(2 * count if bf16 else 0) + 4 * frozen,
+        gradients=4 * count,
+        optimizer_state=math.ceil(8 * count / optimizer_ranks),
+        activations=_activations(
+            hf_config, layers, tokens_per_micro_batch, precision, activation_checkpointing, tp=tensor_parallel
+        ),
+        parameter_count=count,
+        precision=precision,
+        world_size=world_size,
+        activation_checkpointing=activation_checkpointing,
+        cpu_offload=False,
+        tokens_per_micro_batch=tokens_per_micro_batch,
     )

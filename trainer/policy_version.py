@@ -220,7 +220,7 @@ class PolicyVersion:
         ranks = self.trainer.parallel
         if ranks is None:
             return flag
-        return bool(ranks.most(int(flag) if self.main else 0))
+        return bool(ranks.from_main(float(flag)))
 
     @staticmethod
     def _towers(state: dict[str, torch.Tensor], folder: Path) -> Path | None:

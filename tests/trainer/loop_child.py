@@ -3,9 +3,9 @@ optimizer step, and (optionally) stops forever inside a chosen step so the test 
 
     python -m tests.trainer.loop_child CONFIG.json
 
-Run as a data-parallel rank (torchrun's variables set, as `trainer.data_parallel.run_ranks` sets them):
+Run as a data-parallel rank (under torchrun's elastic agent, as `trainer.data_parallel.run_ranks` runs it):
 each rank logs to ``LOG.RANK``, only ``hang_rank`` hangs, rank 0 writes the result, and after a restart
-(``WEIR_RESTART`` > 0) the spec's ``after_restart`` entries apply.
+(``TORCHELASTIC_RESTART_COUNT`` > 0) the spec's ``after_restart`` entries apply.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import preprocess as pp
-from trainer.data_parallel import DataParallel
+from trainer.data_parallel import DataParallel, restarted
 from trainer.feed import FeedBatch
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
@@ -51,7 +51,7 @@ class LoggingTrainer(ReferenceTrainer):
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
-    if int(os.environ.get("WEIR_RESTART", "0")):
+    if restarted():
         spec = {**spec, **spec.get("after_restart", {})}
     home = Path(spec["home"])
     parallel = DataParallel.from_env() if "WORLD_SIZE" in os.environ else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -97,8 +98,33 @@ def test_the_warm_up_step_lowers_the_response_loss(trainer: MegatronTrainer) -> 
     assert losses[-1] < 0.75 * losses[0]
 
 
+def test_the_memory_estimate_counts_this_ranks_megatron_weights(trainer: MegatronTrainer) -> None:
+    from trainer.memory import estimate_megatron_memory
+
+    estimate = trainer.memory_estimate(4096)
+    count = sum(p.numel() for p in trainer.gpt.parameters())
+    assert estimate.parameter_count == count and estimate.gradients == 4 * count  # fp32 main_grad buffers
+    assert estimate.parameters == 4 * count and estimate.optimizer_state == 8 * count  # fp32: no master copy
+    assert estimate.compute_parameters > 0  # the frozen towers
+    assert "memory per rank (estimate)" in str(estimate) and estimate.activations > 0
+    # bf16 on 4 data-parallel ranks: master weights and moments sharded (the distributed optimizer), a bf16
+    # compute copy; tensor parallel 2 cuts the activations' widths.
+    common: dict[str, Any] = dict(frozen=0, world_size=8, activation_checkpointing=False, tokens_per_micro_batch=4096)
+    bf16 = estimate_megatron_memory(
+        trainer.gpt, trainer.hf_config, precision="bf16", data_parallel=4, tensor_parallel=1, **common
+    )
+    assert bf16.parameters == 4 * count // 4 and bf16.optimizer_state == 8 * count // 4
+    assert bf16.compute_parameters == 2 * count
+    cut = estimate_megatron_memory(
+        trainer.gpt, trainer.hf_config, precision="bf16", data_parallel=4, tensor_parallel=2, **common
+    )
+    assert cut.activations < bf16.activations
+
+
 @pytest.mark.parametrize("option", ["tp", "pp", "cp", "ep"])
-def test_model_parallel_sizes_the_loop_cannot_feed_are_refused_by_name(model_dir: Path, option: str) -> None:
+def test_model_parallel_sizes_the_ranks_cannot_hold_are_refused_by_name(model_dir: Path, option: str) -> None:
+    """Pipeline and context parallelism always (the loop's one-micro-batch schedule calls; transformer-engine's
+    attention); tensor and expert parallelism when the ranks (here one) are not a multiple of them."""
     with pytest.raises(ValueError, match=f"--{option} 2"):
         MegatronTrainer(model_dir, **{option: 2})  # type: ignore[arg-type]
 
@@ -141,3 +167,51 @@ def test_options_the_fsdp_trainer_does_not_take_are_refused_by_name(tmp_path: Pa
     from launcher.cli import main
 
     assert main(["train", "--demo", "--home", str(tmp_path), "--tp", "2"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("options", "said"),
+    [
+        (["--nproc", "2", "--ep", "2"], "--ep 2: expert parallelism needs a mixture-of-experts model"),
+        (["--nproc", "3", "--tp", "2"], "--nproc 3: the ranks must be a multiple of --tp 2"),
+        (["--nproc", "2", "--pp", "2"], "--pp 2: pipeline parallelism is not wired"),
+        (["--nproc", "2", "--cp", "2"], "--cp 2: context parallelism needs transformer-engine"),
+    ],
+)
+def test_model_parallel_sizes_weir_train_cannot_run_are_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], options: list[str], said: str
+) -> None:
+    from launcher.cli import main
+
+    home = tmp_path / "weir"
+    assert main(["train", "--demo", "--trainer", "megatron", "--home", str(home), *options]) == 2
+    assert said in " ".join(capsys.readouterr().out.split())
+    assert not home.exists()  # no stack, no rank, no model folder
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    ("options", "data_parallel"),
+    [(["--tp", "2"], 1), (["--arch", "qwen3-omni-moe", "--ep", "2"], 2)],
+    ids=["tensor-parallel", "expert-parallel"],
+)
+def test_weir_train_runs_megatrons_model_parallelism_on_two_ranks(
+    tmp_path: Path, options: list[str], data_parallel: int
+) -> None:
+    """`weir train --trainer megatron --nproc 2 --tp 2` (one data-parallel rank: the group's first leases, the
+    other trains its batches) and `--ep 2` on the MoE model (two data-parallel ranks meeting in the experts):
+    each step trains the step's samples once, and the checkpoint holds every rank's part."""
+    import json
+
+    from launcher.cli import main
+
+    home = tmp_path / "weir"
+    argv = ["train", "--demo", "--trainer", "megatron", "--nproc", "2", "--steps", "2", "--warmup-steps", "1",
+            "--checkpoint-every", "2", "--home", str(home), "--base-port", "9540", *options]  # fmt: skip
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(r["ranks"] == data_parallel and r["samples"] == 64 for r in records)
+    checkpoint = home / "train" / "async" / "checkpoint"
+    assert {p.name for p in checkpoint.iterdir()} >= {"feed-0.json", "feed-1.json", "optimizer-1.pt", "model"}
+    assert json.loads((checkpoint / "trainer.json").read_text())["world_size"] == 2

@@ -209,9 +209,9 @@ def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: P
 
 @pytest.mark.integration
 def test_a_rank_killed_mid_step_restarts_every_rank_and_each_sample_is_trained_once(tmp_path: Path) -> None:
-    """Two data-parallel ranks under `run_ranks`: rank 1 is killed inside step 3; rank 0 is stopped, both
-    start again from the step-2 checkpoint (each rank its own commits), and every sample the data role
-    recorded as trained was trained exactly once."""
+    """Two data-parallel ranks under `run_ranks` (torchrun's elastic agent): rank 1 is killed inside step 3;
+    the agent stops rank 0, both start again from the step-2 checkpoint (each rank its own commits), and
+    every sample the data role recorded as trained was trained exactly once."""
     import threading
 
     from trainer.data_parallel import run_ranks
@@ -258,7 +258,7 @@ def test_a_rank_killed_mid_step_restarts_every_rank_and_each_sample_is_trained_o
     killer.start()
     try:
         code = run_ranks(
-            lambda attempt: [sys.executable, "-m", "tests.trainer.loop_child", str(path)],
+            [sys.executable, "-m", "tests.trainer.loop_child", str(path)],
             2,
             max_restarts=1,
             quiet_ranks=False,

@@ -182,4 +182,23 @@ def build_gpt(hf_config: Any, *, core_attention: type[torch.nn.Module] | None = 
     )
     if mrope and _interleaved_mrope(hf_config):
         gpt.rotary_pos_emb = InterleavedMRope(config.kv_channels, rope_theta(hf_config))
+    _mask_padded_vocab(gpt, int(text.vocab_size))
     return gpt
+
+
+def _mask_padded_vocab(gpt: Any, vocab_size: int) -> None:
+    """A vocabulary tp does not divide is padded (`shard_tp`); the padding's logits would enter the softmax
+    (their rows are zero: logit 0), so on the rank holding them they are -inf — the log-probs stay the Hugging
+    Face model's, and no gradient reaches those rows."""
+    from megatron.core import parallel_state
+
+    local = gpt.output_layer.weight.shape[0]
+    first = vocab_size - parallel_state.get_tensor_model_parallel_rank() * local  # this rank's first padded row
+    if first >= local:
+        return
+
+    def hook(_module: Any, _args: Any, output: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any]:
+        logits, bias = output
+        return logits.index_fill(-1, torch.arange(max(first, 0), local, device=logits.device), float("-inf")), bias
+
+    gpt.output_layer.register_forward_hook(hook)

@@ -11,11 +11,16 @@ Face towers, frozen), the gradients accumulating in megatron's ``main_grad`` buf
 them as megatron's schedule would at the end of a step (``finalize_model_grads`` with the step's loss units
 summed over data-parallel ranks: the exact token / sequence mean under any split), clips and steps.
 
-Parallelism: data-parallel ranks as torchrun starts them (``weir train --nproc N``). Tensor / pipeline /
-context / expert parallel sizes are megatron's ``initialize_model_parallel``; the loop here feeds every
-rank its own micro-batches, so sizes other than 1 are refused by `MegatronTrainer` until the feed hands a
-tensor-parallel group one stream (`trainer.megatron.batch.MegatronBatchIterator` does that for a caller's
-own loop).
+Parallelism: data-parallel ranks as torchrun starts them (``weir train --nproc N``), tensor parallel
+(``--tp``) and expert parallel (``--ep``, MoE models) inside them: megatron's ``initialize_model_parallel``.
+The feed hands a stream of micro-batches to each *data-parallel* rank: the first rank of a tensor-parallel
+group leases them and the group's other ranks receive its batches (`MegatronParallel.mirror`), so a batch
+is leased, trained and acknowledged once. Expert-parallel ranks are data-parallel ranks with different
+batches that meet in the MoE layers' token dispatcher (megatron's allgather dispatcher, which gloo runs):
+each micro-batch is padded to the longest of the expert group's, and a rank without one runs a padding
+batch with no loss tokens. Gradient clipping takes the norm over the whole model (tensor-parallel shards
+counted once, every rank's experts). Pipeline and context parallelism are refused by name
+(`check_model_parallel` says why).
 
 Precision: float32 on any device (``torch.optim.AdamW`` over ``main_grad``); ``bf16`` (bf16 parameters and
 compute, fp32 gradient reduction and master weights) uses megatron's mixed-precision optimizer, which
@@ -48,6 +53,7 @@ from encoders.architectures import load_thinker
 
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
+from ..memory import MemoryEstimate, estimate_megatron_memory
 from ..reference import StepResult, SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
@@ -55,7 +61,7 @@ from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 from .loss import forward_step
 from .media import QwenMedia
 from .model import build_gpt
-from .weights import QwenLayout, export_hf, hf_to_megatron, megatron_to_hf
+from .weights import QwenLayout, export_hf, gather_ep, gather_tp, hf_to_megatron, megatron_to_hf, shard_ep, shard_tp
 
 __all__ = ["MegatronParallel", "MegatronTrainer", "close_megatron_ranks", "megatron_ranks"]
 
@@ -68,15 +74,15 @@ Precision = Literal["fp32", "bf16"]
 class MegatronParallel:
     """This process among the trainer's data-parallel ranks (megatron's data-parallel group), with the
     collectives the loop's `trainer.lockstep.Lockstep` needs — the same surface as
-    `trainer.data_parallel.DataParallel`."""
+    `trainer.data_parallel.DataParallel`. ``rank`` / ``world_size`` are the data-parallel place (the feed's
+    consumer rank); ranks of one tensor-parallel group share it, and only its first rank (``feeds``)
+    leases: the others receive its batches (`mirror`). ``is_main``: global rank 0."""
 
     rank: int
     world_size: int
     device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+    is_main: bool
+    feeds: bool
 
     def _group(self) -> Any:
         from megatron.core import parallel_state
@@ -98,6 +104,25 @@ class MegatronParallel:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group())
         return int(tensor.item())
 
+    def from_main(self, value: float) -> float:
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.broadcast(tensor, src=0)
+        return float(tensor.item())
+
+    def mirror(self, batch: FeedBatch | None) -> FeedBatch | None:
+        """The tensor-parallel group's batch (its first rank's) on each of its ranks; as is with tp 1."""
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_world_size() == 1:
+            return batch
+        box: list[FeedBatch | None] = [batch if self.feeds else None]
+        dist.broadcast_object_list(
+            box,
+            src=parallel_state.get_tensor_model_parallel_src_rank(),
+            group=parallel_state.get_tensor_model_parallel_group(),
+        )
+        return box[0]
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -105,14 +130,25 @@ class MegatronParallel:
         """The trainer owns the process group: `MegatronTrainer.close` ends it."""
 
 
-def check_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
-    """Refuse, by name, the model-parallel sizes the RL loop cannot feed yet (before any stack starts)."""
-    for name, size in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
-        if size != 1:
-            raise ValueError(
-                f"--{name} {size}: the RL loop feeds each rank its own micro-batches, so megatron's model "
-                f"parallelism ({name}) is not wired into `weir train` yet; use data-parallel ranks (--nproc)"
-            )
+def check_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, world: int | None = None) -> None:
+    """Refuse, by name, the model-parallel sizes the RL loop cannot run (before any stack starts); ``world``:
+    the number of ranks, which ``tp × ep`` must divide."""
+    if pp != 1:
+        raise ValueError(
+            f"--pp {pp}: pipeline parallelism is not wired into `weir train`: the loop trains each micro-batch "
+            "as it is cut (one schedule call each), and a pipeline needs a step's micro-batches in one call to "
+            "keep its stages busy; use --tp / --ep / data-parallel ranks (--nproc)"
+        )
+    if cp != 1:
+        raise ValueError(
+            f"--cp {cp}: context parallelism needs transformer-engine's attention (CUDA) and is not wired into "
+            "`weir train` (Qwen3's interleaved 3-D rotary has none either); use --tp / --ep / --nproc"
+        )
+    for name, size in (("tp", tp), ("ep", ep)):
+        if size < 1:
+            raise ValueError(f"--{name} {size}: a size is 1 or more")
+    if world is not None and world % (tp * ep):
+        raise ValueError(f"--nproc {world}: the ranks must be a multiple of --tp {tp} × --ep {ep}")
 
 
 def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MegatronParallel | None:
@@ -120,7 +156,7 @@ def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Meg
     alone) and megatron's parallel state, once per process; this rank's data-parallel place, or None alone."""
     from megatron.core import parallel_state
 
-    check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep)
+    check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep, world=int(os.environ.get("WORLD_SIZE", "1")))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if not dist.is_initialized():
@@ -141,6 +177,8 @@ def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> Meg
         rank=parallel_state.get_data_parallel_rank(),
         world_size=parallel_state.get_data_parallel_world_size(),
         device=device,
+        is_main=dist.get_rank() == 0,
+        feeds=parallel_state.get_tensor_model_parallel_rank() == 0,
     )
 
 
@@ -173,7 +211,6 @@ class MegatronTrainer(SupervisedPairs):
         cp: int = 1,
         ep: int = 1,
     ) -> None:
-        check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep)
         cuda = torch.cuda.is_available()
         if precision == "bf16" and not cuda:
             raise ValueError(
@@ -191,12 +228,21 @@ class MegatronTrainer(SupervisedPairs):
             torch.manual_seed(seed)
             model_parallel_cuda_manual_seed(seed)
         self.precision = precision
+        self.activation_checkpointing = activation_checkpointing
         # The Hugging Face thinker: its towers make the media embeddings (frozen); its language model's
         # weights start the GPTModel and are then dropped from it.
         thinker = load_thinker(model_dir, dtype=torch.float32)
         self.hf_config = thinker.config
         self.layout = QwenLayout.from_hf_config(thinker.config)
+        if ep > 1 and (not self.layout.num_experts or self.layout.num_experts % ep):
+            raise ValueError(f"--ep {ep}: {self.model_dir} has {self.layout.num_experts} experts, which ep must divide")
+        self.tp, self.ep = tp, ep
         towers = _has_towers(thinker)
+        self._tower_parameters = sum(
+            p.numel()
+            for name in ("visual", "audio_tower")
+            for p in getattr(getattr(thinker, name, None), "parameters", list)()
+        )
         gpt = build_gpt(
             thinker.config,
             core_attention=None if cuda else SegmentAttention,
@@ -204,8 +250,10 @@ class MegatronTrainer(SupervisedPairs):
             bf16=precision == "bf16",
             recompute=activation_checkpointing,
             mrope=towers,  # Qwen's 3-D rotary positions, as the thinker's
+            tp=tp,
+            ep=ep,
         )
-        mapped = hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False)
+        mapped = self._shard(hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False))
         missing, unexpected = gpt.load_state_dict(mapped, strict=False)
         if unexpected or any(not k.endswith("_extra_state") for k in missing):
             raise ValueError(
@@ -225,11 +273,53 @@ class MegatronTrainer(SupervisedPairs):
         self._units, self._loss = 0, 0.0
         self._metrics: dict[str, float] = {}
 
+    def memory_estimate(self, tokens_per_micro_batch: int) -> MemoryEstimate:
+        """What this rank needs for micro-batches of ``tokens_per_micro_batch`` tokens (approximate:
+        `trainer.memory.estimate_megatron_memory`)."""
+        return estimate_megatron_memory(
+            self.gpt,
+            self.hf_config,
+            frozen=self._tower_parameters,
+            precision=self.precision,
+            data_parallel=self.parallel.world_size if self.parallel is not None else 1,
+            tensor_parallel=self.tp,
+            world_size=dist.get_world_size(),
+            activation_checkpointing=self.activation_checkpointing,
+            tokens_per_micro_batch=tokens_per_micro_batch,
+        )
+
     def _cuda_names(self) -> contextlib.AbstractContextManager[None]:
         """Around a megatron call that allocates on ``"cuda"`` by name: those become ``"cpu"`` without CUDA."""
         return cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
 
     # -- building -------------------------------------------------------------------------------------
+    def _shard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of the whole mapped state: its experts (`shard_ep`), then its tensor-parallel
+        slice (`shard_tp`; experts too: expert tensor parallelism is tp)."""
+        from megatron.core import parallel_state
+
+        if self.ep > 1:
+            state = shard_ep(state, self.layout, ep=self.ep, rank=parallel_state.get_expert_model_parallel_rank())
+        if self.tp > 1:
+            state = shard_tp(state, self.layout, tp=self.tp, rank=parallel_state.get_tensor_model_parallel_rank())
+        return state
+
+    def _whole(self) -> dict[str, torch.Tensor]:
+        """The whole megatron state on the CPU, gathered over the tensor- and expert-parallel groups
+        (`gather_tp`, `gather_ep`); a collective on every rank of those groups."""
+        from megatron.core import parallel_state
+
+        state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
+        for size, group, gather in (
+            (self.tp, parallel_state.get_tensor_model_parallel_group, gather_tp),
+            (self.ep, parallel_state.get_expert_model_parallel_group, gather_ep),
+        ):
+            if size > 1:
+                shards: list[dict[str, torch.Tensor] | None] = [None] * size
+                dist.all_gather_object(shards, state, group=group())
+                state = gather([shard for shard in shards if shard is not None], self.layout)
+        return state
+
     def _wrap(self, gpt: Any) -> Any:
         """megatron's DDP (gradient buffers in fp32, no reduction until `apply`); the schedule's end-of-step
         finalisation is `apply`'s, not each micro-batch's."""
@@ -276,13 +366,29 @@ class MegatronTrainer(SupervisedPairs):
                 )
             )
 
+    def _megatron_batch(self, batch: FeedBatch | None) -> MegatronBatch:
+        """``batch`` for the schedule (a thinker with towers: 3-D positions, media spliced in). Expert
+        parallel: padded to the longest of the expert group's batches (the allgather dispatcher gathers equal
+        shapes), and None (another rank got a batch this round) is a padding batch without loss tokens."""
+        fed = batch if batch is not None else _supervised_batch([0], [], [])
+        if self.ep == 1:
+            return megatron_batch(fed, media=self.media)
+        from megatron.core import parallel_state
+
+        length = torch.tensor([int(fed.tensors["input_ids"].numel())], dtype=torch.int64, device=self.device)
+        dist.all_reduce(length, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return megatron_batch(fed, media=self.media, pad_to_multiple=int(length.item()))
+
     def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
         """Forward and backward one fed micro-batch, adding to the step's gradients (``None``: another
-        data-parallel rank got one this round; nothing here is a collective until `apply`)."""
-        if batch is None:
+        data-parallel rank got one this round; nothing here is a collective until `apply` but the expert-parallel
+        dispatcher's, for which such a rank runs a padding batch)."""
+        if batch is None and self.ep == 1:
             return {}
-        data = megatron_batch(batch, media=self.media)  # a thinker with towers: 3-D positions, media spliced in
+        data = self._megatron_batch(batch)
         metrics = self._schedule(data, partial(forward_step, config=self.loss_config))[0]
+        if batch is None:  # the expert group's padding batch: no loss tokens, nothing to report
+            return {}
         loss_sum, units = (float(x) for x in metrics.pop("policy loss"))
         self._units += int(units)
         self._loss += loss_sum
@@ -326,7 +432,7 @@ class MegatronTrainer(SupervisedPairs):
         else:
             for p in self.params:
                 p.grad = p.main_grad  # megatron's fp32 accumulation buffer, reduced and scaled by `apply`
-            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            norm = self._clip_grads()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         for group, value in zip(self.optimizer.param_groups, saved, strict=True):
@@ -334,18 +440,43 @@ class MegatronTrainer(SupervisedPairs):
         self.model.zero_grad_buffer()
         return float(norm)
 
+    def _clip_grads(self) -> float:
+        """``clip_grad_norm_`` over the whole model: the norm of the non-expert gradients over the
+        tensor-parallel group (a replicated weight counted once) and of the experts' over the expert group
+        (every rank's own experts), as megatron's optimizers take it; the gradients scaled to
+        ``max_grad_norm`` when above it. Returns the norm."""
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        squares = torch.zeros(2, dtype=torch.float64, device=self.device)  # [dense, experts]
+        for p in self.params:
+            expert = not getattr(p, "allreduce", True)  # megatron's mark on expert-parallel weights
+            if expert or param_is_not_tensor_parallel_duplicate(p):
+                squares[int(expert)] += p.grad.double().square().sum()
+        if self.tp > 1:
+            dist.all_reduce(squares[:1], group=parallel_state.get_tensor_model_parallel_group())
+        if self.tp * self.ep > 1:
+            dist.all_reduce(squares[1:], group=parallel_state.get_expert_tensor_and_model_parallel_group())
+        norm = float(squares.sum().sqrt())
+        scale = self.max_grad_norm / (norm + 1e-6)  # torch's clip_grad_norm_
+        if scale < 1.0:
+            for p in self.params:
+                p.grad.mul_(scale)
+        return norm
+
     # -- the demo's warm-up -----------------------------------------------------------------------------
     def supervised_step(self, pairs: list[tuple[list[int], list[int], list[str]]], *, lr: float | None = None) -> float:
         """One cross-entropy step on (prompt ids, response ids, feature keys): the mean over pairs of each
         response's mean token loss (data-parallel: each rank takes every N-th pair), as the reference
         trainer's. Each pair is a micro-batch of megatron's schedule."""
         mine = pairs if self.parallel is None else pairs[self.parallel.rank :: self.parallel.world_size]
+        rounds = len(mine) if self.parallel is None or self.ep == 1 else self.parallel.most(len(mine))
         total = 0.0
-        for prompt, response, keys in mine:
-            batch = _supervised_batch(prompt, response, keys)
-            data = megatron_batch(batch, media=self.media)
-            metrics = self._schedule(data, _supervised_forward)[0]
-            total += float(metrics["nll"][0])
+        for index in range(rounds):  # expert parallel: as many rounds on every rank (padding batches)
+            batch = _supervised_batch(*mine[index]) if index < len(mine) else None
+            metrics = self._schedule(self._megatron_batch(batch), _supervised_forward)[0]
+            if batch is not None:
+                total += float(metrics["nll"][0])
         count = self.parallel.total([float(len(mine)), total]) if self.parallel is not None else [len(mine), total]
         from megatron.core.distributed import finalize_model_grads
 
@@ -410,15 +541,15 @@ class MegatronTrainer(SupervisedPairs):
         return dict(json.loads((root / f"feed-{self._rank()}.json").read_text()))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The language model's weights under Hugging Face names, on the CPU (tensor parallel 1: whole)."""
-        state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
-        return megatron_to_hf(state, self.layout)
+        """The language model's weights under Hugging Face names, on the CPU, whole (gathered over the tensor-
+        and expert-parallel groups: a collective)."""
+        return megatron_to_hf(self._whole(), self.layout)
 
     def export(self, folder: str | Path) -> Path:
         """A Hugging Face folder an engine loads (rank 0 writes; every rank calls it)."""
         root = Path(folder)
+        state = self._whole()
         if self._rank() == 0:
-            state = {k: v.detach().cpu() for k, v in self.gpt.state_dict().items() if not k.endswith("_extra_state")}
             export_hf(state, self.layout, root, base_model=self.model_dir)
         dist.barrier()
         return root
