@@ -162,8 +162,8 @@ def measure(
 
 def step_times(model_dir: Path, feed: list[FeedBatch], steps: int) -> dict[str, Any]:
     """Seconds per `ReferenceTrainer.step` without and with R3 (same start weights, interleaved)."""
-    plain = ReferenceTrainer(model_dir, lr=1e-4, loss=LossConfig(tis_cap=None))
-    replay = ReferenceTrainer(model_dir, lr=1e-4, loss=LossConfig(tis_cap=None), routing_replay=True)
+    plain = ReferenceTrainer(model_dir, lr=1e-4, loss=LossConfig(rollout_correction="none"))
+    replay = ReferenceTrainer(model_dir, lr=1e-4, loss=LossConfig(rollout_correction="none"), routing_replay=True)
     times: dict[str, list[float]] = {"off": [], "on": []}
     for s in range(steps + 1):
         batch = feed[s % len(feed)]
@@ -209,7 +209,7 @@ def main() -> None:
             "stale-1": ("fp32-engine", False, True),
             "padded-batch": ("fp32-engine", True, False),
         }
-        ahead = ReferenceTrainer(model_dir, lr=args.stale_lr, loss=LossConfig(tis_cap=None))
+        ahead = ReferenceTrainer(model_dir, lr=args.stale_lr, loss=LossConfig(rollout_correction="none"))
         for batch in feeds["fp32-engine"]:  # one optimizer step over every group, R3 off
             ahead.accumulate(batch)
         ahead.apply()

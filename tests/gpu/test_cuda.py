@@ -62,7 +62,7 @@ def test_a_data_parallel_step_over_nccl_equals_the_cpu_step(model: Path, monkeyp
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     parallel = DataParallel.from_env()
     try:
-        loss = LossConfig(tis_cap=None)
+        loss = LossConfig(rollout_correction="none")
         gpu = ReferenceTrainer(model, max_grad_norm=1e9, loss=loss, parallel=parallel)
         cpu = ReferenceTrainer(model, max_grad_norm=1e9, loss=loss)
         gpu.optimizer, cpu.optimizer = sgd(gpu), sgd(cpu)

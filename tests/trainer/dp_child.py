@@ -28,7 +28,7 @@ def main(config_path: str, rank: int) -> None:
     )  # fmt: skip
     torch.set_num_threads(1)
     parallel = DataParallel.from_env()
-    loss = LossConfig(aggregation=config["aggregation"], tis_cap=None)
+    loss = LossConfig(aggregation=config["aggregation"], rollout_correction="none")
     options = {  # bf16, activation checkpointing and CPU offload under FSDP2, when the test asks for them
         "precision": config.get("precision", "fp32"),
         "activation_checkpointing": config.get("activation_checkpointing", False),

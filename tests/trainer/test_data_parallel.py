@@ -87,7 +87,7 @@ def test_two_ranks_step_as_one_rank_on_the_union(model: Path, tmp_path: Path, ag
     ]
     assert [p.wait(timeout=300) for p in ranks] == [0, 0]
 
-    loss = LossConfig(aggregation=aggregation, tis_cap=None)  # type: ignore[arg-type]
+    loss = LossConfig(aggregation=aggregation, rollout_correction="none")  # type: ignore[arg-type]
     single = ReferenceTrainer(model, max_grad_norm=1e9, loss=loss)
     single.optimizer = sgd(single)
     for batch in _all_batches():
@@ -119,7 +119,7 @@ def test_two_ranks_in_bf16_checkpointed_and_offloaded_step_as_one_fp32_rank(mode
     ]
     assert [p.wait(timeout=300) for p in ranks] == [0, 0]
 
-    single = ReferenceTrainer(model, max_grad_norm=1e9, loss=LossConfig(tis_cap=None))
+    single = ReferenceTrainer(model, max_grad_norm=1e9, loss=LossConfig(rollout_correction="none"))
     single.optimizer = sgd(single)
     for batch in _all_batches():
         single.accumulate(batch)

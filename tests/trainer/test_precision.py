@@ -60,7 +60,7 @@ def batch(model: Path, store: pp.FeatureStore) -> FeedBatch:
 
 
 def _trainer(model: Path, store: pp.FeatureStore, **options: object) -> ReferenceTrainer:
-    return ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(tis_cap=None), **options)  # type: ignore[arg-type]
+    return ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(rollout_correction="none"), **options)  # type: ignore[arg-type]
 
 
 def _grads(trainer: ReferenceTrainer) -> dict[str, torch.Tensor]:

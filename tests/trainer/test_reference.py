@@ -53,7 +53,7 @@ def test_training_moves_probability_toward_rewarded_tokens(model: Path, tmp_path
     item = pp.process_bytes(
         samples.encode_image(samples.test_pattern(56, 56), "PNG"), "image", pp.ProcessorSpec.qwen2_5_omni(), store=store
     )
-    trainer = ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(tis_cap=None))
+    trainer = ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(rollout_correction="none"))
     placeholder = trainer.model.config.image_token_id
     batch = _batch(item.key, item.features.num_tokens, placeholder)
     ids = batch.tensors["input_ids"]
@@ -70,7 +70,7 @@ def test_training_moves_probability_toward_rewarded_tokens(model: Path, tmp_path
     assert response_logprob(0) > good + 0.5 and response_logprob(1) < bad - 0.5
 
     saved = trainer.save(tmp_path / "ckpt", {"acked": ["b"]})
-    restored = ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(tis_cap=None))
+    restored = ReferenceTrainer(model, features=store, lr=1e-3, loss=LossConfig(rollout_correction="none"))
     assert restored.load(saved) == {"acked": ["b"]}
     for a, b in zip(trainer.model.parameters(), restored.model.parameters(), strict=True):
         assert torch.equal(a, b)
@@ -196,7 +196,7 @@ def test_a_step_over_streamed_micro_batches_equals_one_over_all_of_them(model: P
         return FeedBatch(batch_id="b", tensors=pack(table(rows)), sample_ids=[], feature_keys=[[]] * len(rows), meta={})
 
     rows = [([1, 2, 3, 10, 11], 3, 1.0), ([1, 2, 20], 2, -1.0), ([4, 5, 30, 31, 32, 33], 2, 0.5), ([6, 40], 1, -0.5)]
-    config = LossConfig(aggregation=aggregation, tis_cap=None)
+    config = LossConfig(aggregation=aggregation, rollout_correction="none")
     whole = ReferenceTrainer(model, lr=1e-2, max_grad_norm=1e9, loss=config)
     split = ReferenceTrainer(model, lr=1e-2, max_grad_norm=1e9, loss=config)
     whole.accumulate(fed(rows))

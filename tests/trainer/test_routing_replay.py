@@ -150,7 +150,7 @@ def test_replaying_the_models_own_routing_changes_nothing(model_dir: Path) -> No
 
 def test_r3_step_and_refusals(model_dir: Path, rollouts: tuple[list[int], list[GenerateResult]]) -> None:
     prompt, results = rollouts
-    trainer = ReferenceTrainer(model_dir, routing_replay=True, lr=1e-3, loss=LossConfig(tis_cap=None))
+    trainer = ReferenceTrainer(model_dir, routing_replay=True, lr=1e-3, loss=LossConfig(rollout_correction="none"))
     result = trainer.step(feed_batch(prompt, results))
     assert result.grad_norm > 0
     assert trainer.replay is not None
