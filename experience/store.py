@@ -37,7 +37,7 @@ import pyarrow as pa
 
 import preprocess as pp
 
-from .advantages import ESTIMATORS, AdvantageEstimator, group_advantages, has_signal
+from .advantages import ESTIMATORS, AdvantageEstimator, StdKind, group_advantages, has_signal
 from .errors import InvalidGroup, InvalidRequest, StoreNotWritable
 from .index import Counters, open_index, transaction
 from .ledger import RETIRED, Ledger
@@ -75,6 +75,7 @@ class DataConfig:
     staleness_policy: StalenessPolicy = "drop"  # a stale sample is dropped, or its group also regenerated
     drop_uniform_groups: bool = False  # DAPO dynamic sampling: a group whose rewards are all equal is dropped
     advantage_estimator: AdvantageEstimator = "grpo"  # "dr_grpo": mean baseline only
+    advantage_std: StdKind = "population"  # grpo's divisor: "unbiased" (n - 1) as verl and TRL
     lease_s: float = 300.0  # an unacknowledged delivery comes back after this long
     max_queued_groups: int = 256  # admission never lets more groups wait
 
@@ -85,6 +86,8 @@ class DataConfig:
             raise ValueError(f"staleness_policy must be one of {get_args(StalenessPolicy)}")
         if self.advantage_estimator not in ESTIMATORS:
             raise ValueError(f"advantage_estimator must be one of {ESTIMATORS}")
+        if self.advantage_std not in get_args(StdKind):
+            raise ValueError(f"advantage_std must be one of {get_args(StdKind)}")
         if not self.lease_s > 0:
             raise ValueError("lease_s must be positive")
         if self.max_queued_groups < 1:
@@ -171,7 +174,8 @@ class ExperienceStore:
             return _Prepared(group, None, "empty")
         if self.config.drop_uniform_groups and not has_signal(rewards):
             return _Prepared(group, None, "uniform")
-        table = group_table(group, group_advantages(rewards, estimator=self.config.advantage_estimator))
+        advantages = group_advantages(rewards, estimator=self.config.advantage_estimator, std=self.config.advantage_std)
+        table = group_table(group, advantages)
         ids = table.column("sample_id").to_pylist()
         versions = table.column("policy_version").to_pylist()
         lengths = [len(x) for x in table.column("input_ids").to_pylist()]

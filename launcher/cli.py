@@ -223,6 +223,47 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) {unset}",
     )
+    # The objective and its off-policy corrections (trainer/losses.py; each preset cites its paper there).
+    train.add_argument(
+        "--loss",
+        choices=("grpo", "dr_grpo", "dapo", "gspo", "cispo"),
+        default="dapo",
+        help="the objective's recipe: clip ranges, aggregation and the advantages it pairs with (default dapo: "
+        "clip 0.2/0.28, token mean, std-normalised group advantages)",
+    )
+    train.add_argument(
+        "--rollout-correction",
+        choices=("none", "tis", "mis"),
+        default="tis",
+        help="engine vs trainer log-probs: truncated (tis) or masked (mis) importance sampling, or none",
+    )
+    train.add_argument(
+        "--correction-level", choices=("token", "sequence"), default="token", help="one weight per token or sequence"
+    )
+    train.add_argument("--correction-cap", type=float, default=2.0, help="the importance weight's upper bound")
+    train.add_argument("--correction-floor", type=float, default=0.0, help="mis: the lower bound (below: masked)")
+    train.add_argument(
+        "--kl-coef",
+        type=float,
+        default=0.0,
+        help="a KL penalty to the frozen starting model (its log-probs computed by the trainer; 0: none, not loaded)",
+    )
+    train.add_argument("--kl-estimator", choices=("k1", "k2", "k3"), default="k3", help="Schulman's KL estimator")
+    train.add_argument(
+        "--adv-std",
+        choices=("population", "unbiased"),
+        default="population",
+        help="the group's standard deviation in grpo advantages: population (n) or unbiased (n - 1, verl / TRL)",
+    )
+    train.add_argument(
+        "--ppo-epochs",
+        type=int,
+        default=1,
+        help="passes over each step's samples (decoupled PPO: the clip on the ratio to the step's starting weights)",
+    )
+    train.add_argument(
+        "--mini-batches", type=int, default=1, help="optimizer steps per pass, each over its share of the step"
+    )
     train.add_argument(
         "--trainer",
         choices=("fsdp", "megatron"),

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from services.roles import BASE_PORT
+
+if TYPE_CHECKING:
+    from trainer.losses import LossConfig
 
 __all__ = [
     "AGENT_DEMO_DEFAULTS",
@@ -98,6 +101,17 @@ class TrainConfig:
     max_tokens_per_batch: int = GENERIC_DEFAULTS["max_tokens_per_batch"]
     lr: float = GENERIC_DEFAULTS["lr"]
     warmup_steps: int = GENERIC_DEFAULTS["warmup_steps"]
+    # the objective (`trainer.losses`) and the advantages the data role computes
+    loss: Literal["grpo", "dr_grpo", "dapo", "gspo", "cispo"] = "dapo"
+    rollout_correction: Literal["none", "tis", "mis"] = "tis"
+    correction_level: Literal["token", "sequence"] = "token"
+    correction_cap: float = 2.0
+    correction_floor: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    adv_std: Literal["population", "unbiased"] = "population"
+    ppo_epochs: int = 1
+    mini_batches: int = 1
     # the trainer: which, its precision and model parallelism (megatron), its ranks, restarts and checkpoints
     trainer: Literal["fsdp", "megatron"] = "fsdp"
     precision: Literal["fp32", "bf16"] = "fp32"
@@ -123,6 +137,25 @@ class TrainConfig:
     arch: str | None = None  # the tiny model made in HOME/model when it has none
     r3: bool = False  # routing replay (MoE models)
     argv: tuple[str, ...] = ()  # the command line, run again once per rank (``nproc``)
+
+    def loss_config(self) -> LossConfig:
+        """The trainer's `LossConfig`: ``loss``'s preset with the corrections and KL options on top; Dr. GRPO's
+        constant divisor is the step's samples × the response cap (its paper's fixed length normaliser)."""
+        from trainer.losses import loss_preset
+
+        extra: dict[str, Any] = {}
+        if self.loss == "dr_grpo":
+            extra["sum_divisor"] = float(self.groups_per_step * self.n * self.max_new_tokens)
+        return loss_preset(
+            self.loss,
+            rollout_correction=self.rollout_correction,
+            correction_level=self.correction_level,
+            correction_cap=self.correction_cap,
+            correction_floor=self.correction_floor,
+            kl_coef=self.kl_coef,
+            kl_estimator=self.kl_estimator,
+            **extra,
+        )
 
     @property
     def agent(self) -> bool:

@@ -180,6 +180,10 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
         settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
     if config.r3:  # R3: the rollout role asks the engines for each token's experts
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
+    from trainer.losses import PRESET_ADVANTAGE_ESTIMATOR  # the advantages the objective's paper pairs it with
+
+    settings["WEIR_ADVANTAGE_ESTIMATOR"] = PRESET_ADVANTAGE_ESTIMATOR[config.loss]
+    settings["WEIR_ADVANTAGE_STD"] = config.adv_std
     if config.ray:
         return RayStack(
             home=config.home, engines=config.engines, address=config.address, port=config.serve_port, env=settings
@@ -237,6 +241,12 @@ def _refusal(config: TrainConfig) -> str | None:
     """What this run asks that its trainer cannot do, said before any stack starts."""
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
         return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
+    if config.ppo_epochs < 1 or config.mini_batches < 1:
+        return "--ppo-epochs and --mini-batches are 1 or more"
+    try:
+        config.loss_config()
+    except ValueError as error:  # bounds the loss refuses (a floor above the cap…)
+        return f"--loss {config.loss}: {error}"
     if config.cpu_offload and (config.trainer != "fsdp" or config.nproc < 2):
         return "--cpu-offload is FSDP2's: use it with --trainer fsdp and --nproc 2 or more"
     if config.trainer == "megatron":
@@ -244,6 +254,10 @@ def _refusal(config: TrainConfig) -> str | None:
             return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
         if config.r3:
             return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
+        if config.ppo_epochs > 1 or config.mini_batches > 1:
+            return "--ppo-epochs / --mini-batches with --trainer megatron are not wired yet: use --trainer fsdp"
+        if config.kl_coef:
+            return "--kl-coef with --trainer megatron is not wired yet (no reference model): use --trainer fsdp"
         if config.ep > 1 and _family(config) != "qwen3_omni_moe":
             return f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model (--arch qwen3-omni-moe)"
         from trainer.megatron.trainer import check_model_parallel
@@ -286,6 +300,7 @@ def _trainer(
             config.home / "model",
             features=features,
             lr=config.lr,
+            loss=config.loss_config(),
             precision=config.precision,
             activation_checkpointing=config.activation_checkpointing,
             tp=config.tp,
@@ -299,6 +314,9 @@ def _trainer(
         config.home / "model",
         features=features,
         lr=config.lr,
+        loss=config.loss_config(),
+        ppo_epochs=config.ppo_epochs,
+        mini_batches=config.mini_batches,
         parallel=parallel,
         routing_replay=config.r3,
         precision=config.precision,

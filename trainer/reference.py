@@ -41,7 +41,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,7 +131,11 @@ class ReferenceTrainer(SupervisedPairs):
         precision: Precision = "fp32",
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
     ) -> None:
+        if ppo_epochs < 1 or mini_batches < 1:
+            raise ValueError(f"ppo_epochs and mini_batches are 1 or more, not {ppo_epochs} and {mini_batches}")
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', not {precision!r}")
         if cpu_offload and parallel is None:
@@ -173,6 +177,16 @@ class ReferenceTrainer(SupervisedPairs):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
         self.max_grad_norm = max_grad_norm
         self.loss_config = loss or LossConfig()
+        # The KL penalty's reference: the starting weights, frozen (loaded only when the loss uses it; whole on
+        # every rank, so its forwards are no collectives).
+        self.reference: torch.nn.Module | None = None
+        if self.loss_config.kl_coef:
+            self.reference = load_thinker(model_dir, dtype=torch.float32).requires_grad_(False).eval()
+            torch.nn.Module.to(self.reference, self.device)
+        # Decoupled PPO: several optimizer steps per step's samples, each ratio against the proximal policy (the
+        # weights the step started with); the behaviour policy (the engine's log-probs) stays the IS correction's.
+        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+        self._held: list[tuple[FeedBatch, torch.Tensor, torch.Tensor | None]] = []  # batch, proximal, reference
         self.policy_version = 0
         self._units, self._loss = 0.0, 0.0
         self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
@@ -276,46 +290,63 @@ class ReferenceTrainer(SupervisedPairs):
     def _replaying(self, routes: torch.Tensor | None) -> Any:
         return self.replay.replaying(routes) if self.replay is not None else contextlib.nullcontext()
 
-    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
-        """Forward and backward one micro-batch, adding to the gradients of the current step.
-
-        Each micro-batch's loss is weighted by its share of the step's normalisation units (loss
-        tokens for ``token_mean``, sequences for ``sequence_mean``), so a step over micro-batches
-        streamed in any split equals one loss over all of them (`apply` divides by the total).
-        ``None`` (data-parallel only): a zero-weight forward and backward that keeps this rank in
-        lockstep with ranks that have one more micro-batch in this step.
-        """
-        if batch is None:
-            self._lockstep_filler()
-            return {}
-        t = {name: value.to(self.device) for name, value in batch.tensors.items()}
-        cu = t["cu_seqlens"].tolist()
+    def _logprobs(self, batch: FeedBatch) -> torch.Tensor:
+        """The policy's log-probs of a micro-batch's tokens, packed (data-parallel: one forward, a collective)."""
         if self.parallel is not None:  # one forward per micro-batch: forwards are collectives here
-            logprobs = self.batch_logprobs(batch)
-        else:
-            logprobs = torch.cat(
-                [
-                    self.sequence_logprobs(
-                        t["input_ids"][cu[i] : cu[i + 1]],
-                        batch.feature_keys[i],
-                        None if batch.media is None else batch.media[i],
-                        routes=t["routed_experts"][cu[i] : cu[i + 1]] if "routed_experts" in t else None,
-                    )
-                    for i in range(len(cu) - 1)
-                ]
-            )
+            return self.batch_logprobs(batch)
+        t = batch.tensors
+        cu = t["cu_seqlens"].tolist()
+        return torch.cat(
+            [
+                self.sequence_logprobs(
+                    t["input_ids"][cu[i] : cu[i + 1]],
+                    batch.feature_keys[i],
+                    None if batch.media is None else batch.media[i],
+                    routes=t["routed_experts"][cu[i] : cu[i + 1]] if "routed_experts" in t else None,
+                )
+                for i in range(len(cu) - 1)
+            ]
+        )
+
+    @contextlib.contextmanager
+    def _as_reference(self) -> Iterator[None]:
+        """The frozen reference model in the policy's place, for one no-grad forward (its routers route freely)."""
+        assert self.reference is not None
+        policy, self.model = self.model, self.reference  # type: ignore[assignment]
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.model = policy
+
+    def _reference_logprobs(self, batch: FeedBatch) -> torch.Tensor | None:
+        if self.reference is None:
+            return None
+        with self._as_reference():
+            return self._logprobs(batch).detach()
+
+    def _backward(
+        self, batch: FeedBatch, *, proximal: torch.Tensor | None = None, reference: torch.Tensor | None = None
+    ) -> dict[str, float]:
+        """One micro-batch's loss, backward, weighted by its share of the step's normalisation units (loss tokens
+        for ``token_mean``, sequences for ``sequence_mean``), so a step over micro-batches streamed in any split
+        equals one loss over all of them (`_step` divides by the total). ``proximal``: the ratio's denominator
+        (None: this forward's own log-probs, detached — a ratio of 1, the first pass of a step)."""
+        t = {name: value.to(self.device) for name, value in batch.tensors.items()}
+        logprobs = self._logprobs(batch)
         out = policy_loss(
             logprobs,
-            logprobs.detach(),
+            logprobs.detach() if proximal is None else proximal,
             t["advantages"],
             t["loss_mask"],
             self.loss_config,
             rollout_logprobs=t["rollout_logprobs"],
+            ref_logprobs=reference if reference is not None else self._reference_logprobs(batch),
             sequence_ids=t["sequence_ids"],
         )
         # A mean over the step is a weighted mean of the micro-batches' means; a sum is a plain sum.
-        units = {"token_mean": float(t["loss_mask"].sum()), "sequence_mean": float(len(cu) - 1), "sum": 1.0}
-        weight = units[self.loss_config.aggregation]
+        units = {"token_mean": float(t["loss_mask"].sum()), "sequence_mean": float(len(t["cu_seqlens"]) - 1)}
+        weight = units.get(self.loss_config.aggregation, 1.0)
         (out.loss * weight).backward()
         self._units += weight
         self._loss += float(out.loss.detach()) * weight
@@ -323,8 +354,62 @@ class ReferenceTrainer(SupervisedPairs):
             self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
         return out.metrics
 
+    @property
+    def _passes(self) -> bool:
+        """Whether a step makes several optimizer steps (decoupled PPO): micro-batches are held until `apply`."""
+        return self.ppo_epochs * self.mini_batches > 1
+
+    def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
+        """Forward and backward one micro-batch, adding to the gradients of the current step (`_backward`).
+        ``None`` (data-parallel only): a zero-weight forward and backward that keeps this rank in lockstep with
+        ranks that have one more micro-batch in this step.
+
+        With several passes (``ppo_epochs`` × ``mini_batches`` > 1) the micro-batch is held for `apply`, with
+        its proximal log-probs (the weights the step started with: no optimizer step has run yet) and its
+        reference log-probs; nothing is back-propagated yet."""
+        if not self._passes:
+            if batch is None:
+                self._lockstep_filler()
+                return {}
+            return self._backward(batch)
+        with torch.no_grad():
+            if batch is None:
+                self._lockstep_filler(backward=False)
+                return {}
+            self._held.append((batch, self._logprobs(batch).detach(), self._reference_logprobs(batch)))
+        return {}
+
     def apply(self) -> StepResult:
-        """The optimizer step over everything accumulated since the last one (on every rank: the
+        """The step's optimizer step over everything accumulated; with several passes, ``ppo_epochs`` passes
+        over the held micro-batches, each split into ``mini_batches`` consecutive parts with an optimizer
+        step each (data-parallel: each rank splits its own; ranks with a shorter part run lockstep fillers).
+        The result is the mean of the passes' losses, gradient norms and metrics."""
+        if not self._passes:
+            return self._step()
+        held, self._held = self._held, []
+        size = -(-len(held) // self.mini_batches) if held else 0
+        parts = [held[i * size : (i + 1) * size] for i in range(self.mini_batches)]
+        results = []
+        for _ in range(self.ppo_epochs):
+            for part in parts:
+                rounds = len(part) if self.parallel is None else self.parallel.most(len(part))
+                for index in range(rounds):
+                    if index < len(part):
+                        batch, proximal, reference = part[index]
+                        self._backward(batch, proximal=proximal, reference=reference)
+                    else:
+                        self._lockstep_filler()
+                results.append(self._step())
+        names = sorted({name for r in results for name in r.metrics})
+        return StepResult(
+            loss=sum(r.loss for r in results) / len(results),
+            grad_norm=sum(r.grad_norm for r in results) / len(results),
+            metrics={n: sum(r.metrics.get(n, 0.0) for r in results) / len(results) for n in names}
+            | {"optimizer_steps": float(len(results))},
+        )
+
+    def _step(self) -> StepResult:
+        """The optimizer step over everything back-propagated since the last one (on every rank: the
         units, loss and metrics are summed over ranks first, as the gradients are)."""
         names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
         sums = [self._units, self._loss, *(self._metrics.get(name, 0.0) for name in names)]
@@ -384,11 +469,14 @@ class ReferenceTrainer(SupervisedPairs):
         self._optimizer_step(grad_scale=1.0 / max(1, len(pairs)), lr=lr)
         return total / max(1, len(pairs))
 
-    def _lockstep_filler(self) -> None:
-        """A zero-weight forward and backward: a rank with nothing more to train in this step still
-        takes part in the collectives the others' forwards and backwards make."""
+    def _lockstep_filler(self, *, backward: bool = True) -> None:
+        """A zero-weight forward and backward (``backward=False``: the forward alone, as the others' no-grad
+        forwards): a rank with nothing more to train in this step still takes part in the collectives the
+        others' forwards and backwards make."""
         ids = torch.ones(1, 1, dtype=torch.long, device=self.device)
-        (self._logits(input_ids=ids, attention_mask=ids).float().sum() * 0.0).backward()
+        logits = self._logits(input_ids=ids, attention_mask=ids)
+        if backward:
+            (logits.float().sum() * 0.0).backward()
 
     # -- checkpoints and export -----------------------------------------------------------------
     def save(self, folder: str | Path, feed_state: Mapping[str, Any] | None = None) -> Path:

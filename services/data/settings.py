@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from experience import AdvantageEstimator, DataConfig, StalenessPolicy
+from experience.advantages import StdKind
 
 from ..settings import RoleSettings
 
@@ -31,6 +32,9 @@ class DataSettings(RoleSettings):
     advantage_estimator: AdvantageEstimator = Field(
         "grpo", description="'grpo': (r - mean) / std within the group; 'dr_grpo': r - mean (Dr. GRPO)"
     )
+    advantage_std: StdKind = Field(
+        "population", description="grpo's standard deviation: 'population' (n) or 'unbiased' (n - 1, as verl and TRL)"
+    )
     lease_s: float = Field(
         300.0,
         gt=0,
@@ -50,6 +54,7 @@ class DataSettings(RoleSettings):
             staleness_policy=self.staleness_policy,
             drop_uniform_groups=self.drop_uniform_groups,
             advantage_estimator=self.advantage_estimator,
+            advantage_std=self.advantage_std,
             lease_s=self.lease_s,
             max_queued_groups=self.max_queued_groups,
         )

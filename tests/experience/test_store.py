@@ -85,6 +85,17 @@ def test_the_advantage_estimator_and_the_samples_policy_version(tmp_path: Path) 
         DataConfig(advantage_estimator="ppo")  # type: ignore[arg-type]
 
 
+def test_the_unbiased_standard_deviation_of_grpo_advantages(tmp_path: Path) -> None:
+    """rewards 1, 0, 0, 0: population std √3/4, unbiased 1/2 (verl's and TRL's), so (1 - 1/4) / (1/2) = 1.5."""
+    store = ExperienceStore(tmp_path, DataConfig(advantage_std="unbiased"))
+    store.append(group("g", [1.0, 0.0, 0.0, 0.0]))
+    batch = store.lease("trainer", max_tokens=1000)
+    assert batch is not None
+    assert [s["advantage"] for s in batch.rows()] == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    with pytest.raises(ValueError, match="advantage_std"):
+        DataConfig(advantage_std="sample")  # type: ignore[arg-type]
+
+
 def test_failed_samples_and_uniform_groups(tmp_path: Path) -> None:
     store = ExperienceStore(tmp_path, DataConfig(drop_uniform_groups=True))
     store.append(group("bad-first", [1.0, 0.0, 1.0], status=SampleStatus.FAILED))
