@@ -265,6 +265,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--mini-batches", type=int, default=1, help="optimizer steps per pass, each over its share of the step"
     )
     train.add_argument(
+        "--eval-dataset",
+        type=Path,
+        default=None,
+        help="held-out rows to evaluate every --eval-every steps (with --demo: its held-out rows when not given)",
+    )
+    train.add_argument(
+        "--eval-every", type=int, default=0, help="steps between evaluations: greedy pass@1, sampled pass@k (0: none)"
+    )
+    train.add_argument("--eval-k", type=int, default=4, help="samples per row for the evaluation's pass@k")
+    train.add_argument(
         "--trainer",
         choices=("fsdp", "megatron"),
         default="fsdp",

@@ -112,6 +112,10 @@ class TrainConfig:
     adv_std: Literal["population", "unbiased"] = "population"
     ppo_epochs: int = 1
     mini_batches: int = 1
+    # periodic evaluation (`trainer.evaluation`)
+    eval_dataset: Path | None = None  # None with --demo: its held-out rows
+    eval_every: int = 0  # 0: no periodic evaluation
+    eval_k: int = 4
     # the trainer: which, its precision and model parallelism (megatron), its ranks, restarts and checkpoints
     trainer: Literal["fsdp", "megatron"] = "fsdp"
     precision: Literal["fp32", "bf16"] = "fp32"

@@ -40,6 +40,7 @@ from rich.table import Table
 import preprocess as pp
 from preprocess.dataset import iter_rows
 from trainer.data_parallel import DataParallel, restarted, run_ranks
+from trainer.evaluation import EvalSpec
 from trainer.loop import LoopConfig, evaluate, run_loop
 from trainer.policy_version import PolicyVersion, WeightRecipients
 from trainer.protocol import Ranks
@@ -67,7 +68,8 @@ def _show(record: dict[str, Any]) -> None:
         f"step {record['step']:>4}  reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
         f"{record['samples_per_s']:5.1f} samples/s  {record['tokens_per_s']:5.0f} tok/s  "
         f"stale {record['staleness']}  queue {record['queue_samples']:>3}  "
-        f"idle: trainer {record['trainer_idle_share']:.0%} engines {'-' if idle is None else f'{idle:.0%}'}",
+        f"idle: trainer {record['trainer_idle_share']:.0%} engines {'-' if idle is None else f'{idle:.0%}'}"
+        + (f"  eval pass@1 {record['eval']['pass@1']:.0%}" if record.get("eval") else ""),
         soft_wrap=True,  # one line per step, however narrow the terminal
     )
 
@@ -241,6 +243,14 @@ def _refusal(config: TrainConfig) -> str | None:
     """What this run asks that its trainer cannot do, said before any stack starts."""
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
         return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
+    if config.eval_every < 0 or config.eval_k < 1:
+        return "--eval-every is 0 (none) or more, --eval-k 1 or more"
+    if config.eval_dataset is not None and not config.eval_every:
+        return "--eval-dataset needs --eval-every N (steps between evaluations)"
+    if config.eval_every and config.eval_dataset is None and not config.demo:
+        return "--eval-every needs --eval-dataset F (held-out rows; --demo has its own)"
+    if config.eval_dataset is not None and not config.eval_dataset.is_file():
+        return f"--eval-dataset {config.eval_dataset}: no such file"
     if config.ppo_epochs < 1 or config.mini_batches < 1:
         return "--ppo-epochs and --mini-batches are 1 or more"
     try:
@@ -267,6 +277,14 @@ def _refusal(config: TrainConfig) -> str | None:
         except ValueError as error:
             return str(error)
     return None
+
+
+def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec | None:
+    """``--eval-every``'s evaluation: ``--eval-dataset``'s rows, else the demo's held-out ones."""
+    if not config.eval_every:
+        return None
+    rows = list(iter_rows(config.eval_dataset)) if config.eval_dataset is not None else held_out
+    return EvalSpec(rows=rows, every=config.eval_every, k=config.eval_k, max_new_tokens=config.max_new_tokens)
 
 
 def _family(config: TrainConfig) -> str:
@@ -405,6 +423,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             engines=cluster_engines if config.ray else None,
             on_weights=record_weights if config.ray else None,
             weights=_weights(config),
+            evaluation=_evaluation(config, held_out),
         )
         ranks = f", {parallel.world_size} data-parallel ranks" if parallel is not None else ""
         model_parallel = [f"{name} {size}" for name, size in (("tensor", config.tp), ("expert", config.ep)) if size > 1]
@@ -421,6 +440,10 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             _summary(records, before, after, plot)
         console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
         console.print(f"plot: {plot}", soft_wrap=True)
+        if any("mismatch/all/kl" in r for r in records):  # the trainer's monitor (trainer.mismatch)
+            from trainer.mismatch import plot_mismatch
+
+            console.print(f"train-inference mismatch: {plot_mismatch(records, out / 'mismatch.png')}", soft_wrap=True)
         runs = _runs(config.home / "train")
         if len(runs) > 1:  # the other mode ran here before: compare them on one plot
             console.print(f"compared ({', '.join(runs)}): {plot_runs(runs, config.home / 'train' / 'compare.png')}")

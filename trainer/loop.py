@@ -58,6 +58,7 @@ from experience.records import Group
 
 from .commit import Committer
 from .driver import RolloutDriver
+from .evaluation import EvalSpec, Evaluator
 from .feed import MicroBatchFeed
 from .lockstep import Lockstep
 from .policy_version import PolicyVersion, WeightRecipients, WeightsPath
@@ -103,6 +104,9 @@ class LoopConfig:
     # into them, no folder; disk for the rest of the run when that fails) or "disk" (a folder per version,
     # which engines that come and go always use). `weir train` broadcasts on a local stack.
     weights: WeightsPath = "disk"
+    # Periodic evaluation (`trainer.evaluation`): rank 0 evaluates after every ``evaluation.every``-th step; the
+    # result goes into that step's record under "eval" and into out/eval.jsonl.
+    evaluation: EvalSpec | None = None
 
 
 def evaluate(
@@ -198,6 +202,9 @@ def run_loop(
     if resumed is not None:
         policy.publish()  # the engines may hold weights from steps that were lost: bring them back to this one
         logger.info("resumed from %s at step %d", committer.checkpoint, resumed + 1)
+    evaluator = None
+    if config.evaluation is not None and ranks.main:
+        evaluator = Evaluator(config.urls["rollout"], config.evaluation, out=config.out, token=config.token)
     progress = Progress(readings, EngineClock(readings.client, engines), mode=config.mode, ranks=ranks.world)
     records: list[dict[str, Any]] = []
     strategy.start()
@@ -228,6 +235,8 @@ def run_loop(
             record = progress.record(
                 step, totals, result, policy_version=policy.current, staleness=staleness, regenerated=driver.regenerated
             ).as_dict()
+            if evaluator is not None and evaluator.spec.due(step):
+                record["eval"] = evaluator.run(step)
             records.append(record)
             with (config.out / "metrics.jsonl").open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
@@ -236,6 +245,8 @@ def run_loop(
     finally:
         if ranks.main:
             driver.close()
+        if evaluator is not None:
+            evaluator.close()
         feed.close()
         readings.close()
         policy.close()  # the engines leave the broadcast group

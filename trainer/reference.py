@@ -63,6 +63,7 @@ from .data_parallel import DataParallel
 from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
 from .memory import MemoryEstimate, Precision, estimate_memory
+from .mismatch import MismatchMonitor, placeholder_ids
 
 __all__ = ["ReferenceTrainer", "StepResult", "SupervisedPairs", "media_inputs", "write_synced"]
 
@@ -186,6 +187,9 @@ class ReferenceTrainer(SupervisedPairs):
         # Decoupled PPO: several optimizer steps per step's samples, each ratio against the proximal policy (the
         # weights the step started with); the behaviour policy (the engine's log-probs) stays the IS correction's.
         self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+        # The train–inference mismatch monitor (`trainer.mismatch`): the engine's log-probs against the trainer's
+        # at the step's start, per modality; reported with each step's metrics.
+        self.mismatch = MismatchMonitor(placeholder_ids(self.model.config))
         self._held: list[tuple[FeedBatch, torch.Tensor, torch.Tensor | None]] = []  # batch, proximal, reference
         self.policy_version = 0
         self._units, self._loss = 0.0, 0.0
@@ -334,6 +338,8 @@ class ReferenceTrainer(SupervisedPairs):
         (None: this forward's own log-probs, detached — a ratio of 1, the first pass of a step)."""
         t = {name: value.to(self.device) for name, value in batch.tensors.items()}
         logprobs = self._logprobs(batch)
+        if proximal is None:  # the weights the step started with: what the monitor compares with the engine
+            self.mismatch.watch(batch, logprobs)
         out = policy_loss(
             logprobs,
             logprobs.detach() if proximal is None else proximal,
@@ -376,7 +382,9 @@ class ReferenceTrainer(SupervisedPairs):
             if batch is None:
                 self._lockstep_filler(backward=False)
                 return {}
-            self._held.append((batch, self._logprobs(batch).detach(), self._reference_logprobs(batch)))
+            proximal = self._logprobs(batch).detach()
+            self.mismatch.watch(batch, proximal)
+            self._held.append((batch, proximal, self._reference_logprobs(batch)))
         return {}
 
     def apply(self) -> StepResult:
@@ -385,7 +393,9 @@ class ReferenceTrainer(SupervisedPairs):
         step each (data-parallel: each rank splits its own; ranks with a shorter part run lockstep fillers).
         The result is the mean of the passes' losses, gradient norms and metrics."""
         if not self._passes:
-            return self._step()
+            result = self._step()
+            result.metrics.update(self.mismatch.take(self.parallel))
+            return result
         held, self._held = self._held, []
         size = -(-len(held) // self.mini_batches) if held else 0
         parts = [held[i * size : (i + 1) * size] for i in range(self.mini_batches)]
@@ -405,7 +415,8 @@ class ReferenceTrainer(SupervisedPairs):
             loss=sum(r.loss for r in results) / len(results),
             grad_norm=sum(r.grad_norm for r in results) / len(results),
             metrics={n: sum(r.metrics.get(n, 0.0) for r in results) / len(results) for n in names}
-            | {"optimizer_steps": float(len(results))},
+            | {"optimizer_steps": float(len(results))}
+            | self.mismatch.take(self.parallel),
         )
 
     def _step(self) -> StepResult:

@@ -26,14 +26,21 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def plot_runs(runs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path, *, window: int = 5) -> Path:
-    """Reward (moving mean over ``window`` steps) and samples/s against wall time, one line per run."""
+    """Reward (moving mean over ``window`` steps) and samples/s against wall time, one line per run; a run's
+    periodic evaluations (records with ``eval``) as greedy pass@1 markers beside its reward."""
     figure, (reward_axis, rate_axis) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
     for name, records in runs.items():
         if not records:
             continue
         times = [r["time_s"] for r in records]
         rewards = _smooth([r["mean_reward"] for r in records], window)
-        reward_axis.plot(times, rewards, label=name)
+        line = reward_axis.plot(times, rewards, label=name)[0]
+        evaluated = [(r["time_s"], r["eval"]) for r in records if r.get("eval")]
+        if evaluated:  # periodic evaluation beside the training reward: greedy pass@1 as markers
+            reward_axis.plot(
+                [t for t, _ in evaluated], [e["pass@1"] for _, e in evaluated], "o--", color=line.get_color(),
+                label=f"{name}: held-out pass@1 (greedy)",
+            )  # fmt: skip
         rate_axis.plot(times, [r["samples_per_s"] for r in records], label=name)
     reward_axis.set_ylabel(f"mean reward ({window}-step moving mean)")
     reward_axis.set_ylim(-0.02, 1.02)

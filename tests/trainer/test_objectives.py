@@ -137,3 +137,19 @@ def test_objective_options_weir_train_cannot_run_are_refused_before_anything_sta
     assert main(["train", "--demo", "--home", str(home), *options]) == 2
     assert said in " ".join(capsys.readouterr().out.split())
     assert not home.exists()
+
+
+def test_every_step_reports_the_train_inference_mismatch_by_modality(model: Path) -> None:
+    """The engine's log-probs (-3 on every response token here) against the trainer's at the step's start."""
+    trainer = ReferenceTrainer(model, lr=1e-2, loss=LossConfig(rollout_correction="none"))
+    with torch.no_grad():
+        mine = torch.cat([trainer._logprobs(batch) for batch in BATCHES])
+    mask = torch.cat([batch.tensors["loss_mask"] for batch in BATCHES]).bool()
+    d = mine[mask].double() + 3.0  # trainer − engine on the loss tokens
+    for batch in BATCHES:
+        trainer.accumulate(batch)
+    metrics = trainer.apply().metrics
+    assert metrics["mismatch/text/tokens"] == metrics["mismatch/all/tokens"] == float(mask.sum())
+    assert metrics["mismatch/all/kl"] == pytest.approx(float((d.exp() - d - 1).mean()), rel=1e-5)  # k3
+    assert metrics["mismatch/all/max_abs_diff"] == pytest.approx(float(d.abs().max()), rel=1e-5)
+    assert "mismatch/image/kl" not in metrics  # no image in these batches
