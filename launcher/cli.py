@@ -275,6 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--eval-k", type=int, default=4, help="samples per row for the evaluation's pass@k")
     train.add_argument(
+        "--report-to",
+        default="none",
+        metavar="wandb,tensorboard,mlflow",
+        help="experiment trackers fed the step records (files under the run's folder, offline; "
+        "pip install 'weir[trackers]')",
+    )
+    train.add_argument(
         "--trainer",
         choices=("fsdp", "megatron"),
         default="fsdp",

@@ -112,6 +112,7 @@ class TrainConfig:
     adv_std: Literal["population", "unbiased"] = "population"
     ppo_epochs: int = 1
     mini_batches: int = 1
+    report_to: str = "none"  # experiment trackers (`launcher.trackers`): wandb, tensorboard, mlflow (offline files)
     # periodic evaluation (`trainer.evaluation`)
     eval_dataset: Path | None = None  # None with --demo: its held-out rows
     eval_every: int = 0  # 0: no periodic evaluation

@@ -56,16 +56,18 @@ from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .stack import LocalStack
+from .trackers import Trackers, eta, parse_report_to
 
 __all__ = ["run_training"]
 
 _WARMUP_LR = 3e-3
 
 
-def _show(record: dict[str, Any]) -> None:
+def _show(record: dict[str, Any], *, total: int, resumed_at: int = 0) -> None:
     idle = record["engine_idle_share"]
     console.print(
-        f"step {record['step']:>4}  reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
+        f"{eta(record['step'], total, record['time_s'], resumed_at=resumed_at)}  "
+        f"reward {record['mean_reward']:.3f}  loss {record['loss']:+.4f}  "
         f"{record['samples_per_s']:5.1f} samples/s  {record['tokens_per_s']:5.0f} tok/s  "
         f"stale {record['staleness']}  queue {record['queue_samples']:>3}  "
         f"idle: trainer {record['trainer_idle_share']:.0%} engines {'-' if idle is None else f'{idle:.0%}'}"
@@ -243,6 +245,10 @@ def _refusal(config: TrainConfig) -> str | None:
     """What this run asks that its trainer cannot do, said before any stack starts."""
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
         return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
+    try:
+        parse_report_to(config.report_to)
+    except ValueError as error:
+        return f"--report-to: {error}"
     if config.eval_every < 0 or config.eval_k < 1:
         return "--eval-every is 0 (none) or more, --eval-k 1 or more"
     if config.eval_dataset is not None and not config.eval_every:
@@ -277,6 +283,17 @@ def _refusal(config: TrainConfig) -> str | None:
         except ValueError as error:
             return str(error)
     return None
+
+
+def _checkpoint_step(out: Path) -> int:
+    """The step a resumed run continues after (its checkpoint's; 0 without one): where its ETA starts."""
+    feed = out / "checkpoint" / "feed-0.json"
+    state = out / "checkpoint" / "trainer.json"
+    for path in (feed, state):  # data-parallel checkpoints keep the feed state per rank, one rank's in trainer.json
+        if path.is_file():
+            data = json.loads(path.read_text())
+            return int(data.get("step", data.get("feed", {}).get("step", 0)))
+    return 0
 
 
 def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec | None:
@@ -431,7 +448,20 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             ranks += f" ({config.nproc} ranks: {', '.join(model_parallel)} parallel)"
         if main:
             console.print(f"[bold]RL ({config.mode})[/bold]: {config.steps} steps, n={config.n}, lr={config.lr}{ranks}")
-        records = run_loop(trainer, rows, loop, on_step=_show if main else None)
+        trackers = Trackers.open(
+            parse_report_to(config.report_to) if main else [],
+            run_dir=out,
+            run_name=f"{config.mode}-{config.trainer}",
+            config={f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "argv"},
+        )
+        closing.callback(trackers.close)
+        resumed_at = _checkpoint_step(out) if config.resume else 0
+
+        def on_step(record: dict[str, Any]) -> None:
+            _show(record, total=config.steps, resumed_at=resumed_at)
+            trackers.log(record)
+
+        records = run_loop(trainer, rows, loop, on_step=on_step if main else None)
         if not main:
             return 0
         after = check(urls["rollout"], held_out, token=stack.token) if held_out else None
