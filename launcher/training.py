@@ -234,7 +234,7 @@ def run_training(config: TrainConfig) -> int:
         return _run(config, parallel, main)
     finally:
         if config.trainer == "megatron":
-            from trainer.megatron.trainer import close_megatron_ranks
+            from trainer.megatron.ranks import close_megatron_ranks
 
             close_megatron_ranks()
         elif parallel is not None:
@@ -276,7 +276,7 @@ def _refusal(config: TrainConfig) -> str | None:
             return "--kl-coef with --trainer megatron is not wired yet (no reference model): use --trainer fsdp"
         if config.ep > 1 and _family(config) != "qwen3_omni_moe":
             return f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model (--arch qwen3-omni-moe)"
-        from trainer.megatron.trainer import check_model_parallel
+        from trainer.megatron.ranks import check_model_parallel
 
         try:
             check_model_parallel(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, world=config.nproc)
@@ -319,7 +319,7 @@ def _ranks(config: TrainConfig) -> Ranks | None:
     """This process's data-parallel place (torchrun's environment), or None alone; megatron joins its own
     parallel state (and a process group even alone)."""
     if config.trainer == "megatron":
-        from trainer.megatron.trainer import megatron_ranks
+        from trainer.megatron.ranks import megatron_ranks
 
         return megatron_ranks(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep)
     return DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None

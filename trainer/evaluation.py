@@ -96,7 +96,7 @@ class Evaluator:
         response.raise_for_status()
         return [[s.get("reward") or 0.0 for s in group["samples"]] for group in response.json()["groups"]]
 
-    def run(self, step: int) -> dict[str, Any]:
+    def run(self, step: int) -> dict[str, object]:
         """Evaluate now: ``{"step", "rows", "pass@1", "pass@k", "reward", "by_modality": {m: {...}},
         "by_source": {s: {...}}}`` (``pass@k`` under its ``k``'s name, e.g. ``pass@4``)."""
         greedy = self._rewards(1, 0.0)
@@ -111,7 +111,7 @@ class Evaluator:
             for modality in modalities_of(row):
                 groups["by_modality"][modality].append(index)
             groups["by_source"][source_of(row)].append(index)
-        result: dict[str, Any] = {"step": step, **self._scores(per_row, range(len(per_row)))}
+        result: dict[str, object] = {"step": step, **self._scores(per_row, range(len(per_row)))}
         for kind, members in groups.items():
             result[kind] = {name: self._scores(per_row, indices) for name, indices in sorted(members.items())}
         with self.path.open("a") as fh:

@@ -3,7 +3,7 @@
 `trainer.reference.ReferenceTrainer` (PyTorch, FSDP2), `trainer.megatron.trainer.MegatronTrainer`
 (megatron-core) and `trainer.sim_trainer.SimTrainer` (the capacity twin's) are loop trainers; `run_loop`,
 `Committer` and `PolicyVersion` are written against these protocols, never against one of them. A
-trainer's ranks are `trainer.data_parallel.DataParallel` or `trainer.megatron.trainer.MegatronParallel`
+trainer's ranks are `trainer.data_parallel.DataParallel` or `trainer.megatron.ranks.MegatronParallel`
 (its data-parallel group), or None alone.
 """
 

@@ -49,6 +49,12 @@ def test_a_step_has_the_reference_trainers_loss_and_metrics(model_dir: Path, tra
     assert got.grad_norm > 0
     after = parameters(trainer)
     assert any(not torch.equal(before[name], after[name]) for name in before)  # the optimizer stepped
+    # The mismatch monitor reads megatron's shifted layout as the reference trainer reads the fed one.
+    reference.accumulate(a)
+    reference.accumulate(b)
+    monitored = reference.apply().metrics
+    for name in ("mismatch/all/kl", "mismatch/all/k1", "mismatch/text/max_abs_diff", "mismatch/all/tokens"):
+        assert got.metrics[name] == pytest.approx(monitored[name], rel=1e-4), name
 
 
 def test_a_checkpoint_restores_weights_optimizer_and_feed_state(trainer: MegatronTrainer, tmp_path: Path) -> None:

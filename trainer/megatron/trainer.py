@@ -38,8 +38,6 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -54,6 +52,7 @@ from encoders.architectures import load_thinker
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
 from ..memory import MemoryEstimate, estimate_megatron_memory
+from ..mismatch import MismatchMonitor, placeholder_ids, sequence_modalities, token_mismatch
 from ..reference import StepResult, SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
@@ -61,135 +60,14 @@ from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 from .loss import forward_step
 from .media import QwenMedia
 from .model import build_gpt
+from .ranks import close_megatron_ranks, megatron_ranks
 from .weights import QwenLayout, export_hf, gather_ep, gather_tp, hf_to_megatron, megatron_to_hf, shard_ep, shard_tp
 
-__all__ = ["MegatronParallel", "MegatronTrainer", "close_megatron_ranks", "megatron_ranks"]
+__all__ = ["MegatronTrainer"]
 
 logger = logging.getLogger(__name__)
 
 Precision = Literal["fp32", "bf16"]
-
-
-@dataclass(frozen=True, slots=True)
-class MegatronParallel:
-    """This process among the trainer's data-parallel ranks (megatron's data-parallel group), with the
-    collectives the loop's `trainer.lockstep.Lockstep` needs — the same surface as
-    `trainer.data_parallel.DataParallel`. ``rank`` / ``world_size`` are the data-parallel place (the feed's
-    consumer rank); ranks of one tensor-parallel group share it, and only its first rank (``feeds``)
-    leases: the others receive its batches (`mirror`). ``is_main``: global rank 0."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool
-    feeds: bool
-
-    def _group(self) -> Any:
-        from megatron.core import parallel_state
-
-        return parallel_state.get_data_parallel_group()
-
-    def total(self, values: list[float]) -> list[float]:
-        tensor = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._group())
-        return [float(v) for v in tensor.tolist()]
-
-    def union(self, names: Any) -> list[str]:
-        gathered: list[list[str] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, sorted(names), group=self._group())
-        return sorted({name for part in gathered for name in part or []})
-
-    def most(self, value: int) -> int:
-        tensor = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group())
-        return int(tensor.item())
-
-    def from_main(self, value: float) -> float:
-        tensor = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.broadcast(tensor, src=0)
-        return float(tensor.item())
-
-    def mirror(self, batch: FeedBatch | None) -> FeedBatch | None:
-        """The tensor-parallel group's batch (its first rank's) on each of its ranks; as is with tp 1."""
-        from megatron.core import parallel_state
-
-        if parallel_state.get_tensor_model_parallel_world_size() == 1:
-            return batch
-        box: list[FeedBatch | None] = [batch if self.feeds else None]
-        dist.broadcast_object_list(
-            box,
-            src=parallel_state.get_tensor_model_parallel_src_rank(),
-            group=parallel_state.get_tensor_model_parallel_group(),
-        )
-        return box[0]
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def close(self) -> None:
-        """The trainer owns the process group: `MegatronTrainer.close` ends it."""
-
-
-def check_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, world: int | None = None) -> None:
-    """Refuse, by name, the model-parallel sizes the RL loop cannot run (before any stack starts); ``world``:
-    the number of ranks, which ``tp × ep`` must divide."""
-    if pp != 1:
-        raise ValueError(
-            f"--pp {pp}: pipeline parallelism is not wired into `weir train`: the loop trains each micro-batch "
-            "as it is cut (one schedule call each), and a pipeline needs a step's micro-batches in one call to "
-            "keep its stages busy; use --tp / --ep / data-parallel ranks (--nproc)"
-        )
-    if cp != 1:
-        raise ValueError(
-            f"--cp {cp}: context parallelism needs transformer-engine's attention (CUDA) and is not wired into "
-            "`weir train` (Qwen3's interleaved 3-D rotary has none either); use --tp / --ep / --nproc"
-        )
-    for name, size in (("tp", tp), ("ep", ep)):
-        if size < 1:
-            raise ValueError(f"--{name} {size}: a size is 1 or more")
-    if world is not None and world % (tp * ep):
-        raise ValueError(f"--nproc {world}: the ranks must be a multiple of --tp {tp} × --ep {ep}")
-
-
-def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MegatronParallel | None:
-    """Join torchrun's process group (or a world of one on a free port: megatron needs a process group even
-    alone) and megatron's parallel state, once per process; this rank's data-parallel place, or None alone."""
-    from megatron.core import parallel_state
-
-    check_model_parallel(tp=tp, pp=pp, cp=cp, ep=ep, world=int(os.environ.get("WORLD_SIZE", "1")))
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(device)
-        backend = "nccl" if cuda else "gloo"
-        if "WORLD_SIZE" in os.environ:  # torchrun's (or `weir train --nproc`'s) variables
-            dist.init_process_group(backend)
-        else:  # alone: a world of one on a free port (the environment is left as it is, for child processes)
-            from ..data_parallel import _free_port
-
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", world_size=1, rank=0)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp, expert_model_parallel_size=ep)
-    if dist.get_world_size() == 1:
-        return None
-    return MegatronParallel(
-        rank=parallel_state.get_data_parallel_rank(),
-        world_size=parallel_state.get_data_parallel_world_size(),
-        device=device,
-        is_main=dist.get_rank() == 0,
-        feeds=parallel_state.get_tensor_model_parallel_rank() == 0,
-    )
-
-
-def close_megatron_ranks() -> None:
-    """Leave megatron's parallel state and the process group (`megatron_ranks`' inverse)."""
-    from megatron.core import parallel_state
-
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class MegatronTrainer(SupervisedPairs):
@@ -261,6 +139,7 @@ class MegatronTrainer(SupervisedPairs):
             )
         gpt.to(self.device)
         self.media = QwenMedia.from_thinker(thinker, features=features) if towers else None
+        self.mismatch = MismatchMonitor(placeholder_ids(thinker.config))  # the train-inference mismatch
         self.features = features
         self.gpt = gpt
         self.model = self._wrap(gpt)
@@ -386,9 +265,17 @@ class MegatronTrainer(SupervisedPairs):
         if batch is None and self.ep == 1:
             return {}
         data = self._megatron_batch(batch)
-        metrics = self._schedule(data, partial(forward_step, config=self.loss_config))[0]
+        outputs: list[torch.Tensor] = []
+
+        def step(data_iterator: Iterator[MegatronBatch], model: Any, *rest: Any) -> tuple[Any, Any]:
+            output, loss = forward_step(data_iterator, model, *rest, config=self.loss_config)
+            outputs.append(output.detach())  # each label's cross-entropy: -log-prob, for the monitor
+            return output, loss
+
+        metrics = self._schedule(data, step)[0]
         if batch is None:  # the expert group's padding batch: no loss tokens, nothing to report
             return {}
+        self._watch(batch, data, outputs[0])
         loss_sum, units = (float(x) for x in metrics.pop("policy loss"))
         self._units += int(units)
         self._loss += loss_sum
@@ -397,6 +284,22 @@ class MegatronTrainer(SupervisedPairs):
         for name, value in out.items():
             self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
         return out
+
+    def _watch(self, batch: FeedBatch, data: MegatronBatch, output: torch.Tensor) -> None:
+        """The mismatch monitor on megatron's layout (labels shifted one token left, a padding sequence at the
+        end): the trainer's log-prob of each label against the engine's, per modality of its sequence."""
+        labels = sequence_modalities(batch, placeholders=self.mismatch.placeholders)
+        cu = data["cu_seqlens"]
+        labels += [("text",)] * (int(cu.numel()) - 1 - len(labels))  # the padding sequence: no loss tokens
+        self.mismatch.sums.add(
+            token_mismatch(
+                -output.float().reshape(-1).cpu(),
+                data["rollout_logprobs"].reshape(-1).cpu(),
+                data["loss_mask"].reshape(-1).cpu(),
+                cu.cpu(),
+                labels,
+            )
+        )
 
     def apply(self) -> StepResult:
         """The step's end as megatron's schedule ends one: gradients reduced over data-parallel ranks and
@@ -417,7 +320,8 @@ class MegatronTrainer(SupervisedPairs):
         result = StepResult(
             loss=sums[1] / divisor,
             grad_norm=norm,
-            metrics={name: value / total_units for name, value in zip(names, sums[2:], strict=True)},
+            metrics={name: value / total_units for name, value in zip(names, sums[2:], strict=True)}
+            | self.mismatch.take(self.parallel),
         )
         self._units, self._loss, self._metrics = 0, 0.0, {}
         return result
