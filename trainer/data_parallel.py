@@ -179,8 +179,12 @@ def run_ranks(
         monitor_interval=0.2,
         logs_specs=DefaultLogsSpecs(log_dir=None if log_dir is None else str(log_dir), redirects=quiet),
     )
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = threads  # the agent hands its environment to the ranks
+    # The agent hands its environment to the ranks. Its own store, shared with the ranks by default, keeps the
+    # first attempt's gloo addresses across a restart: a restarted rank 1 can read the dead rank 0's and fail to
+    # connect (seen under load). Unshared, rank 0 of each attempt hosts a fresh store.
+    scoped = {"OMP_NUM_THREADS": threads, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    saved = {name: os.environ.get(name) for name in scoped}
+    os.environ.update(scoped)
     try:
         elastic_launch(config, entrypoint=command[0])(*command[1:])
         return 0
@@ -190,10 +194,11 @@ def run_ranks(
         code = failures[0][1].exitcode
         return code if code > 0 else 1
     finally:
-        if saved is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def restarted() -> bool:

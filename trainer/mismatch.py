@@ -414,5 +414,5 @@ class MismatchMonitor:
         metrics = sums.metrics()
         if ranks is None or ranks.is_main:
             for warning in check(metrics):
-                logger.warning("train-inference mismatch: %s", warning)
+                logger.warning("%s", warning)
         return metrics
