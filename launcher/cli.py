@@ -268,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--eval-dataset",
         type=Path,
         default=None,
-        help="held-out rows to evaluate every --eval-every steps (with --demo: its held-out rows when not given)",
+        help="held-out rows to evaluate every --eval-every steps (default: none given; --demo evaluates its own "
+        "held-out rows)",
     )
     train.add_argument(
         "--eval-every", type=int, default=0, help="steps between evaluations: greedy pass@1, sampled pass@k (0: none)"
