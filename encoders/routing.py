@@ -132,6 +132,7 @@ class RoutingReplay:
         self.num_layers, self.top_k = routing_shape(model)
         self._routes: torch.Tensor | None = None
         self.replaced = 0  # (token, layer) pairs whose replayed experts differed from the router's own choice
+        self.compared = 0  # (token, layer) pairs replayed (those with recorded routes)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in self.routers.items()]
 
     def _hook(self, layer: int) -> Any:
@@ -148,6 +149,7 @@ class RoutingReplay:
             recorded = (routes >= 0).all(-1, keepdim=True)
             chosen = torch.where(recorded, routes, own)
             self.replaced += int((chosen.sort(-1).values != own.sort(-1).values).any(-1).sum())
+            self.compared += int(recorded.sum())
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(1, chosen)
             if getattr(module, "norm_topk_prob", False):

@@ -52,6 +52,8 @@ import preprocess as pp
 from .feed import FeedBatch
 
 if TYPE_CHECKING:
+    from encoders.routing import RoutingReplay
+
     from .protocol import Ranks
 
 __all__ = [
@@ -403,9 +405,13 @@ class MismatchMonitor:
             token_mismatch(logprobs.detach().cpu(), t["rollout_logprobs"], t["loss_mask"], t["cu_seqlens"], labels)
         )
 
-    def take(self, ranks: Ranks | None) -> dict[str, float]:
+    def take(self, ranks: Ranks | None, *, replay: RoutingReplay | None = None) -> dict[str, float]:
         """The step's metrics (summed, and maxima taken, over data-parallel ``ranks``: a collective on each),
-        warned about (`check`, rank 0) above the thresholds; the sums start again."""
+        warned about (`check`, rank 0) above the thresholds; the sums start again. ``replay`` (R3): the share of
+        replayed (token, layer) pairs where the router's own top-k was the engine's, since the last step."""
+        if replay is not None:
+            self.sums.add_routing(replay.compared - replay.replaced, replay.compared)
+            replay.compared = replay.replaced = 0
         sums, self.sums = self.sums, MismatchSums()
         if ranks is not None:
             totals, maxima = sums.to_lists()

@@ -394,7 +394,7 @@ class ReferenceTrainer(SupervisedPairs):
         The result is the mean of the passes' losses, gradient norms and metrics."""
         if not self._passes:
             result = self._step()
-            result.metrics.update(self.mismatch.take(self.parallel))
+            result.metrics.update(self.mismatch.take(self.parallel, replay=self.replay))
             return result
         held, self._held = self._held, []
         size = -(-len(held) // self.mini_batches) if held else 0
@@ -416,7 +416,7 @@ class ReferenceTrainer(SupervisedPairs):
             grad_norm=sum(r.grad_norm for r in results) / len(results),
             metrics={n: sum(r.metrics.get(n, 0.0) for r in results) / len(results) for n in names}
             | {"optimizer_steps": float(len(results))}
-            | self.mismatch.take(self.parallel),
+            | self.mismatch.take(self.parallel, replay=self.replay),
         )
 
     def _step(self) -> StepResult:

@@ -154,6 +154,9 @@ def test_r3_step_and_refusals(model_dir: Path, rollouts: tuple[list[int], list[G
     result = trainer.step(feed_batch(prompt, results))
     assert result.grad_norm > 0
     assert trainer.replay is not None
+    # The monitor's routing agreement: the trainer's routers, given the engine's prompt, mostly choose as it did.
+    assert 0.0 < result.metrics["mismatch/routing/agreement"] <= 1.0 and result.metrics["mismatch/routing/pairs"] > 0
+    assert trainer.replay.compared == trainer.replay.replaced == 0  # counted into this step, started again
     with pytest.raises(ValueError, match="routes of shape"), trainer.replay.replaying(torch.zeros(4, LAYERS, 3)):
         pass
     dense = init_model(model_dir.parent / "dense")
