@@ -89,7 +89,16 @@ class FeatureStore:
         conn = getattr(self._local, "conn", None)
         if conn is None or getattr(self._local, "pid", None) != os.getpid():
             conn = sqlite3.connect(self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            conn.execute("PRAGMA journal_mode=WAL")
+            for attempt in range(100):
+                try:
+                    conn.execute("PRAGMA journal_mode=WAL")
+                    break
+                except sqlite3.OperationalError as error:
+                    # Roles starting together switch the same file to WAL: sqlite answers "locked" at once,
+                    # without its busy handler (seen: a data role dying at start). Wait for the other one.
+                    if "locked" not in str(error) or attempt == 99:
+                        raise
+                    time.sleep(0.1)
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn, self._local.pid = conn, os.getpid()
         return conn
