@@ -285,17 +285,6 @@ def _refusal(config: TrainConfig) -> str | None:
     return None
 
 
-def _checkpoint_step(out: Path) -> int:
-    """The step a resumed run continues after (its checkpoint's; 0 without one): where its ETA starts."""
-    feed = out / "checkpoint" / "feed-0.json"
-    state = out / "checkpoint" / "trainer.json"
-    for path in (feed, state):  # data-parallel checkpoints keep the feed state per rank, one rank's in trainer.json
-        if path.is_file():
-            data = json.loads(path.read_text())
-            return int(data.get("step", data.get("feed", {}).get("step", 0)))
-    return 0
-
-
 def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec | None:
     """``--eval-every``'s evaluation: ``--eval-dataset``'s rows, else the demo's held-out ones."""
     if not config.eval_every:
@@ -455,10 +444,12 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             config={f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "argv"},
         )
         closing.callback(trackers.close)
-        resumed_at = _checkpoint_step(out) if config.resume else 0
+        first_step: list[int] = []  # this run's first step (after a checkpoint's when resumed): where the ETA starts
 
         def on_step(record: dict[str, Any]) -> None:
-            _show(record, total=config.steps, resumed_at=resumed_at)
+            if not first_step:
+                first_step.append(record["step"])
+            _show(record, total=config.steps, resumed_at=first_step[0] - 1)
             trackers.log(record)
 
         records = run_loop(trainer, rows, loop, on_step=on_step if main else None)
