@@ -508,6 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     except SettingsError as error:  # a bad WEIR_* variable: its name and why, no traceback
         print(f"weir {args.command} {getattr(args, 'role', '')}".rstrip() + f": {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C (or the supervisor giving up): every role is stopped on the way out
+        print(f"weir {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

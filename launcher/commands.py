@@ -258,6 +258,7 @@ def _up(args: argparse.Namespace) -> int:
 
     from .console import console
     from .stack import LocalStack
+    from .supervisor import Supervisor
 
     if args.ray:
         return _up_ray(args)
@@ -279,11 +280,12 @@ def _up(args: argparse.Namespace) -> int:
 
             run_showcase(urls, args.home / "media", token=stack.token)
             return 0
-        console.print("Ready. Ctrl-C stops every role.")
+        console.print("Ready. Ctrl-C stops every role; a role that exits is started again.")
         signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-        while all(c.process.poll() is None for c in stack.children):
-            time.sleep(0.5)
-        console.print("[red]a role exited; stopping the rest[/red]")
+        with Supervisor(stack) as supervisor:
+            while supervisor.fatal is None:
+                time.sleep(0.5)
+        console.print(f"{supervisor.fatal}\nstopping the stack", style="red", markup=False, highlight=False)
         return 1
     except KeyboardInterrupt:
         return 0

@@ -6,7 +6,8 @@ shifted together by ``base_port`` so two stacks can share a host; they share one
 the tiny model is created on first run (roles never create a model themselves). Every role requires
 the stack's API token (`ensure_token`: the one given, or the one kept in ``home/api-token``, or a new
 one written there, mode 0600); callers send `LocalStack.token`. Ctrl-C (or SIGTERM) stops every
-child: SIGTERM first, SIGKILL after a grace period.
+child: SIGTERM first, SIGKILL after a grace period. A role that exits meanwhile is started again by
+`launcher.supervisor.Supervisor` (`relaunch`), the others serving on.
 
 Not here: the roles themselves (``services/<role>``), the clients that call them (`services.http`).
 """
@@ -30,7 +31,7 @@ import httpx
 from services.roles import BASE_PORT, ROLES
 from services.settings import SettingsError
 
-__all__ = ["LocalStack", "ensure_token", "stack_ports"]
+__all__ = ["LocalStack", "RoleProcess", "ensure_token", "poll_ready", "stack_ports"]
 
 TOKEN_FILE = "api-token"  # under the stack's home
 
@@ -124,7 +125,7 @@ def engine_devices(index: int, env: Mapping[str, str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "WEIR_ENGINE_GPUS": str(k)}
 
 
-def _poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
+def poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """True once ``url/readyz`` (open: no token needed) answers 200; False at the deadline or when
     ``alive()`` turns false."""
     while alive():
@@ -150,7 +151,9 @@ def _port_in_use(host: str, port: int) -> bool:
 
 
 @dataclass(slots=True)
-class _Child:
+class RoleProcess:
+    """One role's child process: its name in the stack (``engine-1``), URL, process and log file."""
+
     role: str
     url: str
     process: subprocess.Popen[bytes]
@@ -166,7 +169,7 @@ class LocalStack:
     base_port: int = BASE_PORT  # the rollout role's port; every other port moves with it (`services.roles`)
     env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role (e.g. WEIR_MAX_STALENESS)
     token: str | None = None  # the API token; set by start() / attach() when not given
-    children: list[_Child] = field(default_factory=list)
+    children: list[RoleProcess] = field(default_factory=list)
     launched_env: dict[str, str] = field(default_factory=dict)  # what the roles were started with
 
     @property
@@ -253,13 +256,16 @@ class LocalStack:
         return self.urls
 
     def _launch(self, name: str, role: str, port: int, env: dict[str, str]) -> None:
+        self.children.append(self._spawn(name, role, port, env))
+
+    def _spawn(self, name: str, role: str, port: int, env: dict[str, str]) -> RoleProcess:
         log = self.home / "logs" / f"{name}.log"
         command = [sys.executable, "-m", "launcher.cli", "serve", role, "--host", self.host, "--port", str(port)]
         # info: one line per request, with its request id, so a rollout can be followed through logs/
         command += ["--log-level", env.get("WEIR_LOG_LEVEL", "info")]
-        with open(log, "wb") as out:
+        with open(log, "ab") as out:  # appended: a restarted role's log follows its predecessor's last lines
             process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        self.children.append(_Child(name, self._url(port), process, log))
+        return RoleProcess(name, self._url(port), process, log)
 
     def attach(self, timeout_s: float = 10.0) -> dict[str, str]:
         """The URLs of a stack already running on this host at ``base_port`` (`weir up`, same
@@ -269,7 +275,7 @@ class LocalStack:
         urls = {name: self._url(port) for name, _, port in stack_ports(self.base_port, self.engines)}
         deadline = time.monotonic() + timeout_s
         for role, url in urls.items():
-            if not _poll_ready(url, deadline):
+            if not poll_ready(url, deadline):
                 raise RuntimeError(
                     f"no ready {role} at {url}: start the stack with `weir up` first (same --home and --base-port)"
                 )
@@ -280,17 +286,36 @@ class LocalStack:
 
     def restart(self, role: str, timeout_s: float = 180.0) -> None:
         """Start a role again on its port (after it died or was killed), and wait until it is ready."""
-        child = next(c for c in self.children if c.role == role)
+        self._wait_ready(self.relaunch(role), timeout_s)
+
+    def relaunch(self, role: str, extra_env: dict[str, str] | None = None) -> RoleProcess:
+        """Start ``role`` (a stack name: ``engine-1``) again on its port with the settings it was started with
+        (plus ``extra_env``), once its old process has exited; what is left of that process's group (a child it
+        started) is killed first, so nothing holds the port. Does not wait for readiness."""
+        index, child = next((i, c) for i, c in enumerate(self.children) if c.role == role)
         if child.process.poll() is None:
             raise RuntimeError(f"{role} is still running")
-        self.children.remove(child)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)
         port = int(child.url.rsplit(":", 1)[1])
-        self._launch(role, role.split("-", 1)[0], port, self.launched_env)
-        self._wait_ready(self.children[-1], timeout_s)
+        env = {**self.launched_env, **(extra_env or {})}
+        if role.startswith("engine"):  # its own GPUs again: the engines' start-up order
+            engines = [c.role for c in self.children if c.role.startswith("engine")]
+            env.update(engine_devices(engines.index(role), env))
+        replacement = self._spawn(role, role.split("-", 1)[0], port, env)
+        self.children[index] = replacement
+        return replacement
+
+    def kill(self, role: str) -> None:
+        """SIGKILL ``role``'s process group (a role that did not become ready) and reap it."""
+        child = next(c for c in self.children if c.role == role)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.process.pid, signal.SIGKILL)
+        child.process.wait()
 
     @staticmethod
-    def _wait_ready(child: _Child, timeout_s: float) -> None:
-        if not _poll_ready(child.url, time.monotonic() + timeout_s, alive=lambda: child.process.poll() is None):
+    def _wait_ready(child: RoleProcess, timeout_s: float) -> None:
+        if not poll_ready(child.url, time.monotonic() + timeout_s, alive=lambda: child.process.poll() is None):
             if child.process.poll() is not None:
                 raise RuntimeError(f"{child.role} exited ({child.process.returncode}); see {child.log}")
             raise TimeoutError(f"{child.role} was not ready after {timeout_s:.0f} s; see {child.log}")

@@ -25,6 +25,7 @@ folder per version with ``--weights disk`` and always on Ray (`trainer.policy_ve
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import dataclasses
 import functools
@@ -56,6 +57,7 @@ from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .stack import LocalStack
+from .supervisor import Supervisor
 from .trackers import Trackers, eta, parse_report_to
 
 __all__ = ["run_training"]
@@ -108,11 +110,14 @@ def _warm_up(
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
     crop-then-answer trajectories (`launcher.demo.task.agent_warmup_pairs`); then the engines and the encoder
     get the weights."""
-    from .demo.task import agent_warmup_pairs, agent_warmup_rows, warmup_prompts
+    from .demo.task import agent_warmup_pairs, agent_warmup_rows, clip_warmup_pairs, warmup_prompts
 
     if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
         pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
+    elif config.demo_task == "video-audio":  # the format with a clip in context; every clip gets every answer
+        pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
+        what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
     else:
         pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
         what = "text-only prompts (answer format)"
@@ -139,6 +144,12 @@ def _warm_up(
         policy.publish()  # collective (export or state dict) with several ranks; rank 0 tells the recipients
     finally:
         policy.close()  # the engines leave the warm-up's broadcast group; the loop joins its own
+
+
+def _interrupt(fatal: str) -> None:
+    """The supervisor gave up on a role: the run ends as Ctrl-C ends it (the stack stopped on the way out)."""
+    console.print(fatal, style="red", markup=False, highlight=False)
+    _thread.interrupt_main()
 
 
 def _weights(config: TrainConfig) -> Literal["broadcast", "disk"]:
@@ -209,11 +220,14 @@ def _launch_ranks(config: TrainConfig) -> int:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         stack.start()
     command = [sys.executable, "-m", "launcher.cli", *config.argv, *([] if config.attach else ["--attach"])]
+    supervisor = Supervisor(stack, on_fatal=_interrupt).start() if isinstance(stack, LocalStack) else None
     try:  # a rank started again after a failed one resumes (`run_training`)
         return run_ranks(
             command, config.nproc, max_restarts=config.max_restarts, log_dir=config.home / "logs" / "ranks"
         )
     finally:
+        if supervisor is not None:
+            supervisor.close()
         stack.stop()  # an attached stack has no children here: nothing is stopped
 
 
@@ -395,6 +409,9 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     if parallel is not None and main:
         parallel.barrier()
     closing = contextlib.ExitStack()
+    if isinstance(stack, LocalStack) and stack.children:  # started here: a role that exits is started again
+        supervisor = Supervisor(stack, on_fatal=_interrupt).start()
+        closing.callback(supervisor.close)  # before the stack stops (below): a stopped role stays stopped
     try:
         if config.ray:  # features from the node that made them, through this node's cache
             features = trainer_features(config.home, stack.token)
@@ -472,5 +489,5 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     finally:
         if parallel is not None:
             parallel.barrier()  # every rank is done with the stack before rank 0 stops it
-        stack.stop()  # an attached stack has no children here: nothing is stopped
         closing.close()
+        stack.stop()  # an attached stack has no children here: nothing is stopped

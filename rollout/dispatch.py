@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 _KEY_NODES_KEPT = 100_000  # media keys remembered for cache-aware routing (the most recently used)
+# Groups whose engine is remembered (the most recently used): a group's samples arrive together, so an evicted
+# group has long finished; without a bound a long run's map grows by every group id it ever saw.
+_AFFINITY_KEPT = 65_536
 
 
 class EngineMediaRef(TypedDict):
@@ -112,7 +115,7 @@ class Dispatcher:
             raise ValueError("at least one engine URL is required")
         self.engines = [EngineEndpoint.parse(u) for u in urls]
         self.timeout_s, self.max_per_engine, self.cooldown_s = timeout_s, max_per_engine, cooldown_s
-        self._affinity: dict[str, EngineEndpoint] = {}
+        self._affinity: OrderedDict[str, EngineEndpoint] = OrderedDict()
         self._key_nodes: OrderedDict[str, str] = OrderedDict()  # media key → node of the engine that last used it
         self._owns_client = client is None
         self._client = client if client is not None else httpx.AsyncClient(timeout=timeout_s)
@@ -134,7 +137,7 @@ class Dispatcher:
         for engine in self.engines:
             engine.node = (nodes or {}).get(engine.url, engine.node)
         live = set(map(id, self.engines))
-        self._affinity = {g: e for g, e in self._affinity.items() if id(e) in live}
+        self._affinity = OrderedDict((g, e) for g, e in self._affinity.items() if id(e) in live)
 
     def _media_keys(self, body: BodyFor) -> list[str]:
         """The cache keys a request reads (its body as a Weir engine gets it); none when no node is known."""
@@ -163,6 +166,7 @@ class Dispatcher:
             raise EnginesUnavailable("no engine is available")
         sticky = self._affinity.get(group) if group else None
         if sticky in candidates and sticky is not None and sticky.outstanding < self.max_per_engine:
+            self._affinity.move_to_end(str(group))
             return sticky
         held = [self._key_nodes.get(k) for k in keys or ()]
         roomy = [e for e in candidates if e.outstanding < self.max_per_engine] or candidates
@@ -170,6 +174,9 @@ class Dispatcher:
         chosen = min(roomy, key=lambda e: (-held.count(e.node) if e.node else 0, e.outstanding))
         if group:
             self._affinity[group] = chosen
+            self._affinity.move_to_end(group)
+            while len(self._affinity) > _AFFINITY_KEPT:
+                self._affinity.popitem(last=False)
         return chosen
 
     async def generate(self, body: BodyFor, *, group: str | None = None) -> dict[str, Any]:

@@ -10,7 +10,12 @@ import httpx
 
 from .logs import current_request_id
 
-__all__ = ["async_client", "auth_headers", "sync_client"]
+__all__ = ["CONNECT_RETRIES", "async_client", "auth_headers", "sync_client"]
+
+# A role the supervisor is starting again refuses connections for a few seconds (a restart on 2 cores: ~5-20 s).
+# httpcore retries a refused *connection* — nothing was sent, so any request is safe to retry — with exponential
+# backoff (0, 0.5, 1, 2, ... s): 7 retries wait ~32 s in all before the caller sees the error.
+CONNECT_RETRIES = 7
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -28,20 +33,34 @@ def _add_request_id(request: httpx.Request) -> None:
 
 
 def async_client(
-    base_url: str = "", *, token: str | None, timeout: float, max_connections: int | None = 100
+    base_url: str = "",
+    *,
+    token: str | None,
+    timeout: float,
+    max_connections: int | None = 100,
+    connect_retries: int = CONNECT_RETRIES,
 ) -> httpx.AsyncClient:
     """``max_connections`` bounds the requests in flight through this client (httpx's default, 100); None:
-    the caller bounds them itself (the rollout role's engine calls: one per sample being generated)."""
+    the caller bounds them itself (the rollout role's engine calls: one per sample being generated).
+    ``connect_retries``: refused connections retried with backoff (`CONNECT_RETRIES`: through a role's restart;
+    0 where the caller fails over elsewhere at once, as the engine dispatcher does)."""
+    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=20)
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=timeout,
         headers=auth_headers(token),
         event_hooks={"request": [_async_request_id]},
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=20),
+        transport=httpx.AsyncHTTPTransport(limits=limits, retries=connect_retries),
     )
 
 
-def sync_client(base_url: str = "", *, token: str | None, timeout: float) -> httpx.Client:
+def sync_client(
+    base_url: str = "", *, token: str | None, timeout: float, connect_retries: int = CONNECT_RETRIES
+) -> httpx.Client:
     return httpx.Client(
-        base_url=base_url, timeout=timeout, headers=auth_headers(token), event_hooks={"request": [_add_request_id]}
+        base_url=base_url,
+        timeout=timeout,
+        headers=auth_headers(token),
+        event_hooks={"request": [_add_request_id]},
+        transport=httpx.HTTPTransport(retries=connect_retries),
     )

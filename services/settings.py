@@ -40,6 +40,9 @@ class RoleSettings(BaseSettings):
     api_token_file: Path | None = Field(None, description="a file holding the token (compose's shared secret)")
     log_level: str = Field("info", pattern=r"^(?i:debug|info|warning|error|critical)$")
     max_body_bytes: int = Field(256 << 20, gt=0, description="larger request bodies get 413")
+    role_restarts: int = Field(
+        0, ge=0, description="times the local stack's supervisor restarted this role (weir_role_restarts_total)"
+    )
 
     @field_validator("api_token", mode="before")
     @classmethod

@@ -77,6 +77,10 @@ def build_app(
     """A FastAPI app for ``role`` with the shared middleware and endpoints; add the role's routes to it.
     ``error_shapes`` maps a path prefix to the shape its errors take (default: Weir's everywhere)."""
     metrics = metrics or RoleMetrics(role)
+    # The supervisor (`launcher.supervisor`) starts a role again with the count so far: the counter lives on in
+    # the new process's /metrics, so a scraper sees the restarts of this role.
+    restarts = metrics.counter("weir_role_restarts", "times the local stack's supervisor restarted this role")
+    restarts.inc(settings.role_restarts)
     install_request_id_records()
 
     @contextlib.asynccontextmanager

@@ -70,7 +70,13 @@ class RolloutDriver:
         self.regenerated = 0
         self.failures: list[BaseException] = []
         self._order = itertools.cycle(range(len(rows)))
-        self._client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
+        self._client = httpx.Client(
+            timeout=600,
+            headers={"Authorization": f"Bearer {token}"} if token else None,
+            # a refused connection (the rollout or data role restarting) is retried with backoff, ~30 s in all,
+            # before its prompt is dropped
+            transport=httpx.HTTPTransport(retries=7),
+        )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 

@@ -54,7 +54,9 @@ class WeightRecipients:
     `BroadcastWeightSync` with ``weights="broadcast"``).
 
     ``engines`` is the fixed list, shared with whoever else reads it: an engine found unreachable is
-    removed from it for good. ``current`` (engines that come and go) is asked before each publish instead,
+    left out of it, and put back at a later publish once its ``/health`` answers again (the local stack's
+    supervisor restarted it: it then gets the weights of that publish, and a broadcast group is formed again
+    with it). ``current`` (engines that come and go) is asked before each publish instead,
     and then nothing is removed — and weights go through disk (an engine that joins later loads the
     recorded folder; a broadcast group has a fixed size)."""
 
@@ -71,6 +73,7 @@ class WeightRecipients:
         weights: WeightsPath = "disk",
     ) -> None:
         self.engines, self.current, self.on_weights = engines, current, on_weights
+        self.left_out: list[str] = []  # engines of the fixed list found unreachable (`back`)
         self.data_url, self.encoder_url, self.token, self.pause_mode = data_url, encoder_url, token, pause_mode
         self.broadcasting = weights == "broadcast"
         self.sync: BroadcastWeightSync | None = None
@@ -85,8 +88,25 @@ class WeightRecipients:
         self.broadcasting = False
         self.close()
 
+    def back(self) -> list[str]:
+        """Engines left out earlier that answer ``/health`` again, put back in the list (a broadcast group is left:
+        the next broadcast forms one with them); returns them."""
+        returned = [url for url in self.left_out if self._healthy(url)]
+        for url in returned:
+            logger.warning("engine %s answers again: it gets the weights from this publish on", url)
+            self.left_out.remove(url)
+            self.engines.append(url)
+        if returned:
+            self.close()
+        return returned
+
+    def _leave_out(self, url: str) -> None:
+        self.engines.remove(url)
+        self.left_out.append(url)
+
     def tell(self, folder: Path, version: int) -> None:
         """Weights in ``folder`` (disk)."""
+        self.back()
         if self.on_weights is not None:
             self.on_weights(folder, version)
         result = publish_weights(
@@ -98,9 +118,9 @@ class WeightRecipients:
             token=self.token,
             pause_mode=self.pause_mode,
         )
-        if self.current is None:  # a fixed list: a dead engine stays dead, skip it from now on
+        if self.current is None:  # a fixed list: a dead engine is skipped until it answers again (`back`)
             for dead in result["unreachable"]:
-                self.engines.remove(dead)
+                self._leave_out(dead)
 
     def send(self, state: dict[str, torch.Tensor], version: int, *, towers: Path | None) -> bool:
         """``state`` broadcast to the engines as ``version`` (the encoder role pointed at ``towers`` when
@@ -108,6 +128,7 @@ class WeightRecipients:
         publishes this version through disk. A failed publish with engines gone from ``/health`` is tried
         once more without them."""
         why = "no engine left"
+        self.back()
         for attempt in (1, 2):
             try:
                 if self.sync is None:
@@ -120,7 +141,7 @@ class WeightRecipients:
             dead = [url for url in self.engines if not self._healthy(url)]
             for url in dead:
                 logger.warning("engine %s does not answer /health; publishing to the others", url)
-                self.engines.remove(url)
+                self._leave_out(url)
             if not dead or attempt == 2:
                 break
         self.fall_back(why)

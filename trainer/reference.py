@@ -339,7 +339,7 @@ class ReferenceTrainer(SupervisedPairs):
         t = {name: value.to(self.device) for name, value in batch.tensors.items()}
         logprobs = self._logprobs(batch)
         if proximal is None:  # the weights the step started with: what the monitor compares with the engine
-            self.mismatch.watch(batch, logprobs)
+            self.mismatch.watch(batch, logprobs, self.policy_version)
         out = policy_loss(
             logprobs,
             logprobs.detach() if proximal is None else proximal,
@@ -383,7 +383,7 @@ class ReferenceTrainer(SupervisedPairs):
                 self._lockstep_filler(backward=False)
                 return {}
             proximal = self._logprobs(batch).detach()
-            self.mismatch.watch(batch, proximal)
+            self.mismatch.watch(batch, proximal, self.policy_version)
             self._held.append((batch, proximal, self._reference_logprobs(batch)))
         return {}
 

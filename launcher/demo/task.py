@@ -45,6 +45,7 @@ __all__ = [
     "agent_row",
     "agent_warmup_pairs",
     "agent_warmup_rows",
+    "clip_warmup_pairs",
     "colour_clip",
     "colour_picture",
     "crop_call",
@@ -246,6 +247,49 @@ def write_video_audio_task(
 def warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
     """(messages, answer) for the text-only format warm-up: each colour name once."""
     return [([{"role": "user", "content": "Name a colour."}], colour) for colour in COLOURS]
+
+
+_WARMUP_CLIP_SEED = 500  # warm-up clips' seeds: past any training or held-out clip's (1000 * colour + i, i < 500)
+
+
+def clip_warmup_pairs(
+    media_root: Path,
+    answer_ids: Callable[[str], list[int]],
+    *,
+    rollout_url: str,
+    token: str | None = None,
+) -> list[tuple[list[int], list[int], list[str]]]:
+    """The video task's format warm-up: one clip of each colour, each paired with **every** colour's name
+    equally often, as supervised pairs (prompt ids, response ids, feature keys).
+
+    A text-only warm-up does not carry over to ~300-token video prompts on the tiny model (measured: sampled
+    answers such as ``gre1en``, greedy held-out 0 %, every group's reward 0 — no gradient at all), so the
+    format is taught with a clip in the context. Each clip gets all four answers, so the best the warm-up can
+    do is a uniform guess per clip: it teaches the answer's form, never the clip's colour (RL's part). The
+    clips are written beside the task's (their own seeds) and their prompts are the rollout role's own, so the
+    trainer's feature cache holds them."""
+    folder = (media_root / "clips").resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for c, colour in enumerate(COLOURS):
+        path = folder / f"warmup-{colour}.mp4"
+        if not path.is_file():
+            path.write_bytes(colour_clip(colour, seed=1000 * c + _WARMUP_CLIP_SEED))
+        video: _ContentPart = {"type": "video_url", "video_url": {"url": str(path), "use_audio_in_video": True}}
+        rows.append({"messages": [{"role": "user", "content": [video, {"type": "text", "text": VIDEO_QUESTION}]}]})
+    body = {
+        "prompts": [{**row, "n": 1} for row in rows],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "record": False,
+    }
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
+    response.raise_for_status()
+    return [
+        (list(group["prompt_ids"]), answer_ids(colour), list(group["feature_keys"]))
+        for group in response.json()["groups"]
+        for colour in COLOURS
+    ]
 
 
 # -- the visual tool task (`weir train --demo --demo-task visual-search`) ------------------------------

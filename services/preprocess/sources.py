@@ -3,7 +3,8 @@
 Safe by default: paths only under the configured roots (after resolving symlinks, so ``..`` and
 links cannot escape; the rule is `services.media_roots`). URLs are fetched under the one URL rule of
 every role, `services.media_urls` (off unless ``WEIR_ALLOW_URLS``; public addresses only unless
-``WEIR_ALLOW_PRIVATE_URLS``; its known gap, DNS rebinding, is noted there).
+``WEIR_ALLOW_PRIVATE_URLS``; each hop connects to the addresses it checked, so DNS rebinding does not get
+past it).
 """
 
 from __future__ import annotations

@@ -148,6 +148,21 @@ def test_a_groups_samples_stay_on_one_engine() -> None:
     assert len({host for host, _, _ in engines.seen}) == 1
 
 
+def test_the_group_affinity_map_keeps_only_the_most_recently_used_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A long run sees every group id once: the map is bounded (least recently used out), or it grows forever."""
+    monkeypatch.setattr("rollout.dispatch._AFFINITY_KEPT", 8)
+    dispatcher = Engines(a=ok, b=ok).dispatcher()
+
+    async def run() -> None:
+        for i in range(20):
+            await dispatcher.generate(body(), group=f"g{i}")
+            await dispatcher.generate(body(), group="g0")  # g0 keeps being used: it stays
+
+    asyncio.run(run())
+    assert len(dispatcher._affinity) == 8
+    assert list(dispatcher._affinity) == [*(f"g{i}" for i in range(13, 20)), "g0"]
+
+
 def test_a_hung_engine_times_out_and_its_request_is_aborted() -> None:
     async def hang(request: httpx.Request) -> httpx.Response:
         if request.url.path == "/abort_request":

@@ -19,8 +19,11 @@ from trainer.mismatch import (
     DEFAULT_DIFF_THRESHOLD,
     DEFAULT_KL_THRESHOLD,
     MODALITIES,
+    ON_POLICY,
+    MismatchMonitor,
     MismatchSums,
     check,
+    on_policy_sequences,
     placeholder_ids,
     plot_mismatch,
     routing_agreement,
@@ -130,7 +133,7 @@ def test_megatron_pack_by_sequence_ids_with_padding() -> None:
 
 
 def test_bad_labels_and_shapes_are_refused() -> None:
-    with pytest.raises(ValueError, match="unknown modality"):
+    with pytest.raises(ValueError, match="unknown label"):
         token_mismatch(flat(TRAINER), flat(ROLLOUT), flat(MASK), cu_of(TRAINER), [("text",), ("pdf",), ()])
     with pytest.raises(ValueError, match="cu_seqlens"):
         token_mismatch(flat(TRAINER), flat(ROLLOUT), flat(MASK), cu_of(TRAINER), LABELS[:2])
@@ -216,6 +219,34 @@ def test_labels_of_a_real_batch_split_its_tokens(media: tuple) -> None:
     assert got["mismatch/audio/tokens"] == 2.0 and got["mismatch/text/tokens"] == 1.0
     assert got["mismatch/all/k1"] == pytest.approx(0.1, rel=1e-6)
     assert got["mismatch/all/kl"] == pytest.approx(math.exp(-0.1) - 1 + 0.1, rel=1e-6)
+
+
+def test_on_policy_scope_holds_the_sequences_the_current_weights_generated(media: tuple) -> None:
+    """A sequence is on-policy when every loss token's policy version is the trainer's; the on_policy scope's
+    KL is then the numerics' alone, while ``all`` adds the stale sequences' drift (and a warning says so)."""
+    store, items = media
+    fed = media_batch(items, inline=False)
+    t = fed.tensors
+    cu = t["cu_seqlens"].tolist()
+    versions = torch.full_like(t["policy_versions"], 7)
+    versions[cu[1] : cu[2]] = 6  # sequence 1 (text) is one version stale
+    versions[cu[3] + 1 : cu[4]] = 6  # sequence 3: its prompt is version 7 but its loss token 6 → stale
+    fed.tensors["policy_versions"] = versions
+    assert on_policy_sequences(fed, 7) == [True, False, True, False]
+    assert on_policy_sequences(fed, 8) == [False] * 4
+    stale = torch.zeros_like(t["rollout_logprobs"])
+    for i in (1, 3):
+        stale[cu[i] : cu[i + 1]] = 1.0
+    trainer = t["rollout_logprobs"] - 1e-3 * t["loss_mask"] - 2.0 * stale * t["loss_mask"]  # drift on stale ones
+    monitor = MismatchMonitor(PLACEHOLDERS)
+    assert monitor.labels(fed, None) == WANT
+    monitor.watch(fed, trainer, 7)
+    got = monitor.take(None)
+    assert got[f"mismatch/{ON_POLICY}/tokens"] == 5.0  # sequences 0 (2 loss tokens) and 2 (3)
+    assert got[f"mismatch/{ON_POLICY}/kl"] == pytest.approx(math.expm1(-1e-3) + 1e-3, rel=1e-3)  # float32 inputs
+    assert got["mismatch/all/kl"] > 0.1
+    (warning, *_) = check(got)
+    assert "(all)" in warning and "on-policy tokens alone" in warning and "drift" in warning
 
 
 def test_placeholder_ids_from_a_config() -> None:

@@ -37,9 +37,9 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_engine(model: Path, root: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_engine(model: Path, root: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """``weir serve engine`` in its own process, as a deployment runs it."""
-    port = free_port()
+    port = port or free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("WEIR_")}  # no token, no stray settings
     env.update(
         WEIR_MODEL=str(model),
@@ -164,11 +164,12 @@ def test_the_engine_refuses_nccl_on_cpu_and_pickled_tensors(stack: dict[str, Any
     }
 
 
-def test_a_dead_engine_is_dropped_and_the_rest_joined_again_then_a_refusal_falls_back_to_disk(
+def test_a_dead_engine_is_left_out_until_it_answers_again_then_a_refusal_falls_back_to_disk(
     tmp_path: Path,
 ) -> None:
     """`WeightRecipients` (what `weir train` publishes through): an engine killed between two publishes fails
-    the broadcast; it is dropped for good and the other one is broadcast to in a new group. Weights an engine
+    the broadcast; it is left out and the other one is broadcast to in a new group. Started again on its port
+    (the supervisor's restart), it is back at the next publish, in a new group with the other. Weights an engine
     refuses (it answers /health) stop broadcasting: that version and the later ones go through disk."""
     model = init_model(tmp_path / "model")
     engines = [start_engine(model, tmp_path) for _ in range(2)]
@@ -190,12 +191,18 @@ def test_a_dead_engine_is_dropped_and_the_rest_joined_again_then_a_refusal_falls
             engines[1][0].wait(30)
             assert recipients.send(small, 2, towers=None) is True
             assert recipients.engines == [live] and recipients.broadcasting
-            assert version(live) == "2"
+            assert recipients.left_out == [urls[1]] and version(live) == "2"
+
+            engines[1] = start_engine(model, tmp_path, port=int(urls[1].rsplit(":", 1)[1]))
+            wait_healthy(*engines[1])
+            assert recipients.send(small, 3, towers=None) is True
+            assert recipients.engines == [live, urls[1]] and recipients.left_out == []
+            assert [version(url) for url in urls] == ["3", "3"]
 
             name = next(iter(small))
-            assert recipients.send({name: torch.zeros(3, 5)}, 3, towers=None) is False
+            assert recipients.send({name: torch.zeros(3, 5)}, 4, towers=None) is False
             assert not recipients.broadcasting and recipients.sync is None
-            assert recipients.engines == [live] and version(live) == "2"  # nothing of the refused one loaded
+            assert version(live) == "3"  # nothing of the refused one loaded
         finally:
             recipients.close()
     finally:

@@ -52,7 +52,7 @@ from encoders.architectures import load_thinker
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
 from ..memory import MemoryEstimate, estimate_megatron_memory
-from ..mismatch import MismatchMonitor, placeholder_ids, sequence_modalities, token_mismatch
+from ..mismatch import MismatchMonitor, placeholder_ids, token_mismatch
 from ..reference import StepResult, SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
@@ -288,7 +288,7 @@ class MegatronTrainer(SupervisedPairs):
     def _watch(self, batch: FeedBatch, data: MegatronBatch, output: torch.Tensor) -> None:
         """The mismatch monitor on megatron's layout (labels shifted one token left, a padding sequence at the
         end): the trainer's log-prob of each label against the engine's, per modality of its sequence."""
-        labels = sequence_modalities(batch, placeholders=self.mismatch.placeholders)
+        labels = self.mismatch.labels(batch, self.policy_version)
         cu = data["cu_seqlens"]
         labels += [("text",)] * (int(cu.numel()) - 1 - len(labels))  # the padding sequence: no loss tokens
         self.mismatch.sums.add(

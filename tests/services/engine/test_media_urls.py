@@ -178,10 +178,11 @@ def test_a_hostile_url_is_refused_by_both_roles_alike(
     public host to a loopback one, get the same refusal from the engine and the preprocess role."""
     checked = media_urls._non_public
 
-    # ``localhost`` stands in for a public name (its check says public; the connection still goes to
-    # loopback, where the media host is): its redirect to 127.0.0.1 must then be refused at that hop.
-    def stand_in(host: str, port: int) -> Any:
-        return None if host == "localhost" else checked(host, port)
+    # ``localhost`` stands in for a public name (its check says its address is public; the connection goes
+    # to that checked address, loopback, where the media host is): its redirect to 127.0.0.1 must then be
+    # refused at that hop.
+    def stand_in(host: str, addresses: Any) -> Any:
+        return None if host == "localhost" else checked(host, addresses)
 
     monkeypatch.setattr(media_urls, "_non_public", stand_in)
     port = hosts[0].rsplit(":", 1)[1]
