@@ -146,6 +146,15 @@ def _warm_up(
         policy.close()  # the engines leave the warm-up's broadcast group; the loop joins its own
 
 
+def _show_diagnosis(diagnosis: dict[str, float]) -> None:
+    """The agent's held-out trajectories, decision by decision (`launcher.demo.task.crop_diagnosis`)."""
+    if diagnosis:
+        console.print(
+            f"  crop shows the square {diagnosis['crop_hit']:.0%}; colour right when it does "
+            f"{diagnosis['colour_given_hit']:.0%}, when it does not {diagnosis['colour_given_miss']:.0%} (chance 17%)"
+        )
+
+
 def _interrupt(fatal: str) -> None:
     """The supervisor gave up on a role: the run ends as Ctrl-C ends it (the stack stopped on the way out)."""
     console.print(fatal, style="red", markup=False, highlight=False)
@@ -422,14 +431,22 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         if config.warmup_steps and not config.resume:
             _warm_up(trainer, config, urls, out, stack.token)
         check = evaluate
+        diagnosis: dict[str, float] = {}  # the agent's: where its held-out trajectories go wrong
         if agent:  # greedy trajectories in the environment, under the whole response's budget
             from .demo.task import evaluate_agent
 
-            check = functools.partial(evaluate_agent, max_new_tokens=config.max_new_tokens)
+            decode = getattr(trainer, "tokenizer", None)
+            check = functools.partial(
+                evaluate_agent,
+                max_new_tokens=config.max_new_tokens,
+                decode=decode.decode if decode is not None else None,
+                report=diagnosis,
+            )
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
             what = "clips" if clips else "pictures"
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
+            _show_diagnosis(diagnosis)
         loop = LoopConfig(
             mode=config.mode,
             steps=config.steps,
@@ -473,6 +490,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         if not main:
             return 0
         after = check(urls["rollout"], held_out, token=stack.token) if held_out else None
+        _show_diagnosis(diagnosis)
         plot = plot_runs({config.mode: records}, out / "reward.png")
         if records:
             _summary(records, before, after, plot)

@@ -12,6 +12,9 @@ those listed above it:
     prompts       OpenAI messages → preprocess items; chat template + exact placeholder expansion
     rewards       built-in rewards and the registry of custom ones (named, registered at start-up)
     partial       the rules for continuing a sample a pause cut short (which aborts, what sampling)
+    tool_types    what a tool is told, shows the model and raises (`ToolContext`, `Observation`, `ToolError`)
+    sandbox_worker  a tool worker process: limits, imports, one call at a time; the wire both sides speak
+    sandbox       the role's pool of tool worker processes: CPU and memory limits, killed whole on a deadline
     tools         built-in tools (calculator, crop) and the registry of custom ones (named, registered at start-up)
     toolcalls     Qwen's ``<tool_call>`` blocks in an answer → typed `ToolCall`s
     environments  built-in environments (visual_search), registered classes and HTTP environments at configured URLs

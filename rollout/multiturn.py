@@ -15,7 +15,9 @@ are 0.0); ``token_versions`` from each engine answer's ``weight_version``; the s
 Finish reasons: ``stop`` (the model answered without a call, or the environment said done), ``length``
 (``max_new_tokens`` bounds the whole response, observations included; an observation that would
 overflow it is not appended), ``max_turns`` (the last allowed turn still called a tool), ``tool_error``
-(a tool or the environment raised, ran late, or its media were refused). A bad call (`ToolError`) is an
+(a tool or the environment raised, ran late, or its media were refused — by the preprocess role, or by
+the in-flight admission bound: an observation's media tokens are admitted like a prompt's, for one
+sample, and held until its trajectory ends). A bad call (`ToolError`) is an
 ``error: ...`` observation instead, and the trajectory goes on.
 
 Rewards: with an environment, the sum of its step rewards (0.0 when it gave none), plus the prompt's
@@ -27,6 +29,7 @@ says nothing about the policy, so it is recorded but never trained on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import time
@@ -41,7 +44,7 @@ from preprocess.budget import TokenBudget
 
 from .context import PromptSpec, RolloutContext
 from .environments import Environment, EnvironmentRef, PromptInfo, Step, step_of
-from .errors import InvalidPrompt, UpstreamUnavailable
+from .errors import InvalidPrompt, Overloaded, UpstreamUnavailable, WorkTooLarge
 from .generation import generate, sample_sampling, sample_seed
 from .messages import FunctionTool, TemplateMessage
 from .observations import render_observations, user_turn
@@ -246,6 +249,7 @@ async def _trajectory(
     schemas = [t.schema for t in prompt.tools] or None
     reason: FinishReason = "stop"
     error: str | None = None
+    held = contextlib.ExitStack()  # the observations' media, admitted as they come, released at the end
     try:
         for turn in range(max_turns):
             room = min(max_new - len(run.response), ctx.context_length - len(run.prompt.prompt_ids) - len(run.response))
@@ -309,12 +313,14 @@ async def _trajectory(
                     added.append({"role": "tool", "content": observation.text})
                 if done:
                     raise _Ended("stop")
-            await _append_observation(ctx, run, added, observations, schemas, ended, version, max_new, budget)
+            await _append_observation(ctx, run, added, observations, schemas, ended, version, max_new, budget, held)
         raise _Ended("max_turns")
     except _Ended as end:
         reason, error = end.reason, end.error
     except ToolFailed as failure:
         reason, error = "tool_error", str(failure)
+    finally:
+        held.close()
     generated = [v for v, m in zip(run.versions, run.mask, strict=True) if m]
     status = SampleStatus.ABORTED if reason == "abort" else SampleStatus.OK
     if not generated and status is SampleStatus.OK:
@@ -384,8 +390,11 @@ async def _append_observation(
     version: int,
     max_new: int,
     budget: TokenBudget | None,
+    held: contextlib.ExitStack,
 ) -> None:
-    """The observations as template-rendered tokens (mask 0), their media preprocessed and expanded."""
+    """The observations as template-rendered tokens (mask 0), their media preprocessed and expanded and
+    admitted (held in ``held`` until the trajectory ends); media the in-flight bound refuses now or
+    always (`Overloaded`, `WorkTooLarge`) end the trajectory ``tool_error`` naming the refusal's code."""
     used = run.prompt.media_tokens + sum(run.counts.values())
     shown = await render_observations(
         ctx, run.conversation, added, observations, tools=tools, ended=ended, budget=budget, used=used
@@ -395,6 +404,12 @@ async def _append_observation(
         len(run.prompt.prompt_ids) + len(run.response) + len(ids) >= ctx.context_length
     ):
         raise _Ended("length")  # no room left to answer after it: the trajectory ends before the observation
+    tokens = sum(n for _, n in shown.media)
+    if tokens:
+        try:
+            held.enter_context(ctx.admission.admit(media_tokens=tokens))
+        except (Overloaded, WorkTooLarge) as refused:
+            raise ToolFailed(f"the observation's media were not admitted ({refused.code}): {refused}") from None
     run.conversation += shown.messages
     run.media += shown.refs
     run.inline += shown.inline

@@ -24,12 +24,14 @@ Failures, and what each does to the trajectory:
 * any other exception, or a tool that runs past its ``timeout_s`` — the tool is broken, not the model:
   the trajectory ends with finish reason ``tool_error`` and no reward (`multiturn`).
 
-Resource limits, honestly: tools run in a bounded thread pool (`ToolRegistry`'s ``workers``) under a
-per-call deadline. A Python thread cannot be killed, so a tool past its deadline ends its trajectory but
-keeps its worker until it returns; the pool's bound stops runaway tools from taking more than
-``workers`` threads (calls beyond wait, and their wait counts toward their deadline). There is no
-memory or CPU limit per call and no sandbox: registered tools are operator code, trusted like reward
-functions. The built-ins are pure and bounded (the calculator caps sizes and exponents).
+Resource limits: every tool, built-in or registered, runs in a warm pool of worker processes
+(`rollout.sandbox`: ``workers`` of them, each under a memory limit and a CPU-time limit per call) under a
+per-call deadline; waiting for a free worker counts toward it. A tool past its deadline, over its CPU time,
+crashed or out of memory has its worker — and everything the worker forked — killed and replaced: it
+costs its trajectory (``tool_error``), never the role. A tool is therefore named by where it lives (a
+module-level function, imported by the workers); it sees a copy of ``context.state`` and what it sets
+there is copied back. Registered tools are operator code, trusted like reward functions: the sandbox
+bounds runaway code, it is not a wall against malicious code (`rollout.sandbox` says what it leaves open).
 """
 
 from __future__ import annotations
@@ -41,13 +43,14 @@ import logging
 import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import InvalidPrompt
 from .messages import FunctionTool, function_tool
 from .plugins import PluginError, check_name, installed, load_callable
+from .sandbox import Limits, Sandbox
+from .tool_types import Observation, ToolContext, ToolError, ToolFailed, observation_of
 
 __all__ = [
     "BUILTIN_TOOLS",
@@ -70,14 +73,9 @@ logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "weir.tools"
 DEFAULT_TIMEOUT_S = 10.0
-
-
-class ToolError(Exception):
-    """A bad call (the model's mistake): its message is the observation, and the trajectory goes on."""
-
-
-class ToolFailed(Exception):
-    """A tool that raised something else or ran past its deadline: the trajectory ends (``tool_error``)."""
+DEFAULT_CPU_S = 10
+DEFAULT_MEMORY_MIB = 8192
+DEFAULT_WORKERS = 8
 
 
 class UnknownTool(InvalidPrompt):
@@ -87,60 +85,11 @@ class UnknownTool(InvalidPrompt):
 
 
 @dataclass(frozen=True, slots=True)
-class Observation:
-    """What a tool or an environment shows the model: text, and images (encoded bytes or PIL images),
-    rendered as a ``tool`` turn (a ``user`` turn for an environment's own messages)."""
-
-    text: str = ""
-    images: tuple[Any, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
 class ToolCall:
     """One call the model made: the tool's name and its JSON arguments."""
 
     name: str
     arguments: dict[str, Any]
-
-
-@dataclass(slots=True, kw_only=True)
-class ToolContext:
-    """What a tool is told besides its arguments: the trajectory's environment ``state`` (shared with the
-    environment, mutable), and where it is (group, sample, turn)."""
-
-    state: dict[str, Any] = field(default_factory=dict)
-    group_id: str = ""
-    sample_index: int = 0
-    turn: int = 0
-
-
-def observation_of(value: Any) -> Observation:
-    """A tool's or environment's return value as an `Observation` (text, bytes / PIL image, or a list
-    of those); anything else is `TypeError`."""
-    if isinstance(value, Observation):
-        return value
-    if value is None:
-        return Observation()
-    if isinstance(value, str):
-        return Observation(text=value)
-    if isinstance(value, bytes | bytearray) or _is_image(value):
-        return Observation(images=(value,))
-    if isinstance(value, list | tuple):
-        parts = [observation_of(v) for v in value]
-        return Observation(
-            text="\n".join(p.text for p in parts if p.text), images=tuple(i for p in parts for i in p.images)
-        )
-    if isinstance(value, int | float) and not isinstance(value, bool):
-        return Observation(text=repr(value))
-    raise TypeError(f"an observation is text, an image (bytes or PIL) or a list of those, not {type(value).__name__}")
-
-
-def _is_image(value: Any) -> bool:
-    try:
-        from PIL import Image
-    except ImportError:  # pragma: no cover - PIL is a dependency of the preprocess library
-        return False
-    return isinstance(value, Image.Image)
 
 
 def image_bytes(image: Any) -> bytes:
@@ -170,14 +119,15 @@ def tool(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Tool:
-    """A registered tool: its name, function, deadline, and the pool it runs in (None: asyncio's default)."""
+    """A registered tool: its name, function, deadline, and the sandbox it runs in (None: a thread of
+    asyncio's default pool, unbounded — for a `Tool` built by hand, never by the registry)."""
 
     name: str
     function: Callable[..., Any]
     description: str = ""
     parameters: Mapping[str, Any] = field(default_factory=lambda: {"type": "object", "properties": {}})
     timeout_s: float = DEFAULT_TIMEOUT_S
-    executor: Executor | None = None
+    sandbox: Sandbox | None = None
 
     @property
     def schema(self) -> FunctionTool:
@@ -186,12 +136,12 @@ class Tool:
 
     async def run(self, arguments: dict[str, Any], context: ToolContext) -> Observation:
         """The observation; `ToolError` for a bad call, `ToolFailed` for a broken or slow tool."""
+        if self.sandbox is not None:
+            return await self.sandbox.call(self.name, arguments, context, timeout_s=self.timeout_s)
         loop = asyncio.get_running_loop()
         try:
-            value = await asyncio.wait_for(
-                loop.run_in_executor(self.executor, self.function, arguments, context), self.timeout_s
-            )
-            return observation_of(value)
+            value = loop.run_in_executor(None, self.function, arguments, context)
+            return observation_of(await asyncio.wait_for(value, self.timeout_s))
         except ToolError:
             raise
         except TimeoutError:
@@ -306,32 +256,41 @@ BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "crop"
 
 class ToolRegistry:
     """The tools a request may name: built once, when the role starts. ``timeout_s`` is each call's
-    deadline; registered (operator) tools run in a pool of ``workers`` threads, the pure built-ins in
-    asyncio's default pool."""
+    deadline; every tool runs in one `rollout.sandbox.Sandbox` of ``workers`` processes, each limited to
+    ``cpu_s`` CPU seconds per call and ``memory_mib`` of address space (started on first use, kept warm,
+    killed by `close`)."""
 
     def __init__(
         self,
         functions: Mapping[str, Callable[..., Any]] | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        workers: int = 8,
+        workers: int = DEFAULT_WORKERS,
+        cpu_s: int = DEFAULT_CPU_S,
+        memory_mib: int = DEFAULT_MEMORY_MIB,
     ) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weir-tool") if functions else None
-        self._tools: dict[str, Tool] = {}
-        for name, function in {**BUILTIN_TOOLS, **dict(functions or {})}.items():
+
+        every = {**BUILTIN_TOOLS, **dict(functions or {})}
+        for name, function in every.items():
             check_name(name)
             if not callable(function):
                 raise PluginError(f"tool {name!r} is not callable")
+        self._sandbox = Sandbox(
+            {name: _spec_of(name, function) for name, function in every.items()},
+            workers=workers,
+            limits=Limits(cpu_s=cpu_s, memory_mib=memory_mib),
+        )
+        self._tools: dict[str, Tool] = {}
+        for name, function in every.items():
             meta = getattr(function, "weir_tool", None) or {}
             doc = (function.__doc__ or "").strip().splitlines()
-            builtin = BUILTIN_TOOLS.get(name) is function
             self._tools[name] = Tool(
                 name=name,
                 function=function,
                 description=str(meta.get("description") or (doc[0] if doc else name)),
                 parameters=meta.get("parameters") or {"type": "object", "properties": {}},
                 timeout_s=timeout_s,
-                executor=None if builtin else self._pool,
+                sandbox=self._sandbox,
             )
 
     @classmethod
@@ -340,7 +299,9 @@ class ToolRegistry:
         specs: Mapping[str, str] | None = None,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        workers: int = 8,
+        workers: int = DEFAULT_WORKERS,
+        cpu_s: int = DEFAULT_CPU_S,
+        memory_mib: int = DEFAULT_MEMORY_MIB,
         entry_point_group: str | None = ENTRY_POINT_GROUP,
     ) -> ToolRegistry:
         """The built-ins, the installed entry points of ``entry_point_group``, then ``specs`` (``name`` →
@@ -354,7 +315,7 @@ class ToolRegistry:
                     raise PluginError(f"entry point {name!r} of {entry_point_group!r} does not load: {error}") from None
         for name, spec in (specs or {}).items():
             functions[name] = load_callable(spec)
-        registry = cls(functions, timeout_s=timeout_s, workers=workers)
+        registry = cls(functions, timeout_s=timeout_s, workers=workers, cpu_s=cpu_s, memory_mib=memory_mib)
         logger.info("tools registered: %s", registry.names)
         return registry
 
@@ -380,6 +341,26 @@ class ToolRegistry:
             seen.setdefault(name, self.get(name, f"{where}[{k}]"))
         return tuple(seen.values())
 
+    @property
+    def sandbox(self) -> Sandbox:
+        """The worker processes the tools run in."""
+        return self._sandbox
+
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Kill the tools' worker processes (and whatever they forked); a call after this is `ToolFailed`."""
+        self._sandbox.close()
+
+
+def _spec_of(name: str, function: Callable[..., Any]) -> str:
+    """``package.module:function`` that imports as ``function`` itself: what a worker process imports."""
+    spec = f"{getattr(function, '__module__', None)}:{getattr(function, '__qualname__', None)}"
+    try:
+        found = load_callable(spec)
+    except PluginError:
+        found = None
+    if found is not function or spec.startswith("__main__:"):
+        raise PluginError(
+            f"tool {name!r} must be a module-level function (the tools' worker processes import it by "
+            f"'package.module:function'); {spec!r} does not import as it"
+        )
+    return spec

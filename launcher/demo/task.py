@@ -49,6 +49,7 @@ __all__ = [
     "colour_clip",
     "colour_picture",
     "crop_call",
+    "crop_diagnosis",
     "evaluate_agent",
     "quarter_of",
     "square_of",
@@ -422,10 +423,17 @@ def agent_warmup_pairs(
 
 
 def evaluate_agent(
-    rollout_url: str, rows: list[dict[str, Any]], *, max_new_tokens: int, token: str | None = None
+    rollout_url: str,
+    rows: list[dict[str, Any]],
+    *,
+    max_new_tokens: int,
+    token: str | None = None,
+    decode: Callable[[list[int]], str] | None = None,
+    report: dict[str, float] | None = None,
 ) -> float:
     """Mean reward of greedy trajectories for multi-turn ``rows`` (their environment and max_turns sent on;
-    not recorded); a sample without a reward counts as 0."""
+    not recorded); a sample without a reward counts as 0. With ``decode`` (the tokenizer's) and ``report``,
+    ``report`` receives where the trajectories go wrong (`crop_diagnosis`)."""
     keys = ("messages", "reward", "tools", "environment", "max_turns")
     body = {
         "prompts": [{**{k: r[k] for k in keys if k in r}, "n": 1} for r in rows],
@@ -435,5 +443,36 @@ def evaluate_agent(
     headers = {"Authorization": f"Bearer {token}"} if token else None
     response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
     response.raise_for_status()
-    rewards = [s.get("reward") or 0.0 for g in response.json()["groups"] for s in g["samples"]]
+    groups = response.json()["groups"]
+    rewards = [s.get("reward") or 0.0 for g in groups for s in g["samples"]]
+    if decode is not None and report is not None:
+        seeds = [int(r["environment"]["options"]["seed"]) for r in rows]
+        report.update(crop_diagnosis([decode(g["samples"][0]["response_ids"]) for g in groups], seeds, rewards))
     return sum(rewards) / max(1, len(rewards))
+
+
+_CROP_ARGUMENTS = re.compile(r'"x":\s*(\d+),\s*"y":\s*(\d+),\s*"w":\s*(\d+),\s*"h":\s*(\d+)')
+
+
+def crop_diagnosis(responses: list[str], seeds: list[int], rewards: list[float]) -> dict[str, float]:
+    """Where visual-search trajectories go wrong — the two decisions the reward multiplies: ``crop_hit``, the
+    share whose first crop shows the whole square; ``colour_given_hit``, the share of those answered right;
+    ``colour_given_miss``, the share answered right without seeing it (chance: 1/6). From the decoded responses
+    (the model's turns and the observations between them) and each row's seed."""
+    hits, right_hit, right_miss = 0, 0, 0
+    for text, seed, reward in zip(responses, seeds, rewards, strict=True):
+        _, (x, y) = square_of(seed)
+        match = _CROP_ARGUMENTS.search(text)
+        hit = False
+        if match:
+            cx, cy, cw, ch = (int(v) for v in match.groups())
+            hit = cx <= x and cy <= y and x + AGENT_PATCH <= cx + cw and y + AGENT_PATCH <= cy + ch
+        hits += hit
+        right_hit += hit and reward > 0
+        right_miss += (not hit) and reward > 0
+    n = max(1, len(responses))
+    return {
+        "crop_hit": hits / n,
+        "colour_given_hit": right_hit / max(1, hits),
+        "colour_given_miss": right_miss / max(1, len(responses) - hits),
+    }

@@ -160,7 +160,13 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
 
 def build_plugins(settings: RolloutSettings) -> tuple[ToolRegistry, EnvironmentRegistry]:
     """The tools and environments a multi-turn request may name, built once at start-up."""
-    tools = ToolRegistry.load(settings.tools, timeout_s=settings.tool_timeout_s, workers=settings.tool_workers)
+    tools = ToolRegistry.load(
+        settings.tools,
+        timeout_s=settings.tool_timeout_s,
+        workers=settings.tool_workers,
+        cpu_s=settings.tool_cpu_s,
+        memory_mib=settings.tool_memory_mib,
+    )
     environments = EnvironmentRegistry.load(
         settings.environments, settings.http_environments, timeout_s=settings.tool_timeout_s
     )

@@ -118,7 +118,21 @@ class RolloutSettings(RoleSettings):
         10.0, gt=0, le=3600, description="the longest one tool call (or an environment's reset / step) may take"
     )
     tool_workers: int = Field(
-        8, gt=0, le=1024, description="threads that run registered tools and environments (calls beyond them wait)"
+        8,
+        gt=0,
+        le=1024,
+        description="worker processes that run tools, built-in and registered (started on first use, kept warm; "
+        "calls beyond them wait, and the wait counts toward their deadline)",
+    )
+    tool_cpu_s: int = Field(
+        10, ge=1, le=3600, description="CPU seconds one tool call may use (its worker is killed past them)"
+    )
+    tool_memory_mib: int = Field(
+        8192,
+        ge=64,
+        le=1 << 20,
+        description="address space of one tool worker process, MiB (a tool's allocation beyond it fails: "
+        "its call ends its trajectory, the role is untouched); mind that importing torch takes ~4 GiB",
     )
     rollout_function: str = Field(
         DEFAULT_ROLLOUT_FUNCTION,

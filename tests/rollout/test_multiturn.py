@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from rollout.group import rollout_group
 from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry, RewardSpec
 from rollout.sink import JsonlSink
-from rollout.tools import Observation, ToolContext, ToolRegistry
+from rollout.tools import Observation, ToolRegistry
+from tests.rollout import hostile_tools
 from trainer.feed import pack
 from trainer.losses import LossConfig, policy_loss
 
@@ -34,13 +34,8 @@ KEY = "ab" * 20
 
 
 # -- the turn loop against scripted engines -------------------------------------------------------
-def slow(arguments: dict[str, Any], context: ToolContext) -> str:
-    time.sleep(2)
-    return "late"
-
-
-def broken(arguments: dict[str, Any], context: ToolContext) -> str:
-    raise RuntimeError("the tool's backend is down")
+# The failing tools live in a module the sandbox's workers import quickly (this one imports torch).
+slow, broken = hostile_tools.slow, hostile_tools.broken
 
 
 class Scripted:
