@@ -125,9 +125,12 @@ class RoutingReplay:
 
     ``with replay.replaying(routes): model(...)`` — ``routes`` is ``(tokens, num_hidden_layers, top_k)``
     (int), tokens in the order the routers see them (a right-padded batch flattened row by row; the
-    hooks check the count). Rows with a negative index keep the model's own top-k."""
+    hooks check the count). Rows with a negative index keep the model's own top-k. ``enforce=False`` only
+    compares (R3 off: the routers route freely, and ``replaced`` / ``compared`` say how often they chose other
+    experts than the recorded ones)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, *, enforce: bool = True) -> None:
+        self.enforce = enforce
         self.routers = moe_routers(model)
         self.num_layers, self.top_k = routing_shape(model)
         self._routes: torch.Tensor | None = None
@@ -150,6 +153,8 @@ class RoutingReplay:
             chosen = torch.where(recorded, routes, own)
             self.replaced += int((chosen.sort(-1).values != own.sort(-1).values).any(-1).sum())
             self.compared += int(recorded.sum())
+            if not self.enforce:
+                return None
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(1, chosen)
             if getattr(module, "norm_topk_prob", False):

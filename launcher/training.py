@@ -114,7 +114,7 @@ def _warm_up(
 
     if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
         pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
-        what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
+        what = f"{len(pairs) // 7} scripted crop-then-answer trajectories (tool-call and answer format)"
     elif config.demo_task == "video-audio":  # the format with a clip in context; every clip gets every answer
         pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
@@ -202,7 +202,9 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     settings: dict[str, str] = {"WEIR_STALENESS_POLICY": config.staleness_policy}
     if config.max_staleness is not None:
         settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
-    if config.r3:  # R3: the rollout role asks the engines for each token's experts
+    # The rollout role asks the engines for each token's experts: R3 replays them; without R3 the mismatch
+    # monitor compares the trainer's routers with them (routing agreement, R3 on and off).
+    if config.r3 or config.arch == "qwen3-omni-moe":
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
     from trainer.losses import PRESET_ADVANTAGE_ESTIMATOR  # the advantages the objective's paper pairs it with
 

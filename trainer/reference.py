@@ -157,7 +157,8 @@ class ReferenceTrainer(SupervisedPairs):
         if routing_replay and not is_moe(self.model):
             raise ValueError(f"routing replay (R3) needs a mixture-of-experts model; {model_dir} has no routers")
         # Hooks on the routers, registered before sharding (they stay on the same modules under FSDP).
-        self.replay = RoutingReplay(self.model) if routing_replay else None
+        # R3 off, an MoE model: the same hooks only compare (the monitor's routing agreement), routing freely.
+        self.replay = RoutingReplay(self.model, enforce=routing_replay) if is_moe(self.model) else None
         if activation_checkpointing:  # before sharding: FSDP then gathers around the recomputed layer
             layers = set(decoder_layers(self.model))
             apply_activation_checkpointing(

@@ -162,3 +162,26 @@ def test_r3_step_and_refusals(model_dir: Path, rollouts: tuple[list[int], list[G
     dense = init_model(model_dir.parent / "dense")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         ReferenceTrainer(dense, routing_replay=True)
+
+
+def test_without_r3_the_routers_route_freely_and_the_monitor_still_compares(
+    model_dir: Path, rollouts: tuple[list[int], list[GenerateResult]]
+) -> None:
+    """R3 off on an MoE model: routes given with the batch change nothing (the routers choose), but each (token,
+    layer) pair is compared, so the step reports how often the trainer's routers agree with the engine's."""
+    trainer = ReferenceTrainer(model_dir, lr=1e-3, loss=LossConfig(rollout_correction="none"))
+    assert trainer.replay is not None and not trainer.replay.enforce
+    ids = torch.arange(3, 40)
+    capture = RoutingCapture(trainer.model)
+    with torch.no_grad(), capture.recording() as rows:
+        plain = trainer.sequence_logprobs(ids, [])
+    capture.close()
+    other = (rows[0] + 1) % 8
+    with torch.no_grad():
+        free = trainer.sequence_logprobs(ids, [], routes=other.flatten(1))
+    assert torch.equal(free, plain)  # not replayed
+    assert trainer.replay.compared == trainer.replay.replaced == other.shape[0] * LAYERS  # but compared
+    trainer.replay.compared = trainer.replay.replaced = 0
+    prompt, results = rollouts
+    result = trainer.step(feed_batch(prompt, results))
+    assert 0.0 < result.metrics["mismatch/routing/agreement"] <= 1.0 and result.metrics["mismatch/routing/pairs"] > 0
