@@ -295,10 +295,6 @@ def _refusal(config: TrainConfig) -> str | None:
             return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
         if config.r3:
             return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
-        if config.ppo_epochs > 1 or config.mini_batches > 1:
-            return "--ppo-epochs / --mini-batches with --trainer megatron are not wired yet: use --trainer fsdp"
-        if config.kl_coef:
-            return "--kl-coef with --trainer megatron is not wired yet (no reference model): use --trainer fsdp"
         if config.ep > 1 and _family(config) != "qwen3_omni_moe":
             return f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model (--arch qwen3-omni-moe)"
         from trainer.megatron.ranks import check_model_parallel
@@ -354,6 +350,8 @@ def _trainer(
             activation_checkpointing=config.activation_checkpointing,
             tp=config.tp,
             ep=config.ep,
+            ppo_epochs=config.ppo_epochs,
+            mini_batches=config.mini_batches,
         )
         if megatron.parallel is None or megatron.parallel.is_main:  # before the first step: what a rank will hold
             console.print(str(megatron.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)

@@ -124,8 +124,6 @@ def test_the_default_loss_is_todays() -> None:
     [
         (["--ppo-epochs", "0"], "--ppo-epochs and --mini-batches are 1 or more"),
         (["--rollout-correction", "mis", "--correction-floor", "3"], "--loss dapo: LossConfig needs"),
-        (["--trainer", "megatron", "--ppo-epochs", "2"], "--ppo-epochs / --mini-batches with --trainer megatron"),
-        (["--trainer", "megatron", "--kl-coef", "0.1"], "--kl-coef with --trainer megatron"),
     ],
 )
 def test_objective_options_weir_train_cannot_run_are_refused_before_anything_starts(

@@ -34,7 +34,12 @@ def _units(mask: torch.Tensor, sequence_ids: torch.Tensor, aggregation: str) -> 
 
 
 def loss_func(
-    batch: MegatronBatch, output_tensor: torch.Tensor, *, config: LossConfig | None = None
+    batch: MegatronBatch,
+    output_tensor: torch.Tensor,
+    *,
+    config: LossConfig | None = None,
+    proximal: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """The policy loss from ``GPTModel``'s per-token cross-entropy (``-logprob`` of each label), in
     megatron-core 0.16's three-value form ``(loss_sum, num_tokens, metrics)``.
@@ -59,6 +64,11 @@ def loss_func(
     ``metrics["policy loss"]`` is ``[loss_sum, num_tokens]`` (the step's loss is the sum of the first
     over micro-batches and ranks divided by that of the second; for ``sum``, the first alone); the
     other metrics are this micro-batch's. All are fresh tensors: megatron divides the loss in place.
+
+    ``proximal``: the ratio's denominator, one log-prob per label as the batch lays them out (decoupled PPO's
+    proximal policy: the weights the step started with, `trainer.megatron.passes`); None: this forward's own,
+    detached (a ratio of 1). ``reference``: the frozen reference model's log-probs, laid out alike, for the
+    KL penalty (``config.kl_coef``) and the ``kl_ref`` metric.
     """
     config = config or LossConfig()
     logprobs = -output_tensor.float().reshape(-1)
@@ -75,11 +85,12 @@ def loss_func(
     summed = replace(config, aggregation="sum") if config.aggregation == "token_mean" else config
     out = policy_loss(
         logprobs,
-        logprobs.detach(),
+        logprobs.detach() if proximal is None else proximal.float().reshape(-1),
         batch["advantages"].reshape(-1),
         mask,
         summed,
         rollout_logprobs=batch["rollout_logprobs"].reshape(-1),
+        ref_logprobs=None if reference is None else reference.float().reshape(-1),
         sequence_ids=sequence_ids,
     )
     loss_sum = out.loss * units if config.aggregation == "sequence_mean" else out.loss
@@ -95,6 +106,8 @@ def forward_step(
     *,
     config: LossConfig | None = None,
     packed: Callable[[MegatronBatch], Any] = packed_seq_params,
+    proximal: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
     """megatron-core's ``forward_step_func``: one micro-batch through ``model``, and its loss function.
 
@@ -110,7 +123,8 @@ def forward_step(
     DeepStack model's visual maps (``deepstack_embeds``) has them added after the first decoder layers
     during the call (`trainer.megatron.deepstack.deepstack`, through megatron's wrappers; a pipeline stage
     adds the maps of the layers it holds; refused under sequence parallelism). A batch built with
-    ``router_replay`` has its routes replayed in this forward (`replay_routes`).
+    ``router_replay`` has its routes replayed in this forward (`replay_routes`). ``proximal`` and
+    ``reference`` go to `loss_func`.
     """
     batch = next(data_iterator)
     if "router_replay" in batch:
@@ -130,7 +144,7 @@ def forward_step(
             packed_seq_params=packed(batch),
             **extra,
         )
-    return output, partial(loss_func, batch, config=config)
+    return output, partial(loss_func, batch, config=config, proximal=proximal, reference=reference)
 
 
 def replay_routes(per_layer: torch.Tensor | Sequence[torch.Tensor]) -> None:

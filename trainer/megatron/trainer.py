@@ -22,6 +22,13 @@ batch with no loss tokens. Gradient clipping takes the norm over the whole model
 counted once, every rank's experts). Pipeline and context parallelism are refused by name
 (`check_model_parallel` says why).
 
+Decoupled PPO (``ppo_epochs`` × ``mini_batches`` > 1) and the KL penalty (``LossConfig.kl_coef``), as the
+reference trainer runs them (`trainer.megatron.passes`): ``accumulate`` then holds each micro-batch with its
+proximal log-probs (a no-grad forward at the step's start, which the mismatch monitor reads) and ``apply``
+makes ``ppo_epochs`` passes of ``mini_batches`` optimizer steps, each ratio against those; the penalty's
+reference is a second GPTModel with the starting weights, sharded as the policy and frozen, whose log-probs
+each micro-batch's loss takes.
+
 Precision: float32 on any device (``torch.optim.AdamW`` over ``main_grad``); ``bf16`` (bf16 parameters and
 compute, fp32 gradient reduction and master weights) uses megatron's mixed-precision optimizer, which
 needs CUDA. Checkpoints: the model through megatron's distributed checkpointing (``torch_dist``: each rank
@@ -39,7 +46,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import pyarrow as pa
 import torch
@@ -60,6 +67,7 @@ from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 from .loss import forward_step
 from .media import QwenMedia
 from .model import build_gpt
+from .passes import Held, check_passes, frozen, label_logprobs, mean_result, mini_batch_parts, on_device
 from .ranks import close_megatron_ranks, megatron_ranks
 from .weights import QwenLayout, export_hf, gather_ep, gather_tp, hf_to_megatron, megatron_to_hf, shard_ep, shard_tp
 
@@ -88,7 +96,10 @@ class MegatronTrainer(SupervisedPairs):
         pp: int = 1,
         cp: int = 1,
         ep: int = 1,
+        ppo_epochs: int = 1,
+        mini_batches: int = 1,
     ) -> None:
+        check_passes(ppo_epochs, mini_batches)
         cuda = torch.cuda.is_available()
         if precision == "bf16" and not cuda:
             raise ValueError(
@@ -121,23 +132,35 @@ class MegatronTrainer(SupervisedPairs):
             for name in ("visual", "audio_tower")
             for p in getattr(getattr(thinker, name, None), "parameters", list)()
         )
-        gpt = build_gpt(
-            thinker.config,
-            core_attention=None if cuda else SegmentAttention,
-            params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
-            bf16=precision == "bf16",
-            recompute=activation_checkpointing,
-            mrope=towers,  # Qwen's 3-D rotary positions, as the thinker's
-            tp=tp,
-            ep=ep,
-        )
         mapped = self._shard(hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False))
-        missing, unexpected = gpt.load_state_dict(mapped, strict=False)
-        if unexpected or any(not k.endswith("_extra_state") for k in missing):
-            raise ValueError(
-                f"the mapped weights do not fit the GPTModel: missing {missing[:3]}, unexpected {unexpected[:3]}"
+
+        def built() -> Any:
+            gpt = build_gpt(
+                thinker.config,
+                core_attention=None if cuda else SegmentAttention,
+                params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+                bf16=precision == "bf16",
+                recompute=activation_checkpointing,
+                mrope=towers,  # Qwen's 3-D rotary positions, as the thinker's
+                tp=tp,
+                ep=ep,
             )
-        gpt.to(self.device)
+            missing, unexpected = gpt.load_state_dict(mapped, strict=False)
+            if unexpected or any(not k.endswith("_extra_state") for k in missing):
+                raise ValueError(
+                    f"the mapped weights do not fit the GPTModel: missing {missing[:3]}, unexpected {unexpected[:3]}"
+                )
+            return gpt.to(self.device)
+
+        gpt = built()
+        self.loss_config = loss or LossConfig()
+        # The KL penalty's reference: the starting weights, frozen, built only when the loss uses it (a load
+        # leaves it: it is the model folder's, not a checkpoint's).
+        self.reference = frozen(built) if self.loss_config.kl_coef else None
+        self._reference_parameters = sum(p.numel() for p in self.reference.parameters()) if self.reference else 0
+        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+        self._passes = ppo_epochs * mini_batches > 1  # several optimizer steps a step: micro-batches are held
+        self._held: list[Held] = []
         self.media = QwenMedia.from_thinker(thinker, features=features) if towers else None
         self.mismatch = MismatchMonitor(placeholder_ids(thinker.config))  # the train-inference mismatch
         self.features = features
@@ -146,10 +169,9 @@ class MegatronTrainer(SupervisedPairs):
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer: Any = self._optimizer(lr)
         self.max_grad_norm = max_grad_norm
-        self.loss_config = loss or LossConfig()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.policy_version = 0
-        self._units, self._loss = 0, 0.0
+        self._units, self._loss, self._trained = 0, 0.0, 0  # since the last optimizer step
         self._metrics: dict[str, float] = {}
 
     def memory_estimate(self, tokens_per_micro_batch: int) -> MemoryEstimate:
@@ -158,7 +180,7 @@ class MegatronTrainer(SupervisedPairs):
         return estimate_megatron_memory(
             self.gpt,
             self.hf_config,
-            frozen=self._tower_parameters,
+            frozen=self._tower_parameters + self._reference_parameters,  # the reference counted as fp32
             precision=self.precision,
             data_parallel=self.parallel.world_size if self.parallel is not None else 1,
             tensor_parallel=self.tp,
@@ -229,9 +251,7 @@ class MegatronTrainer(SupervisedPairs):
         """One micro-batch forward and backward through megatron's schedule (gradients accumulate)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        moved = cast(
-            MegatronBatch, {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in data.items()}
-        )
+        moved = on_device(data, self.device)
         with self._cuda_names():
             return list(
                 get_forward_backward_func()(
@@ -258,25 +278,60 @@ class MegatronTrainer(SupervisedPairs):
         dist.all_reduce(length, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
         return megatron_batch(fed, media=self.media, pad_to_multiple=int(length.item()))
 
+    def _logprobs(self, model: Any, data: MegatronBatch) -> torch.Tensor:
+        """`label_logprobs` of ``data`` under ``model`` (tensor / expert parallel: a collective)."""
+        with self._cuda_names():
+            return label_logprobs(model, data, self.device)
+
     def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
         """Forward and backward one fed micro-batch, adding to the step's gradients (``None``: another
         data-parallel rank got one this round; nothing here is a collective until `apply` but the expert-parallel
-        dispatcher's, for which such a rank runs a padding batch)."""
+        dispatcher's, for which such a rank runs a padding batch). With a KL penalty, the frozen reference's
+        log-probs of the batch first (a forward of their own).
+
+        With several passes (``ppo_epochs`` × ``mini_batches`` > 1) the micro-batch is held for `apply` with its
+        proximal log-probs (a no-grad forward: no optimizer step of this step has run yet) and its reference
+        log-probs; nothing is back-propagated yet. An expert-parallel rank's padding batch is held too, so that
+        every rank of the expert group runs the same rounds in each pass."""
         if batch is None and self.ep == 1:
             return {}
         data = self._megatron_batch(batch)
+        reference = self._logprobs(self.reference, data) if self.reference is not None else None
+        if not self._passes:
+            return self._train(batch, data, reference=reference)
+        proximal = self._logprobs(self.model, data)
+        if batch is not None:  # the weights the step started with: what the monitor compares with the engine
+            self._watch(batch, data, proximal)
+        self._held.append(Held(batch=batch, data=data, proximal=proximal, reference=reference))
+        return {}
+
+    def _train(
+        self,
+        batch: FeedBatch | None,
+        data: MegatronBatch,
+        *,
+        proximal: torch.Tensor | None = None,
+        reference: torch.Tensor | None = None,
+    ) -> dict[str, float]:
+        """One micro-batch through the schedule (``batch`` None: an expert group's padding batch), its loss
+        units, loss and metrics added to the step's. ``proximal``: the ratio's denominator (None: this forward's
+        own log-probs, detached, and the mismatch monitor watches them)."""
         outputs: list[torch.Tensor] = []
 
         def step(data_iterator: Iterator[MegatronBatch], model: Any, *rest: Any) -> tuple[Any, Any]:
-            output, loss = forward_step(data_iterator, model, *rest, config=self.loss_config)
+            output, loss = forward_step(
+                data_iterator, model, *rest, config=self.loss_config, proximal=proximal, reference=reference
+            )
             outputs.append(output.detach())  # each label's cross-entropy: -log-prob, for the monitor
             return output, loss
 
         metrics = self._schedule(data, step)[0]
         if batch is None:  # the expert group's padding batch: no loss tokens, nothing to report
             return {}
-        self._watch(batch, data, outputs[0])
+        if proximal is None:
+            self._watch(batch, data, -outputs[0].float())
         loss_sum, units = (float(x) for x in metrics.pop("policy loss"))
+        self._trained += 1
         self._units += int(units)
         self._loss += loss_sum
         weight = max(units, 1.0)
@@ -285,7 +340,7 @@ class MegatronTrainer(SupervisedPairs):
             self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
         return out
 
-    def _watch(self, batch: FeedBatch, data: MegatronBatch, output: torch.Tensor) -> None:
+    def _watch(self, batch: FeedBatch, data: MegatronBatch, logprobs: torch.Tensor) -> None:
         """The mismatch monitor on megatron's layout (labels shifted one token left, a padding sequence at the
         end): the trainer's log-prob of each label against the engine's, per modality of its sequence."""
         labels = self.mismatch.labels(batch, self.policy_version)
@@ -293,7 +348,7 @@ class MegatronTrainer(SupervisedPairs):
         labels += [("text",)] * (int(cu.numel()) - 1 - len(labels))  # the padding sequence: no loss tokens
         self.mismatch.sums.add(
             token_mismatch(
-                -output.float().reshape(-1).cpu(),
+                logprobs.float().reshape(-1).cpu(),
                 data["rollout_logprobs"].reshape(-1).cpu(),
                 data["loss_mask"].reshape(-1).cpu(),
                 cu.cpu(),
@@ -302,28 +357,54 @@ class MegatronTrainer(SupervisedPairs):
         )
 
     def apply(self) -> StepResult:
-        """The step's end as megatron's schedule ends one: gradients reduced over data-parallel ranks and
-        divided by the step's loss units (summed over ranks), clipped, one optimizer step."""
+        """The step's end as megatron's schedule ends one (`_step`); with several passes, ``ppo_epochs`` passes
+        over the held micro-batches, each cut into ``mini_batches`` consecutive parts with a `_step` each (every
+        rank cuts its own; an expert-parallel rank's padding batches are among its held ones). The result is
+        the mean of the passes' losses, gradient norms and metrics, with ``optimizer_steps``."""
+        if not self._passes:
+            result = self._step()
+            result.metrics.update(self.mismatch.take(self.parallel))
+            return result
+        held, self._held = self._held, []
+        parts = mini_batch_parts(held, self.mini_batches)
+        results = []
+        for _ in range(self.ppo_epochs):
+            for part in parts:
+                for entry in part:
+                    self._train(entry.batch, entry.data, proximal=entry.proximal, reference=entry.reference)
+                results.append(self._step())
+        result = mean_result(results)
+        result.metrics.update(self.mismatch.take(self.parallel))
+        return result
+
+    def _step(self) -> StepResult:
+        """Gradients reduced over data-parallel ranks and divided by the loss units since the last step (summed
+        over ranks), clipped, one optimizer step — none when no rank trained a micro-batch since the last (an
+        empty mini-batch: Adam would move the weights on its momentum alone; the reference trainer, without
+        gradients, skips it too)."""
         from megatron.core.distributed import finalize_model_grads
 
         names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
-        sums = [float(self._units), self._loss, *(self._metrics.get(name, 0.0) for name in names)]
+        sums = [float(self._units), self._loss, float(self._trained), *(self._metrics.get(n, 0.0) for n in names)]
         if self.parallel is not None:
             sums = self.parallel.total(sums)
         aggregation = self.loss_config.aggregation
         units = torch.tensor(self._units if aggregation != "sum" else 0, dtype=torch.int, device=self.device)
-        with self._cuda_names():
-            finalize_model_grads([self.model], units if aggregation != "sum" else None)
-        norm = self._optimizer_step()
+        norm = 0.0
+        if sums[2]:
+            with self._cuda_names():
+                finalize_model_grads([self.model], units if aggregation != "sum" else None)
+            norm = self._optimizer_step()
+        else:
+            self.model.zero_grad_buffer()  # an expert group's padding batches: zeros, left as they were
         total_units = max(sums[0], 1e-9)
         divisor = 1.0 if aggregation == "sum" else total_units
         result = StepResult(
             loss=sums[1] / divisor,
             grad_norm=norm,
-            metrics={name: value / total_units for name, value in zip(names, sums[2:], strict=True)}
-            | self.mismatch.take(self.parallel),
+            metrics={name: value / total_units for name, value in zip(names, sums[3:], strict=True)},
         )
-        self._units, self._loss, self._metrics = 0, 0.0, {}
+        self._units, self._loss, self._trained, self._metrics = 0, 0.0, 0, {}
         return result
 
     def _optimizer_step(self, lr: float | None = None) -> float:
