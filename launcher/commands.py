@@ -295,10 +295,14 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    import signal
     from dataclasses import fields
 
     from .config import TrainConfig
     from .training import run_training
+
+    # SIGTERM (a scheduler, `kill`) ends the run as Ctrl-C does: the stack it started is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
 
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
     return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))

@@ -211,3 +211,50 @@ def test_weir_train_demo_runs_through_every_role_killed_in_turn(tmp_path: Path) 
     text = log.read_text()
     before, after = (int(v) for v in re.search(r"held-out pictures\D+(\d+)% → (\d+)%", text).groups())  # type: ignore[union-attr]
     assert after > before, text[-2000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_weir_train_stopped_by_a_signal_stops_its_stack_without_a_traceback(tmp_path: Path, sig: int) -> None:
+    """Ctrl-C (SIGINT) or SIGTERM during RL: exit 130, no traceback, and no role left running."""
+    import subprocess
+    import sys
+
+    home, base = tmp_path / "weir", 19380
+    command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--steps", "1000", "--warmup-steps", "2"]
+    command += ["--home", str(home), "--base-port", str(base)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = home / "train" / "async" / "metrics.jsonl"
+    try:
+        _wait(lambda: (metrics.is_file() and metrics.read_text().strip()) or run.poll() is not None, 600)
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        run.send_signal(sig)
+        out, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, err[-3000:]
+    assert b"Traceback" not in err and b"interrupted" in err
+    from launcher.stack import stack_ports
+
+    assert not [port for _, _, port in stack_ports(base) if _ready(f"http://127.0.0.1:{port}")]
+    assert not [p for p in psutil_serving(base)]  # every role process is gone
+
+
+def psutil_serving(base: int) -> list[int]:
+    """Pids of `weir serve` processes on this stack's ports."""
+    import psutil
+
+    from launcher.stack import stack_ports
+
+    ports = {str(port) for _, _, port in stack_ports(base)}
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        line = p.info["cmdline"] or []
+        if (
+            "serve" in line
+            and "--port" in line
+            and line[line.index("--port") + 1 : line.index("--port") + 2]
+            and (line[line.index("--port") + 1] in ports)
+        ):
+            found.append(int(p.info["pid"]))
+    return found
