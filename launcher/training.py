@@ -114,7 +114,7 @@ def _warm_up(
 
     if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
         pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
-        what = f"{len(pairs) // 7} scripted crop-then-answer trajectories (tool-call and answer format)"
+        what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
     elif config.demo_task == "video-audio":  # the format with a clip in context; every clip gets every answer
         pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
