@@ -70,6 +70,11 @@ class FeatureStore:
         (self.root / "shards").mkdir(parents=True, exist_ok=True)
         self._db_path = self.root / "index.sqlite"
         self._local = threading.local()
+        # Every thread's connection, to close those of threads that ended: a thread-local connection outlives its
+        # thread (measured: 30 short-lived threads left 30 index files open; a role's worker threads come and go).
+        self._connections: dict[int, tuple[threading.Thread, sqlite3.Connection]] = {}
+        self._connections_pid = os.getpid()
+        self._connections_lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._maps: dict[str, pa.Buffer] = {}
         self._maps_lock = threading.Lock()
@@ -101,7 +106,19 @@ class FeatureStore:
                     time.sleep(0.1)
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn, self._local.pid = conn, os.getpid()
+            self._keep(conn)
         return conn
+
+    def _keep(self, conn: sqlite3.Connection) -> None:
+        """Record this thread's connection and close those of threads that have ended (never a connection
+        inherited across a fork: the parent's, not this process's, to close)."""
+        with self._connections_lock:
+            if self._connections_pid != os.getpid():
+                self._connections, self._connections_pid = {}, os.getpid()
+            ended = [i for i, (thread, _) in self._connections.items() if not thread.is_alive()]
+            for ident in ended:
+                self._connections.pop(ident)[1].close()
+            self._connections[threading.get_ident()] = (threading.current_thread(), conn)
 
     def _shard_path(self, shard: str) -> Path:
         return self.root / "shards" / f"{shard}.arrow"
