@@ -27,7 +27,7 @@ from rollout.sink import HttpSink, JsonlSink, Sink
 from rollout.tools import Tool, ToolRegistry
 
 from ..errors import ApiError
-from ..http import CONNECT_RETRIES, async_client
+from ..http import async_client
 from ..metrics import RoleMetrics
 from .schemas import (
     UNSUPPORTED_CHAT_PARAMETERS,
@@ -122,10 +122,10 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
     token, timeout = settings.token, settings.request_timeout_s
     # Unbounded: the engines run one request per sample being generated, and the role bounds that itself
     # (max_per_engine per engine, admission); a pool of 100 would cap every engine together at 100 samples.
-    # One engine: a refused connection is retried through its restart. Several: the dispatcher fails over to
-    # another at once (a retry here would hold every request to a dead engine for ~30 s first).
-    retries = 0 if len(settings.engine_urls) > 1 else CONNECT_RETRIES
-    engines = async_client(token=token, timeout=timeout, max_connections=None, connect_retries=retries)
+    # No connection retries to engines: the dispatcher fails over to another engine at once, and its health
+    # probes (`/readyz`) must see a dead engine as dead (a retry would hold each for ~30 s). With one engine, a
+    # sample sent while it restarts fails (503 engines_unavailable) and `weir train` drops that prompt.
+    engines = async_client(token=token, timeout=timeout, max_connections=None, connect_retries=0)
     preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
     encoder = async_client(settings.encoder_url, token=token, timeout=timeout) if settings.encoder_url else None
     clients: list[Any] = [engines, preprocess, *([encoder] if encoder is not None else [])]
