@@ -237,24 +237,6 @@ def test_weir_train_stopped_by_a_signal_stops_its_stack_without_a_traceback(tmp_
     from launcher.stack import stack_ports
 
     assert not [port for _, _, port in stack_ports(base) if _ready(f"http://127.0.0.1:{port}")]
-    assert not [p for p in psutil_serving(base)]  # every role process is gone
+    from tests.benchmarks.soak import _role_pids
 
-
-def psutil_serving(base: int) -> list[int]:
-    """Pids of `weir serve` processes on this stack's ports."""
-    import psutil
-
-    from launcher.stack import stack_ports
-
-    ports = {str(port) for _, _, port in stack_ports(base)}
-    found = []
-    for p in psutil.process_iter(["pid", "cmdline"]):
-        line = p.info["cmdline"] or []
-        if (
-            "serve" in line
-            and "--port" in line
-            and line[line.index("--port") + 1 : line.index("--port") + 2]
-            and (line[line.index("--port") + 1] in ports)
-        ):
-            found.append(int(p.info["pid"]))
-    return found
+    assert not _role_pids(base)  # every role process is gone
