@@ -10,14 +10,15 @@ each prompt failed on the dead role. `Supervisor` watches the children from a th
   scraper sees it on the role itself;
 * traffic returns through readiness: a restarted role is counted as back once ``/readyz`` answers 200, and the
   callers in the stack retry refused connections meanwhile (`services.http.CONNECT_RETRIES`, the trainer's
-  clients the same);
+  clients the same; not the engine client: the dispatcher fails over instead);
 * a role that cannot start ``max_failures`` times in a row is fatal: `fatal` says which, with its last log
   lines, and ``on_fatal`` is called once (``weir up`` stops the stack; ``weir train`` interrupts the run).
 
 What a restart keeps is each role's own promise: the data role's ledger (acknowledged batches are never
 leased again, leases of a dead process expire and are served again), the feature and embedding caches on
-disk, the engines' weights (an engine restarted loads the weights the trainer last published: see
-`weights_env`). In-flight requests on the dead role fail; the rollout role records them dropped with a reason.
+disk. An engine restarted serves the model folder's weights until the trainer's next publish puts it back
+(`trainer.policy_version.WeightRecipients.back`); its samples until then are stale and dropped by version. In-flight
+requests on the dead role fail; the rollout role records them dropped with a reason.
 """
 
 from __future__ import annotations
