@@ -22,6 +22,7 @@ COPY trainer/ trainer/
 COPY experience/ experience/
 COPY engines/ engines/
 COPY rollout/ rollout/
+COPY profiles/ profiles/
 
 # This pulls the default torch wheel, which on Linux x86-64 carries the CUDA libraries (several GB). For a much
 # smaller CPU-only image, add PyTorch's CPU wheel index to this pip call with --extra-index-url.

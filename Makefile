@@ -1,8 +1,10 @@
-# The two set-up commands of the README. Both create .venv on first use.
+# The two set-up commands of the README. Both create .venv on first use: `make run` installs the `run` extra
+# (what the demo needs), `make test` the `dev` extra (that, the reference libraries, linters, docs, every extra).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
 
 .PHONY: run test lint bench clean gpu-check sglang-check extras-check docs
 
@@ -10,11 +12,18 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# dev includes run, so after `make test` this installs nothing new.
+$(RUN_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[run]'
+	touch $(RUN_STAMP)
 
 # The main job on embedded defaults: preprocess a generated media set (report), then start every
 # role and train the embedded model on the generated demo task in async mode (summary and plot).
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/weir demo --out .weir/demo
 	$(BIN)/weir train --demo
 

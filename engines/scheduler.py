@@ -159,6 +159,7 @@ class Scheduler(Generic[S]):
         self._calls: deque[_Call] = deque()
         self._pause_mode: PauseMode = "in_place"
         self._pause_applied = threading.Event()
+        self._idled = False  # the last decision found nothing to do (`run_once`)
         self._thread = threading.Thread(target=self._loop, name=f"{name}-engine", daemon=True)
 
     def start(self) -> None:
@@ -260,6 +261,17 @@ class Scheduler(Generic[S]):
             return
         req.future.set_result(self.stepper.result(req, reason or {"type": "stop"}))
 
+    def retract(self, reqs: list[Req[S]]) -> None:
+        """Move running ``reqs`` back to the head of the queue, in this order, their KV dropped (a pause in
+        ``retract`` mode, or a stepper short of KV): each is prefilled again over its prompt and its tokens so
+        far when admitted again, and counts one more in ``num_retractions``."""
+        for req in reversed(reqs):
+            self.running.remove(req)
+            req.prefilled = False
+            req.num_retractions += 1
+            self.stepper.drop(req)
+            self.waiting.appendleft(req)
+
     def _loop(self) -> None:
         with self.cond:
             try:
@@ -283,12 +295,7 @@ class Scheduler(Generic[S]):
         if self.paused:
             if not self._pause_applied.is_set():
                 if self._pause_mode == "retract":
-                    for req in reversed(self.running):
-                        req.prefilled = False  # KV dropped: prefilled again with its tokens when admitted
-                        req.num_retractions += 1
-                        self.stepper.drop(req)
-                        self.waiting.appendleft(req)
-                    self.running.clear()
+                    self.retract(list(self.running))
                 self._reap_aborted()
                 self._pause_applied.set()
             self._reap_aborted()
@@ -304,9 +311,19 @@ class Scheduler(Generic[S]):
             return
         self.stepper.step(self)
 
+    def run_once(self) -> bool:
+        """One decision on the caller's thread, for a driver of virtual time that never starts the thread
+        (`launcher.twin_model`); False when there was nothing to do (idle, paused, or the stepper not ready)."""
+        with self.cond:
+            self._idled = False
+            self._iterate()
+            return not self._idled
+
     def _idle(self) -> None:
         self.stepper.idle()
-        self.cond.wait(IDLE_WAIT_S)
+        self._idled = True
+        if self._thread.is_alive():  # a virtual-time driver (`run_once`) moves its own clock instead of waiting
+            self.cond.wait(IDLE_WAIT_S)
 
     def _reap_aborted(self) -> None:
         for req in [*self.running, *self.waiting]:

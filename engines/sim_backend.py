@@ -7,12 +7,14 @@ aborts: the transformers backend's own), and here the protocol (`SimReplica`) an
 A capacity twin of an RL run needs many engines that take the time real ones take and return what real
 ones return, without a GPU or weights. `SimEngine` is one: it admits requests up to ``max_running`` (and
 the KV capacity), prefills the newly admitted together, then decodes the running batch step by step, each
-step one token for every running request, as SGLang's scheduler does. Nothing is computed: the time of
+step one token for every running request, as SGLang's scheduler does — retracting requests when the KV
+cache would overflow (`engines.sim_stepper`). Nothing is computed: the time of
 each step comes from the profile's cost model and is **slept**, so one process hosts many engines.
 
 The cost model (every constant from a `SimProfile`, in simulated seconds):
 
-* prefill of the newly admitted requests: ``prefill_base_s + prefill_per_token_s * tokens`` (a retracted
+* prefill of the newly admitted requests: ``prefill_base_s + prefill_per_token_s * tokens``, the base once
+  per ``chunked_prefill_size`` tokens or part of them (SGLang's chunked prefill) (a retracted
   request is prefilled again over its prompt and the tokens it had); it yields each one's first token;
   plus ``encode_per_media_token_s`` per media token of a request's first prefill (the vision / audio
   tower; ``prompt_media_tokens`` charges text prompts as if they carried media — a multimodal twin);
@@ -138,7 +140,9 @@ class SimEngine:
         total = SimStats(recent=self.replicas[0].stats.recent)
         for r in self.replicas:
             for f in fields(SimStats):
-                if f.name != "recent":
+                if f.name == "peak_kv_tokens":  # each replica's own KV: the peak is the largest, not a sum
+                    total.peak_kv_tokens = max(total.peak_kv_tokens, r.stats.peak_kv_tokens)
+                elif f.name != "recent":
                     setattr(total, f.name, getattr(total, f.name) + getattr(r.stats, f.name))
         return total
 

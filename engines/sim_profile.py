@@ -50,6 +50,9 @@ class SimProfile:
     length_sample_sigma: float
     logprob_mean: float
     compression: float = 1.0
+    # SGLang's chunked_prefill_size (its default on an 80-160 GB GPU: H100, H800, H200): a prefill round of more
+    # tokens runs as several forwards of at most this many, each paying prefill_base_s
+    chunked_prefill_size: int = 8192
     # Media (multimodal profiles): the vision / audio tower's time per media token, paid once at a request's
     # first prefill; and, for a twin whose prompts are text, media tokens every prompt is charged as if it
     # carried them (prefill, encode, KV context) — 0 where prompts carry their real media.
@@ -66,7 +69,15 @@ class SimProfile:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("vocab_size", "text_vocab_size", "max_context", "max_response_tokens", "max_running", "replicas"):
+        for name in (
+            "vocab_size",
+            "text_vocab_size",
+            "max_context",
+            "max_response_tokens",
+            "max_running",
+            "replicas",
+            "chunked_prefill_size",
+        ):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1")
         if self.text_vocab_size > self.vocab_size:
@@ -142,7 +153,10 @@ class SimProfile:
         return self.decode_base_s + self.decode_per_request_s * batch + self.decode_per_context_token_s * context_tokens
 
     def prefill_s(self, tokens: int) -> float:
-        return self.prefill_base_s + self.prefill_per_token_s * tokens
+        """Simulated seconds to prefill ``tokens`` (one round's, packed): one forward per chunk of at most
+        ``chunked_prefill_size`` tokens, back to back (SGLang runs a chunked request's next chunk before decoding)."""
+        chunks = max(1, -(-tokens // self.chunked_prefill_size))
+        return self.prefill_base_s * chunks + self.prefill_per_token_s * tokens
 
     def draw_length(self, prompt: list[int], seed: int) -> int:
         """A response length (tokens, before ``max_new_tokens``): the same prompt and seed, the same length."""
@@ -189,6 +203,8 @@ class SimStats:
     weight_update_s: float = 0.0
     memory_s: float = 0.0  # release / resume of memory (colocate's sleep / wake)
     generated_tokens: int = 0
+    retractions: int = 0  # requests retracted in decode for want of KV (a pause's retractions not counted)
+    peak_kv_tokens: int = 0  # the most context tokens the running requests held at once (several replicas: max)
     recent: deque[SimStep] = field(default_factory=lambda: deque(maxlen=STEP_LOG))
 
     @property

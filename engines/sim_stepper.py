@@ -6,8 +6,19 @@ request ends); a wake-up (a submit, an abort, a pause, a queued call) ends the s
 whose time has passed are applied then — the step in progress keeps the time it had, so the simulated timeline
 is not shifted by waking. Its ``stats`` are the model's exact sums in simulated seconds, never measured times.
 
+The KV cache holds the running requests' context (prompt, virtual media tokens, output so far), as SGLang's:
+admission leaves every running request room for `RETRACT_DECODE_STEPS` more tokens; a decode round that would
+overflow it first retracts requests as SGLang's ``retract_decode`` does (the fewest tokens decoded, then the
+longest prompt, first; until the rest have that room; one is always kept) to the queue's head, to be
+prefilled again over their tokens so far; and no sleep of decode steps runs past it.
+
 At submit, `plan` draws a request's response: its length (the profile's distribution), then its tokens and
 log-probs as it is decoded, all seeded, so the same request gives the same result.
+
+Two clocks: `WallClock` (the engines of a stack and a twin: simulated seconds slept at ``compression`` per
+wall second) and `VirtualClock` (the twin's cost model: no sleep at all, a replica's simulated time kept as a
+number and moved on by each step, up to a ``horizon`` its driver sets — `launcher.twin_model`). The cost model
+is the same code on both.
 
 The queue, admission, pause modes and aborts are the `engines.scheduler.Scheduler`'s; the protocol and the
 replicas are `engines.sim_backend`'s.
@@ -15,9 +26,11 @@ replicas are `engines.sim_backend`'s.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -25,16 +38,100 @@ from .protocol import FinishReason, GenerateRequest, GenerateResult, TokenCallba
 from .scheduler import Req, Scheduler, new_future
 from .sim_profile import SimProfile, SimStats, SimStep, digest
 
-__all__ = ["MAX_CHUNK_WALL_S", "SimState", "SimStepper"]
+__all__ = [
+    "MAX_CHUNK_WALL_S",
+    "RETRACT_DECODE_STEPS",
+    "SimClock",
+    "SimState",
+    "SimStepper",
+    "VirtualClock",
+    "WallClock",
+]
 
 MAX_CHUNK_WALL_S = 0.1  # the most wall time one sleep of decode steps covers (tokens stream at its end)
+RETRACT_DECODE_STEPS = 20  # KV room kept per running request (SGLang's SGLANG_RETRACT_DECODE_STEPS default)
+
+
+class SimClock(Protocol):
+    """How a stepper's simulated time passes: slept on the wall clock, or counted in virtual time."""
+
+    def more(self, total: float) -> bool:
+        """Whether a decode chunk holding ``total`` simulated seconds of steps may take one more step."""
+        ...
+
+    def sleep(self, scheduler: Scheduler[SimState], simulated: float, *, interruptible: bool) -> float:
+        """Let ``simulated`` seconds pass; the seconds that did (all of them unless ``interruptible`` and woken)."""
+        ...
+
+    def advance(self, seconds: float) -> None:
+        """The simulated work of ``seconds`` is done: the clock moves on by it."""
+        ...
+
+    def idle(self) -> None:
+        """Nothing runs: the next work starts from now, not from where the last one ended."""
+        ...
+
+
+class WallClock:
+    """Simulated seconds slept at ``compression`` per wall second; a wake-up ends an interruptible sleep early."""
+
+    def __init__(self, compression: float) -> None:
+        self.compression = compression
+        self._at: float | None = None  # wall instant the simulated work is accounted up to (None: idle)
+
+    def more(self, total: float) -> bool:
+        return total / self.compression < MAX_CHUNK_WALL_S
+
+    def sleep(self, scheduler: Scheduler[SimState], simulated: float, *, interruptible: bool) -> float:
+        if self._at is None:
+            self._at = time.monotonic()
+        start = self._at
+        deadline = start + simulated / self.compression
+        while not scheduler.stopping:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            woken = scheduler.wait(left)
+            if woken and interruptible:
+                return max(0.0, (time.monotonic() - start) * self.compression)
+        return simulated
+
+    def advance(self, seconds: float) -> None:
+        if self._at is not None:
+            self._at += seconds / self.compression
+
+    def idle(self) -> None:
+        self._at = None
+
+
+class VirtualClock:
+    """Simulated time as a number (``now``), nothing slept. A decode chunk stops at the first step that reaches
+    ``horizon`` (the driver's next event: a step in progress is finished first, as an engine applies a call
+    between two steps); an idle replica's ``now`` is moved on by its driver."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+        self.horizon = math.inf
+
+    def more(self, total: float) -> bool:
+        return self.now + total < self.horizon
+
+    def sleep(self, scheduler: Scheduler[SimState], simulated: float, *, interruptible: bool) -> float:
+        return simulated
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+    def idle(self) -> None:
+        pass
 
 
 @dataclass(slots=True, kw_only=True, eq=False)
 class SimState:
     """One request's plan, drawn at submit, and whether the tower has encoded its media."""
 
-    rng: np.random.Generator
+    rng: np.random.Generator  # its tokens
+    logprob_rng: np.random.Generator  # their log-probs (two streams: the same draws however the steps are chunked)
     target: int  # tokens it will have when it ends
     finish: FinishReason  # its finish_reason when it reaches target
     stop_token: int | None
@@ -52,17 +149,17 @@ def _remaining(req: Req[SimState]) -> int:
 
 
 class SimStepper:
-    """The `engines.scheduler.Stepper` of a `SimProfile` (see the module). ``compression``: simulated seconds
-    per wall second."""
+    """The `engines.scheduler.Stepper` of a `SimProfile` (see the module). ``clock``: a `WallClock` at the
+    profile's ``compression`` (simulated seconds per wall second) unless given."""
 
-    def __init__(self, profile: SimProfile, *, weight_version: str = "0") -> None:
+    def __init__(self, profile: SimProfile, *, weight_version: str = "0", clock: SimClock | None = None) -> None:
         self.profile = profile
         self.compression = profile.compression
+        self.clock: SimClock = clock or WallClock(profile.compression)
         self.kv_capacity: float = profile.kv_capacity_tokens
         self.stats = SimStats()
         self.weight_version = weight_version
         self.released = False  # memory released (colocate's sleep): nothing runs until resumed
-        self._clock: float | None = None  # wall instant the simulated work is accounted up to (None: idle)
 
     # -- planning a request at submit ------------------------------------------------------------
     def plan(self, request: GenerateRequest, seed: int, on_token: TokenCallback | None) -> Req[SimState]:
@@ -83,6 +180,7 @@ class SimStepper:
             target, finish = cap, {"type": "length", "length": cap}
         state = SimState(
             rng=np.random.default_rng(digest(b"tokens", seed, *request.input_ids)),
+            logprob_rng=np.random.default_rng(digest(b"logprobs", seed, *request.input_ids)),
             target=target,
             finish=finish,
             stop_token=stop_token if finish["type"] == "stop" else None,
@@ -93,13 +191,14 @@ class SimStepper:
 
     # -- the stepper -------------------------------------------------------------------------------
     def tokens(self, req: Req[SimState]) -> int:
-        return _context(req)
+        # Its context and room to decode: a request admitted right after a retraction would be retracted again.
+        return _context(req) + RETRACT_DECODE_STEPS
 
     def ready(self) -> bool:
         return not self.released
 
     def idle(self) -> None:
-        self._clock = None
+        self.clock.idle()
 
     def drop(self, req: Req[SimState]) -> None:
         pass  # nothing is held: a retracted request is prefilled again over its tokens (its media stay encoded)
@@ -134,8 +233,7 @@ class SimStepper:
     # -- calls the scheduler runs between two steps ----------------------------------------------
     def update_weights(self, scheduler: Scheduler[SimState], version: str | None) -> str:
         seconds = self.profile.weight_update_s
-        self._sleep(scheduler, seconds, interruptible=False)
-        self._clock = None
+        self._spend(scheduler, seconds)
         self.stats.weight_updates += 1
         self.stats.weight_update_s += seconds
         if version is not None:
@@ -146,32 +244,17 @@ class SimStepper:
 
     def memory(self, scheduler: Scheduler[SimState], *, release: bool) -> None:
         seconds = self.profile.sleep_s if release else self.profile.wake_s
-        self._sleep(scheduler, seconds, interruptible=False)
-        self._clock = None
+        self._spend(scheduler, seconds)
         self.stats.memory_s += seconds
         self.released = release
 
     # -- the cost model ----------------------------------------------------------------------------
-    def _sleep(self, scheduler: Scheduler[SimState], simulated: float, *, interruptible: bool) -> float:
-        """Sleep ``simulated`` seconds from the engine's clock; returns the simulated seconds that passed
-        (all of them unless ``interruptible`` and woken)."""
-        if self._clock is None:
-            self._clock = time.monotonic()
-        start = self._clock
-        deadline = start + simulated / self.compression
-        while not scheduler.stopping:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            woken = scheduler.wait(left)
-            if woken and interruptible:
-                return max(0.0, (time.monotonic() - start) * self.compression)
-        return simulated
-
-    def _advance_clock(self, seconds: float) -> None:
-        """The simulated work of ``seconds`` is done: the clock moves on by its wall time."""
-        assert self._clock is not None  # set by the _sleep that preceded
-        self._clock += seconds / self.compression
+    def _spend(self, scheduler: Scheduler[SimState], seconds: float) -> None:
+        """A call between two steps (a weight update, memory release) takes ``seconds``; the next work starts
+        from its end."""
+        self.clock.sleep(scheduler, seconds, interruptible=False)
+        self.clock.advance(seconds)
+        self.clock.idle()
 
     def _prefill(self, scheduler: Scheduler[SimState], fresh: list[Req[SimState]]) -> None:
         tokens = sum(_context(r) for r in fresh)
@@ -179,11 +262,12 @@ class SimStepper:
         seconds = self.profile.prefill_s(tokens) + self.profile.encode_per_media_token_s * encode
         for req in fresh:
             req.state.encoded = True
-        self._sleep(scheduler, seconds, interruptible=False)
-        self._advance_clock(seconds)
+        self.clock.sleep(scheduler, seconds, interruptible=False)
+        self.clock.advance(seconds)
         self.stats.prefills += 1
         self.stats.prefill_tokens += tokens
         self.stats.prefill_s += seconds
+        held = sum(_context(r) for r in scheduler.running)  # before the first tokens, with the fresh ones
         for req in fresh:
             req.prefilled = True
             if req.request.return_logprob and req.input_logprobs is None:
@@ -193,30 +277,52 @@ class SimStepper:
             if _remaining(req) <= 0:
                 scheduler.finish(req, req.state.finish)
             elif not req.output_ids:  # the prefill's token (a retracted request's next comes from decode)
+                held += 1
                 self._emit(scheduler, req, 1)
+        self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, held)
+
+    def _retract(self, scheduler: Scheduler[SimState]) -> None:
+        """SGLang's ``retract_decode``, when the next decode step's tokens do not fit in the KV cache."""
+        running = scheduler.running
+        context = sum(_context(r) for r in running)
+        if len(running) < 2 or context + len(running) <= self.kv_capacity:
+            return
+        # The most decoded, then the shortest prompt, first (a stable sort: ties in admission order).
+        kept = sorted(running, key=lambda r: (len(r.output_ids), -len(r.request.input_ids)), reverse=True)
+        retracted: list[Req[SimState]] = []
+        while len(kept) > 1 and (not retracted or context + len(kept) * RETRACT_DECODE_STEPS > self.kv_capacity):
+            req = kept.pop()
+            retracted.append(req)
+            context -= _context(req)
+        scheduler.retract(retracted[::-1])  # the most decoded of them at the queue's head
+        self.stats.retractions += len(retracted)
 
     def _decode(self, scheduler: Scheduler[SimState]) -> None:
+        self._retract(scheduler)
         running = scheduler.running
         batch = len(running)
         context = sum(_context(r) for r in running)
         steps = min(_remaining(r) for r in running)
+        if math.isfinite(self.kv_capacity):  # the steps whose tokens fit (one request alone always steps)
+            steps = min(steps, max(1, int(self.kv_capacity - context) // batch))
         times: list[float] = []
         total = 0.0
-        while len(times) < steps and (not times or total / self.compression < MAX_CHUNK_WALL_S):
+        while len(times) < steps and (not times or self.clock.more(total)):
             seconds = self.profile.decode_step_s(batch, context + batch * len(times))
             times.append(seconds)
             total += seconds
-        passed = self._sleep(scheduler, total, interruptible=True)
+        passed = self.clock.sleep(scheduler, total, interruptible=True)
         done, spent = 0, 0.0
         while done < len(times) and spent + times[done] <= passed + 1e-12:
             spent += times[done]
             done += 1
         if done == 0:
             return  # woken inside the first step: it goes on from the same clock
-        self._advance_clock(spent)
+        self.clock.advance(spent)
         for j in range(done):
             self.stats.recent.append(SimStep(batch, context + batch * j, times[j]))
         self.stats.decode_steps += done
+        self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, context + batch * done)
         self.stats.decode_s += spent
         for req in list(running):
             self._emit(scheduler, req, done)
@@ -228,7 +334,7 @@ class SimStepper:
         first = len(req.output_ids)
         # Drawn in bulk (numpy): a twin's engines emit millions of tokens a step, and this CPU is not the GPU's.
         tokens = state.rng.integers(0, text_vocab, count).tolist()
-        logprobs = (-(1e-6 + state.rng.exponential(self.profile.logprob_mean, count))).tolist()
+        logprobs = (-(1e-6 + state.logprob_rng.exponential(self.profile.logprob_mean, count))).tolist()
         if state.stop_token is not None and first + count >= state.target:
             tokens[state.target - first - 1] = state.stop_token
         req.output_ids.extend(tokens)

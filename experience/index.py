@@ -5,7 +5,9 @@ One database file holds every table of the store; each module that owns tables d
 state) and `open_index` creates them all. The database runs in WAL mode with ``synchronous=FULL``:
 a committed transaction survives a power cut. ``isolation_level=None`` leaves transactions to
 `transaction` (``BEGIN IMMEDIATE``: the write lock is taken up front, so two writers never deadlock
-on an upgrade). Counters (``COUNTERS``) only ever grow.
+on an upgrade; inside an open transaction, a savepoint). `GroupCommit` lets writes from many threads share
+one transaction and so one fsync, each answered only once it is committed. Counters (``COUNTERS``) only
+ever grow.
 
 This module does not lock between threads (the store's facade does) and knows no table but its own.
 """
@@ -13,11 +15,14 @@ This module does not lock between threads (the store's facade does) and knows no
 from __future__ import annotations
 
 import contextlib
+import itertools
 import sqlite3
+import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["SCHEMA", "Counters", "open_index", "transaction"]
+__all__ = ["SCHEMA", "Counters", "GroupCommit", "open_index", "transaction"]
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);"
 
@@ -32,9 +37,25 @@ def open_index(path: Path, schemas: Iterable[str]) -> sqlite3.Connection:
     return db
 
 
+_savepoints = itertools.count()
+
+
 @contextlib.contextmanager
 def transaction(db: sqlite3.Connection) -> Iterator[None]:
-    """One write transaction: committed when the block ends, rolled back if it raises."""
+    """One write transaction: committed when the block ends, rolled back if it raises. Inside a transaction
+    already open (a `GroupCommit` group), a savepoint: released when the block ends, rolled back alone if it
+    raises; the group's commit makes it durable."""
+    if db.in_transaction:
+        name = f"w{next(_savepoints)}"
+        db.execute(f"SAVEPOINT {name}")
+        try:
+            yield
+            db.execute(f"RELEASE {name}")
+        except BaseException:
+            db.execute(f"ROLLBACK TO {name}")
+            db.execute(f"RELEASE {name}")
+            raise
+        return
     db.execute("BEGIN IMMEDIATE")
     try:
         yield
@@ -42,6 +63,66 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
     except BaseException:
         db.execute("ROLLBACK")
         raise
+
+
+class GroupCommit:
+    """Group commit: writes from many threads join one open transaction, and one ``COMMIT`` (one fsync) makes
+    all of them durable. A writer joins under the caller's lock (`join`: a ticket), does its work in a
+    `transaction` (a savepoint), leaves the lock, then waits in `durable` until its group is committed: the
+    first of the group to get the lock back commits it, with whatever others added meanwhile (the writes that
+    queued behind an fsync share the next one). Every other user of the connection calls `settle` under the
+    lock first, so it never runs inside a group. Nothing is answered before it is durable."""
+
+    def __init__(self, db: sqlite3.Connection, lock: threading.RLock) -> None:
+        self._db, self._lock = db, lock
+        self._group = 0  # the open group's number (or the next one's)
+        self._open = False
+        self._failed: dict[int, BaseException] = {}  # groups whose COMMIT failed (a disk failing: few)
+
+    def join(self) -> int:
+        """Under the lock: open a group if none is, and return its number (the ticket for `durable`)."""
+        if not self._open:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._open = True
+        return self._group
+
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[int]:
+        """`join` for a block: its ticket; if the block raises, the group (others' writes; the block's own inside
+        a `transaction` are rolled back with it) is committed at once rather than left open until the next caller."""
+        ticket = self.join()
+        try:
+            yield ticket
+        except BaseException:
+            self.settle()
+            raise
+
+    def settle(self) -> None:
+        """Under the lock: commit the open group, if any."""
+        if self._open:
+            self._commit()
+
+    def durable(self, ticket: int) -> None:
+        """Outside the lock: return once group ``ticket`` is committed (committing it if it is still open);
+        raises the commit's error when it failed (its writes are rolled back)."""
+        time.sleep(0)  # let the threads queued on the lock join the group first (they share its fsync)
+        with self._lock:
+            if self._open and self._group == ticket:
+                self._commit()
+            elif ticket in self._failed:
+                raise self._failed[ticket]
+
+    def _commit(self) -> None:
+        try:
+            self._db.execute("COMMIT")
+        except BaseException as error:
+            with contextlib.suppress(sqlite3.Error):
+                self._db.execute("ROLLBACK")
+            self._failed[self._group] = error
+            raise
+        finally:
+            self._open = False
+            self._group += 1
 
 
 class Counters:

@@ -34,7 +34,7 @@ from .errors import LeaseExpired, UnknownBatch
 from .index import transaction
 from .packing import Share
 
-__all__ = ["RETIRED", "SCHEMA", "Delivery", "Ledger"]
+__all__ = ["RETIRED", "SCHEMA", "Acked", "Delivery", "Ledger"]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS deliveries (
@@ -49,6 +49,15 @@ RETIRED = ("stale", "too_long")
 """``consumed.batch_id`` values of samples done for a consumer without being trained."""
 
 _LEASED, _ACKED, _EXPIRED = 0, 1, -1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Acked:
+    """What `Ledger.ack_many` did: the sample ids of each batch now trained (acknowledged now or before), and
+    the batches refused because their lease ran out and their samples went out again."""
+
+    sample_ids: dict[str, list[str]]
+    expired: list[str]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -115,29 +124,51 @@ class Ledger:
         Raises `UnknownBatch` for an id never delivered and `LeaseExpired` when the lease ran out and
         its samples have since gone out again (or were trained from another batch).
         """
-        row = self._db.execute(
-            "SELECT consumer, samples, acked FROM deliveries WHERE batch_id = ?", (batch_id,)
-        ).fetchone()
-        if row is None:
-            raise UnknownBatch(batch_id)
-        consumer, ids, acked = str(row[0]), json.loads(row[1]), int(row[2])
-        if acked == _ACKED:
-            return list(ids)
-        if acked == _EXPIRED:  # acknowledged after its lease: only if its samples went nowhere else since
-            self.expire(consumer)
-            marks = ",".join("?" * len(ids))
-            taken = self._db.execute(
-                f"SELECT COUNT(*) FROM consumed WHERE consumer = ? AND sample_id IN ({marks})", (consumer, *ids)
-            ).fetchone()[0]
-            if taken or self.outstanding(consumer, besides=batch_id) & set(ids):
-                raise LeaseExpired(batch_id)
-        with transaction(self._db):
-            self._db.executemany(
-                "INSERT OR IGNORE INTO consumed(consumer, sample_id, batch_id) VALUES (?, ?, ?)",
-                [(consumer, s, batch_id) for s in ids],
-            )
-            self._db.execute("UPDATE deliveries SET acked = ? WHERE batch_id = ?", (_ACKED, batch_id))
-        return list(ids)
+        acked = self.ack_many([batch_id])
+        if batch_id in acked.expired:
+            raise LeaseExpired(batch_id)
+        return acked.sample_ids[batch_id]
+
+    def ack_many(self, batch_ids: Sequence[str]) -> Acked:
+        """`ack` for several batches in one transaction (one fsync, whatever their number): a trainer's step.
+        Raises `UnknownBatch` (nothing written) when any id was never delivered; a batch whose lease ran out
+        and whose samples went out again is not acknowledged and is named in ``expired``."""
+        rows: list[tuple[str, str, list[str]]] = []  # (batch id, consumer, sample ids) to mark trained
+        done: dict[str, list[str]] = {}
+        expired: list[str] = []
+        for batch_id in dict.fromkeys(batch_ids):  # an id twice is acknowledged once
+            row = self._db.execute(
+                "SELECT consumer, samples, acked FROM deliveries WHERE batch_id = ?", (batch_id,)
+            ).fetchone()
+            if row is None:
+                raise UnknownBatch(batch_id)
+            consumer, ids, state = str(row[0]), json.loads(row[1]), int(row[2])
+            done[batch_id] = list(ids)
+            if state == _ACKED:
+                continue
+            if state == _EXPIRED and self._went_elsewhere(consumer, batch_id, ids):
+                expired.append(batch_id)
+                continue
+            rows.append((batch_id, consumer, ids))
+        if rows:
+            with transaction(self._db):
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO consumed(consumer, sample_id, batch_id) VALUES (?, ?, ?)",
+                    [(consumer, s, batch_id) for batch_id, consumer, ids in rows for s in ids],
+                )
+                self._db.executemany(
+                    "UPDATE deliveries SET acked = ? WHERE batch_id = ?", [(_ACKED, b) for b, _, _ in rows]
+                )
+        return Acked(sample_ids={b: ids for b, ids in done.items() if b not in expired}, expired=expired)
+
+    def _went_elsewhere(self, consumer: str, batch_id: str, ids: list[str]) -> bool:
+        """An expired batch's samples were trained from another batch, or are out on another live lease."""
+        self.expire(consumer)
+        marks = ",".join("?" * len(ids))
+        taken = self._db.execute(
+            f"SELECT COUNT(*) FROM consumed WHERE consumer = ? AND sample_id IN ({marks})", (consumer, *ids)
+        ).fetchone()[0]
+        return bool(taken) or bool(self.outstanding(consumer, besides=batch_id) & set(ids))
 
     def release(self, consumer: str, rank: int | None = None) -> int:
         """Expire the consumer's (or one rank's) fetched, unacknowledged deliveries now; how many."""

@@ -47,6 +47,9 @@ class Staleness:
         self.max_staleness = max_staleness
         self.regenerate = staleness_policy == "regenerate"
         self.max_queued_groups = max_queued_groups
+        # The current version, kept in memory too: read on every lease and admission answer, it must not need the
+        # index's connection (the store's lock, held through fsyncs). The index stays the durable copy.
+        self._policy = int(self._get("policy") or 0)
 
     def _get(self, key: str) -> str | None:
         row = self._db.execute("SELECT value FROM state WHERE key = ?", (key,)).fetchone()
@@ -58,8 +61,7 @@ class Staleness:
     # -- the policy version --------------------------------------------------------------------
     @property
     def policy(self) -> int:
-        value = self._get("policy")
-        return int(value) if value is not None else 0
+        return self._policy
 
     def set_policy(self, version: int, *, trained_groups: int) -> None:
         """Announce ``version``; ``trained_groups`` (groups trained so far) measures the trainer's pace.
@@ -81,6 +83,7 @@ class Staleness:
                 self._set("groups_per_version", used if previous is None else 0.5 * float(previous) + 0.5 * used)
             self._set("trained_at_policy", trained_groups)
             self._set("policy", version)
+        self._policy = version  # once durable
 
     # -- the staleness filter ------------------------------------------------------------------
     def fresh(self, candidates: Sequence[Candidate], consumer: str) -> list[Candidate]:

@@ -2,11 +2,11 @@
 
 Commands::
 
-    weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR] [--backend B] [--profile F]
+    weir serve ROLE [--host H] [--port P] [--workers N] [--log-level L] [--model DIR|HUB_ID] [--backend B] [--profile F]
                     [--sglang-args JSON]
                                    # one role: preprocess | encoder | data | engine | rollout, at the
                                    # table's port; its settings are WEIR_* variables, checked first
-    weir up [--engines N] [--home DIR] [--base-port P] [--model DIR] [--backend B] [--sglang-args JSON] [--demo]
+    weir up [--engines N] [--home DIR] [--base-port P] [--model DIR|HUB_ID] [--backend B] [--sglang-args JSON] [--demo]
                                    # every role on localhost behind a generated API token
     weir up --ray [--address ADDR] [--serve-port P] [--write-config FILE]
                                    # every role as a Ray Serve application (a local Ray, or a cluster)
@@ -16,6 +16,8 @@ Commands::
                                    # the RL loop against a stack it starts (or attaches to)
     weir twin [--profile F] [--gpus N | --nodes 1 2 4 8] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
                                    # capacity twin: sim engines + sim trainer, real control plane
+    weir twin plan --gpus N [--profile F]   # the best engine:trainer split and staleness bound, from the cost model
+    weir twin calibrate [--profile F]       # fit the one knob on the profile's published colocate step
     weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir export-hf CHECKPOINT OUT [--base MODEL_DIR] [--max-shard-size 2GB]
@@ -42,7 +44,9 @@ from pathlib import Path
 from services import __version__
 from services.roles import BASE_PORT, ROLES
 
+from .arguments import Parser, existing_dataset, processor_spec, profile_file, task_default
 from .commands import HANDLERS, WORKER_APPS
+from .twin_command import twin_arguments
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"  # trainer.hf_folder's, kept here so that `weir --help` imports no torch
 
@@ -57,6 +61,10 @@ def _add_sglang_args(parser: argparse.ArgumentParser) -> None:
         help="sets WEIR_SGLANG_ARGS: SGLang's server arguments as a JSON object of ServerArgs fields, e.g. "
         '\'{"tp_size": 2, "mem_fraction_static": 0.8}\' (default: WEIR_SGLANG_ARGS, else SGLang\'s own)',
     )
+
+
+# None: `preprocess.usable_cores()`, resolved by the job (importing preprocess here would load torch for --help)
+_WORKERS_HELP = "decoding processes, each with one torch thread (default: the cores this process may use)"
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -85,7 +93,7 @@ def _add_budget(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="weir", description="Weir: multimodal data pipeline for RL post-training", formatter_class=_HelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"weir {__version__}")
@@ -117,7 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="sets WEIR_LOG_LEVEL (default: WEIR_LOG_LEVEL, else info)",
     )
-    serve.add_argument("--model", default=None, help="sets WEIR_MODEL, a model folder (default: WEIR_MODEL)")
+    serve.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|HUB_ID",
+        help="sets WEIR_MODEL: a model folder, or a Hugging Face hub id owner/name[@revision] (its snapshot in the "
+        "HF cache, downloaded when missing unless HF_HUB_OFFLINE=1) (default: WEIR_MODEL, else .weir/model)",
+    )
     serve.add_argument(
         "--backend",
         choices=("transformers", "sglang", "sim"),
@@ -126,23 +140,44 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--profile",
+        type=profile_file,
         default=None,
-        help="sets WEIR_SIM_PROFILE, the sim backend's profile file, e.g. profiles/relax-qwen3-4b-h800.yaml "
-        "(default: WEIR_SIM_PROFILE; needed with --backend sim)",
+        help="sets WEIR_SIM_PROFILE, the sim backend's profile: a file, or a shipped one by name "
+        "(relax-qwen3-4b-h800, qwen3-vl-8b-h800) (default: WEIR_SIM_PROFILE; needed with --backend sim)",
     )
     _add_sglang_args(serve)
 
     prep = command("prep", "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache")
-    prep.add_argument("dataset", type=Path, help="JSONL or Parquet rows referencing media")
+    prep.add_argument(
+        "dataset",
+        type=existing_dataset,
+        help="rows referencing media: a JSONL / JSON / Parquet / Arrow file, a `save_to_disk` folder or a folder "
+        "of shards (Weir's rows, verl / slime rows, Hugging Face Image / Audio structs)",
+    )
     prep.add_argument("--out", type=Path, required=True, help="output folder: cache/, manifest.parquet, report.json")
-    prep.add_argument("--spec", default="qwen2_5_omni", help="qwen2_5_omni, qwen2_5_vl, or a model folder")
-    prep.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="decoding processes")
+    prep.add_argument(
+        "--spec", type=processor_spec, default="qwen2_5_omni", help="qwen2_5_omni, qwen2_5_vl, or a model folder"
+    )
+    prep.add_argument("--workers", type=int, default=None, help=_WORKERS_HELP)
+    prep.add_argument(
+        "--audio-resampler",
+        choices=("torchaudio", "soxr"),
+        default="torchaudio",
+        help="how audio reaches 16 kHz: torchaudio, or libsoxr as librosa.load does (qwen-omni-utils; other cache "
+        "keys) (default: torchaudio)",
+    )
     prep.add_argument("--cache-max-bytes", type=int, default=10 << 30, help="the feature cache's byte budget")
     _add_budget(prep)
 
     up = command("up", "start every role locally (embedded defaults, a generated API token); Ctrl-C stops them")
     up.add_argument("--engines", type=int, default=1, help="generation engines (ports from the engine's port up)")
-    up.add_argument("--model", type=Path, default=None, help="a model folder (default: the tiny model in HOME/model)")
+    up.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|HUB_ID",
+        help="a model folder, or a Hugging Face hub id owner/name[@revision] (its snapshot in the HF cache, "
+        "downloaded when missing unless HF_HUB_OFFLINE=1) (default: the tiny model in HOME/model)",
+    )
     up.add_argument("--home", type=Path, default=Path(".weir"), help="state: model, cache, data, logs, api-token")
     up.add_argument(
         "--base-port",
@@ -188,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     source = train.add_mutually_exclusive_group(required=True)
     source.add_argument(
         "--dataset",
-        type=Path,
-        help='JSONL / Parquet rows: {"messages": [...], "reward": {...}} (no default: give --dataset or --demo)',
+        type=existing_dataset,
+        help='rows as `weir prep` reads them: Weir\'s {"messages": [...], "reward": {...}}, or verl / slime rows '
+        "(prompt with <image> markers, images, reward_model.ground_truth → the math reward) (no default: give "
+        "--dataset or --demo)",
     )
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     train.add_argument(
@@ -200,28 +237,42 @@ def build_parser() -> argparse.ArgumentParser:
         "colour clips sent with their own audio track (use_audio_in_video; Omni models)",
     )
     # Unset options take the demo's settings with --demo, the generic ones otherwise (launcher/config.py).
-    unset = "(default: the demo's with --demo, else the generic one; see launcher/config.py)"
     train.add_argument(
         "--mode", choices=("async", "colocate"), default="async", help="overlap generation and training, or alternate"
     )
-    train.add_argument("--steps", type=int, default=None, help=f"optimizer steps {unset}")
-    train.add_argument("--max-staleness", type=int, default=None, help=f"policy versions a sample may lag {unset}")
+    train.add_argument("--steps", type=int, default=None, help=f"optimizer steps {task_default('steps')}")
+    train.add_argument(
+        "--max-staleness",
+        type=int,
+        default=None,
+        help=f"policy versions a sample may lag {task_default('max_staleness')}",
+    )
     train.add_argument(
         "--staleness-policy",
         choices=("drop", "regenerate"),
         default="drop",
         help="what the data role does with a sample past --max-staleness",
     )
-    train.add_argument("--n", type=int, default=None, help=f"samples per prompt {unset}")
-    train.add_argument("--groups-per-step", type=int, default=None, help=f"prompts per step {unset}")
-    train.add_argument("--max-new-tokens", type=int, default=None, help=f"response length cap {unset}")
-    train.add_argument("--max-tokens-per-batch", type=int, default=None, help=f"micro-batch token budget {unset}")
-    train.add_argument("--lr", type=float, default=None, help=f"learning rate {unset}")
+    train.add_argument("--n", type=int, default=None, help=f"samples per prompt {task_default('n')}")
+    train.add_argument(
+        "--groups-per-step", type=int, default=None, help=f"prompts per step {task_default('groups_per_step')}"
+    )
+    train.add_argument(
+        "--max-new-tokens", type=int, default=None, help=f"response length cap {task_default('max_new_tokens')}"
+    )
+    train.add_argument(
+        "--max-tokens-per-batch",
+        type=int,
+        default=None,
+        help=f"micro-batch token budget {task_default('max_tokens_per_batch')}",
+    )
+    train.add_argument("--lr", type=float, default=None, help=f"learning rate {task_default('lr')}")
     train.add_argument(
         "--warmup-steps",
         type=int,
         default=None,
-        help=f"with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) {unset}",
+        help="with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) "
+        + task_default("warmup_steps"),
     )
     # The objective and its off-policy corrections (trainer/losses.py; each preset cites its paper there).
     train.add_argument(
@@ -266,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--eval-dataset",
-        type=Path,
+        type=existing_dataset,
         default=None,
         help="held-out rows to evaluate every --eval-every steps (default: none given; --demo evaluates its own "
         "held-out rows)",
@@ -336,12 +387,20 @@ def build_parser() -> argparse.ArgumentParser:
         "always disk for now (an engine that joins later loads the recorded folder)",
     )
     train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
-    train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home (see `weir up --home`)")
+    train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home, as `weir up --home`")
     train.add_argument(
-        "--base-port", type=int, default=BASE_PORT, help="the stack's base port (see `weir up --base-port`)"
+        "--base-port", type=int, default=BASE_PORT, help="the stack's base port, as `weir up --base-port`"
     )
     train.add_argument(
         "--attach", action="store_true", help="use the stack `weir up` runs (same --home and --base-port) instead"
+    )
+    train.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR|HUB_ID",
+        help="the model trained and served: a model folder, or a Hugging Face hub id owner/name[@revision] (as "
+        "`weir up --model`); with --attach it must be the one the stack serves (default: the tiny model in "
+        "HOME/model, made there when missing)",
     )
     _add_ray(train)
     # R3 (#12): the tiny model's architecture and routing replay (mixture-of-experts models).
@@ -363,50 +422,7 @@ def build_parser() -> argparse.ArgumentParser:
         "capacity twin: the real control plane and RL loop against sim engines and a sim trainer, per mode, "
         "at two compression factors; prints simulated s/step, tokens/s per GPU, speed-up, idle shares, drops",
     )
-    twin.add_argument(
-        "--profile", type=Path, default=Path("profiles/relax-qwen3-4b-h800.yaml"), help="engine + trainer profile"
-    )
-    twin.add_argument(
-        "--gpus", type=int, default=2, help="GPUs in all (colocate: all generate, then train; async: half and half)"
-    )
-    twin.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is left out of s/step)")
-    twin.add_argument(
-        "--prompts-per-step", type=int, default=None, help="default: Relax's 32 per 16 GPUs, scaled to --gpus"
-    )
-    twin.add_argument("--n", type=int, default=8, help="samples per prompt (Relax: 8)")
-    twin.add_argument(
-        "--compression", type=float, nargs="+", default=[10.0, 25.0], help="simulated seconds per wall second"
-    )
-    twin.add_argument(
-        "--modes",
-        nargs="+",
-        default=["colocate", "async-1", "async-2"],
-        help="colocate, async-S (staleness bound S; async-0: on-policy), partial-S (async-S with partial rollouts)",
-    )
-    twin.add_argument("--max-new-tokens", type=int, default=None, help="default: the profile's max response")
-    twin.add_argument(
-        "--nodes",
-        type=int,
-        nargs="+",
-        default=[],
-        help="node counts to run, engines and trainer scaled together (overrides --gpus); e.g. 1 2 4 8",
-    )
-    twin.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (one sim engine process each)")
-    twin.add_argument(
-        "--cost-model",
-        action="store_true",
-        help="print the colocate step from the cost model alone (no stack, no control plane; seconds) and stop",
-    )
-    twin.add_argument(
-        "--merge",
-        type=Path,
-        nargs="+",
-        default=[],
-        help="print and plot the runs of earlier results.json files together (runs nothing)",
-    )
-    twin.add_argument("--plot", type=Path, default=None, help="also draw the results (PNG); default: HOME/twin.png")
-    twin.add_argument("--home", type=Path, default=Path(".weir/twin"), help="the twin's stacks and results.json")
-    twin.add_argument("--base-port", type=int, default=9500, help="the twin's stacks' base port")
+    twin_arguments(twin)
 
     export = command(
         "export-hf",
@@ -453,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = command("demo", "generate a media set and preprocess it (what `make run` runs)")
     demo.add_argument("--out", type=Path, default=Path(".weir/demo"), help="output folder")
-    demo.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="decoding processes")
+    demo.add_argument("--workers", type=int, default=None, help=_WORKERS_HELP)
 
     token = command(
         "token",
@@ -498,12 +514,12 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
-    # `serve` configures its own logging, from the role's settings
-    if args.command in ("up", "train", "prep", "demo", "twin", "engines"):
-        from services.logs import configure_logging
-
-        configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
     try:
+        # `serve` configures its own logging, from the role's settings
+        if args.command in ("up", "train", "prep", "demo", "twin", "engines"):
+            from services.logs import configure_logging
+
+            configure_logging(os.environ.get("WEIR_LOG_LEVEL", "info"))
         return HANDLERS[args.command](args)
     except SettingsError as error:  # a bad WEIR_* variable: its name and why, no traceback
         print(f"weir {args.command} {getattr(args, 'role', '')}".rstrip() + f": {error}", file=sys.stderr)

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from services.roles import ROLES
 
+from .twin_command import run_twin_command
+
 if TYPE_CHECKING:
     from services.cluster.autoscaling import EngineAutoscaling
 
@@ -45,7 +47,7 @@ def _role_app(name: str) -> Any:
 
     role = ROLES[name]
     settings = load_settings(role.settings_class())
-    configure_logging(settings.log_level if isinstance(settings, RoleSettings) else "info")
+    configure_logging(settings.log_level if isinstance(settings, RoleSettings) else "info", role=name)
     return role.create_app(settings)
 
 
@@ -91,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     # Checked here, before uvicorn starts, so a bad variable fails at once, by name (SettingsError).
     settings = load_settings(role.settings_class())
     level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
-    configure_logging(level)
+    configure_logging(level, role=role.name)
     # uvicorn's own access log is off: the template logs each request with its request id instead.
     common: _UvicornOptions = {
         "host": host,
@@ -124,7 +126,12 @@ def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-u
             policy=args.policy,
         )
     report = run_prep(
-        args.dataset, args.out, _spec(args.spec), budget, workers=args.workers, cache_max_bytes=args.cache_max_bytes
+        args.dataset,
+        args.out,
+        _spec(args.spec).with_audio_resampler(args.audio_resampler),
+        budget,
+        workers=args.workers,
+        cache_max_bytes=args.cache_max_bytes,
     )
     (args.out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
     print_report(report, title=f"weir prep {args.dataset}")
@@ -141,7 +148,12 @@ def _demo(args: argparse.Namespace) -> int:
     dataset = write_demo_dataset(args.out)
     budget = pp.TokenBudget(max_image_tokens=4096, max_video_tokens=8192, max_audio_tokens=750)
     prep_args = argparse.Namespace(
-        dataset=dataset, out=args.out, spec="qwen2_5_omni", workers=args.workers, cache_max_bytes=2 << 30
+        dataset=dataset,
+        out=args.out,
+        spec="qwen2_5_omni",
+        workers=args.workers,
+        cache_max_bytes=2 << 30,
+        audio_resampler="torchaudio",
     )
     console.print("[bold]Pass 1[/bold]: cold cache (budget: image 4096, video 8192, audio 750 tokens)")
     _prep(prep_args, budget=budget)
@@ -308,52 +320,6 @@ def _train(args: argparse.Namespace) -> int:
     return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
 
 
-def _twin(args: argparse.Namespace) -> int:
-    from .twin import TwinConfig, run_twin
-    from .twin_report import plot_twin, print_twin
-
-    config = TwinConfig(
-        profile=args.profile,
-        gpus=args.gpus,
-        nodes=tuple(args.nodes),
-        gpus_per_node=args.gpus_per_node,
-        steps=args.steps,
-        prompts_per_step=args.prompts_per_step,
-        n=args.n,
-        compressions=tuple(args.compression),
-        modes=tuple(args.modes),
-        max_new_tokens=args.max_new_tokens,
-        home=args.home,
-        base_port=args.base_port,
-    )
-    if args.cost_model:
-        import json
-
-        from .twin import cost_model_step
-
-        for gpus in config.gpu_counts():
-            print(json.dumps(cost_model_step(config.profile, gpus, prompts=config.prompts_per_step, n=config.n)))
-        return 0
-    if args.merge:
-        import json
-
-        from .twin_report import summary
-
-        runs = [row for path in args.merge for row in json.loads(path.read_text())["rows"]]
-        config.compressions = tuple(sorted({r["compression"] for r in runs}))
-        out = summary(runs, config)
-    else:
-        out = run_twin(config)
-    print_twin(out, config)
-    model = None
-    if args.merge and config.nodes:  # the colocate cost model at the same sizes, for the plot
-        from .twin import cost_model_step
-
-        model = [cost_model_step(config.profile, g, n=config.n) for g in config.gpu_counts()]
-    plot_twin(out, args.plot or config.home / "twin.png", model)
-    return 0
-
-
 def _export_hf(args: argparse.Namespace) -> int:
     from trainer.export import ExportError, export_checkpoint
 
@@ -395,7 +361,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "engines": _engines,
     "train": _train,
-    "twin": _twin,
+    "twin": run_twin_command,
     "export-hf": _export_hf,
     "init-model": _init_model,
     "demo": _demo,

@@ -141,6 +141,7 @@ class TrainConfig:
     address: str | None = None  # with ``ray``: a running cluster; None: start Ray here
     serve_port: int = 8000
     arch: str | None = None  # the tiny model made in HOME/model when it has none
+    model: str | None = None  # a model folder or a hub id, trained and served instead of HOME/model
     r3: bool = False  # routing replay (MoE models)
     argv: tuple[str, ...] = ()  # the command line, run again once per rank (``nproc``)
 

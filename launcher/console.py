@@ -38,7 +38,8 @@ def print_report(report: PrepReport, *, title: str) -> None:
     )
     console.print(table)
     console.print(
-        f"{report.rows} rows, {report.items} items in {report.seconds:.1f} s ({rate:.1f} items/s); "
+        f"{report.rows} rows ({report.rows_without_media} with no media), {report.items} items in "
+        f"{report.seconds:.1f} s ({rate:.1f} items/s); "
         f"cache hits {report.cache_hits}; failed {report.failed}"
     )
     if report.failures:

@@ -15,6 +15,7 @@ Not here: the roles themselves (``services/<role>``), the clients that call them
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
@@ -28,12 +29,26 @@ from pathlib import Path
 
 import httpx
 
+from services.model_ref import ModelRefError, model_folder
 from services.roles import BASE_PORT, ROLES
 from services.settings import SettingsError
 
-__all__ = ["LocalStack", "RoleProcess", "ensure_token", "poll_ready", "stack_ports"]
+__all__ = ["LocalStack", "RoleProcess", "ensure_token", "poll_ready", "stack_model", "stack_ports"]
 
 TOKEN_FILE = "api-token"  # under the stack's home
+_log = logging.getLogger("weir.stack")
+
+
+def ephemeral_ports(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> range | None:
+    """The ports the kernel hands to outgoing connections (Linux), or None where it does not say.
+
+    A role bound in this range can find its port taken by any client's connection of the moment
+    (CI saw ``engine :41200`` busy at start-up this way), so `LocalStack.start` warns about it."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return None
+    return range(low, high + 1)
 
 
 def _read_token(path: Path) -> str | None:
@@ -125,6 +140,20 @@ def engine_devices(index: int, env: Mapping[str, str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "WEIR_ENGINE_GPUS": str(k)}
 
 
+def stack_model(home: Path, model: Path | str | None = None) -> Path:
+    """The folder a stack's roles serve: ``model`` (a folder, or a hub id's snapshot: `services.model_ref`),
+    else the tiny model in ``home/model``, made there on first use. Absolute, so a trainer attached from
+    another folder compares it with its own (`launcher.model`)."""
+    if model is None:
+        from encoders.embedded_model import ensure_model
+
+        return ensure_model(home / "model").absolute()  # the stack's own default: made once
+    try:  # a model the user named: a typo must not quietly become a random model
+        return model_folder(model).absolute()
+    except ModelRefError as error:
+        raise SettingsError(f"--model {error}") from None
+
+
 def poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: True) -> bool:
     """True once ``url/readyz`` (open: no token needed) answers 200; False at the deadline or when
     ``alive()`` turns false."""
@@ -163,7 +192,7 @@ class RoleProcess:
 @dataclass(slots=True)
 class LocalStack:
     home: Path = Path(".weir")
-    model: Path | None = None
+    model: Path | str | None = None  # a model folder or a hub id; None: the tiny model in home/model
     engines: int = 1
     host: str = "127.0.0.1"
     base_port: int = BASE_PORT  # the rollout role's port; every other port moves with it (`services.roles`)
@@ -220,21 +249,24 @@ class LocalStack:
         outside = [f"{name} :{port}" for name, _, port in plan if not 0 < port <= 65535]
         if outside:
             raise ValueError(f"base port {self.base_port} puts {', '.join(outside)} outside 1-65535")
+        ephemeral = ephemeral_ports() or range(0)
+        exposed = [f"{name} :{port}" for name, _, port in plan if port in ephemeral]
+        if exposed:
+            _log.warning(
+                "%s in the kernel's range for outgoing connections (%d-%d): a client may hold the port at any "
+                "moment; a lower --base-port keeps every role below %d",
+                ", ".join(exposed),
+                ephemeral.start,
+                ephemeral.stop - 1,
+                ephemeral.start,
+            )
         busy = [f"{name} :{port}" for name, _, port in plan if _port_in_use(self.host, port)]
         if busy:
             raise RuntimeError(
                 f"ports already in use on {self.host}: {', '.join(busy)} — another stack? "
                 "Stop it, or start this one elsewhere (--base-port 9100 --home .weir-2)"
             )
-        from encoders.embedded_model import ensure_model
-
-        if self.model is not None and not (self.model / "config.json").is_file():
-            # A folder the user named: a typo must not quietly become a random model.
-            raise SettingsError(
-                f"--model {self.model} is not a model folder (no config.json); "
-                "create one with `weir init-model DIR`, or leave --model out for the embedded one"
-            )
-        model = self.model or ensure_model(self.home / "model")  # the stack's own default: made once
+        model = self.model_folder()
         (self.home / "logs").mkdir(parents=True, exist_ok=True)
         (self.home / "media").mkdir(parents=True, exist_ok=True)
         self.token, _ = ensure_token(self.token_path, self._given_token())
@@ -254,6 +286,10 @@ class LocalStack:
             self.stop()
             raise
         return self.urls
+
+    def model_folder(self) -> Path:
+        """The folder every role serves (`stack_model`)."""
+        return stack_model(self.home, self.model)
 
     def _launch(self, name: str, role: str, port: int, env: dict[str, str]) -> None:
         self.children.append(self._spawn(name, role, port, env))

@@ -39,7 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from rich.table import Table
 
 import preprocess as pp
-from preprocess.dataset import iter_rows
+from preprocess.rows import iter_prompt_rows
+from services.settings import SettingsError
 from trainer.data_parallel import DataParallel, restarted, run_ranks
 from trainer.evaluation import EvalSpec
 from trainer.loop import LoopConfig, evaluate, run_loop
@@ -56,6 +57,7 @@ from .cluster.training import cluster_engines, in_trainer_task, record_weights, 
 from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
+from .model import attach_refusal, run_model
 from .stack import LocalStack
 from .supervisor import Supervisor
 from .trackers import Trackers, eta, parse_report_to
@@ -184,17 +186,19 @@ def _forget_earlier_run(config: TrainConfig) -> None:
 
 
 def _ensure_arch(config: TrainConfig) -> None:
-    """``--arch``: the stack's own model folder holds that architecture (made there when missing)."""
+    """``--arch``: the stack's own model folder holds that architecture (made there when missing); with
+    ``--model``, that model is of it (nothing is made)."""
     arch = config.arch
     if arch is None:
         return
     from encoders.architectures import family_of
     from encoders.embedded_model import ensure_model
 
-    folder = ensure_model(config.home / "model", arch=arch)
+    folder = run_model(config) if config.model is not None else ensure_model(config.home / "model", arch=arch)
     wanted = arch.replace(".", "_").replace("-", "_")
     if family_of(folder) != wanted:
-        raise SystemExit(f"{folder} holds a {family_of(folder)} model, not {arch}: remove it or use another --home")
+        where = "leave --arch out" if config.model is not None else "remove it or use another --home"
+        raise SystemExit(f"{folder} holds a {family_of(folder)} model, not {arch}: {where}")
 
 
 def _stack(config: TrainConfig) -> LocalStack | RayStack:
@@ -212,9 +216,16 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     settings["WEIR_ADVANTAGE_STD"] = config.adv_std
     if config.ray:
         return RayStack(
-            home=config.home, engines=config.engines, address=config.address, port=config.serve_port, env=settings
+            home=config.home,
+            model=config.model,
+            engines=config.engines,
+            address=config.address,
+            port=config.serve_port,
+            env=settings,
         )
-    return LocalStack(home=config.home, engines=config.engines, base_port=config.base_port, env=settings)
+    return LocalStack(
+        home=config.home, model=config.model, engines=config.engines, base_port=config.base_port, env=settings
+    )
 
 
 def _launch_ranks(config: TrainConfig) -> int:
@@ -226,7 +237,10 @@ def _launch_ranks(config: TrainConfig) -> int:
         _ensure_arch(config)  # before the stack starts on HOME/model (the ranks attach to it)
     stack = _stack(config)
     if config.attach:
-        stack.attach()
+        refusal = attach_refusal(stack.attach(), stack.token, run_model(config))
+        if refusal:
+            console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)
+            return 2
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         stack.start()
@@ -245,7 +259,7 @@ def _launch_ranks(config: TrainConfig) -> int:
 def run_training(config: TrainConfig) -> int:
     refusal = _refusal(config)  # before any stack or rank starts
     if refusal:
-        console.print(f"[red]{refusal}[/red]")
+        console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)  # "[@rev]": no markup
         return 2
     if config.ray and not in_trainer_task():
         return run_on_ray(config, train=run_training, forget_earlier_run=_forget_earlier_run, stack_for=_stack)
@@ -268,6 +282,11 @@ def run_training(config: TrainConfig) -> int:
 
 def _refusal(config: TrainConfig) -> str | None:
     """What this run asks that its trainer cannot do, said before any stack starts."""
+    if config.model is not None:
+        try:  # a hub id not in the cache (offline) or a folder with no model: one line, before anything starts
+            run_model(config)
+        except SettingsError as error:
+            return str(error)
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
         return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
     try:
@@ -310,7 +329,7 @@ def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec
     """``--eval-every``'s evaluation: ``--eval-dataset``'s rows, else the demo's held-out ones."""
     if not config.eval_every:
         return None
-    rows = list(iter_rows(config.eval_dataset)) if config.eval_dataset is not None else held_out
+    rows = list(iter_prompt_rows(config.eval_dataset)) if config.eval_dataset is not None else held_out
     return EvalSpec(rows=rows, every=config.eval_every, k=config.eval_k, max_new_tokens=config.max_new_tokens)
 
 
@@ -321,7 +340,7 @@ def _family(config: TrainConfig) -> str:
 
     if config.arch is not None:
         return config.arch.replace(".", "_").replace("-", "_")
-    folder = config.home / "model"
+    folder = run_model(config)
     return family_of(folder) if (folder / "config.json").is_file() else "qwen2_5_omni"
 
 
@@ -342,7 +361,7 @@ def _trainer(
         from trainer.megatron.trainer import MegatronTrainer
 
         megatron = MegatronTrainer(
-            config.home / "model",
+            run_model(config),
             features=features,
             lr=config.lr,
             loss=config.loss_config(),
@@ -358,7 +377,7 @@ def _trainer(
         return megatron
     assert parallel is None or isinstance(parallel, DataParallel)
     trainer = ReferenceTrainer(
-        config.home / "model",
+        run_model(config),
         features=features,
         lr=config.lr,
         loss=config.loss_config(),
@@ -383,6 +402,12 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     if clips and config.arch == "qwen3-vl":
         console.print("[red]--demo-task video-audio needs an Omni model (an audio tower), not --arch qwen3-vl[/red]")
         return 2
+    if config.mode == "async" and config.max_staleness == 0:  # a hint, not a refusal: it is a valid setting
+        console.print(
+            "[yellow]--mode async --max-staleness 0: every sample still generating when a step ends goes stale "
+            "(dropped or regenerated, --staleness-policy), so the engines redo most of their work (measured on the "
+            "demo: 0.2 samples/s); --mode colocate is the on-policy mode[/yellow]"
+        )
     if config.warmup_steps and not config.demo:
         console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
         return 2
@@ -404,7 +429,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         rows, held_out = write_demo_task(config.home / "media")  # deterministic: every rank writes the same
     else:
         assert config.dataset is not None  # the command line takes --dataset or --demo
-        rows = list(iter_rows(config.dataset))
+        rows = list(iter_prompt_rows(config.dataset))  # Weir's rows, or verl's / slime's made into them
     if main and not config.attach:
         _ensure_arch(config)
     stack = _stack(config)
@@ -417,6 +442,10 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         urls = stack.start()
     if parallel is not None and main:
         parallel.barrier()
+    refusal = attach_refusal(urls, stack.token, run_model(config)) if config.attach or not main else None
+    if refusal:  # every rank attached, past the barrier: each says no alike (it has nothing to stop)
+        console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)
+        return 2
     closing = contextlib.ExitStack()
     if isinstance(stack, LocalStack) and stack.children:  # started here: a role that exits is started again
         supervisor = Supervisor(stack, on_fatal=_interrupt).start()

@@ -5,7 +5,7 @@ factor, a fresh local stack (`launcher.stack.LocalStack`) is started whose engin
 (`engines.sim_backend`: the profile's continuous-batching cost model, slept), and the real RL loop
 (`trainer.loop.run_loop`: the rollout driver, admission, the data role's staleness and leases, the feed,
 checkpoints-then-ack, publishing) runs against it with a `trainer.sim_trainer.SimTrainer` (the profile's
-``trainer`` section, slept under the same clock). Nothing is fitted.
+``trainer`` section, slept under the same clock). Nothing is fitted here (`weir twin calibrate` fits one knob).
 
 Scaling: ``gpus`` GPUs in all. Colocate: ``gpus`` engines generate, then the same ``gpus`` GPUs train
 (the sim trainer pays the engines' sleep / wake and its own off / onload each step). Async: half the GPUs
@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +43,9 @@ from engines.sim_backend import SimProfile
 from trainer.loop import LoopConfig, run_loop
 from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 
+from .intervals import interval
 from .stack import LocalStack
+from .twin_model import Prediction, colocate_cost_model
 from .twin_report import RELAX, DataLoad, RunFigures, TwinRun, TwinSummary, summary
 
 if TYPE_CHECKING:
@@ -91,6 +93,7 @@ def dapo_like_rows(count: int, seed: int = 0) -> list[PromptRow]:
 class TwinConfig:
     profile: Path = Path("profiles/relax-qwen3-4b-h800.yaml")
     gpus: int = 2  # in all, when ``nodes`` is empty: colocate gpus engines; async gpus//2 engines + the rest train
+    engine_gpus: int | None = None  # async: engines (one GPU each) of ``gpus``, the rest train; None: half
     nodes: tuple[int, ...] = ()  # node counts to run (each node gpus_per_node GPUs); empty: one run of ``gpus``
     gpus_per_node: int = 8
     steps: int = 4
@@ -126,10 +129,13 @@ class Layout:
     replicas: int
 
 
-def layout(gpus: int, mode: str, gpus_per_node: int = 8) -> Layout:
-    """Colocate: every GPU generates, then the same GPUs train. Async: half generate, half train (Relax)."""
+def layout(gpus: int, mode: str, gpus_per_node: int = 8, engine_gpus: int | None = None) -> Layout:
+    """Colocate: every GPU generates, then the same GPUs train. Async: ``engine_gpus`` generate (default half, as
+    Relax splits them), the rest train."""
     colocate = mode == "colocate"
-    engines = gpus if colocate else max(1, gpus // 2)
+    engines = gpus if colocate else (engine_gpus or max(1, gpus // 2))
+    if not colocate and not 1 <= engines < gpus and gpus > 1:
+        raise ValueError(f"{engines} engine GPUs of {gpus} leave no trainer GPU")
     trainer_gpus = gpus if colocate else max(1, gpus - engines)
     processes = max(1, gpus // gpus_per_node) if gpus >= gpus_per_node else engines
     if engines % processes:
@@ -175,9 +181,10 @@ def _twin_profile(source: Path, model: Path, out: Path, *, replicas: int = 1) ->
     return out
 
 
-def _requests_p99(pairs: list[tuple[float, float]]) -> tuple[int, float | None]:
-    """A route's requests and the upper bound (ms) of the bucket its 99th percentile falls in."""
-    pairs.sort()
+def _requests_p99(buckets: dict[float, float]) -> tuple[int, float | None]:
+    """A route's requests (its routes' cumulative buckets, summed per upper bound) and the upper bound (ms) of the
+    bucket its 99th percentile falls in."""
+    pairs = sorted(buckets.items())
     total = pairs[-1][1] if pairs else 0.0
     p99 = next((le for le, count in pairs if count >= 0.99 * total), None) if total else None
     return int(total), None if p99 is None or math.isinf(p99) else p99 * 1000
@@ -189,16 +196,24 @@ def data_role_load(metrics_text: str) -> DataLoad:
     groups stored."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    routes = {"/v1/experience": "ingest", "/v1/microbatches": "fetch", "/v1/microbatches/{batch_id}/ack": "ack"}
-    buckets: dict[str, list[tuple[float, float]]] = {name: [] for name in routes.values()}
+    routes = {
+        "/v1/experience": "ingest",
+        "/v1/microbatches": "fetch",
+        "/v1/microbatches/{batch_id}/ack": "ack",
+        "/v1/microbatches/ack": "ack",  # a step's acknowledgements in one request (what the trainer sends)
+    }
+    buckets: dict[str, dict[float, float]] = {name: {} for name in routes.values()}
     out: DataLoad = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             route = routes.get(sample.labels.get("route", ""))
             if sample.name == "weir_http_request_seconds_bucket" and route:
-                buckets[route].append((float(sample.labels["le"]), sample.value))
+                le = float(sample.labels["le"])
+                buckets[route][le] = buckets[route].get(le, 0.0) + sample.value
             elif sample.name == "weir_data_groups_stored_total":
                 out["groups"] = int(sample.value)
+            elif sample.name == "weir_data_microbatches_delivered_total":
+                out["microbatches"] = int(sample.value)
     out["ingest_requests"], out["ingest_p99_ms"] = _requests_p99(buckets["ingest"])
     out["fetch_requests"], out["fetch_p99_ms"] = _requests_p99(buckets["fetch"])
     out["ack_requests"], out["ack_p99_ms"] = _requests_p99(buckets["ack"])
@@ -213,69 +228,16 @@ def cost_model_step(
     prompts: int | None = None,
     n: int = 8,
     steps: int = 8,
-    overrides: dict[str, Any] | None = None,
-) -> dict[str, float]:
-    """The colocate step of ``gpus`` GPUs from the cost model alone — no control plane, no HTTP: the step's
-    prompts (``prompts``, default Relax's 32 per 16 GPUs scaled) go to one in-process `SimEngine` of ``gpus``
-    replicas (each prompt's ``n`` samples on one replica, as in the stack), generation lasts as long as the
-    busiest replica's simulated prefill + decode, then the trainer's time is added (swap, forward/backward of
-    the step's tokens, optimizer, weight sync, the engines' weight update). Every figure is the model's exact
-    sum, whatever the host's speed. ``overrides``: constants to change (``{"length_median": 3000}``) — how the
-    colocate calibration is searched. Mean and spread over ``steps`` steps, in simulated seconds."""
-    import statistics
-    from dataclasses import replace as with_values
-
-    from engines import GenerateRequest, SamplingParams
-    from engines.sim_backend import SimEngine
+    overrides: Mapping[str, Any] | None = None,
+) -> Prediction:
+    """The colocate step of ``gpus`` GPUs from the cost model alone (`launcher.twin_model.colocate_cost_model`:
+    no control plane, no HTTP, virtual time), ``prompts`` defaulting to Relax's 32 per 16 GPUs scaled; async
+    modes are `launcher.twin_model.async_cost_model`'s. Mean, spread and interval over ``steps`` steps."""
 
     if mode != "colocate":
-        raise ValueError("the cost model alone gives the colocate step; async needs the twin")
-    engine_profile = with_values(SimProfile.load(profile), compression=1e6, **(overrides or {}))
-    trainer_profile = SimTrainerProfile.load(profile)
+        raise ValueError("cost_model_step gives the colocate step; async modes: launcher.twin_model.async_cost_model")
     count = prompts or max(1, round(RELAX["prompts"] * gpus / RELAX["gpus"]))
-    engine = SimEngine(engine_profile, replicas=gpus)
-    trainer = SimTrainer(trainer_profile, engine=engine_profile, gpus=gpus, compression=1e6, sleep=False)
-    fixed = (
-        engine_profile.sleep_s
-        + trainer_profile.onload_s
-        + trainer_profile.offload_s
-        + engine_profile.wake_s
-        + trainer_profile.optimizer_step_s
-        + trainer.weight_sync_seconds()
-        + engine_profile.weight_update_s
-    )
-    generation, totals, tokens_all = [], [], []
-    try:
-        for step in range(steps):
-            before = [r.stats.busy_s for r in engine.replicas]
-            engine.pause("in_place")  # every request waits: the step's batch is admitted together
-            futures = []
-            for p in range(count):
-                ids = [11 + (7919 * (step * count + p) + 31 * i) % 150000 for i in range(180)]
-                for i in range(n):
-                    request = GenerateRequest(
-                        input_ids=ids,
-                        sampling=SamplingParams(max_new_tokens=engine_profile.max_response_tokens, sampling_seed=i),
-                    )
-                    futures.append(engine.submit(request))
-            engine.resume()
-            results = [f.result(600) for f in futures]
-            busy = max(r.stats.busy_s - b for r, b in zip(engine.replicas, before, strict=True))
-            tokens = sum(len(x.output_ids) + x.prompt_tokens + engine_profile.prompt_media_tokens for x in results)
-            generation.append(busy)
-            tokens_all.append(tokens)
-            totals.append(busy + trainer.train_seconds(tokens) + fixed)
-    finally:
-        engine.close()
-    return {
-        "gpus": gpus,
-        "prompts": count,
-        "s_per_step": statistics.fmean(totals),
-        "s_per_step_stdev": statistics.stdev(totals) if len(totals) > 1 else 0.0,
-        "generation_s": statistics.fmean(generation),
-        "tokens_per_step": statistics.fmean(tokens_all),
-        "fixed_s": fixed,
-    }
+    return colocate_cost_model(profile, gpus, prompts=count, n=n, steps=steps, overrides=overrides)
 
 
 def run_mode(
@@ -291,7 +253,7 @@ def run_mode(
 
     gpus = gpus or config.gpus
     colocate, staleness, partial = parse_mode(mode)
-    plan = layout(gpus, mode, config.gpus_per_node)
+    plan = layout(gpus, mode, config.gpus_per_node, config.engine_gpus)
     model = ensure_model(config.home / "model")
     profile_path = _twin_profile(
         config.profile, model, config.home / f"profile-r{plan.replicas}.yaml", replicas=plan.replicas
@@ -313,6 +275,7 @@ def run_mode(
         SimTrainerProfile.load(config.profile),
         engine=engine_profile,
         gpus=plan.trainer_gpus,
+        gpus_per_node=config.gpus_per_node,
         compression=compression,
         colocate=colocate,
     )
@@ -352,7 +315,7 @@ def run_mode(
         "trainer_gpus": plan.trainer_gpus,
         "data": load,
         "data_groups_per_wall_s": load.get("groups", 0) / wall if wall else None,
-        "data_microbatches_per_wall_s": load.get("ack_requests", 0) / wall if wall else None,
+        "data_microbatches_per_wall_s": load.get("microbatches", 0) / wall if wall else None,
     }
 
 
@@ -368,6 +331,9 @@ def summarise(
     else:
         wall = records[0]["time_s"]
     sim_step = wall * compression
+    # each steady step's simulated seconds (and per token: a step holds what happened to finish in it)
+    steps_s = [(b["time_s"] - a["time_s"]) * compression for a, b in zip(records, records[1:], strict=False)]
+    per_token = [s / max(1, r["tokens"]) for s, r in zip(steps_s, records[1:], strict=True)]
     tokens = sum(r["tokens"] for r in steady) / len(steady)
     samples = sum(r["samples"] for r in steady) / len(steady)
     trainer_steps = trainer.steps[1:] if len(trainer.steps) > 1 else trainer.steps
@@ -375,6 +341,10 @@ def summarise(
         1, len(trainer_steps)
     )
     last = records[-1]
+
+    def per_step(kind: str) -> float:
+        return sum(s.get(kind, 0.0) for s in trainer_steps) / max(1, len(trainer_steps))
+
     return {
         "mode": mode,
         "compression": compression,
@@ -383,11 +353,15 @@ def summarise(
         "steps": len(records),
         "wall_s_per_step": wall,
         "sim_s_per_step": sim_step,
+        "sim_s_per_step_ci95": interval(steps_s)[1] if steps_s else 0.0,
+        "sim_s_per_token_steps": per_token,
         "first_step_sim_s": records[0]["time_s"] * compression,
         "samples_per_step": samples,
         "tokens_per_step": tokens,
         "tokens_per_s_per_gpu": tokens / max(1e-9, sim_step * gpus),
         "trainer_sim_s_per_step": trainer_busy,
+        "trainer_allreduce_s_per_step": per_step("allreduce_s"),
+        "trainer_optimizer_s_per_step": per_step("optimizer_s"),
         "engine_idle_share": last["engine_idle_share"],
         "trainer_idle_share": last["trainer_idle_share"],
         "dropped_stale": last["dropped_stale"],

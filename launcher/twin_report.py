@@ -1,16 +1,23 @@
 """The capacity twin's report: its runs as the table's rows (speed-up, linearity), the control-plane
 finding (``w = S / c + P`` across compression factors), scaling across sizes, the calibration against Relax's
-published figures, and the table and plot of `weir twin`. Pure arithmetic over the runs' results; running them
-is `launcher.twin`.
+published figures (`reference_figures`: the profile's ``reference`` section), and the table and plot of `weir twin`.
+Pure arithmetic over the runs' results; running them is `launcher.twin`.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+
+import profiles
+
+from .intervals import welch
 
 if TYPE_CHECKING:
     from .twin import TwinConfig
+    from .twin_model import Prediction
 
 __all__ = [
     "RELAX",
@@ -22,16 +29,60 @@ __all__ = [
     "TwinRow",
     "TwinRun",
     "TwinSummary",
+    "bound_verdict",
     "control_plane",
     "plot_twin",
     "print_twin",
+    "reference_figures",
     "scaling",
     "summary",
     "twin_table",
 ]
 
-# Relax (arXiv 2604.11554), Qwen3-4B on DAPO-Math-17k, 16xH800: the published figures the twin is checked on.
-RELAX = {"colocate_s_per_step": 225.9, "async_s_per_step": 128.6, "speedup": 1.76, "gpus": 16, "prompts": 32, "n": 8}
+
+def reference_figures(profile: Path) -> dict[str, float]:
+    """The published figures in a profile's ``reference`` section (each ``{value, source}``), values only.
+
+    They live in the profile, beside the constants, so each keeps its citation; the engine and the trainer never
+    read the section, so no constant can be fitted to them by accident. ValueError names the file when the section
+    is missing or an entry is not a sourced number."""
+    text = Path(profile).read_text()
+    if Path(profile).suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    section = data.get("reference") if isinstance(data, Mapping) else None
+    if not isinstance(section, Mapping) or not section:
+        raise ValueError(f"{profile}: no 'reference' section of published figures")
+    figures: dict[str, float] = {}
+    for name, entry in section.items():
+        if not isinstance(entry, Mapping) or "value" not in entry:
+            raise ValueError(f"{profile}: reference {name} must be {{value: ..., source: ...}}")
+        source = entry.get("source")
+        if not isinstance(source, str) or not source.strip():
+            raise ValueError(f"{profile}: reference {name} has no source")
+        figures[name] = _number(entry["value"], f"{profile}: reference {name}")
+    return figures
+
+
+def _number(value: Any, where: str) -> float:
+    """An int stays an int (GPUs, prompts: `launcher.twin` scales by them); YAML 1.1 reads ``1e3`` (no dot) as a
+    string, so a string that parses as a number is one."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"{where} must be a number, not {value!r}")
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            raise ValueError(f"{where} must be a number, not {value!r}") from None
+    return value
+
+
+# Relax (arXiv 2604.11554), Qwen3-4B on DAPO-Math-17k, 16xH800, and StaleSync's linearity: the published figures
+# the twin is checked on, read from the shipped profile (its ``reference`` section holds their sources).
+RELAX: dict[str, float] = reference_figures(profiles.resolve("relax-qwen3-4b-h800"))
 
 
 # The shapes below are JSON: ``results.json`` holds a `TwinSummary`, and ``--merge`` reads its rows back.
@@ -45,6 +96,7 @@ class DataLoad(TypedDict, total=False):
     fetch_p99_ms: float | None
     ack_requests: int
     ack_p99_ms: float | None
+    microbatches: int  # delivered (leased), from weir_data_microbatches_delivered_total
 
 
 class RunFigures(TypedDict):
@@ -57,11 +109,15 @@ class RunFigures(TypedDict):
     steps: int
     wall_s_per_step: float
     sim_s_per_step: float
+    sim_s_per_step_ci95: NotRequired[float]  # over the steady steps (runs recorded before it lack it)
+    sim_s_per_token_steps: NotRequired[list[float]]  # each steady step's simulated seconds per trained token
     first_step_sim_s: float
     samples_per_step: float
     tokens_per_step: float
     tokens_per_s_per_gpu: float
     trainer_sim_s_per_step: float
+    trainer_allreduce_s_per_step: float  # of trainer_sim_s_per_step: the gradient all-reduce (`trainer.sim_comm`)
+    trainer_optimizer_s_per_step: float  # of trainer_sim_s_per_step: the Adam step
     engine_idle_share: float | None
     trainer_idle_share: float | None
     dropped_stale: int
@@ -96,6 +152,9 @@ class ControlPlane(TypedDict):
     plane_share_high: float
     moved: float
     moved_per_token: NotRequired[float]
+    # two-sided: the relative change of s/token from the lowest to the highest factor, its 95 % interval (Welch)
+    moved_ci95: NotRequired[list[float]]  # [low, high]
+    verdict: NotRequired[str]  # "GPU-bound", "control-plane-bound" or "undecided"
 
 
 class ScalingPoint(TypedDict):
@@ -156,7 +215,26 @@ def control_plane(*runs: TwinRun) -> ControlPlane:
     if per_token:
         first, last = a["sim_s_per_step"] / tokens[0], b["sim_s_per_step"] / tokens[-1]
         found["moved_per_token"] = abs(last - first) / max(1e-18, first)
+    steps_a, steps_b = a.get("sim_s_per_token_steps") or [], b.get("sim_s_per_token_steps") or []
+    if min(len(steps_a), len(steps_b)) >= 2:
+        diff, half = welch(steps_a, steps_b)
+        base = sum(steps_a) / len(steps_a)
+        low, high = (diff - half) / base, (diff + half) / base
+        found["moved_ci95"] = [low, high]
+        found["verdict"] = bound_verdict(low, high)
     return found
+
+
+def bound_verdict(low: float, high: float, margin: float = 0.05) -> str:
+    """From the 95 % interval of how much s/token moved between the lowest and highest compression: GPU-bound
+    when all of it lies within ±``margin`` (an equivalence test: the control plane adds no more than that),
+    control-plane-bound when all of it lies above +``margin`` (fewer wall seconds per simulated one made it
+    slower), else undecided — more steps narrow the interval."""
+    if -margin <= low and high <= margin:
+        return "GPU-bound"
+    if low > margin:
+        return "control-plane-bound"
+    return "undecided"
 
 
 def twin_table(results: list[TwinRun]) -> list[TwinRow]:
@@ -188,7 +266,7 @@ def summary(results: list[TwinRun], config: TwinConfig) -> TwinSummary:
     (`control_plane`); and the calibration against Relax at the GPUs nearest Relax's 16 (preferring a size
     where colocate was decomposed): each mode's simulated
     GPU time ``S`` where it was decomposed (else its s/step at the lowest factor), colocate's error against
-    225.9 s, and each other mode's speed-up over colocate by those figures."""
+    Relax's colocate s/step (``RELAX``), and each other mode's speed-up over colocate by those figures."""
     rows = twin_table(results)
     runs: dict[tuple[str, int], list[TwinRun]] = {}
     for r in results:
@@ -229,7 +307,7 @@ def summary(results: list[TwinRun], config: TwinConfig) -> TwinSummary:
 
 def scaling(runs: dict[tuple[str, int], list[TwinRun]]) -> dict[str, list[ScalingPoint]]:
     """Per mode run at two or more sizes: each size's simulated GPU time per step, tokens/s per GPU by it, and
-    linearity against the smallest size — the figure next to StaleSync's 91 %.
+    linearity against the smallest size — the figure next to StaleSync's (``RELAX["stalesync_linearity"]``).
 
     A size's figure comes from its GPU-bound runs: those whose simulated time per token is within 5 % of the
     lowest factor's (a factor where the control plane limits the run is slower per token and left out), their
@@ -290,8 +368,9 @@ def print_twin(out: TwinSummary, config: TwinConfig) -> None:
 
     table = Table(title=f"Capacity twin: {config.profile.name}", title_justify="left")
     columns = (
-        "mode", "GPUs", "c", "sim s/step", "wall s/step", "tok/s/GPU", "speed-up", "linearity", "engine idle",
-        "trainer idle", "staleness (trained)", "dropped", "data groups/s", "data mb/s", "ingest p99 ms", "ack p99 ms",
+        "mode", "GPUs", "c", "sim s/step ± 95 %", "wall s/step", "all-reduce / adam s", "tok/s/GPU", "speed-up",
+        "linearity", "engine idle", "trainer idle", "staleness (trained)", "dropped", "data groups/s", "data mb/s",
+        "ingest p99 ms", "ack p99 ms",
     )  # fmt: skip
     for name in columns:
         table.add_column(name, justify="left" if name in ("mode", "staleness (trained)") else "right")
@@ -301,8 +380,10 @@ def print_twin(out: TwinSummary, config: TwinConfig) -> None:
             r["mode"],
             str(r["gpus"]),
             f"{r['compression']:g}",
-            f"{r['sim_s_per_step']:.1f}",
+            f"{r['sim_s_per_step']:.1f}" + (f" ± {r['sim_s_per_step_ci95']:.1f}" if "sim_s_per_step_ci95" in r else ""),
             f"{r['wall_s_per_step']:.2f}",
+            f"{_num(r.get('trainer_allreduce_s_per_step'), '.3f')} / "
+            f"{_num(r.get('trainer_optimizer_s_per_step'), '.3f')}",
             f"{r['tokens_per_s_per_gpu']:.0f}",
             "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
             _share(r.get("linearity")),
@@ -323,6 +404,9 @@ def print_twin(out: TwinSummary, config: TwinConfig) -> None:
     for key, cp in out["control_plane"].items():
         moved = cp.get("moved_per_token", cp["moved"])
         verdict = "the control plane is the bottleneck" if moved > 0.05 else "GPU-bound (within 5 %)"
+        if "verdict" in cp:  # two-sided, with the steps' spread (runs recorded before it: the point test above)
+            low, high = cp.get("moved_ci95", [0.0, 0.0])
+            verdict = f"{cp['verdict']} (s/token moved {low:+.1%} to {high:+.1%}, 95 %; margin ±5 %)"
         per_token = f", {cp['moved_per_token']:.1%} per token" if "moved_per_token" in cp else ""
         console.print(
             f"{key} GPUs: s/step moved {cp['moved']:.1%}{per_token} between compressions — {verdict}; control plane "
@@ -342,7 +426,9 @@ def print_twin(out: TwinSummary, config: TwinConfig) -> None:
             for p in points
         )
         console.print(
-            f"{mode} scaling by simulated GPU time: {figures} (StaleSync 1→4 supernodes: 91 %)", soft_wrap=True
+            f"{mode} scaling by simulated GPU time: {figures} "
+            f"(StaleSync 1→4 supernodes: {100 * RELAX['stalesync_linearity']:.0f} %)",
+            soft_wrap=True,
         )
     cal = out["calibration"]
     if "colocate_s_per_step" in cal:
@@ -363,7 +449,7 @@ def print_twin(out: TwinSummary, config: TwinConfig) -> None:
             )
 
 
-def plot_twin(out: TwinSummary, path: Path, cost_model: list[dict[str, float]] | None = None) -> Path:
+def plot_twin(out: TwinSummary, path: Path, cost_model: Sequence[Prediction] | None = None) -> Path:
     """Four panels: simulated s/step and linearity by GPUs per mode; idle shares; staleness of trained samples.
     The lowest compression of each (mode, GPUs) is drawn; ``cost_model`` (`cost_model_step` results) adds the
     colocate step from the cost model alone, dashed."""
@@ -395,10 +481,15 @@ def plot_twin(out: TwinSummary, path: Path, cost_model: list[dict[str, float]] |
         sizes = [r["gpus"] for r in model]
         axes[0][0].plot(sizes, [r["s_per_step"] for r in model], "k--", marker="x", label="colocate, cost model only")
         axes[0][1].plot(sizes, [100 * v / per_gpu[0] for v in per_gpu], "k--", marker="x", label="colocate, cost model")
-    axes[0][0].axhline(RELAX["colocate_s_per_step"], color="grey", ls="--", lw=1, label="Relax colocate (16 GPUs)")
-    axes[0][0].axhline(RELAX["async_s_per_step"], color="grey", ls=":", lw=1, label="Relax async (16 GPUs)")
+    relax_gpus = f"{RELAX['gpus']:g} GPUs"
+    axes[0][0].axhline(
+        RELAX["colocate_s_per_step"], color="grey", ls="--", lw=1, label=f"Relax colocate ({relax_gpus})"
+    )
+    axes[0][0].axhline(RELAX["async_s_per_step"], color="grey", ls=":", lw=1, label=f"Relax async ({relax_gpus})")
     axes[0][0].set(xlabel="GPUs", ylabel="simulated s / step", title="step time (each at its lowest compression)")
-    axes[0][1].axhline(91, color="grey", ls="--", lw=1, label="StaleSync 1→4 supernodes")
+    axes[0][1].axhline(
+        100 * RELAX["stalesync_linearity"], color="grey", ls="--", lw=1, label="StaleSync 1→4 supernodes"
+    )
     axes[0][1].set(xlabel="GPUs", ylabel="% of the smallest run's tokens/s per GPU", title="linearity")
     for ax in axes[0]:
         ax.set_xscale("log", base=2)

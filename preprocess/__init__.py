@@ -35,6 +35,7 @@ from .features import (
 )
 from .pipeline import ProcessedItem, process_audio, process_bytes, process_image, process_video
 from .plan import MediaPlan, plan_header, plan_media, plan_sample
+from .pool import ItemPool, PooledItem, PoolJob, usable_cores
 from .probe import MediaHeader, MediaKind, probe
 from .source import read_source
 from .spec import ProcessorSpec
@@ -50,12 +51,15 @@ __all__ = [
     "FeatureStore",
     "Features",
     "ImageFeatures",
+    "ItemPool",
     "MediaError",
     "MediaHeader",
     "MediaKind",
     "MediaPlan",
     "MediaTooLargeError",
     "MissingStreamError",
+    "PoolJob",
+    "PooledItem",
     "ProcessedItem",
     "ProcessorSpec",
     "StoreStats",
@@ -73,4 +77,5 @@ __all__ = [
     "process_image",
     "process_video",
     "read_source",
+    "usable_cores",
 ]

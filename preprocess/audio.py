@@ -1,5 +1,9 @@
 """Audio: any container PyAV opens → mono → 16 kHz → Whisper log-mel of the valid frames only.
 
+16 kHz by torchaudio's resampler by default; with ``spec.audio_resampler == "soxr"`` by libsoxr exactly as
+librosa ≥ 0.10 calls it, so the waveform is bit-exact with ``librosa.load(sr=16000)``'s resampling of the same
+decode (what qwen-omni-utils loads audio with).
+
 Equal (within 1e-4; bit-exact in practice) to `WhisperFeatureExtractor(feature_size=128)` on the
 same 16 kHz waveform, restricted to its first ``L = ceil(N/160)`` frames — without computing the
 padding to 30 s / 300 s. The one non-local step of the reference, the ``max − 8`` floor, takes its
@@ -18,6 +22,7 @@ from functools import lru_cache
 
 import av
 import numpy as np
+import soxr
 import torch
 import torchaudio.functional as taf
 
@@ -74,8 +79,21 @@ def decode_audio(data: bytes, plan: MediaPlan, spec: ProcessorSpec) -> np.ndarra
         raise CorruptMediaError("the audio stream decoded to no samples")
     wave = np.concatenate(chunks)
     if rate != spec.sampling_rate:
-        wave = taf.resample(torch.from_numpy(wave), rate, spec.sampling_rate).numpy()
+        wave = _resample(wave, rate, spec)
     return np.ascontiguousarray(wave[:cut], dtype=np.float32)
+
+
+def _resample(wave: np.ndarray, rate: int, spec: ProcessorSpec) -> np.ndarray:
+    target = spec.sampling_rate
+    if spec.audio_resampler == "torchaudio":
+        return taf.resample(torch.from_numpy(wave), rate, target).numpy()
+    # As librosa.resample(res_type="soxr_hq", fix=True) does: libsoxr's HQ filter, then the length set to
+    # ceil(n * target / rate) (cut, or padded with zeros).
+    out = soxr.resample(wave, rate, target, quality="soxr_hq")
+    size = int(np.ceil(len(wave) * (float(target) / rate)))
+    if len(out) < size:
+        out = np.pad(out, (0, size - len(out)))
+    return np.asarray(out[:size], dtype=wave.dtype)
 
 
 _MIN_LOG_HZ, _MIN_LOG_MEL, _LOGSTEP = 1000.0, 15.0, 27.0 / np.log(6.4)

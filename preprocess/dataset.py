@@ -1,26 +1,49 @@
-"""Datasets whose rows reference media: JSONL or Parquet, read into lists of media references.
+"""Datasets whose rows reference media: files and folders read into rows, rows into lists of media references.
 
-A row may name media in columns (``image``/``images``, ``video``/``videos``, ``audio``/``audios``:
-a path or a list of paths) or in OpenAI-style ``messages`` whose content parts are ``image_url``,
-``video_url``, ``audio_url`` (a path, ``file://`` URL or data URI), ``input_audio`` (base64 data)
-or Qwen-style ``{"type": "image", "image": path}``. Relative paths are relative to the dataset
-file. This module resolves references; it does not decode media.
+A dataset is a ``.jsonl`` / ``.json`` (an array) / ``.parquet`` / ``.arrow`` file, a folder of Parquet shards
+(``*.parquet``, read in name order), or a folder ``datasets.Dataset.save_to_disk`` wrote (``state.json`` naming
+its Arrow stream files; read with pyarrow, the ``datasets`` package is not needed). A ``DatasetDict`` folder is
+refused with its splits named. Relative media paths are relative to the dataset's folder (a file's own folder).
+
+A row may name media in columns (``image``/``images``, ``video``/``videos``, ``audio``/``audios``: one value or
+a list) or in OpenAI-style ``messages`` whose content parts are ``image_url``, ``video_url``, ``audio_url`` (a
+path, ``file://`` URL or data URI), ``input_audio`` (base64 data) or Qwen-style ``{"type": "image", "image":
+path}``. A column value is a path or data URI, raw bytes, a Hugging Face ``Image`` / ``Audio`` struct
+(``{"bytes", "path"}``: the bytes when present, else the path) or a decoded ``Audio`` (``{"array",
+"sampling_rate"}``, written out as 16-bit WAV). verl / slime rows (a ``prompt``, no ``messages``) bind their
+columns to the ``<image>`` / ``<video>`` / ``<audio>`` markers of the prompt, in order; a count that
+differs is a `DatasetError` (``marker_mismatch``), as is any value of another shape. This module resolves
+references; it does not decode media, nor turn rows into rollout prompts (`preprocess.rows` does).
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import io
 import json
-from collections.abc import Iterator
+import re
+import wave
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import MediaError
+import numpy as np
+
+from .errors import DatasetError
 from .probe import MediaKind
 
-__all__ = ["MediaRef", "iter_rows", "row_media"]
+__all__ = [
+    "MARKERS",
+    "MediaRef",
+    "column_values",
+    "dataset_base",
+    "iter_rows",
+    "media_ref",
+    "prompt_messages",
+    "row_media",
+]
 
 _COLUMNS: dict[str, MediaKind] = {
     "image": "image",
@@ -38,6 +61,9 @@ _PARTS: dict[str, MediaKind] = {
     "video": "video",
     "audio": "audio",
 }
+_KINDS: tuple[MediaKind, ...] = ("image", "video", "audio")
+# verl's and slime's media markers in a prompt's text, each bound to the next item of its kind's column.
+MARKERS = re.compile(r"<(image|video|audio)>")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,18 +78,67 @@ class MediaRef:
             return self.data
         assert self.path is not None
         if not self.path.is_file():
-            raise MediaError(f"no file at {self.path}", code="media_not_found")
+            raise DatasetError(f"no file at {self.path}", code="media_not_found")
         return self.path.read_bytes()
 
 
+def dataset_base(path: Path) -> Path:
+    """Where the dataset's relative media paths start: the folder a folder dataset is, else the file's folder."""
+    path = path.resolve()
+    return path if path.is_dir() else path.parent
+
+
+def _folder_files(folder: Path) -> list[Path]:
+    """A ``save_to_disk`` folder's Arrow files (in ``state.json``'s order), else its ``.arrow`` or ``.parquet``
+    files by name."""
+    splits = folder / "dataset_dict.json"
+    if splits.is_file():
+        names = [str(n) for n in json.loads(splits.read_text()).get("splits") or []]
+        raise DatasetError(
+            f"{folder} is a DatasetDict (splits {names}): name one split's folder, "
+            f"e.g. {folder / (names or ['train'])[0]}",
+            code="invalid_dataset",
+        )
+    state = folder / "state.json"
+    if state.is_file():
+        files = [folder / str(f["filename"]) for f in json.loads(state.read_text()).get("_data_files") or []]
+        if files:
+            return files
+    found = sorted(folder.glob("*.arrow")) or sorted(folder.glob("*.parquet"))
+    if not found:
+        raise DatasetError(f"{folder} has no state.json, .arrow or .parquet files", code="invalid_dataset")
+    return found
+
+
+def _arrow_rows(path: Path) -> Iterator[dict[str, Any]]:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        try:  # `datasets` writes the IPC stream format; a file written with pyarrow's file format is read too
+            reader: pa.ipc.RecordBatchStreamReader | pa.ipc.RecordBatchFileReader = pa.ipc.open_stream(source)
+            batches: Iterator[pa.RecordBatch] = iter(reader)
+        except pa.ArrowInvalid:
+            source.seek(0)
+            file_reader = pa.ipc.open_file(source)
+            batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
+        for batch in batches:
+            yield from batch.to_pylist()
+
+
 def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a ``.jsonl`` / ``.json`` (array) / ``.parquet`` file."""
+    """Rows of a ``.jsonl`` / ``.json`` (array) / ``.parquet`` / ``.arrow`` file or of a dataset folder."""
+    if path.is_dir():
+        for file in _folder_files(path):
+            yield from iter_rows(file)
+        return
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
             yield from batch.to_pylist()
+    elif suffix == ".arrow":
+        yield from _arrow_rows(path)
     elif suffix == ".json":
         yield from json.loads(path.read_text())
     else:
@@ -81,38 +156,129 @@ def _ref(kind: MediaKind, value: str, base: Path) -> MediaRef:
         except (binascii.Error, ValueError):
             return MediaRef(kind=kind, source="<inline>", data=b"")
     if value.startswith(("http://", "https://")):
-        raise MediaError(f"URLs are not fetched by the dataset job: {value[:80]}", code="url_not_supported")
+        raise DatasetError(f"URLs are not fetched by the dataset job: {value[:80]}", code="url_not_supported")
     path = Path(value.removeprefix("file://"))
     return MediaRef(kind=kind, source=value, path=path if path.is_absolute() else base / path)
 
 
-def _part_value(part: dict[str, Any], key: str) -> str | None:
+def _wav(array: object, rate: object) -> bytes:
+    """A decoded Hugging Face ``Audio`` value as mono 16-bit PCM WAV (what `datasets` decodes is mono floats)."""
+    samples = np.asarray(array, dtype=np.float32) if isinstance(array, list | np.ndarray) else None
+    if samples is None or samples.ndim != 1 or isinstance(rate, bool) or not isinstance(rate, int) or rate <= 0:
+        raise DatasetError(
+            "a decoded audio value needs a 1-D 'array' of samples and an integer 'sampling_rate'",
+            code="unsupported_media_value",
+        )
+    pcm = (np.clip(samples, -1.0, 1.0) * 32767).astype("<i2")
+    out = io.BytesIO()
+    with wave.open(out, "wb") as fh:
+        fh.setnchannels(1)
+        fh.setsampwidth(2)
+        fh.setframerate(rate)
+        fh.writeframes(pcm.tobytes())
+    return out.getvalue()
+
+
+def media_ref(kind: MediaKind, value: object, base: Path) -> MediaRef:
+    """One column value: a path / ``file://`` URL / data URI, raw bytes, a Hugging Face ``Image`` / ``Audio``
+    struct (its bytes when present, else its path) or a decoded ``Audio`` (``array`` + ``sampling_rate``)."""
+    if isinstance(value, str):
+        return _ref(kind, value, base)
+    if isinstance(value, bytes | bytearray | memoryview):
+        return MediaRef(kind=kind, source="<inline>", data=bytes(value))
+    if isinstance(value, Mapping):
+        data, path = value.get("bytes"), value.get("path")
+        if isinstance(data, bytes | bytearray | memoryview) and data:
+            return MediaRef(kind=kind, source=path if isinstance(path, str) and path else "<inline>", data=bytes(data))
+        if isinstance(path, str) and path:
+            return _ref(kind, path, base)
+        if kind == "audio" and "array" in value:
+            return MediaRef(kind=kind, source="<array>", data=_wav(value["array"], value.get("sampling_rate")))
+        raise DatasetError(
+            f"a {kind} value with neither bytes nor a path (keys: {sorted(map(str, value))})",
+            code="unsupported_media_value",
+        )
+    raise DatasetError(f"a {kind} value of type {type(value).__name__}", code="unsupported_media_value")
+
+
+def column_values(row: Mapping[str, object], kind: MediaKind) -> list[object]:
+    """The values of ``kind``'s columns (``image`` then ``images``, …), None dropped."""
+    values: list[object] = []
+    for column, column_kind in _COLUMNS.items():
+        value = row.get(column)
+        if column_kind == kind and value is not None:
+            values.extend(value if isinstance(value, list | tuple) else [value])
+    return values
+
+
+def prompt_messages(prompt: object) -> list[object]:
+    """A verl / slime ``prompt`` as chat messages: a list of messages as given, a string as one user turn."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list | tuple):
+        return list(prompt)
+    raise DatasetError(f"'prompt' is a {type(prompt).__name__}: chat messages or a string", code="invalid_row")
+
+
+def _marker_counts(messages: list[object]) -> dict[MediaKind, int]:
+    counts: dict[MediaKind, int] = {"image": 0, "video": 0, "audio": 0}
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        texts = [content] if isinstance(content, str) else []
+        if isinstance(content, list):
+            texts = [p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+        for text in texts:
+            for match in MARKERS.finditer(text):
+                counts[_PARTS[match.group(1)]] += 1
+    return counts
+
+
+def _part_value(part: Mapping[str, object], key: str) -> str | None:
     value = part.get(key)
-    if isinstance(value, dict):
+    if isinstance(value, Mapping):
         value = value.get("url")
     return value if isinstance(value, str) else None
 
 
-def row_media(row: dict[str, Any], base: Path) -> list[MediaRef]:
-    """The media a row references, in order: columns first, then message parts."""
+def _part_refs(messages: object, base: Path) -> list[MediaRef]:
     refs: list[MediaRef] = []
-    for column, kind in _COLUMNS.items():
-        value = row.get(column)
-        values = value if isinstance(value, list) else [value] if isinstance(value, str) else []
-        refs.extend(_ref(kind, v, base) for v in values if isinstance(v, str))
-    for message in row.get("messages") or []:
-        content = message.get("content") if isinstance(message, dict) else None
+    for message in messages if isinstance(messages, list | tuple) else []:
+        content = message.get("content") if isinstance(message, Mapping) else None
         for part in content if isinstance(content, list) else []:
-            part_kind = _PARTS.get(str(part.get("type")))
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if not isinstance(part, Mapping) or not isinstance(kind, str):
+                continue
+            part_kind = _PARTS.get(kind)
             if part_kind is not None:
-                value = _part_value(part, part["type"])
+                value = _part_value(part, kind)
                 if value is not None:
                     refs.append(_ref(part_kind, value, base))
-            elif part.get("type") == "input_audio":
-                audio = part.get("input_audio") or {}
+            elif kind == "input_audio":
+                audio = part.get("input_audio")
+                payload = audio.get("data") if isinstance(audio, Mapping) else None
                 try:
-                    data = base64.b64decode(audio.get("data", ""), validate=True)
+                    data = base64.b64decode(payload if isinstance(payload, str) else "", validate=True)
                 except (binascii.Error, ValueError):
                     data = b""
                 refs.append(MediaRef(kind="audio", source="<inline>", data=data))
     return refs
+
+
+def row_media(row: Mapping[str, object], base: Path) -> list[MediaRef]:
+    """The media a row references, in order: columns first (images, videos, audios), then message parts.
+
+    A verl / slime row (``prompt``, no ``messages``) must have as many items of each kind as its prompt has
+    markers (`DatasetError` ``marker_mismatch`` otherwise); its media are its columns' and its prompt's parts."""
+    columns = {kind: column_values(row, kind) for kind in _KINDS}
+    messages: object = row.get("messages")
+    if messages is None and "prompt" in row:
+        messages = prompt_messages(row["prompt"])
+        markers = _marker_counts(messages)
+        for kind, values in columns.items():
+            if markers[kind] != len(values):
+                raise DatasetError(
+                    f"the prompt has {markers[kind]} <{kind}> markers but the row has {len(values)} {kind}s",
+                    code="marker_mismatch",
+                )
+    refs = [media_ref(kind, value, base) for kind, values in columns.items() for value in values]
+    return refs + _part_refs(messages, base)

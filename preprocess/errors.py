@@ -11,7 +11,10 @@ Every bad-input error is a :class:`MediaError` with a stable ``code`` that servi
     ├── AspectRatioError            aspect_ratio         max(h, w) / min(h, w) > 200
     ├── DecompressionBombError      decompression_bomb   header declares too many pixels
     ├── MediaTooLargeError          media_too_large      more bytes than allowed
-    └── BudgetExceededError         over_budget          over a token budget with policy "refuse"
+    ├── BudgetExceededError         over_budget          over a token budget with policy "refuse"
+    └── DatasetError                invalid_dataset      a dataset row (or the dataset) Weir cannot read, by
+                                    media_not_found / marker_mismatch / unsupported_media_value /
+                                    unsupported_reward / invalid_row / url_not_supported
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ __all__ = [
     "AspectRatioError",
     "BudgetExceededError",
     "CorruptMediaError",
+    "DatasetError",
     "DecompressionBombError",
     "EmptyMediaError",
     "MediaError",
@@ -76,3 +80,9 @@ class MediaTooLargeError(MediaError):
 
 class BudgetExceededError(MediaError):
     code = "over_budget"
+
+
+class DatasetError(MediaError):
+    """A dataset, or one of its rows, in a shape Weir cannot read; ``code`` says which way (see the tree)."""
+
+    code = "invalid_dataset"

@@ -88,10 +88,13 @@ class _Visual:
         n, channels, t_stored, pp = self.patches.shape
         lut = normalization_lut(self.norm, self.image_mean, self.image_std)
         out = np.empty((n, channels, self.temporal_patch_size, pp), dtype=np.float32)
+        # A single image's temporal copies are equal: look it up once, contiguously (a lookup into the
+        # strided half of ``out`` took 1.3x as long), then broadcast it.
+        values = out if t_stored == self.temporal_patch_size else np.empty(self.patches.shape, dtype=np.float32)
         for c in range(channels):
-            np.take(lut[c], self.patches[:, c], out=out[:, c, :t_stored])
-        if t_stored < self.temporal_patch_size:  # a single image: its temporal copies are equal
-            out[:, :, t_stored:] = out[:, :, :t_stored]
+            np.take(lut[c], self.patches[:, c], out=values[:, c])
+        if values is not out:
+            out[:] = values
         return out.reshape(n, channels * self.temporal_patch_size * pp)
 
     def _meta(self, kind: Literal["image", "video"]) -> _VisualMeta:

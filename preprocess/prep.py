@@ -21,11 +21,12 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .budget import TokenBudget
-from .dataset import iter_rows, row_media
+from .dataset import dataset_base, iter_rows, row_media
 from .errors import MediaError
 from .features import features_to_arrow
 from .pipeline import process_bytes
 from .plan import plan_sample
+from .pool import usable_cores
 from .probe import probe
 from .spec import ProcessorSpec
 from .store import FeatureStore
@@ -53,6 +54,7 @@ class PrepReportJSON(TypedDict):
     """`PrepReport` as ``report.json`` holds it: per-kind tables keyed by media kind (failures by error code)."""
 
     rows: int
+    rows_without_media: int
     items: int
     failed: int
     cache_hits: int
@@ -68,6 +70,7 @@ class PrepReportJSON(TypedDict):
 @dataclass(slots=True, kw_only=True)
 class PrepReport:
     rows: int = 0
+    rows_without_media: int = 0  # text-only rows: read, with nothing to preprocess
     items: int = 0
     failed: int = 0
     cache_hits: int = 0
@@ -99,6 +102,7 @@ class PrepReport:
         """A copy of every field (the tables too), as `dataclasses.asdict` makes it."""
         return {
             "rows": self.rows,
+            "rows_without_media": self.rows_without_media,
             "items": self.items,
             "failed": self.failed,
             "cache_hits": self.cache_hits,
@@ -126,6 +130,11 @@ _worker: _Worker | None = None
 
 def _init_worker(cache_dir: str, max_bytes: int, spec: ProcessorSpec, budget: TokenBudget) -> None:
     global _worker
+    import torch
+
+    # The pool already fills the cores: torch's intra-op threads on top would only contend for them
+    # (the feature bytes are the same for any thread count: tests/preprocess/test_pool.py).
+    torch.set_num_threads(1)
     _worker = _Worker(store=FeatureStore(cache_dir, max_bytes), spec=spec, budget=budget)
 
 
@@ -194,14 +203,16 @@ def run_prep(
     spec: ProcessorSpec,
     budget: TokenBudget | None = None,
     *,
-    workers: int = 2,
+    workers: int | None = None,
     cache_max_bytes: int = 10 << 30,
     progress: bool = True,
 ) -> PrepReport:
-    """Preprocess every media item of ``dataset`` into ``out/cache``; write ``out/manifest.parquet``."""
+    """Preprocess every media item of ``dataset`` into ``out/cache``; write ``out/manifest.parquet``.
+
+    ``workers``: decoding processes (default: `usable_cores`, the cores this process may use)."""
     budget = budget or TokenBudget()
     out.mkdir(parents=True, exist_ok=True)
-    base = str(dataset.resolve().parent)
+    base = str(dataset_base(dataset))
     tasks = [(i, row, base) for i, row in enumerate(iter_rows(dataset))]
     report = PrepReport(rows=len(tasks))
     outcomes: list[ItemOutcome] = []
@@ -212,9 +223,13 @@ def run_prep(
     # spawn, not fork: a forked child of a process that already ran torch ops can deadlock in OpenMP.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
-        max_workers=max(1, workers), mp_context=context, initializer=_init_worker, initargs=init_args
+        max_workers=max(1, workers if workers is not None else usable_cores()),
+        mp_context=context,
+        initializer=_init_worker,
+        initargs=init_args,
     ) as pool:
         for row_outcomes in pool.map(_process_row, tasks, chunksize=1):
+            report.rows_without_media += not row_outcomes  # a row that failed as a whole has one failed outcome
             for outcome in row_outcomes:
                 report.add(outcome)
                 outcomes.append(outcome)

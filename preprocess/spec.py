@@ -13,7 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypedDict
 
-__all__ = ["PIPELINE_VERSION", "AudioFamily", "ImageBackend", "ProcessorSpec", "VideoBackend", "VideoSampler"]
+__all__ = [
+    "PIPELINE_VERSION",
+    "AudioFamily",
+    "AudioResampler",
+    "ImageBackend",
+    "ProcessorSpec",
+    "VideoBackend",
+    "VideoSampler",
+]
 
 # Which reference implementation's pixels a spec reproduces bit for bit (see resize.py).
 ImageBackend = Literal["pil", "torchvision"]
@@ -23,6 +31,11 @@ VideoSampler = Literal["qwen_vl_utils", "transformers"]
 # ("max_length") and pools 4 mel frames per token; Qwen3-Omni-MoE pads to the longest clip of the call
 # (one clip: none) and counts tokens per 100-frame chunk (13 each, `grid.audio_num_tokens_qwen3_omni`).
 AudioFamily = Literal["qwen2_5", "qwen3_omni"]
+# How audio reaches 16 kHz: torchaudio's sinc resampler (the default, what the tests' torchaudio peer decodes
+# with), or libsoxr's "HQ" filter as librosa >= 0.10 calls it (``librosa.load(sr=16000)``, what qwen-omni-utils
+# loads audio with: bit-exact with it). The two differ by up to 0.57 in the log-mel of resampled clips (max |Δ|;
+# tests/benchmarks/bench_preprocess.py ``weir_soxr``); a 16 kHz source is never resampled by either.
+AudioResampler = Literal["torchaudio", "soxr"]
 
 # Bump when the bytes a spec produces change (resize path, normalization, layout): old cache
 # entries then stop matching instead of being served stale.
@@ -46,8 +59,13 @@ _NOT_FINGERPRINTED = ("video_timestamps", "omni")
 _QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe"})
 # ... and Qwen3-Omni-MoE's (the whole model, or a thinker-only folder).
 _QWEN3_OMNI_NAMES = frozenset({"Qwen3OmniMoeProcessor", "qwen3_omni_moe", "qwen3_omni_moe_thinker"})
-# Audio-family fields: left out of the fingerprint while at their Qwen2.5 defaults (pinned keys stay).
-_AUDIO_FAMILY_DEFAULTS = {"audio_family": "qwen2_5", "audio_n_window": 50, "position_id_per_seconds": 25.0}
+# Audio fields: left out of the fingerprint while at their Qwen2.5 defaults (pinned keys stay).
+_AUDIO_FAMILY_DEFAULTS = {
+    "audio_family": "qwen2_5",
+    "audio_n_window": 50,
+    "position_id_per_seconds": 25.0,
+    "audio_resampler": "torchaudio",
+}
 
 
 class _VideoPixels(TypedDict):
@@ -115,6 +133,7 @@ class ProcessorSpec:
     # Omni mRoPE time scale: positions per second of a video's temporal axis and of audio (Qwen2.5-Omni
     # 25, Qwen3-Omni-MoE 13); what `omni.audio_in_video_ids` interleaves a video's own audio by.
     position_id_per_seconds: float = 25.0
+    audio_resampler: AudioResampler = "torchaudio"
     # An Omni model (audio tower + a video's own audio track, ``use_audio_in_video``). Layout only.
     omni: bool = True
 
@@ -248,6 +267,10 @@ class ProcessorSpec:
         factor = fields.get("patch_size", base.patch_size) * fields.get("merge_size", base.merge_size)
         fields.update(_video_pixels(factor))
         return dataclasses.replace(base, **fields)
+
+    def with_audio_resampler(self, resampler: AudioResampler) -> ProcessorSpec:
+        """This spec with audio brought to 16 kHz by ``resampler`` (`AudioResampler`; other cache keys)."""
+        return dataclasses.replace(self, audio_resampler=resampler)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -144,10 +144,13 @@ def completion(
     tools: bool = False,
     prefill: str = "",
     details: Sequence[ChoiceLogprobs] | None = None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> ChatCompletion:
     """The ``chat.completion`` object; ``token_text`` given: with per-token log-probs, and each token's
     alternatives from ``details`` (one per sample) when they were asked for; ``tools``: tool calls
-    parsed from each answer (``prefill`` + its text: the start the prompt forced on it)."""
+    parsed from each answer (``prefill`` + its text: the start the prompt forced on it); ``prompt_ids``
+    given (``return_token_ids``, SGLang's and vLLM's): those as ``prompt_token_ids`` and each choice's
+    completion ids as its ``token_ids``."""
     choices: list[ChatChoice] = []
     for k, sample in enumerate(samples):
         logprobs: LogprobsContent | None = None
@@ -161,15 +164,16 @@ def completion(
             message = {"role": "assistant", "content": content if calls else prefill + sample.text}
             if calls:
                 message["tool_calls"] = calls
-        choices.append(
-            {
-                "index": sample.index,
-                "message": message,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(sample, tool_calls=bool(calls)),
-            }
-        )
-    return {
+        choice: ChatChoice = {
+            "index": sample.index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(sample, tool_calls=bool(calls)),
+        }
+        if prompt_ids is not None:
+            choice["token_ids"] = list(sample.response_ids)
+        choices.append(choice)
+    whole: ChatCompletion = {
         "id": completion_id,
         "object": "chat.completion",
         "created": created,
@@ -177,6 +181,9 @@ def completion(
         "choices": choices,
         "usage": usage(prompt_tokens, samples),
     }
+    if prompt_ids is not None:
+        whole["prompt_token_ids"] = list(prompt_ids)
+    return whole
 
 
 def chunk_head(completion_id: str, created: int, model: str) -> ChunkHead:
@@ -209,12 +216,18 @@ class _Choice(Generic[ChunkT]):
         token_text: TokenText | None = None,
         tools: bool = False,
         prefill: str = "",
+        prompt_ids: Sequence[int] | None = None,
     ) -> None:
         self.head, self.index, self.token_text = head, index, token_text
         self.tools, self.prefill = tools, prefill
+        # return_token_ids: the prompt's ids go with the choice's first chunk, each token's id with the
+        # chunk that sends its text (as its log-prob does).
+        self.prompt_ids = list(prompt_ids) if prompt_ids is not None else None
+        self.pending_ids: list[int] = []
         # With tools, "<tool_call>" is held back like a stop string: a call is sent whole, once parsed.
         self.stop = (*stop, "<tool_call>") if tools else tuple(stop)
         self.sent = ""  # the content sent so far
+        self.prompt_sent = False
         self.pending: list[TokenLogprob] = []  # log-probs of tokens whose text is not sent yet
         self.started = False
 
@@ -234,6 +247,7 @@ class _Choice(Generic[ChunkT]):
             out.extend(self._opening())
         if self.token_text is not None:
             self.pending.extend(token_logprobs(token_ids, logprobs, self.token_text, top))
+        self.pending_ids.extend(token_ids)
         final = sample is not None
         calls: list[OpenAIToolCall] = []
         if sample is not None:
@@ -244,15 +258,25 @@ class _Choice(Generic[ChunkT]):
         else:
             safe = "" if self.prefill else self._safe(text)  # a forced call: nothing is content until parsed
         new = safe[len(self.sent) :] if safe.startswith(self.sent) else ""
-        if new or (final and self.pending):
-            out.append(self._content(new, self.pending if self.token_text is not None else None))
+        ids = self.prompt_ids is not None and bool(self.pending_ids)
+        if new or (final and (self.pending or ids)):
+            chunk = self._content(new, self.pending if self.token_text is not None else None)
+            if self.prompt_ids is not None:
+                chunk["choices"][0]["token_ids"] = self.pending_ids
+            out.append(chunk)
             self.sent += new
-            self.pending = []
+            self.pending, self.pending_ids = [], []
         if calls:
             out.append(self._calls(calls))
         if sample is not None:
             out.append(self._finish(sample, tool_calls=bool(calls)))
+        if self.prompt_ids is not None and out and not self.prompt_sent:
+            self._with_prompt(out[0], self.prompt_ids)
+            self.prompt_sent = True
         return out
+
+    def _with_prompt(self, chunk: ChunkT, prompt_ids: list[int]) -> None:
+        raise NotImplementedError
 
     def _opening(self) -> list[ChunkT]:
         raise NotImplementedError
@@ -294,6 +318,9 @@ class ChoiceStream(_Choice[ChatChunk]):
     def _opening(self) -> list[ChatChunk]:
         return [_delta(self.head, self.index, {"role": "assistant", "content": ""})]
 
+    def _with_prompt(self, chunk: ChatChunk, prompt_ids: list[int]) -> None:
+        chunk["prompt_token_ids"] = prompt_ids  # top level, as vLLM's first chunk of each choice
+
     def _content(self, new: str, entries: list[TokenLogprob] | None) -> ChatChunk:
         return _delta(self.head, self.index, {"content": new}, {"content": entries} if entries is not None else None)
 
@@ -319,12 +346,16 @@ class TextChoiceStream(_Choice[TextChunk]):
         token_text: TokenText | None = None,
         top: bool = False,
         offset: int = 0,
+        prompt_ids: Sequence[int] | None = None,
     ) -> None:
-        super().__init__(head, index, stop=stop, token_text=token_text)
+        super().__init__(head, index, stop=stop, token_text=token_text, prompt_ids=prompt_ids)
         self.top, self.offset = top, offset
 
     def _opening(self) -> list[TextChunk]:
         return []
+
+    def _with_prompt(self, chunk: TextChunk, prompt_ids: list[int]) -> None:
+        chunk["choices"][0]["prompt_token_ids"] = prompt_ids  # on the choice, as vLLM's completions
 
     def _content(self, new: str, entries: list[TokenLogprob] | None) -> TextChunk:
         logprobs = None
@@ -385,11 +416,13 @@ def text_completion(
     echo: str = "",
     details: Sequence[ChoiceLogprobs] | None = None,
     top: bool = False,
+    prompt_ids: Sequence[int] | None = None,
 ) -> TextCompletion:
     """The ``text_completion`` object (``/v1/completions``); ``echo``: the prompt text put before each
     answer; ``token_text`` given: the legacy per-token log-probs of the generated tokens, with ``top``
     their alternatives, and with ``echo`` the prompt's tokens first — all from ``details`` (one per
-    sample)."""
+    sample); ``prompt_ids`` given (``return_token_ids``): each choice's ``prompt_token_ids`` and
+    ``token_ids``, as vLLM's."""
     choices: list[TextChoice] = []
     for k, sample in enumerate(samples):
         logprobs: LegacyLogprobs | None = None
@@ -401,14 +434,16 @@ def text_completion(
                 # Offsets into the choice's text: the answer's start after the echoed text as decoded whole.
                 prompt = legacy_logprobs(prompt_logprobs(detail, token_text), top=top)
                 logprobs = _joined(prompt, logprobs)
-        choices.append(
-            {
-                "index": sample.index,
-                "text": echo + sample.text,
-                "logprobs": logprobs,
-                "finish_reason": finish_reason(sample),
-            }
-        )
+        choice: TextChoice = {
+            "index": sample.index,
+            "text": echo + sample.text,
+            "logprobs": logprobs,
+            "finish_reason": finish_reason(sample),
+        }
+        if prompt_ids is not None:
+            choice["prompt_token_ids"] = list(prompt_ids)
+            choice["token_ids"] = list(sample.response_ids)
+        choices.append(choice)
     return {
         "id": completion_id,
         "object": "text_completion",

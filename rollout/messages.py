@@ -235,6 +235,7 @@ class ChatChoice(TypedDict):
     message: AssistantMessage
     logprobs: LogprobsContent | None
     finish_reason: FinishReason
+    token_ids: NotRequired[list[int]]  # with return_token_ids (SGLang's, vLLM's): the completion's ids
 
 
 class ChatCompletion(TypedDict):
@@ -244,6 +245,7 @@ class ChatCompletion(TypedDict):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: NotRequired[list[int]]  # with return_token_ids: the prompt's ids, as the engines got them
 
 
 class ChunkHead(TypedDict):
@@ -270,10 +272,12 @@ class ChunkChoice(TypedDict):
     delta: Delta
     logprobs: LogprobsContent | None
     finish_reason: FinishReason | None
+    token_ids: NotRequired[list[int]]  # with return_token_ids: the ids of this chunk's tokens
 
 
 class ChatChunk(ChunkHead):
     choices: list[ChunkChoice]
+    prompt_token_ids: NotRequired[list[int]]  # with return_token_ids: on each choice's first chunk (vLLM's)
 
 
 class TextChoice(TypedDict):
@@ -281,6 +285,8 @@ class TextChoice(TypedDict):
     text: str
     logprobs: LegacyLogprobs | None
     finish_reason: FinishReason | None
+    prompt_token_ids: NotRequired[list[int]]  # with return_token_ids: whole, or on a streamed choice's first chunk
+    token_ids: NotRequired[list[int]]  # with return_token_ids: the completion's ids (a chunk's: its tokens')
 
 
 class TextChunk(ChunkHead):

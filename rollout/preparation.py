@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NotRequired, TypedDict
 
 import httpx
+from pydantic import JsonValue
 
 from engines.protocol import SamplingParams
 from preprocess.budget import BudgetJSON, TokenBudget
@@ -78,11 +79,13 @@ async def prepare(
     budget: TokenBudget | None,
     tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
+    template_variables: Mapping[str, JsonValue] | None = None,
 ) -> Prepared:
     """Messages → prompt ids with every placeholder expanded, media preprocessed (and encoded) under
     ``budget`` (None: the preprocess role's default). ``tools`` (OpenAI function tools) are rendered by
     the chat template; ``prefill`` is text the assistant's answer starts with (appended after the
-    generation prompt)."""
+    generation prompt); ``template_variables``: more chat-template variables (``chat_template_kwargs``,
+    none of `rollout.prompts.RESERVED_TEMPLATE_VARIABLES`)."""
     template, items = parse_messages(list(messages), where)
     start = time.perf_counter()
     results: list[PreprocessedItem] = []
@@ -114,7 +117,7 @@ async def prepare(
             ) from None
     else:
         media, expansions = [], list[Expansion]()
-    ids = ctx.prompts.build(template, expansions, tools=tools, prefill=prefill)
+    ids = ctx.prompts.build(template, expansions, tools=tools, prefill=prefill, variables=template_variables)
     counts = {"text": len(ids) - sum(n for _, n in media)}
     for kind, n in media:
         counts[kind] = counts.get(kind, 0) + n

@@ -5,7 +5,8 @@ calls rendered by the chat template) and ``tool`` (a tool's result). Content par
 ``image_url`` / ``video_url`` / ``audio_url`` (``{"url": ...}`` — a data URI,
 ``file://`` or a plain path under the preprocess role's media roots, or http(s) if that role allows
 URLs; a ``video_url`` may add ``"use_audio_in_video": true`` for Omni models: the video's own audio track
-is then taken and interleaved with its frames); ``input_audio`` (``{"data": base64, "format": ...}``).
+is then taken and interleaved with its frames); ``input_audio`` (``{"data": base64, "format": ...}``); Qwen-style
+``{"type": "image" | "video" | "audio", <type>: url}``, read as the OpenAI part of its kind.
 Errors are `InvalidPrompt`s that name the offending field. What comes out is typed: the chat template's
 `rollout.messages.TemplateMessage`s and the preprocess role's `MediaItem`s; its answer is read as
 `PreprocessedItem`s.
@@ -19,13 +20,15 @@ its audio the time-interleaved video and audio placeholders. This module does no
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NotRequired, TypedDict, TypeVar
+from typing import Any, NotRequired, TypedDict, TypeVar
 
-from transformers import AutoTokenizer
+from pydantic import JsonValue
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from preprocess.errors import MediaError
 from preprocess.omni import OmniTokens, audio_in_video_ids, audio_in_video_layout
@@ -35,7 +38,15 @@ from preprocess.spec import ProcessorSpec
 from .errors import InvalidPrompt
 from .messages import FunctionTool, MediaKind, TemplateMessage, TemplatePart, TemplateRole, TemplateToolCall
 
-__all__ = ["Expansion", "MediaItem", "PreprocessedItem", "PromptBuilder", "parse_messages", "with_tracks"]
+__all__ = [
+    "RESERVED_TEMPLATE_VARIABLES",
+    "Expansion",
+    "MediaItem",
+    "PreprocessedItem",
+    "PromptBuilder",
+    "parse_messages",
+    "with_tracks",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +54,17 @@ logger = logging.getLogger(__name__)
 Expansion = tuple[str, int | Sequence[int]]
 
 _T = TypeVar("_T")
+
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", *inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters} - {"self", "kwargs"}
+)
+"""Names a request's template variables (``chat_template_kwargs``) may not take: what the template is
+rendered with already (``messages``, ``tools``, ``add_generation_prompt``, …) and transformers' own
+arguments of ``apply_chat_template`` (which would be read as those, not as template variables)."""
 _MEDIA_PARTS: dict[str, MediaKind] = {"image_url": "image", "video_url": "video", "audio_url": "audio"}
+# Qwen-style parts ({"type": "image", "image": source}, as Qwen's examples and many datasets write them), each
+# read as the OpenAI part of its kind.
+_QWEN_PARTS = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
 # Each role as the chat template takes it: ``developer`` is OpenAI's new name for ``system``.
 _ROLES: dict[str, TemplateRole] = {
     "system": "system",
@@ -94,6 +115,16 @@ def _media_item(kind: MediaKind, url: str) -> MediaItem:
     return {"type": kind, "path": url.removeprefix("file://")}
 
 
+def _openai_part(part: Any) -> Any:
+    """A Qwen-style media part as its OpenAI part (``{"type": "image", "image": url}`` → ``{"type": "image_url",
+    "image_url": {"url": url}}``); any other part (unchecked JSON, as `parse_messages` takes it) as given. The
+    one place the Qwen shape is read."""
+    kind = part.get("type") if isinstance(part, dict) else None
+    if not isinstance(kind, str) or kind not in _QWEN_PARTS:
+        return part
+    return {"type": _QWEN_PARTS[kind], _QWEN_PARTS[kind]: {"url": part.get(kind)}}
+
+
 def parse_messages(messages: object, where: str = "messages") -> tuple[list[TemplateMessage], list[MediaItem]]:
     """(messages for the chat template, preprocess items in prompt order) of a client's OpenAI messages
     (`rollout.messages.Message`s, checked here: any JSON is given a typed answer or an `InvalidPrompt`)."""
@@ -121,6 +152,7 @@ def parse_messages(messages: object, where: str = "messages") -> tuple[list[Temp
             raise InvalidPrompt(f"{path}.content: a string or a list of parts is required", code="invalid_messages")
         parts: list[TemplatePart] = []
         for j, part in enumerate(content):
+            part = _openai_part(part)
             kind = part.get("type") if isinstance(part, dict) else None
             part_path = f"{path}.content[{j}]"
             if kind == "text" and isinstance(part.get("text"), str):
@@ -275,9 +307,15 @@ class PromptBuilder:
         return out
 
     def _apply_template(
-        self, conversation: Sequence[TemplateMessage], tools: Sequence[FunctionTool] | None, *, generation_prompt: bool
+        self,
+        conversation: Sequence[TemplateMessage],
+        tools: Sequence[FunctionTool] | None,
+        *,
+        generation_prompt: bool,
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> str:
-        """The chat template's text of ``conversation`` (with ``tools``, when any)."""
+        """The chat template's text of ``conversation`` (with ``tools``, when any; ``variables``: more
+        template variables, none of `RESERVED_TEMPLATE_VARIABLES`: the caller checks)."""
         messages, rendered = list(conversation), [dict(t) for t in tools] if tools else None
         # transformers annotates a conversation as ``dict[str, str]`` messages, narrower than what its
         # templates take (content parts, tool calls); the TypedDicts are checked here instead.
@@ -286,19 +324,28 @@ class PromptBuilder:
             tools=rendered,  # type: ignore[arg-type]
             tokenize=False,
             add_generation_prompt=generation_prompt,
+            # Template variables reach the template through ``**kwargs``; transformers types them as its own
+            # named arguments, which `RESERVED_TEMPLATE_VARIABLES` keeps them from being.
+            **dict(variables or {}),  # type: ignore[arg-type]
         )
         return str(text)
 
     def render(
-        self, template: Sequence[TemplateMessage], *, tools: Sequence[FunctionTool] | None = None, prefill: str = ""
+        self,
+        template: Sequence[TemplateMessage],
+        *,
+        tools: Sequence[FunctionTool] | None = None,
+        prefill: str = "",
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> str:
         """The templated conversation as text, ending with the generation prompt and ``prefill``.
         ``tools`` that the model's chat template does not render are `InvalidPrompt`
-        (``tools_not_supported``), never silently left out of the prompt."""
-        text = self._apply_template(template, None, generation_prompt=True)
+        (``tools_not_supported``), never silently left out of the prompt. ``variables``: more template
+        variables (SGLang's and vLLM's ``chat_template_kwargs``: ``{"enable_thinking": false}``)."""
+        text = self._apply_template(template, None, generation_prompt=True, variables=variables)
         if tools:
             plain = text
-            text = self._apply_template(template, tools, generation_prompt=True)
+            text = self._apply_template(template, tools, generation_prompt=True, variables=variables)
             if text == plain:
                 raise InvalidPrompt(
                     "tools: this model's chat template does not render tools", code="tools_not_supported"
@@ -312,10 +359,11 @@ class PromptBuilder:
         *,
         tools: Sequence[FunctionTool] | None = None,
         prefill: str = "",
+        variables: Mapping[str, JsonValue] | None = None,
     ) -> list[int]:
         """Token ids of the templated conversation, each media placeholder expanded to its count (or
-        replaced by its ids: `expansions`)."""
-        text = self.render(template, tools=tools, prefill=prefill)
+        replaced by its ids: `expansions`); ``variables``: more template variables (`render`)."""
+        text = self.render(template, tools=tools, prefill=prefill, variables=variables)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         try:
             return expand_placeholders(ids, self.placeholders, media)

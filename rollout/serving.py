@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import JsonValue
+
 from engines.protocol import SamplingParams
 from experience.records import Sample, SampleStatus, sample_id
 
@@ -62,13 +64,18 @@ async def chat_samples(
     tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
     ask: LogprobAsk = SAMPLED_ONLY,
+    template_variables: Mapping[str, JsonValue] | None = None,
 ) -> tuple[str, Prepared, list[Sample], list[ChoiceLogprobs]]:
     """(completion group id, prepared prompt, ``n`` samples, what ``ask`` asked for of each) for an
     OpenAI chat request; no reward, nothing recorded. ``max_tokens`` None: what the context leaves
-    (`chat_max_tokens`). ``tools`` are rendered by the chat template; ``prefill`` starts the
-    assistant's answer. A ``sampling_seed`` gives each choice its own seed (`sample_seed`). A failed
-    sample is `EnginesUnavailable` (a chat client cannot use a partial answer)."""
-    prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
+    (`chat_max_tokens`). ``tools`` are rendered by the chat template (with ``template_variables``,
+    ``chat_template_kwargs``); ``prefill`` starts the assistant's answer. A ``sampling_seed`` gives
+    each choice its own seed (`sample_seed`). A failed sample is `EnginesUnavailable` (a chat client
+    cannot use a partial answer)."""
+    variables = template_variables
+    prepared = await prepare(
+        ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill, template_variables=variables
+    )
     max_new = chat_max_tokens(ctx, prepared, max_tokens)
     group_id, samples, details = await complete_samples(
         ctx, prepared, n=n, sampling=sampling, max_new_tokens=max_new, ask=ask
@@ -227,10 +234,14 @@ async def chat_stream(
     tools: Sequence[FunctionTool] | None = None,
     prefill: str = "",
     ask: LogprobAsk = SAMPLED_ONLY,
+    template_variables: Mapping[str, JsonValue] | None = None,
 ) -> ChatStream:
     """`chat_samples`, streamed: the prompt prepared and the ``n`` engine streams opened (each
     choice's own seed, as there); the caller reads `ChatStream.progress` and closes it."""
-    prepared = await prepare(ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill)
+    variables = template_variables
+    prepared = await prepare(
+        ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill, template_variables=variables
+    )
     return await open_streams(
         ctx, prepared, n=n, sampling=sampling, max_new_tokens=chat_max_tokens(ctx, prepared, max_tokens), ask=ask
     )

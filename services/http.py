@@ -1,14 +1,18 @@
-"""Clients one role uses to call another: the API token and the request id go with every call.
+"""Clients one role uses to call another: the API token, the request id and the W3C ``traceparent`` go with
+every call.
 
 Libraries take these clients (or plain headers) from the service that builds them, so no library
-reads a secret from the environment and the request id set by `services.logs` follows the call.
+reads a secret from the environment and the request id set by `services.logs` follows the call. The
+``traceparent`` is the one the role's caller sent (`services.observe`), passed on unchanged: Weir records no
+spans of its own, so a tracing front end's trace reaches every role's outgoing calls (and each JSON log line's
+``trace_id``) without Weir inventing trace ids nobody collects.
 """
 
 from __future__ import annotations
 
 import httpx
 
-from .logs import current_request_id
+from .logs import current_request_id, current_traceparent
 
 __all__ = ["CONNECT_RETRIES", "async_client", "auth_headers", "sync_client"]
 
@@ -30,6 +34,9 @@ def _add_request_id(request: httpx.Request) -> None:
     request_id = current_request_id()
     if request_id and "x-request-id" not in request.headers:
         request.headers["X-Request-Id"] = request_id
+    traceparent = current_traceparent()
+    if traceparent and "traceparent" not in request.headers:
+        request.headers["traceparent"] = traceparent
 
 
 def async_client(

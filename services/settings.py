@@ -1,7 +1,8 @@
 """What every role's settings share: ``WEIR_*`` variables read by pydantic-settings, checked at start-up.
 
 `RoleSettings` is the base of each role's ``settings.py``; `ModelFolder` is a model folder that must
-exist (a mistyped ``WEIR_MODEL`` is an error, never a quietly created random model). Settings are
+exist, given as a folder or a Hugging Face hub id (``owner/name[@revision]``, its snapshot in the cache:
+`services.model_ref`); a mistyped ``WEIR_MODEL`` is an error, never a quietly created random model. Settings are
 built in a function (`load_settings`), never at import; a bad value raises `SettingsError` naming
 the variable.
 """
@@ -11,22 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
-from pydantic import AfterValidator, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .model_ref import model_folder
 
 __all__ = ["ModelFolder", "RoleSettings", "SettingsError", "load_settings"]
 
 
-def _model_folder(value: Path) -> Path:
-    if not (value / "config.json").is_file():
-        raise ValueError(
-            f"{value} is not a model folder (no config.json); give a Qwen model folder, "
-            "or create the embedded one with `weir init-model DIR`"
-        )
-    return value
+def _model_folder(value: object) -> object:
+    # A hub id is not a path to check: it becomes its snapshot folder first (`services.model_ref`).
+    return model_folder(value) if isinstance(value, str | Path) else value
 
 
-ModelFolder = Annotated[Path, AfterValidator(_model_folder)]
+ModelFolder = Annotated[Path, BeforeValidator(_model_folder)]
 
 
 class RoleSettings(BaseSettings):

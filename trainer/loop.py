@@ -242,7 +242,9 @@ def run_loop(
                 fh.write(json.dumps(record) + "\n")
             if on_step is not None:
                 on_step(record)
+        committer.flush()  # the last step's acknowledgement, its error raised
     finally:
+        committer.close()
         if ranks.main:
             driver.close()
         if evaluator is not None:

@@ -12,7 +12,12 @@ The cost model (every constant from the profile's ``trainer`` section, `SimTrain
 * `accumulate` of a micro-batch of ``T`` tokens: ``T / (gpus * train_tokens_per_gpu_s)`` (forward + backward
   of the whole data-parallel trainer; ``train_tokens_per_gpu_s`` is derived from a cited MFU estimate);
   the engine profile's ``prompt_media_tokens`` are added per sample (a multimodal twin's text prompts);
-* `apply` (the optimizer step): ``optimizer_step_s``;
+* `apply` (the optimizer step): the gradient all-reduce over the data-parallel ranks (``allreduce_s``; ring,
+  hierarchical over several nodes) of ``model_params / (TP x PP) x grad_bytes_per_param`` bytes, and the Adam
+  step (``optimizer_s``) over the parameters each GPU updates — ``model_params / (TP x PP)``, divided by the
+  data-parallel size under the distributed optimizer — at ``optimizer_bytes_per_param`` over HBM
+  (`trainer.sim_comm` holds the formulas); a profile that sets ``optimizer_step_s`` gets that fixed time for
+  both instead (the model before the formulas);
 * `export` (a weight push; the engines' own update time is their profile's ``weight_update_s``):
   ``weight_sync_broadcast_s`` or ``weight_sync_disk_s`` (``weight_sync``);
 * colocate only (``colocate=True``): the swap of the GPUs between generation and training, which the loop
@@ -44,6 +49,7 @@ import torch
 
 from engines.sim_backend import SimProfile
 
+from . import sim_comm
 from .feed import FeedBatch
 from .reference import StepResult
 
@@ -60,12 +66,26 @@ class SimTrainerProfile:
     mfu: float
     train_tokens_per_gpu_s: float
     gpus: int
-    optimizer_step_s: float
     weight_sync_broadcast_s: float
     weight_sync_disk_s: float
     weight_sync: str = "broadcast"
     offload_s: float = 0.0
     onload_s: float = 0.0
+    # The layout and the links (defaults: an H800 SXM HGX node; each profile cites its own values).
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    gpus_per_node: int = 8
+    nvlink_bytes_per_gpu_s: float = 200e9  # H800 SXM NVLink: 400 GB/s both ways, a ring sends one way (H100: 450)
+    network_bytes_per_gpu_s: float = 50e9  # 8 x 400 Gb/s InfiniBand per 8-GPU node: 50 GB/s per GPU
+    link_efficiency: float = 0.8  # achieved share of the links' bandwidth (NCCL busbw / line rate)
+    link_latency_s: float = 1e-5  # alpha, one hop of a ring step (NCCL's per-step latency is ~µs-10 µs)
+    grad_bytes_per_param: float = 2.0  # bf16 gradients (Megatron without --accumulate-allreduce-grads-in-fp32)
+    hbm_bytes_per_gpu_s: float = 3.35e12  # NVIDIA H800 SXM: 3.35 TB/s HBM3
+    hbm_efficiency: float = 0.7
+    # Adam reads bf16 grad (2) and reads / writes fp32 master, m and v (3 x 8), writes the bf16 weight (2)
+    optimizer_bytes_per_param: float = 28.0
+    distributed_optimizer: bool = True  # Megatron's --use-distributed-optimizer (ZeRO-1: states over DP)
+    optimizer_step_s: float | None = None  # set: a fixed optimizer step (all-reduce included) instead
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -76,6 +96,12 @@ class SimTrainerProfile:
                 problems.append(f"{f.name} must be a finite number >= 0")
         if self.train_tokens_per_gpu_s <= 0 or self.gpus < 1:
             problems.append("train_tokens_per_gpu_s must be > 0 and gpus >= 1")
+        if min(self.tensor_parallel, self.pipeline_parallel, self.gpus_per_node) < 1:
+            problems.append("tensor_parallel, pipeline_parallel and gpus_per_node must be >= 1")
+        if min(self.nvlink_bytes_per_gpu_s, self.network_bytes_per_gpu_s, self.hbm_bytes_per_gpu_s) <= 0:
+            problems.append("link and HBM bandwidths must be > 0")
+        if not (0 < self.link_efficiency <= 1 and 0 < self.hbm_efficiency <= 1):
+            problems.append("link_efficiency and hbm_efficiency must be in (0, 1]")
         if self.weight_sync not in ("broadcast", "disk"):
             problems.append("weight_sync must be 'broadcast' or 'disk'")
         if problems:
@@ -114,9 +140,13 @@ class SimTrainerProfile:
         if missing:
             raise ValueError(f"{where}: missing trainer constants {missing}")
         for name, value in values.items():  # YAML reads 9.89e14 (no sign in the exponent) as a string
-            if name != "weight_sync":
+            if name == "distributed_optimizer":
+                if not isinstance(value, bool):
+                    raise ValueError(f"{where}: trainer constant {name} must be true or false")
+            elif name in ("gpus", "tensor_parallel", "pipeline_parallel", "gpus_per_node"):
+                values[name] = int(value)
+            elif name != "weight_sync":
                 values[name] = float(value)
-        values["gpus"] = int(values["gpus"])
         return cls(sources=sources, **values)
 
 
@@ -130,6 +160,7 @@ class SimTrainer:
         *,
         engine: SimProfile | None = None,
         gpus: int | None = None,
+        gpus_per_node: int | None = None,
         compression: float = 1.0,
         colocate: bool = False,
         sleep: bool = True,
@@ -141,12 +172,19 @@ class SimTrainer:
         self.profile = profile
         self.engine = engine
         self.gpus = gpus or profile.gpus
+        self.gpus_per_node = gpus_per_node or profile.gpus_per_node
         self.compression = compression
         self.colocate = colocate
         self.sleep = sleep  # False: account only (tests of the cost model)
         self.parallel = None  # one process stands for the whole data-parallel trainer
         self.policy_version = 0
-        self.clock: dict[str, float] = {"train_s": 0.0, "optimizer_s": 0.0, "weight_sync_s": 0.0, "swap_s": 0.0}
+        self.clock: dict[str, float] = {
+            "train_s": 0.0,
+            "allreduce_s": 0.0,
+            "optimizer_s": 0.0,
+            "weight_sync_s": 0.0,
+            "swap_s": 0.0,
+        }
         self.steps: list[dict[str, float]] = []  # per `apply`: this step's simulated seconds by kind
         self._step: dict[str, float] = {}
         self._tokens = 0
@@ -161,6 +199,37 @@ class SimTrainer:
     def train_seconds(self, tokens: int) -> float:
         """Simulated seconds of forward + backward over ``tokens`` on the whole trainer."""
         return tokens / (self.gpus * self.profile.train_tokens_per_gpu_s)
+
+    def allreduce_seconds(self) -> float:
+        """Simulated seconds of one step's gradient all-reduce over the data-parallel ranks (`sim_comm`)."""
+        p = self.profile
+        if p.optimizer_step_s is not None:
+            return 0.0  # the fixed step includes it
+        shards = sim_comm.model_parallel(self.gpus, p.tensor_parallel, p.pipeline_parallel)
+        return sim_comm.allreduce_s(
+            p.model_params / shards * p.grad_bytes_per_param,
+            sim_comm.data_parallel(self.gpus, p.tensor_parallel, p.pipeline_parallel),
+            ranks_per_node=max(1, self.gpus_per_node // shards),
+            intra_bandwidth=p.nvlink_bytes_per_gpu_s,
+            inter_bandwidth=p.network_bytes_per_gpu_s,
+            efficiency=p.link_efficiency,
+            latency_s=p.link_latency_s,
+        )
+
+    def optimizer_seconds(self) -> float:
+        """Simulated seconds of one Adam step on one GPU (its states split over DP if distributed)."""
+        p = self.profile
+        if p.optimizer_step_s is not None:
+            return p.optimizer_step_s
+        params = p.model_params / sim_comm.model_parallel(self.gpus, p.tensor_parallel, p.pipeline_parallel)
+        if p.distributed_optimizer:
+            params /= sim_comm.data_parallel(self.gpus, p.tensor_parallel, p.pipeline_parallel)
+        return sim_comm.optimizer_s(
+            params,
+            bytes_per_param=p.optimizer_bytes_per_param,
+            hbm_bandwidth=p.hbm_bytes_per_gpu_s,
+            efficiency=p.hbm_efficiency,
+        )
 
     def weight_sync_seconds(self) -> float:
         p = self.profile
@@ -211,7 +280,8 @@ class SimTrainer:
                 self.staleness[lag] = self.staleness.get(lag, 0) + 1
 
     def apply(self) -> StepResult:
-        self._spend("optimizer_s", self.profile.optimizer_step_s)
+        self._spend("allreduce_s", self.allreduce_seconds())
+        self._spend("optimizer_s", self.optimizer_seconds())
         if self.colocate and self._swapped_in and self.engine is not None:
             self._spend("swap_s", self.profile.offload_s + self.engine.wake_s)  # trainer leaves, engines wake
             self._swapped_in = False

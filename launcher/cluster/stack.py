@@ -18,6 +18,7 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypedDict
 
 import httpx
 
@@ -33,17 +34,28 @@ from services.cluster.placement import (
 from services.cluster.registry import registry_handle
 from services.roles import ROLES
 
-from ..stack import TOKEN_FILE, ensure_token, gpus_per_engine
+from ..stack import TOKEN_FILE, ensure_token, gpus_per_engine, stack_model
 
-__all__ = ["RayStack", "SERVE_PORT"]
+__all__ = ["LocalRayOptions", "RayStack", "SERVE_PORT"]
 
 SERVE_PORT = 8000  # Serve's own default
+log = logging.getLogger(__name__)
+
+
+class LocalRayOptions(TypedDict):
+    """The ``ray.init`` keywords `RayStack` starts a local Ray with."""
+
+    namespace: str
+    resources: dict[str, float]
+    include_dashboard: bool
+    dashboard_host: str
+    logging_level: int
 
 
 @dataclass(slots=True)
 class RayStack:
     home: Path = Path(".weir")
-    model: Path | None = None
+    model: Path | str | None = None  # a model folder or a hub id (its snapshot, here); None: home/model
     engines: int = 1
     address: str | None = None  # a running cluster ("auto", "HOST:PORT"); None: start Ray here
     host: str = "127.0.0.1"
@@ -109,20 +121,31 @@ class RayStack:
         return plan
 
     # -- life --------------------------------------------------------------------------------
+    def local_ray_options(self) -> LocalRayOptions:
+        """``ray.init``'s arguments for a one-machine cluster: this node holds the data directory and hosts
+        every engine. The dashboard runs (on 127.0.0.1:8265): `serve status` and `serve deploy` talk to it."""
+        return {
+            "namespace": "weir",
+            "resources": {DATA_RESOURCE: 1, ENGINE_NODE_RESOURCE: 1, ENGINE_RESOURCE: max(64, self.engines)},
+            "include_dashboard": True,
+            "dashboard_host": "127.0.0.1",
+            "logging_level": logging.WARNING,
+        }
+
     def connect(self) -> None:
         import ray
 
         if ray.is_initialized():
             return
         if self.address is None:
-            # A one-machine cluster: this node holds the data directory and hosts every engine.
-            ray.init(
-                namespace="weir",
-                resources={DATA_RESOURCE: 1, ENGINE_NODE_RESOURCE: 1, ENGINE_RESOURCE: max(64, self.engines)},
-                include_dashboard=False,
-                logging_level=logging.WARNING,
-            )
+            context = ray.init(**self.local_ray_options())
             self.started_ray = True
+            if not context.dashboard_url:
+                log.warning(
+                    "Ray started without its dashboard, so `serve status` cannot reach this cluster; the "
+                    "dashboard needs ray[default]'s packages (pip install 'weir[ray]' installs ray[serve], which "
+                    "has them)"
+                )
         else:
             ray.init(address=self.address, namespace="weir", logging_level=logging.WARNING)
 
@@ -214,9 +237,9 @@ class RayStack:
         serve.run(role_app(args), name="engine", route_prefix="/engine", blocking=False)
 
     def model_folder(self) -> Path:
-        from encoders.embedded_model import ensure_model
-
-        return self.model or ensure_model(self.home / "model")  # the stack's own default: made once
+        """`launcher.stack.stack_model`: ``model`` resolved here (a hub id's snapshot must then be at the same
+        path on every node), else the tiny model in ``home/model``."""
+        return stack_model(self.home, self.model)
 
     def wait_ready(self, role: str, deadline: float) -> None:
         url = self.role_url(role)

@@ -60,7 +60,7 @@ class RoleReplica:
 
         role = ROLES[self.role]
         settings = load_settings(role.settings_class())
-        configure_logging(getattr(settings, "log_level", "info"))
+        configure_logging(getattr(settings, "log_level", "info"), role=self.role)
         self.asgi = role.create_app(settings)
         self.token = getattr(settings, "token", None)
         self.replica_id = serve.get_replica_context().replica_id.unique_id

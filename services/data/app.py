@@ -56,6 +56,9 @@ def _figures(stats: ExperienceStats) -> dict[str, Figure]:
         "weir_data_samples_dropped_total": Figure(
             "counter", "Stored samples never trained, by reason", stats.samples_dropped, "reason"
         ),
+        "weir_data_microbatches_delivered_total": Figure(
+            "counter", "Micro-batches leased to consumers (again after an expiry too)", stats.microbatches_delivered
+        ),
         "weir_data_queue_samples": Figure("gauge", "Samples waiting for the trainer", stats.queue_samples),
         "weir_data_stored_bytes": Figure("gauge", "Bytes of stored experience", stats.bytes),
         "weir_data_policy_version": Figure("gauge", "The trainer's policy version", stats.policy_version),

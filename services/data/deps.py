@@ -15,27 +15,29 @@ from fastapi import Depends, Path, Query, Request
 import preprocess as pp
 from experience import ExperienceStore
 
-from .schemas import CONSUMER_PATTERN, ErrorOut
+from .schemas import BATCH_ID_PATTERN, CONSUMER_PATTERN, ErrorOut
 from .settings import DataSettings
 from .state import DataState
 
 __all__ = ["BatchId", "Consumer", "Features", "Rank", "Settings", "Store", "refusals"]
 
 
-def _state(request: Request) -> DataState:
+# `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
+# hop per dependency on every request (the rollout role's POST /v1/experience after each group waits on them).
+async def _state(request: Request) -> DataState:
     state: DataState = request.app.state.weir
     return state
 
 
-def _store(state: Annotated[DataState, Depends(_state)]) -> ExperienceStore:
+async def _store(state: Annotated[DataState, Depends(_state)]) -> ExperienceStore:
     return state.store
 
 
-def _features(state: Annotated[DataState, Depends(_state)]) -> pp.FeatureStore | None:
+async def _features(state: Annotated[DataState, Depends(_state)]) -> pp.FeatureStore | None:
     return state.features
 
 
-def _settings(state: Annotated[DataState, Depends(_state)]) -> DataSettings:
+async def _settings(state: Annotated[DataState, Depends(_state)]) -> DataSettings:
     return state.settings
 
 
@@ -47,7 +49,7 @@ Consumer = Annotated[
     str, Query(pattern=CONSUMER_PATTERN, description="the consumer (trainer) whose offsets and leases are meant")
 ]
 Rank = Annotated[int, Query(ge=0, le=4095, description="this rank, in [0, world_size)")]
-BatchId = Annotated[str, Path(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="the X-Weir-Batch-Id of a delivery")]
+BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN, description="the X-Weir-Batch-Id of a delivery")]
 
 _REFUSALS = {
     400: "malformed JSON, or inline_media without a feature cache",

@@ -1,6 +1,7 @@
 """The micro-batch resource: token-budgeted batches leased to a consumer's ranks as Arrow IPC streams
 (``GET /v1/microbatches``, a long-poll), acknowledged (``POST /v1/microbatches/{id}/ack``) or handed back
-(``POST /v1/microbatches/release``). Cutting, leasing and exactly-once are `experience`'s.
+(``POST /v1/microbatches/release``); a trainer's step acknowledges its batches in one request
+(``POST /v1/microbatches/ack``: one transaction, one fsync). Cutting, leasing and exactly-once are `experience`'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from experience import microbatch_to_arrow, with_media
 from ..errors import ApiError
 from ..template import ARROW_STREAM
 from .deps import BatchId, Consumer, Features, Rank, Settings, Store, refusals
-from .schemas import AckOut, ReleaseOut
+from .schemas import AckOut, AcksIn, AcksOut, ReleaseOut
 
 __all__ = ["router"]
 
@@ -72,6 +73,15 @@ async def ack(batch_id: BatchId, store: Store) -> AckOut:
     samples were delivered again."""
     await asyncio.to_thread(store.ack, batch_id)
     return AckOut(acked=batch_id)
+
+
+@router.post("/v1/microbatches/ack", responses=refusals(400, 404, 413, 422))
+async def ack_all(body: AcksIn, store: Store) -> AcksOut:
+    """A step's batches trained, recorded in one durable transaction (idempotent). 404 ``unknown_batch``, with
+    nothing acknowledged, when any id was never delivered; a batch whose lease ran out and whose samples went out
+    again is listed in ``lease_expired`` (not acknowledged), the rest in ``acked``."""
+    done = await asyncio.to_thread(store.ack_all, body.batch_ids)
+    return AcksOut(acked=list(done.sample_ids), lease_expired=done.expired)
 
 
 @router.post("/v1/microbatches/release", responses=refusals(422))

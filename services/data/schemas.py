@@ -13,9 +13,12 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 from experience import Group, PolicyVersion
 
 __all__ = [
+    "BATCH_ID_PATTERN",
     "CONSUMER_PATTERN",
     "MAX_GROUPS",
     "AckOut",
+    "AcksIn",
+    "AcksOut",
     "AdmissionOut",
     "ErrorOut",
     "ExperienceIn",
@@ -29,6 +32,8 @@ __all__ = [
 ]
 
 MAX_GROUPS = 1024
+MAX_ACKS = 4096  # a step's micro-batches on one rank, with room to spare
+BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 CONSUMER_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 MAX_POLICY_VERSION = 2**53 - 1  # exact in every JSON reader (a double)
 
@@ -86,6 +91,19 @@ class AckOut(_Wire):
     acked: str = Field(description="the acknowledged batch id")
 
 
+class AcksIn(_Wire):
+    batch_ids: list[Annotated[str, Field(pattern=BATCH_ID_PATTERN)]] = Field(
+        min_length=1, max_length=MAX_ACKS, description="X-Weir-Batch-Id values of trained micro-batches (a step's)"
+    )
+
+
+class AcksOut(_Wire):
+    acked: list[str] = Field(description="batch ids now recorded as trained (acknowledged now or before)")
+    lease_expired: list[str] = Field(
+        description="batch ids not acknowledged: their lease ran out and their samples went out again"
+    )
+
+
 class ReleaseOut(_Wire):
     released: int = Field(description="deliveries returned to the queue")
 
@@ -108,3 +126,4 @@ class StatsOut(_Wire):
     policy_version: int
     staleness_histogram: dict[str, int] = Field(description="stored samples by versions behind the policy")
     drops: dict[str, int] = Field(description="groups and samples dropped, by counter name")
+    microbatches_delivered: int = Field(description="micro-batches leased to any consumer (again after an expiry)")

@@ -31,6 +31,7 @@ import preprocess as pp
 from engines import MediaResolver
 from engines.limits import ModelLimits
 
+from ..model_ref import model_name
 from ..settings import load_settings
 from ..template import build_app
 from . import control, generation, info, weights
@@ -70,7 +71,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         probe=probe,
         counted=counted,
         model_card={
-            "id": settings.model.name,
+            "id": model_name(settings.model),  # owner/name for a hub snapshot
             "object": "model",
             "created": int(time.time()),
             "owned_by": "weir",

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 import engines
 
 from .. import __version__
+from ..model_ref import model_name
 from .deps import Engine, Role
 from .schemas import ModelInfo, ModelList, ServerInfo, WeightVersion
 from .service import HEALTH_GENERATE_TIMEOUT_S
@@ -54,7 +55,7 @@ async def model_info(role: Role) -> Any:
     config, model = role.config, role.settings.model
     return {
         "model_path": str(model),
-        "served_model_name": model.name,
+        "served_model_name": model_name(model),
         "tokenizer_path": str(model),
         "is_generation": True,
         "preferred_sampling_params": None,

@@ -34,10 +34,14 @@ def create_app(settings: PreprocessSettings | None = None) -> FastAPI:
         await run_in_threadpool(state.store.stats)  # the cache's index answers
         return Readiness(True, {"spec": state.spec.fingerprint})
 
+    async def close() -> None:
+        await run_in_threadpool(state.close)  # the decode pool's workers end with the app
+
     app = build_app(
         "preprocess",
         settings,
         ready=ready,
+        on_close=close,
         metrics=metrics,
         state=state,
         description="Media in, token counts and cache keys out; features served from the cache.",

@@ -48,6 +48,7 @@ class PreprocessState:
         self.spec = settings.spec()
         self.store = pp.FeatureStore(settings.cache_dir, settings.cache_max_bytes)
         self.metrics = PreprocessMetrics(metrics, self.store)
+        self.pool = pp.ItemPool(self.store, self.spec, workers=settings.decode_workers)
 
     # -- requests -> items -------------------------------------------------------------------
     def budget(self, given: BudgetIn | None) -> pp.TokenBudget:
@@ -126,26 +127,31 @@ class PreprocessState:
         return plans
 
     def process(self, items: list[Item], budget: pp.TokenBudget) -> PreprocessResponse:
+        """Every item (and each video's own audio track) processed at once on the pool; the first
+        refusal in request order is the one raised, as if the items had been processed one by one."""
         plans = self.plan(items, budget)
-        results = []
-        for index, (item, plan) in enumerate(zip(items, plans, strict=True)):
-            done = self._process(index, item.raw, item.kind, plan, budget)
-            track = None
+        jobs: list[pp.PoolJob] = []
+        for item, plan in zip(items, plans, strict=True):
+            jobs.append(pp.PoolJob(data=item.raw, kind=item.kind, plan=plan))
             if plan.audio is not None:
-                track = self._process(index, item.raw, "audio", plan.audio, budget)
+                jobs.append(pp.PoolJob(data=item.raw, kind="audio", plan=plan.audio))
+        outcomes = iter(self.pool.run(jobs, budget))
+        results = []
+        for index, plan in enumerate(plans):
+            done = self._count(index, next(outcomes))
+            track = None if plan.audio is None else self._count(index, next(outcomes))
             results.append(item_result(index, plan, done, track))
         return PreprocessResponse(items=results, num_tokens=total_tokens(results))
 
-    def _process(
-        self, index: int, raw: bytes, kind: pp.MediaKind, plan: pp.MediaPlan, budget: pp.TokenBudget
-    ) -> pp.ProcessedItem:
-        try:
-            done = pp.process_bytes(raw, kind, self.spec, budget, store=self.store, plan=plan)
-        except pp.MediaError as error:
-            raise self._refuse(error, index) from None
-        (self.metrics.cache_hits if done.cache_hit else self.metrics.cache_misses).inc()
-        self.metrics.tokens_produced.labels(kind).inc(done.features.num_tokens)
-        return done
+    def _count(self, index: int, outcome: pp.PooledItem | pp.MediaError) -> pp.PooledItem:
+        if isinstance(outcome, pp.MediaError):
+            raise self._refuse(outcome, index)
+        (self.metrics.cache_hits if outcome.cache_hit else self.metrics.cache_misses).inc()
+        self.metrics.tokens_produced.labels(outcome.kind).inc(outcome.num_tokens)
+        return outcome
+
+    def close(self) -> None:
+        self.pool.close()
 
 
 def total_tokens(results: list[ItemResult]) -> int:
@@ -154,17 +160,20 @@ def total_tokens(results: list[ItemResult]) -> int:
 
 
 def item_result(
-    index: int, plan: pp.MediaPlan, done: pp.ProcessedItem | None = None, track: pp.ProcessedItem | None = None
+    index: int,
+    plan: pp.MediaPlan,
+    done: pp.PooledItem | None = None,
+    track: pp.PooledItem | None = None,
 ) -> ItemResult:
     video = plan.kind == "video"
     num_frames, num_samples = (plan.num_frames, plan.num_samples) if plan.kind == "audio" else (None, None)
-    if done is not None and isinstance(done.features, pp.AudioFeatures):
-        num_frames, num_samples = done.features.num_frames, done.features.num_samples
+    if done is not None and done.num_frames is not None:
+        num_frames, num_samples = done.num_frames, done.num_samples
     return ItemResult(
         index=index,
         key=None if done is None else done.key,
         type=plan.kind,
-        num_tokens=plan.num_tokens if done is None else done.features.num_tokens,
+        num_tokens=plan.num_tokens if done is None else done.num_tokens,
         tokens_unbudgeted=plan.tokens_unbudgeted,
         cache_hit=None if done is None else done.cache_hit,
         exact=plan.exact,

@@ -11,6 +11,7 @@ import preprocess as pp
 
 from ..media_roots import MediaRoots
 from ..media_urls import MediaUrls
+from ..model_ref import resolve_model
 from ..settings import RoleSettings
 
 __all__ = ["PreprocessSettings"]
@@ -23,7 +24,7 @@ class PreprocessSettings(RoleSettings, MediaUrls):
 
     cache_dir: Path = Path(".weir/cache")
     cache_max_bytes: int = Field(10 << 30, gt=0)
-    # Processor spec: a model folder with preprocessor_config.json, or a named preset.
+    # Processor spec: a model folder (or a hub id: its cached snapshot) with preprocessor_config.json, or a preset.
     model: Path | None = None
     spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_omni_moe"] = "qwen2_5_omni"
     # Media sources.
@@ -38,6 +39,18 @@ class PreprocessSettings(RoleSettings, MediaUrls):
     max_sample_tokens: int | None = Field(None, gt=0)
     budget_policy: Literal["shrink", "refuse"] = "shrink"
     max_decode_pixels: int = Field(1 << 27, gt=0)
+    # Processes that decode a request's items at once (`preprocess.ItemPool`), each writing into the cache;
+    # unset: the cores this process may use; 1: in the request's thread, one item after another. Under
+    # `weir serve preprocess --workers N` every server process has its own pool: set it to cores / N there.
+    decode_workers: int | None = Field(None, gt=0)
+    # How audio reaches 16 kHz (`preprocess.AudioResampler`): torchaudio, or libsoxr as librosa (qwen-omni-utils).
+    audio_resampler: Literal["torchaudio", "soxr"] = "torchaudio"
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _hub_id(cls, value: object) -> object:
+        # A hub id (owner/name[@revision]) becomes its snapshot folder (`services.model_ref`), then is checked.
+        return resolve_model(value) if isinstance(value, str | Path) and str(value) else value
 
     @field_validator("model")
     @classmethod
@@ -48,8 +61,10 @@ class PreprocessSettings(RoleSettings, MediaUrls):
 
     def spec(self) -> pp.ProcessorSpec:
         if self.model is not None:
-            return pp.ProcessorSpec.from_pretrained(self.model)
-        return getattr(pp.ProcessorSpec, self.spec_preset)()
+            spec = pp.ProcessorSpec.from_pretrained(self.model)
+        else:
+            spec = getattr(pp.ProcessorSpec, self.spec_preset)()
+        return spec.with_audio_resampler(self.audio_resampler)
 
     def default_budget(self) -> pp.TokenBudget:
         return pp.TokenBudget(

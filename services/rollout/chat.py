@@ -24,7 +24,15 @@ from .deps import Role, request_bytes
 from .models import check_model
 from .openai_errors import OpenAIRoute
 from .schemas import UNSUPPORTED_CHAT_PARAMETERS, ChatCompletion, ChatRequest
-from .service import chat_logprobs, chat_sampling, response_format_sampling, tool_prompt, unsupported_parameter
+from .service import (
+    chat_logprobs,
+    chat_sampling,
+    extension_refusal,
+    response_format_sampling,
+    template_variables,
+    tool_prompt,
+    unsupported_parameter,
+)
 
 __all__ = ["router", "stream_events"]
 
@@ -40,6 +48,9 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
     """OpenAI-compatible chat completion; with ``stream``, server-sent events as the tokens come."""
     settings, context = role.settings, role.context
     model = check_model(role, body.model)
+    extension = extension_refusal(body)
+    if extension is not None:
+        raise extension
     refused = unsupported_parameter(body)
     if refused is not None:
         raise ApiError(
@@ -49,8 +60,13 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
     ask = chat_logprobs(body)
     tools, prefill = tool_prompt(body)
-    sampling = chat_sampling(body, json_schema=response_format_sampling(body, prefill=prefill).get("json_schema"))
+    variables = template_variables(body)
     limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    sampling = chat_sampling(
+        body,
+        max_new_tokens=limit if limit is not None else context.context_length,
+        json_schema=response_format_sampling(body, prefill=prefill).get("json_schema"),
+    )
     messages = [m.model_dump(exclude_none=True) for m in body.messages]
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     token_text = context.prompts.token_text if body.logprobs else None
@@ -60,20 +76,42 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         held.enter_context(context.admission.admit(nbytes=await request_bytes(request)))
         try:
             streams = await chat_stream(
-                context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill, ask=ask
+                context,
+                messages,
+                n=body.n,
+                sampling=sampling,
+                max_tokens=limit,
+                tools=tools,
+                prefill=prefill,
+                ask=ask,
+                template_variables=variables,
             )
         except BaseException:
             held.close()
             raise
         head = chat.chunk_head(f"chatcmpl-{streams.group_id}", created, model)
-        shape = functools.partial(chat.ChoiceStream, stop=sampling.stop, token_text=token_text, tools=tools is not None)
+        shape = functools.partial(
+            chat.ChoiceStream,
+            stop=sampling.stop,
+            token_text=token_text,
+            tools=tools is not None,
+            prompt_ids=streams.prepared.prompt_ids if body.return_token_ids else None,
+        )
         events = stream_events(
             streams, head, lambda index: shape(head, index, prefill=prefill), include_usage, held, what="chat"
         )
         return StreamingResponse(events, media_type="text/event-stream")
     with context.admission.admit(nbytes=await request_bytes(request)):
         group_id, prepared, samples, details = await chat_samples(
-            context, messages, n=body.n, sampling=sampling, max_tokens=limit, tools=tools, prefill=prefill, ask=ask
+            context,
+            messages,
+            n=body.n,
+            sampling=sampling,
+            max_tokens=limit,
+            tools=tools,
+            prefill=prefill,
+            ask=ask,
+            template_variables=variables,
         )
     whole = chat.completion(
         samples,
@@ -85,6 +123,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         tools=tools is not None,
         prefill=prefill,
         details=details,
+        prompt_ids=prepared.prompt_ids if body.return_token_ids else None,
     )
     return JSONResponse(whole)
 

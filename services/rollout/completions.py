@@ -23,7 +23,7 @@ from .deps import Role, request_bytes
 from .models import check_model
 from .openai_errors import OpenAIRoute
 from .schemas import CompletionRequest
-from .service import chat_sampling, completion_logprobs, completion_refusal
+from .service import chat_sampling, completion_logprobs, completion_refusal, extension_refusal
 
 __all__ = ["router"]
 
@@ -35,12 +35,15 @@ async def completions(body: CompletionRequest, request: Request, role: Role) -> 
     """OpenAI-compatible text completion: the prompt as given (text or token ids, no chat template)."""
     settings, context = role.settings, role.context
     model = check_model(role, body.model)
+    extension = extension_refusal(body)
+    if extension is not None:
+        raise extension
     refused = completion_refusal(body)
     if refused is not None:
         raise ApiError(400, "unsupported_parameter", f"{refused[0]}: {refused[1]}", field=refused[0])
     if body.n > settings.max_n:
         raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
-    sampling = chat_sampling(body)
+    sampling = chat_sampling(body, max_new_tokens=body.max_tokens)
     tokenizer = context.prompts.tokenizer
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
         prompts: list[Any] = [body.prompt]
@@ -93,7 +96,13 @@ async def completions(body: CompletionRequest, request: Request, role: Role) -> 
             streams,
             head,
             lambda index: chat.TextChoiceStream(
-                head, index, stop=stop, token_text=token_text, top=top, offset=len(echo)
+                head,
+                index,
+                stop=stop,
+                token_text=token_text,
+                top=top,
+                offset=len(echo),
+                prompt_ids=prepared[0].prompt_ids if body.return_token_ids else None,
             ),
             include_usage,
             held,
@@ -121,6 +130,7 @@ async def completions(body: CompletionRequest, request: Request, role: Role) -> 
             echo=_decode(context, one.prompt_ids) if body.echo else "",
             details=details,
             top=top,
+            prompt_ids=one.prompt_ids if body.return_token_ids else None,
         )
         for choice in whole["choices"]:
             choices.append({**choice, "index": p * body.n + choice["index"]})

@@ -16,12 +16,14 @@ from .service import RolloutRole
 __all__ = ["Context", "Role", "request_bytes"]
 
 
-def _role(request: Request) -> RolloutRole:
+# `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
+# hop (and a wake-up of the event loop after it) for each, on every request this role serves.
+async def _role(request: Request) -> RolloutRole:
     role: RolloutRole = request.app.state.rollout
     return role
 
 
-def _context(role: Annotated[RolloutRole, Depends(_role)]) -> RolloutContext:
+async def _context(role: Annotated[RolloutRole, Depends(_role)]) -> RolloutContext:
     return role.context
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, JsonValue, Tag, model_validator
 
 from experience.records import GROUP_ID_PATTERN, Group
 
@@ -22,6 +22,8 @@ __all__ = [
     "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
+    "EXTENSION_REFUSALS",
+    "EngineExtensions",
     "EnvironmentSpec",
     "JsonSchemaFormat",
     "Message",
@@ -73,7 +75,8 @@ class Message(BaseModel):
         None,
         description="text, or a list of parts: {type: text, text}, {type: image_url | video_url | audio_url, "
         "<type>: {url}} (a data URI, a path under the preprocess role's media roots, or http(s) when allowed), "
-        "{type: input_audio, input_audio: {data: base64, format}}; may be null on an assistant turn with "
+        "{type: input_audio, input_audio: {data: base64, format}}, Qwen-style {type: image | video | audio, "
+        "<type>: url}; may be null on an assistant turn with "
         "tool_calls",
     )
     tool_calls: list[dict[str, Any]] | None = Field(
@@ -197,6 +200,8 @@ UNSUPPORTED_CHAT_PARAMETERS: dict[str, str] = {
     "prediction": "predicted outputs are not supported",
     "web_search_options": "web search is not supported",
     "reasoning_effort": "reasoning_effort is not supported",
+    "verbosity": "verbosity is not supported",
+    "moderation": "moderation policies are not supported",
 }
 """OpenAI fields that would change the answer if silently ignored: a request that sets one (to anything
 but its neutral value) gets 400 ``unsupported_parameter`` naming it. The penalties and ``logit_bias``
@@ -267,13 +272,73 @@ class NamedToolChoice(BaseModel):
 
 _Stop = Annotated[str, Field(min_length=1, max_length=256)]
 _REFUSED = "not supported: 400 unsupported_parameter unless absent, null or neutral"
+_GRAMMAR = 1 << 20
+
+EXTENSION_REFUSALS: dict[str, str] = {
+    "include_stop_str_in_output": "not supported (SGLang's no_stop_trim is)",
+    "continue_final_message": "not supported: the prompt always ends with the assistant's generation prompt",
+    "add_generation_prompt": "not supported: the prompt always ends with the assistant's generation prompt",
+    "echo": "not supported in chat (/v1/completions echoes its prompt)",
+    "chat_template": "not supported: the model's own chat template renders every prompt (chat_template_kwargs is)",
+    "guided_json": "not supported (response_format is)",
+    "guided_regex": "not supported (regex is)",
+    "guided_grammar": "not supported (ebnf is)",
+    "guided_choice": "not supported (regex is)",
+    "structured_outputs": "not supported (response_format, regex and ebnf are)",
+    "best_of": "not supported (ask for n choices)",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "beam search is not supported",
+    "return_prompt_token_ids": "not supported (return_token_ids is)",
+    "separate_reasoning": "reasoning is not parsed out of the answer",
+    "include_reasoning": "reasoning is not parsed out of the answer",
+}
+"""SGLang's and vLLM's request fields this role does not implement: 400 ``unsupported_parameter`` naming
+the field and what to use instead. Any other field a request schema does not declare is 400
+``unknown_parameter`` naming it (the request models keep undeclared fields to name them): none is ever
+silently ignored."""
 
 
-class ChatRequest(BaseModel):
-    """The OpenAI chat-completions request. OpenAI fields not listed here are ignored; the ones that
-    would change the answer are refused by name (`UNSUPPORTED_CHAT_PARAMETERS`)."""
+class EngineExtensions(BaseModel):
+    """SGLang's and vLLM's extensions of OpenAI's requests (the OpenAI SDK sends them in ``extra_body``),
+    each honoured: passed to the engines as the SGLang sampling key of that name (``min_tokens``: SGLang's
+    ``min_new_tokens``), or, for ``return_token_ids``, answered with the token ids."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    top_k: int | None = Field(
+        None, ge=-1, le=1 << 30, description="sample from the k most likely tokens only (-1 or 0: all, as vLLM)"
+    )
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens less likely than min_p × the most likely")
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=2, description="prompt and output tokens' logits divided (positive) or multiplied by it"
+    )
+    min_tokens: int | None = Field(
+        None, ge=0, le=_MAX_TOKENS, description="EOS and stop_token_ids masked until this many tokens (vLLM's name)"
+    )
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, max_length=1024, description="token ids that end the answer (as an EOS does)"
+    )
+    ignore_eos: bool = Field(False, description="generate up to max_tokens")
+    skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (default true)")
+    spaces_between_special_tokens: bool | None = Field(None, description="default true")
+    no_stop_trim: bool | None = Field(None, description="keep the stop string that ended the answer in its text")
+    regex: str | None = Field(None, max_length=_GRAMMAR, description="the answer matches this regular expression")
+    ebnf: str | None = Field(None, max_length=_GRAMMAR, description="the answer follows this GBNF grammar")
+    return_token_ids: bool = Field(
+        False,
+        description="answer with the token ids too: prompt_token_ids (exactly the prompt_ids /v1/rollouts gives "
+        "for the same messages) and each choice's token_ids; streamed, as vLLM: the prompt's with each choice's "
+        "first chunk, and each chunk's own",
+    )
+
+
+class ChatRequest(EngineExtensions):
+    """The OpenAI chat-completions request, with SGLang's and vLLM's extensions (`EngineExtensions`,
+    ``chat_template_kwargs``). OpenAI fields that would change the answer are refused by name
+    (`UNSUPPORTED_CHAT_PARAMETERS`), as are the extensions not implemented (`EXTENSION_REFUSALS`) and any
+    field not declared here (``unknown_parameter``)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = Field(
         None, max_length=256, description="the served model (GET /v1/models); another name is 404 model_not_found"
@@ -307,13 +372,22 @@ class ChatRequest(BaseModel):
         description="auto (the default with tools), none (tools left out of the prompt), required or a named "
         "function (the answer is started with a <tool_call> block, naming the function when given)",
     )
-    ignore_eos: bool = Field(False, description="an SGLang / vLLM extension: generate up to max_tokens")
+    chat_template_kwargs: dict[str, JsonValue] | None = Field(
+        None,
+        max_length=64,
+        description='more variables for the chat template (e.g. {"enable_thinking": false}); the names it is '
+        "already rendered with (messages, tools, add_generation_prompt, ...) are 400 invalid_chat_template_kwargs",
+    )
     # Accepted and ignored: they do not change the answer.
     user: str | None = Field(None, max_length=256)
     metadata: dict[str, str] | None = Field(None, max_length=16)
     store: bool | None = None
     parallel_tool_calls: bool | None = None
     service_tier: str | None = Field(None, max_length=64)
+    prompt_cache_key: str | None = Field(None, max_length=1024)
+    prompt_cache_options: JsonValue = None
+    prompt_cache_retention: str | None = Field(None, max_length=64)
+    safety_identifier: str | None = Field(None, max_length=256)
     # Refused unless neutral (see UNSUPPORTED_CHAT_PARAMETERS).
     functions: Any = Field(None, description=_REFUSED + " ([] is neutral)")
     function_call: Any = Field(None, description=_REFUSED)
@@ -331,6 +405,8 @@ class ChatRequest(BaseModel):
     prediction: Any = Field(None, description=_REFUSED)
     web_search_options: Any = Field(None, description=_REFUSED)
     reasoning_effort: Any = Field(None, description=_REFUSED)
+    verbosity: Any = Field(None, description=_REFUSED)
+    moderation: Any = Field(None, description=_REFUSED)
 
 
 class ChatMessage(BaseModel):
@@ -350,6 +426,7 @@ class ChatChoice(BaseModel):
         "(top_logprobs entries, most likely first, with top_logprobs k > 0)",
     )
     finish_reason: Literal["stop", "length", "tool_calls"]
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the completion's token ids")
 
 
 class Usage(BaseModel):
@@ -365,6 +442,9 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = Field(
+        None, description="with return_token_ids: the prompt's token ids (/v1/rollouts' prompt_ids)"
+    )
 
 
 class ModelCard(BaseModel):
@@ -393,11 +473,12 @@ def _prompt_kind(value: Any) -> str:
     return "ids"
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's (legacy) text-completions request: a raw prompt, no chat template. OpenAI fields not
-    listed are ignored; those that would change the answer are refused by name."""
+class CompletionRequest(EngineExtensions):
+    """OpenAI's (legacy) text-completions request: a raw prompt, no chat template, with SGLang's and
+    vLLM's extensions (`EngineExtensions`). Fields that would change the answer and are not implemented
+    are refused by name, as is any field not declared here (``unknown_parameter``)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     model: str | None = Field(None, max_length=256, description="the served model; another name is 404")
     prompt: Annotated[
@@ -427,7 +508,6 @@ class CompletionRequest(BaseModel):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
     user: str | None = Field(None, max_length=256)
     suffix: Any = Field(None, description="refused unless null")
     best_of: Any = Field(None, description="refused unless null or 1")

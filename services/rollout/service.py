@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
+from pydantic import JsonValue
+
+from engines.errors import InvalidSampling
 from engines.protocol import SamplingParams
 from engines.sampling import SUPPORTED_SAMPLING, sampling_from
 from experience.records import Group, SampleStatus
@@ -20,7 +23,7 @@ from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRef, EnvironmentRegistry
 from rollout.logprobs import LogprobAsk
 from rollout.messages import FunctionTool, function_tool
-from rollout.prompts import PromptBuilder
+from rollout.prompts import RESERVED_TEMPLATE_VARIABLES, PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.rewards import RewardSpec as LibraryRewardSpec
 from rollout.sink import HttpSink, JsonlSink, Sink
@@ -30,6 +33,7 @@ from ..errors import ApiError
 from ..http import async_client
 from ..metrics import RoleMetrics
 from .schemas import (
+    EXTENSION_REFUSALS,
     UNSUPPORTED_CHAT_PARAMETERS,
     ChatRequest,
     CompletionRequest,
@@ -43,6 +47,7 @@ from .settings import RolloutSettings
 __all__ = [
     "ANY_JSON_OBJECT",
     "ENGINE_SAMPLING_FIELDS",
+    "EXTENSION_SAMPLING",
     "MultiturnFields",
     "RolloutMetrics",
     "RolloutRole",
@@ -53,10 +58,12 @@ __all__ = [
     "chat_sampling",
     "completion_logprobs",
     "completion_refusal",
+    "extension_refusal",
     "library_reward",
     "multiturn_fields",
     "prompt_sampling",
     "response_format_sampling",
+    "template_variables",
     "tool_prompt",
     "unsupported_parameter",
 ]
@@ -260,12 +267,70 @@ def completion_refusal(body: CompletionRequest) -> tuple[str, str] | None:
     return None
 
 
-def chat_sampling(body: ChatRequest | CompletionRequest, *, json_schema: str | None = None) -> SamplingParams:
+# SGLang's and vLLM's request fields (`schemas.EngineExtensions`) → the SGLang sampling key each is.
+EXTENSION_SAMPLING = {
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_new_tokens",
+    "stop_token_ids": "stop_token_ids",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "no_stop_trim",
+    "regex": "regex",
+    "ebnf": "ebnf",
+}
+_REQUEST_FIELD = {key: name for name, key in EXTENSION_SAMPLING.items()} | {"sampling_seed": "seed"}
+
+
+def extension_refusal(body: ChatRequest | CompletionRequest) -> ApiError | None:
+    """The 400 for the first field of ``body`` its schema does not declare: ``unsupported_parameter`` for
+    an SGLang / vLLM field this role does not implement (`EXTENSION_REFUSALS`, saying what to use),
+    ``unknown_parameter`` for any other. None when there is none: no field is silently ignored."""
+    name = next(iter(body.model_extra or {}), None)
+    if name is None:
+        return None
+    if name in EXTENSION_REFUSALS:
+        return ApiError(400, "unsupported_parameter", f"{name}: {EXTENSION_REFUSALS[name]}", field=name)
+    return ApiError(
+        400,
+        "unknown_parameter",
+        f"{name}: not a field of this API (OpenAI's, with the SGLang and vLLM extensions listed in the "
+        "OpenAPI document)",
+        field=name,
+    )
+
+
+def template_variables(body: ChatRequest) -> dict[str, JsonValue] | None:
+    """``chat_template_kwargs``, for the chat template; a name the template is already rendered with
+    (`rollout.prompts.RESERVED_TEMPLATE_VARIABLES`) is 400 ``invalid_chat_template_kwargs`` naming it."""
+    variables = body.chat_template_kwargs
+    reserved = sorted(set(variables or {}) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise ApiError(
+            400,
+            "invalid_chat_template_kwargs",
+            f"chat_template_kwargs.{reserved[0]}: set by this role, not by a request",
+            field="chat_template_kwargs",
+        )
+    return variables
+
+
+def chat_sampling(
+    body: ChatRequest | CompletionRequest, *, max_new_tokens: int, json_schema: str | None = None
+) -> SamplingParams:
     """The `SamplingParams` of an OpenAI request (checked by `unsupported_parameter` first), read as
-    SGLang's ``sampling_params`` would be (`InvalidSampling`, 400, naming the field); a ``seed`` becomes
-    ``sampling_seed``, which gives each choice its own seed; ``json_schema``: the grammar of its
-    ``response_format`` (`response_format_sampling`). ``max_new_tokens`` is set per request by the caller."""
-    sampling: dict[str, Any] = {"temperature": body.temperature, "top_p": body.top_p, "json_schema": json_schema}
+    SGLang's ``sampling_params`` would be (a 400 with `InvalidSampling`'s code, naming the request's
+    field); a ``seed`` becomes ``sampling_seed``, which gives each choice its own seed; SGLang's and
+    vLLM's fields their SGLang keys (`EXTENSION_SAMPLING`; a ``top_k`` of 0 is -1, all, as vLLM);
+    ``json_schema``: the grammar of its ``response_format`` (`response_format_sampling`).
+    ``max_new_tokens``: the request's bound (the caller sets the exact one per prompt)."""
+    sampling: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "json_schema": json_schema,
+    }
     if body.stop is not None:
         sampling["stop"] = [body.stop] if isinstance(body.stop, str) else body.stop
     if body.seed is not None:
@@ -276,7 +341,18 @@ def chat_sampling(body: ChatRequest | CompletionRequest, *, json_schema: str | N
         value = getattr(body, name)
         if value is not None and name in SUPPORTED_SAMPLING:
             sampling[name] = value
-    return sampling_from(sampling)
+    for name, key in EXTENSION_SAMPLING.items():
+        value = getattr(body, name)
+        if value is not None:
+            sampling[key] = value
+    if sampling.get("top_k") == 0:
+        sampling["top_k"] = -1
+    try:
+        return sampling_from(sampling)
+    except InvalidSampling as error:  # named as the request names it (SGLang's keys are the engines')
+        key = (error.field or "").removeprefix("sampling_params.")
+        field = _REQUEST_FIELD.get(key, key) or None
+        raise ApiError(400, error.code, f"{field}: {error}" if field else str(error), field=field) from None
 
 
 def chat_logprobs(body: ChatRequest) -> LogprobAsk:

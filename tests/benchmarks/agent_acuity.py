@@ -68,7 +68,7 @@ def main() -> int:
     parser.add_argument("--patch", type=int, default=12, help="the square's side in pixels (default: 12)")
     parser.add_argument("--steps", type=int, default=200, help="supervised steps (default: 200)")
     parser.add_argument("--home", type=Path, default=None, help="the stack's home (default: a temporary folder)")
-    parser.add_argument("--base-port", type=int, default=19700, help="the stack's base port (default: 19700)")
+    parser.add_argument("--base-port", type=int, default=9900, help="the stack's base port (default: 9900)")
     args = parser.parse_args()
     home = args.home or Path(tempfile.mkdtemp(prefix="weir-acuity-"))
     stack = LocalStack(home=home, base_port=args.base_port)

@@ -185,7 +185,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="weir-bench-cluster-") as tmp:
         root = Path(tmp)
-        local = LocalStack(home=root / "local", engines=2, base_port=_free_port() // 10 * 10 % 20000 + 20000)
+        base_port = 10000 + _free_port() % 86 * 10  # its engines stay below the ephemeral ports
+        local = LocalStack(home=root / "local", engines=2, base_port=base_port)
         local.start()
         try:
             results["processes"] = chat_latency(local.urls["rollout"], local.token, requests)

@@ -36,6 +36,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -104,11 +106,9 @@ def populate(data_dir: Path, samples: int, n: int = 8) -> float:
     return time.perf_counter() - start
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    args.tmp.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="weir-bench-data-", dir=args.tmp))
-    data_dir = work / "data"
-    populated_s = populate(data_dir, args.history) if args.history else 0.0
+@contextmanager
+def data_role(work: Path, data_dir: Path, **env_vars: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``weir serve data`` on a free port over ``data_dir`` (its log in ``work``), ready; its URL and process."""
     port = _free_port()
     env = {
         **os.environ,
@@ -116,12 +116,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "WEIR_API_TOKEN": TOKEN,
         "WEIR_LEASE_S": "3600",
         "WEIR_MAX_QUEUED_GROUPS": "100000",
+        **env_vars,
     }
     log = (work / "data.log").open("wb")
     command = [sys.executable, "-m", "launcher.cli", "serve", "data", "--port", str(port), "--log-level", "warning"]
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -133,111 +133,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline or server.poll() is not None:
                 raise RuntimeError(f"the data role did not start (see {work / 'data.log'})")
             time.sleep(0.2)
-
-        template = json.dumps(
-            {"groups": [_group_body("GID", n=args.n, prompt=args.prompt, response=args.response)]}
-        ).encode()
-        inner = template[len(b'{"groups": [') : -2]
-        stop = threading.Event()
-        lock = threading.Lock()
-        lat: dict[str, list[float]] = {"ingest": [], "lease": [], "ack": [], "admission": []}
-        counts = {"groups": 0, "microbatches": 0, "samples_acked": 0, "errors": 0, "empty_polls": 0}
-
-        def producer(p: int) -> None:
-            client = httpx.Client(headers={**headers, "Content-Type": "application/json"}, timeout=120)
-            k = 0
-            while not stop.is_set():
-                ids = [f"p{p}-{k + i}" for i in range(args.batch)]
-                k += args.batch
-                body = b'{"groups": [' + b", ".join(inner.replace(b'"GID"', f'"{g}"'.encode()) for g in ids) + b"]}"
-                t = time.perf_counter()
-                r = client.post(f"{url}/v1/experience", content=body)
-                dt = time.perf_counter() - t
-                with lock:
-                    if r.status_code == 200:
-                        lat["ingest"].append(dt)
-                        counts["groups"] += len(r.json()["stored"])
-                    else:
-                        counts["errors"] += 1
-                if args.rate:
-                    time.sleep(max(0.0, args.batch / args.rate - dt))
-            client.close()
-
-        def consumer(rank: int) -> None:
-            client = httpx.Client(headers=headers, timeout=120)
-            params = {"rank": rank, "world_size": args.ranks, "max_tokens": args.max_tokens, "wait_s": 1.0}
-            while not stop.is_set():
-                t = time.perf_counter()
-                r = client.get(f"{url}/v1/microbatches", params=params)
-                dt = time.perf_counter() - t
-                if r.status_code == 204:
-                    with lock:
-                        counts["empty_polls"] += 1
-                    continue
-                if r.status_code != 200:
-                    with lock:
-                        counts["errors"] += 1
-                    continue
-                batch_id = r.headers["X-Weir-Batch-Id"]
-                t2 = time.perf_counter()
-                a = client.post(f"{url}/v1/microbatches/{batch_id}/ack")
-                dt2 = time.perf_counter() - t2
-                with lock:
-                    lat["lease"].append(dt)
-                    if a.status_code == 200:
-                        lat["ack"].append(dt2)
-                        counts["microbatches"] += 1
-                    else:
-                        counts["errors"] += 1
-            client.close()
-
-        def poller() -> None:
-            """The rollout driver's admission polling (`trainer.driver`: every 50 ms while it has no room)."""
-            client = httpx.Client(headers=headers, timeout=120)
-            while not stop.is_set():
-                t = time.perf_counter()
-                r = client.get(f"{url}/v1/admission")
-                dt = time.perf_counter() - t
-                with lock:
-                    if r.status_code == 200:
-                        lat["admission"].append(dt)
-                    else:
-                        counts["errors"] += 1
-                time.sleep(max(0.0, 1 / args.admission_hz - dt))
-            client.close()
-
-        threads = [threading.Thread(target=producer, args=(p,), daemon=True) for p in range(args.producers)]
-        if args.admission_hz:
-            threads.append(threading.Thread(target=poller, daemon=True))
-        threads += [threading.Thread(target=consumer, args=(r,), daemon=True) for r in range(args.ranks)]
-        start = time.perf_counter()
-        for t in threads:
-            t.start()
-        time.sleep(args.seconds)
-        stop.set()
-        elapsed = time.perf_counter() - start
-        for t in threads:
-            t.join(130)
-        tokens_per_group = args.n * (args.prompt + args.response)
-        return {
-            "bench": "data_role",
-            "history_samples": args.history,
-            "populate_s": round(populated_s, 1),
-            "producers": args.producers,
-            "ranks": args.ranks,
-            "batch": args.batch,
-            "n": args.n,
-            "tokens_per_group": tokens_per_group,
-            "max_tokens": args.max_tokens,
-            "seconds": round(elapsed, 1),
-            "groups_per_s": round(counts["groups"] / elapsed, 2),
-            "tokens_per_s": round(counts["groups"] * tokens_per_group / elapsed),
-            "microbatches_per_s": round(counts["microbatches"] / elapsed, 2),
-            "admission_per_s": round(len(lat["admission"]) / elapsed, 2),
-            **{f"{k}_p50_ms": _ms(_percentile(v, 0.5)) for k, v in lat.items()},
-            **{f"{k}_p99_ms": _ms(_percentile(v, 0.99)) for k, v in lat.items()},
-            "errors": counts["errors"],
-        }
+        yield url, server
     finally:
         server.terminate()
         try:
@@ -245,6 +141,121 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         except subprocess.TimeoutExpired:
             server.kill()
         log.close()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    args.tmp.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="weir-bench-data-", dir=args.tmp))
+    data_dir = work / "data"
+    populated_s = populate(data_dir, args.history) if args.history else 0.0
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        with data_role(work, data_dir) as (url, _):
+            template = json.dumps(
+                {"groups": [_group_body("GID", n=args.n, prompt=args.prompt, response=args.response)]}
+            ).encode()
+            inner = template[len(b'{"groups": [') : -2]
+            stop = threading.Event()
+            lock = threading.Lock()
+            lat: dict[str, list[float]] = {"ingest": [], "lease": [], "ack": [], "admission": []}
+            counts = {"groups": 0, "microbatches": 0, "samples_acked": 0, "errors": 0, "empty_polls": 0}
+
+            def producer(p: int) -> None:
+                client = httpx.Client(headers={**headers, "Content-Type": "application/json"}, timeout=120)
+                k = 0
+                while not stop.is_set():
+                    ids = [f"p{p}-{k + i}" for i in range(args.batch)]
+                    k += args.batch
+                    body = b'{"groups": [' + b", ".join(inner.replace(b'"GID"', f'"{g}"'.encode()) for g in ids) + b"]}"
+                    t = time.perf_counter()
+                    r = client.post(f"{url}/v1/experience", content=body)
+                    dt = time.perf_counter() - t
+                    with lock:
+                        if r.status_code == 200:
+                            lat["ingest"].append(dt)
+                            counts["groups"] += len(r.json()["stored"])
+                        else:
+                            counts["errors"] += 1
+                    if args.rate:
+                        time.sleep(max(0.0, args.batch / args.rate - dt))
+                client.close()
+
+            def consumer(rank: int) -> None:
+                client = httpx.Client(headers=headers, timeout=120)
+                params = {"rank": rank, "world_size": args.ranks, "max_tokens": args.max_tokens, "wait_s": 1.0}
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    r = client.get(f"{url}/v1/microbatches", params=params)
+                    dt = time.perf_counter() - t
+                    if r.status_code == 204:
+                        with lock:
+                            counts["empty_polls"] += 1
+                        continue
+                    if r.status_code != 200:
+                        with lock:
+                            counts["errors"] += 1
+                        continue
+                    batch_id = r.headers["X-Weir-Batch-Id"]
+                    t2 = time.perf_counter()
+                    a = client.post(f"{url}/v1/microbatches/{batch_id}/ack")
+                    dt2 = time.perf_counter() - t2
+                    with lock:
+                        lat["lease"].append(dt)
+                        if a.status_code == 200:
+                            lat["ack"].append(dt2)
+                            counts["microbatches"] += 1
+                        else:
+                            counts["errors"] += 1
+                client.close()
+
+            def poller() -> None:
+                """The rollout driver's admission polling (`trainer.driver`: every 50 ms while it has no room)."""
+                client = httpx.Client(headers=headers, timeout=120)
+                while not stop.is_set():
+                    t = time.perf_counter()
+                    r = client.get(f"{url}/v1/admission")
+                    dt = time.perf_counter() - t
+                    with lock:
+                        if r.status_code == 200:
+                            lat["admission"].append(dt)
+                        else:
+                            counts["errors"] += 1
+                    time.sleep(max(0.0, 1 / args.admission_hz - dt))
+                client.close()
+
+            threads = [threading.Thread(target=producer, args=(p,), daemon=True) for p in range(args.producers)]
+            if args.admission_hz:
+                threads.append(threading.Thread(target=poller, daemon=True))
+            threads += [threading.Thread(target=consumer, args=(r,), daemon=True) for r in range(args.ranks)]
+            start = time.perf_counter()
+            for t in threads:
+                t.start()
+            time.sleep(args.seconds)
+            stop.set()
+            elapsed = time.perf_counter() - start
+            for t in threads:
+                t.join(130)
+            tokens_per_group = args.n * (args.prompt + args.response)
+            return {
+                "bench": "data_role",
+                "history_samples": args.history,
+                "populate_s": round(populated_s, 1),
+                "producers": args.producers,
+                "ranks": args.ranks,
+                "batch": args.batch,
+                "n": args.n,
+                "tokens_per_group": tokens_per_group,
+                "max_tokens": args.max_tokens,
+                "seconds": round(elapsed, 1),
+                "groups_per_s": round(counts["groups"] / elapsed, 2),
+                "tokens_per_s": round(counts["groups"] * tokens_per_group / elapsed),
+                "microbatches_per_s": round(counts["microbatches"] / elapsed, 2),
+                "admission_per_s": round(len(lat["admission"]) / elapsed, 2),
+                **{f"{k}_p50_ms": _ms(_percentile(v, 0.5)) for k, v in lat.items()},
+                **{f"{k}_p99_ms": _ms(_percentile(v, 0.99)) for k, v in lat.items()},
+                "errors": counts["errors"],
+            }
+    finally:
         if not args.keep:
             import shutil
 

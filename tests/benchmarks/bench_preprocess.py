@@ -11,11 +11,16 @@ by `preprocess.samples`) and does everything from those bytes to the model's flo
    ``fetch_video`` (decord, from a temp file) + transformers ``Qwen2VLVideoProcessor``. Goal ≥ 3×.
 3. ``audio``: audio seconds/s on clips under 30 s. Weir (``pp.process_audio``) vs PyAV decode to
    float mono + ``torchaudio.functional.resample`` + ``WhisperFeatureExtractor`` as Qwen2.5-Omni
-   configures it (128 mels, padded to 300 s). Goal ≥ 5×.
+   configures it (128 mels, padded to 300 s). Goal ≥ 5×. Also Weir with librosa's resampler (``weir_soxr``:
+   libsoxr, ``spec.audio_resampler="soxr"``) and the Qwen reference loading's resampler (librosa's
+   ``soxr_hq``, on the same PyAV decode), with every contender's max |Δ| against each other.
 4. ``cache``: a cold ``process_bytes(..., store=store)`` on a fresh `FeatureStore` vs a cache hit
    (the same call again) vs a raw fetch (``store.get_bytes`` + ``features_from_arrow``), each both
    without and with materializing ``pixel_values``. Goal: hit ≥ 20× faster than cold.
 5. ``bytes``: encoded file bytes vs cached entry bytes vs float32 feature bytes.
+6. ``parallel`` (``--workers N``, default every core): the same corpus on N worker processes, Weir vs
+   each peer both in one process as its users run it and on the same pool (`preprocess_parallel`).
+   Goals: images ≥ 2× the torchvision processor and ≥ 3× the PIL one, video ≥ 3×, audio ≥ 5×.
 
 Each contender is warmed up once; every timing is ``time.perf_counter`` around one call, and the
 reported time of an item is the median over the repeats (contenders interleaved within a repeat).
@@ -27,6 +32,7 @@ progress bars go to stderr. Run from the repository root::
 
     .venv/bin/python tests/benchmarks/bench_preprocess.py --quick   # < ~2 min on 2 cores
     .venv/bin/python tests/benchmarks/bench_preprocess.py           # the full run, < ~8 min
+    .venv/bin/python tests/benchmarks/bench_preprocess.py --quick --sections parallel --workers 2
 
 This is a script, not a pytest module: nothing in it is named ``test_*``.
 """
@@ -34,7 +40,6 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 from __future__ import annotations
 
 import dataclasses
-import io
 import statistics
 import sys
 import tempfile
@@ -47,25 +52,16 @@ from typing import Any
 
 import av
 import numpy as np
+import soxr
 import torch
-import torchaudio.functional as taf
+from peers import Peers, decode_floor, librosa_resample, open_rgb
 from PIL import Image
-from qwen_vl_utils import vision_process
+from preprocess_parallel import bench_parallel, contender_calls
 from report import Goals, arguments, emit, environment, rounded
 from tqdm import tqdm
-from transformers import (
-    Qwen2VLImageProcessor,
-    Qwen2VLImageProcessorPil,
-    Qwen2VLVideoProcessor,
-    WhisperFeatureExtractor,
-)
 
 import preprocess as pp
 from preprocess import samples
-
-MIN_PIXELS = 3136
-MAX_PIXELS = 12845056
-TARGET_RATE = 16000
 
 Call = Callable[[], Any]
 
@@ -235,68 +231,6 @@ def make_sounds(config: Config) -> list[Item]:
     return items
 
 
-# -- contenders ------------------------------------------------------------------------------------
-def open_rgb(data: bytes) -> Image.Image:
-    return Image.open(io.BytesIO(data)).convert("RGB")
-
-
-def decode_floor(data: bytes) -> Image.Image:
-    image = Image.open(io.BytesIO(data))
-    image.load()
-    return image if image.mode == "RGB" else image.convert("RGB")
-
-
-def pyav_mono(data: bytes) -> tuple[np.ndarray, int]:
-    """float32 mono (channel average) and the native rate, decoded with PyAV."""
-    chunks: list[np.ndarray] = []
-    with av.open(io.BytesIO(data), mode="r") as container:
-        stream = container.streams.audio[0]
-        rate = int(stream.rate)
-        for frame in container.decode(stream):
-            array = frame.to_ndarray()
-            if not frame.format.is_planar:
-                array = array.reshape(-1, len(frame.layout.channels)).T
-            if array.dtype.kind == "i":  # s16 / s32: full scale is 2^(bits - 1)
-                array = array.astype(np.float32) / float(2 ** (8 * array.dtype.itemsize - 1))
-            chunks.append(array.astype(np.float32, copy=False).mean(axis=0, dtype=np.float32))
-    return np.concatenate(chunks), rate
-
-
-@dataclass
-class Peers:
-    image_tv: Qwen2VLImageProcessor
-    image_pil: Qwen2VLImageProcessorPil
-    video: Qwen2VLVideoProcessor
-    audio: WhisperFeatureExtractor
-
-    @classmethod
-    def make(cls) -> Peers:
-        # qwen-vl-utils prefers torchcodec when it is installed; this benchmark compares against decord.
-        vision_process.FORCE_QWENVL_VIDEO_READER = "decord"
-        vision_process.get_video_reader_backend.cache_clear()
-        return cls(
-            image_tv=Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
-            image_pil=Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS),
-            video=Qwen2VLVideoProcessor(
-                size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, cap_pixels_per_frame=False
-            ),
-            audio=WhisperFeatureExtractor(
-                feature_size=128, sampling_rate=TARGET_RATE, hop_length=160, chunk_length=300, n_fft=400
-            ),
-        )
-
-    def video_pixels(self, path: Path | None) -> torch.Tensor:
-        assert path is not None, "qwen-vl-utils reads videos from files"
-        frames = vision_process.fetch_video({"video": str(path)})
-        return self.video(videos=[frames], do_sample_frames=False, return_tensors="pt")["pixel_values_videos"]
-
-    def audio_features(self, data: bytes) -> np.ndarray:
-        wave, rate = pyav_mono(data)
-        resampled = taf.resample(torch.from_numpy(wave), rate, TARGET_RATE).numpy()
-        out = self.audio(resampled, sampling_rate=TARGET_RATE, return_tensors="np", return_attention_mask=True)
-        return out["input_features"]
-
-
 # -- benches ---------------------------------------------------------------------------------------
 def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals) -> list[Item]:
     items = make_images(config)
@@ -380,9 +314,14 @@ def bench_video(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goa
 
 def bench_audio(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals) -> list[Item]:
     items = make_sounds(config)
+    soxr_spec = spec.with_audio_resampler("soxr")
     contenders: dict[str, Callable[[Item], Any]] = {
         "weir": lambda it: pp.process_audio(it.data, spec).input_features,
+        # libsoxr as librosa calls it (spec.audio_resampler); its deviation is printed.
+        "weir_soxr": lambda it: pp.process_audio(it.data, soxr_spec).input_features,
         "pyav+torchaudio+whisper": lambda it: peers.audio_features(it.data),
+        # The Qwen reference loading (librosa.load(sr=16000) resamples with soxr_hq) on the same decode.
+        "pyav+librosa_resample+whisper": lambda it: peers.audio_features(it.data, librosa_resample),
     }
     medians, kept = measure(contenders, items, config.audio_repeats, "audio", keep=set(range(len(items))))
     for group, per in group_rates(medians, items, lambda it: it.seconds).items():
@@ -396,15 +335,19 @@ def bench_audio(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goa
                 "seconds_per_s": rounded(work / secs),
                 "ms_per_audio_second": rounded(1000 * secs / work),
             }
-            if name == "weir":
-                record["ratio_vs_pyav+torchaudio+whisper"] = rounded(per["pyav+torchaudio+whisper"][1] / weir_s)
+            if name.startswith("weir"):
+                for peer in ("pyav+torchaudio+whisper", "pyav+librosa_resample+whisper"):
+                    record[f"ratio_vs_{peer}"] = rounded(per[peer][1] / secs)
                 index = first_of_groups(items).get(group)
                 if index is not None:
-                    ours = kept["weir"][index]
-                    theirs = kept["pyav+torchaudio+whisper"][index][0][:, : ours.shape[1]]
-                    diff = max_abs_diff(ours, theirs)
-                    record["max_abs_diff"] = diff if diff is None else rounded(diff, 3)
+                    ours = kept[name][index]
                     record["frames"] = int(ours.shape[1])
+                    record["max_abs_diff_vs"] = {}
+                    for peer in ("pyav+torchaudio+whisper", "pyav+librosa_resample+whisper", "weir"):
+                        theirs = np.asarray(kept[peer][index])
+                        theirs = (theirs[0] if theirs.ndim == 3 else theirs)[:, : ours.shape[1]]
+                        diff = max_abs_diff(ours, theirs)
+                        record["max_abs_diff_vs"][peer] = diff if diff is None else rounded(diff, 3)
             emit(record)
         if group == "all":
             goals.check(
@@ -514,7 +457,21 @@ def bench_bytes(spec: pp.ProcessorSpec, items: Sequence[tuple[Item, pp.MediaKind
 
 # -- main ------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    args = arguments(__doc__, "fewer and smaller inputs, fewer repeats (< ~2 min)").parse_args(argv)
+    parser = arguments(__doc__, "fewer and smaller inputs, fewer repeats (< ~2 min)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=pp.usable_cores(),
+        help=f"processes of the parallel section (default: the cores this process may use, here {pp.usable_cores()})",
+    )
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=("one_process", "parallel"),
+        default=["one_process", "parallel"],
+        help="one_process: images, video, audio, cache, bytes in this process; parallel: every core (default: both)",
+    )
+    args = parser.parse_args(argv)
     config = Config.make(args.quick)
     started = time.perf_counter()
     spec = pp.ProcessorSpec.qwen2_5_omni()
@@ -522,27 +479,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     goals = Goals()
     with tempfile.TemporaryDirectory(prefix="weir-bench-") as tmp:
         folder = Path(tmp)
-        images = bench_images(config, spec, peers, goals)
-        clips = bench_video(config, spec, peers, goals, folder)
-        sounds = bench_audio(config, spec, peers, goals)
-        photo = next(item for item in images if item.group == "1920x1080")
-        bench_cache(config, spec, photo, "image", goals, folder)
-        bench_cache(config, spec, clips[min(1, len(clips) - 1)], "video", goals, folder)
-        per_size = [images[i] for i in first_of_groups(images).values()]
-        bench_bytes(
-            spec,
-            [(it, "image") for it in per_size] + [(it, "video") for it in clips] + [(it, "audio") for it in sounds[:2]],
-            folder,
-        )
+        if "one_process" in args.sections:
+            images = bench_images(config, spec, peers, goals)
+            clips = bench_video(config, spec, peers, goals, folder)
+            sounds = bench_audio(config, spec, peers, goals)
+            photo = next(item for item in images if item.group == "1920x1080")
+            bench_cache(config, spec, photo, "image", goals, folder)
+            bench_cache(config, spec, clips[min(1, len(clips) - 1)], "video", goals, folder)
+            per_size = [images[i] for i in first_of_groups(images).values()]
+            bench_bytes(
+                spec,
+                [(it, "image") for it in per_size]
+                + [(it, "video") for it in clips]
+                + [(it, "audio") for it in sounds[:2]],
+                folder,
+            )
+        else:
+            images, clips, sounds = make_images(config), make_clips(config, folder), make_sounds(config)
+        if "parallel" in args.sections:
+            corpus = {"image": images, "video": clips, "audio": sounds}
+            calls = contender_calls(spec, peers)
+            bench_parallel(args.workers, 2 if config.quick else 3, corpus, calls, goals)
     emit(
         {
             "bench": "summary",
             "quick": config.quick,
+            "sections": args.sections,
+            "workers": args.workers,
             "wall_s": rounded(time.perf_counter() - started),
             "goals_met": sum(row["met"] for row in goals.rows),
             "goals": len(goals.rows),
             "results": goals.rows,
-            "env": environment(pillow=Image.__version__, av=av.__version__),
+            "env": environment(pillow=Image.__version__, av=av.__version__, soxr=soxr.__version__),
         }
     )
     return 0

@@ -30,6 +30,7 @@ progress bars go to stderr. Run from the repository root (ports 8100-8102 and 30
 
     .venv/bin/python tests/benchmarks/bench_rollout.py --quick   # < ~3 min on 2 cores
     .venv/bin/python tests/benchmarks/bench_rollout.py           # the full run, < ~8 min
+    .venv/bin/python tests/benchmarks/bench_rollout.py --quick --only overhead   # measurement 4 alone
 
 This is a script, not a pytest module: nothing in it is named ``test_*``.
 """
@@ -583,11 +584,34 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals) -> dict[s
 
 # -- main ------------------------------------------------------------------------------------------
 def main(argv: Sequence[str] | None = None) -> int:
-    args = arguments(__doc__, "fewer prompts, requests and repeats (< ~3 min)").parse_args(argv)
+    parser = arguments(__doc__, "fewer prompts, requests and repeats (< ~3 min)")
+    # One measurement alone, on its own stack of 1 engine: a minute or two, for working on that figure.
+    parser.add_argument("--only", choices=("overhead",), default=None, help="run only measurement 4")
+    args = parser.parse_args(argv)
     config = Config.make(args.quick)
     started = time.perf_counter()
     goals = Goals()
     root = Path(tempfile.mkdtemp(prefix="weir-bench-rollout-"))
+    if args.only == "overhead":
+        try:
+            model = init_model(root / "model")
+            with running_stack(root / "stack-1", model, engines=1) as (urls, _):
+                bench_overhead(urls, config, goals)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        emit(
+            {
+                "bench": "summary",
+                "quick": config.quick,
+                "only": args.only,
+                "wall_s": rounded(time.perf_counter() - started),
+                "goals_met": sum(row["met"] for row in goals.rows),
+                "goals": len(goals.rows),
+                "results": goals.rows,
+                "env": environment(httpx=httpx.__version__),
+            }
+        )
+        return 0
     try:
         model = init_model(root / "model")
         encoder = bench_encoder_cache(config, model, root / "encoder", goals)

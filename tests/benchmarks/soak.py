@@ -318,12 +318,19 @@ def main() -> int:
         print(json.dumps(summary))
         return 0 if summary["flat"] and summary["soak"] == "done" else 1
     finally:
+        roles = _role_pids(args.base_port)  # before the run stops: what it must stop with it
         if train.poll() is None:
             os.killpg(train.pid, signal.SIGINT)  # Ctrl-C: the run stops its stack on the way out
             try:
                 train.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(train.pid, signal.SIGKILL)
+        left = {name: pid for name, pid in roles.items() if psutil.pid_exists(pid)}
+        if left:  # a finding, not the soak's to hide: say it, then leave no stack behind
+            print(json.dumps({"soak": "roles left running after the run stopped", "roles": sorted(left)}))
+            for pid in left.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         log.close()
 
 

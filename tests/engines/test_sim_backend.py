@@ -371,3 +371,43 @@ def test_abort_messages_are_the_transformers_backends() -> None:
         transformers_backend.ABORT_BY_REQUEST,
     )
     assert ours == theirs  # rollout.partial tells a pause's abort from a client's by these
+
+
+def _kv_run(make: Any, capacity: int) -> tuple[SimEngine, list[Any]]:
+    """16 requests of 200 + 300 tokens at once on an engine whose KV holds ``capacity`` tokens."""
+    engine = make(compression=1e5, max_running=16, kv_capacity_tokens=capacity)
+    engine.pause("in_place")  # all queued before the first admission: the same schedule in every run
+    futures = [
+        engine.submit(request(f"k{i}", prompt=200 + i, seed=i, max_new_tokens=300, ignore_eos=True)) for i in range(16)
+    ]
+    engine.resume()
+    return engine, [f.result(30) for f in futures]
+
+
+def test_the_kv_limit_holds_by_retracting_the_newest(make: Any) -> None:
+    """SGLang's behaviour: decode never holds more context than the KV cache; requests short of room are
+    retracted (queued again with their tokens, prefilled again over them) and still end with every token."""
+    engine, results = _kv_run(make, 3000)
+    stats = engine.stats
+    assert 2500 < stats.peak_kv_tokens <= 3000  # 16 x 500 tokens would need 8000
+    assert stats.retractions > 0 and stats.retractions == sum(r.num_retractions for r in results)
+    assert all(r.finish_reason == {"type": "length", "length": 300} and r.completion_tokens == 300 for r in results)
+    assert max(s.context_tokens + s.batch for s in stats.recent) <= 3000  # every step's tokens fit
+    again, repeated = _kv_run(make, 3000)
+    assert [(r.output_ids, r.output_logprobs, r.num_retractions) for r in repeated] == [
+        (r.output_ids, r.output_logprobs, r.num_retractions) for r in results
+    ]
+    assert again.stats.peak_kv_tokens == stats.peak_kv_tokens and again.stats.decode_steps == stats.decode_steps
+    roomy, unconstrained = _kv_run(make, 1_000_000)
+    assert roomy.stats.retractions == 0 and roomy.stats.peak_kv_tokens == 16 * 500 + sum(range(16))
+    assert [r.output_ids for r in unconstrained] == [r.output_ids for r in results]  # the time changes, not the tokens
+
+
+def test_a_long_prefill_pays_one_forward_per_chunk(make: Any) -> None:
+    """SGLang's chunked prefill: a round of more than chunked_prefill_size tokens is several forwards."""
+    engine = make(compression=2000.0, chunked_prefill_size=64)
+    p = engine.profile
+    assert p.prefill_s(64) == pytest.approx(p.prefill_base_s + p.prefill_per_token_s * 64)
+    engine.generate(request("long", prompt=200, max_new_tokens=2, ignore_eos=True), 5)
+    assert engine.stats.prefill_s == pytest.approx(4 * p.prefill_base_s + p.prefill_per_token_s * 200)
+    assert SimProfile.load(RELAX).chunked_prefill_size == 8192  # SGLang's default on an 80 GB GPU

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -98,10 +99,12 @@ def test_prep_a_dataset(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "tokens before budget" in capsys.readouterr().out
 
 
-def test_parser_accepts_the_documented_commands() -> None:
+def test_parser_accepts_the_documented_commands(tmp_path: Path) -> None:
     parser = build_parser()
     assert parser.parse_args(["serve", "preprocess", "--port", "9000"]).port == 9000
-    assert parser.parse_args(["prep", "d.jsonl", "--out", "o", "--policy", "refuse"]).policy == "refuse"
+    rows = tmp_path / "d.jsonl"
+    rows.write_text("")
+    assert parser.parse_args(["prep", str(rows), "--out", "o", "--policy", "refuse"]).policy == "refuse"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "nonsense"])
 
@@ -110,6 +113,16 @@ def test_train_refuses_the_demo_warm_up_on_another_dataset(tmp_path: Path) -> No
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
     assert main(["train", "--dataset", str(dataset), "--warmup-steps", "3", "--home", str(tmp_path / "w")]) == 2
+
+
+def test_async_at_staleness_0_names_the_on_policy_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Valid, but every sample still generating at a step's end goes stale: the hint points to colocate."""
+    dataset = tmp_path / "prompts.jsonl"
+    dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    args = ["train", "--dataset", str(dataset), "--max-staleness", "0", "--warmup-steps", "3"]
+    assert main([*args, "--home", str(tmp_path / "w")]) == 2  # stopped by the warm-up's refusal, after the hint
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--mode async --max-staleness 0" in out and "--mode colocate is the on-policy mode" in out
 
 
 def _weir(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -138,9 +151,64 @@ def test_every_option_of_every_command_shows_its_default() -> None:
             text = formatter._expand_help(action)
             if action.option_strings and action.nargs != 0 and not action.required:
                 assert "default" in text and "(default: None)" not in text, f"weir {name} {action.dest}: {text}"
+            # The value itself, never a pointer elsewhere ("see launcher/config.py", "see `weir up --home`").
+            assert not re.search(r"\bsee\s", text, re.IGNORECASE), f"weir {name} {action.dest}: {text}"
         assert "(default: None)" not in command.format_help(), name
     serve = commands["serve"].format_help()
     assert all(f"{role.name} {role.port}" in " ".join(serve.split()) for role in ROLES.values())
+
+
+def test_train_help_states_the_task_defaults() -> None:
+    from launcher.config import DEMO_DEFAULTS, GENERIC_DEFAULTS
+
+    text = " ".join(_weir("train", "--help").stdout.split())
+    assert f"optimizer steps (default: {GENERIC_DEFAULTS['steps']}; with --demo: {DEMO_DEFAULTS['steps']};" in text
+    assert f"learning rate (default: {GENERIC_DEFAULTS['lr']}; with --demo: {DEMO_DEFAULTS['lr']})" in text
+    assert "launcher/config.py" not in text
+
+
+@pytest.mark.parametrize(
+    "args,names",
+    [
+        (["prep", "/missing/rows.jsonl", "--out", "OUT"], "dataset: /missing/rows.jsonl: no such file"),
+        (["train", "--dataset", "/missing/rows.jsonl"], "--dataset: /missing/rows.jsonl: no such file"),
+        (["train", "--demo", "--eval-dataset", "/missing/held-out.jsonl"], "--eval-dataset: /missing/held-out"),
+        (["train", "--demo", "--steps", "many"], "--steps: invalid int value: 'many'"),
+        (["train"], "one of the arguments --dataset --demo is required"),
+        (["prep", "HOME/rows.jsonl", "--out", "OUT", "--spec", "/missing/model"], "--spec: /missing/model: no such"),
+        (["twin", "--profile", "no-such-profile"], "shipped profiles: qwen3-vl-8b-h800, relax-qwen3-4b-h800"),
+        (["twin", "--merge", "/missing/results.json"], "--merge: /missing/results.json: no such file"),
+        (["serve", "engine", "--profile", "/missing/profile.yaml"], "--profile: /missing/profile.yaml"),
+    ],
+)
+def test_a_missing_file_or_a_bad_value_is_one_line_and_status_2(
+    args: list[str], names: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "rows.jsonl").write_text("")
+    args = [a.replace("HOME", str(tmp_path)).replace("OUT", str(tmp_path / "out")) for a in args]
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert len(err.strip().splitlines()) == 1 and names in err and err.startswith(f"weir {args[0]}: "), err
+
+
+def test_a_dataset_may_be_a_folder(tmp_path: Path) -> None:
+    """`save_to_disk` folders and folders of shards are datasets: the parser takes a folder where it takes a file."""
+    parser = build_parser()
+    assert parser.parse_args(["prep", str(tmp_path), "--out", str(tmp_path / "out")]).dataset == tmp_path
+    assert parser.parse_args(["train", "--dataset", str(tmp_path)]).dataset == tmp_path
+
+
+def test_a_missing_dataset_stops_the_command_without_a_traceback(tmp_path: Path) -> None:
+    done = _weir("prep", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    missing = tmp_path / "missing.jsonl"
+    assert (
+        done.stderr.strip()
+        == f"weir prep: argument dataset: {missing}: no such file or folder (`weir prep --help` lists the options)"
+    )
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_bad_variable_stops_serve_by_name_without_a_traceback(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from launcher.stack import LocalStack, ensure_token, stack_ports
+from launcher.stack import LocalStack, ensure_token, ephemeral_ports, stack_ports
 from services.roles import BASE_PORT, ROLES
 
 
@@ -145,3 +145,14 @@ def test_two_stacks_run_side_by_side(tmp_path: Path) -> None:
     finally:
         second.stop()
         first.stop()
+
+
+def test_the_ephemeral_port_range_is_read_and_test_stacks_stay_below_it(tmp_path: Path) -> None:
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("32768\t60999\n")
+    assert ephemeral_ports(ranges) == range(32768, 61000)
+    assert ephemeral_ports(tmp_path / "missing") is None
+    ranges.write_text("garbage\n")
+    assert ephemeral_ports(ranges) is None
+    # the suite's stacks (base ports 9100-10860) put their engines (base + 21900) below Linux's default range
+    assert max(port for _, _, port in stack_ports(10860)) < 32768

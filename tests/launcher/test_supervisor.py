@@ -54,7 +54,7 @@ def test_last_lines_of_a_log(tmp_path: Path) -> None:
 
 
 def test_a_killed_role_is_started_again_and_a_role_that_cannot_start_is_fatal(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", base_port=19300)
+    stack = LocalStack(home=tmp_path / "weir", base_port=9800)
     urls = stack.start()
     fatal: list[str] = []
     broken = {"on": False}
@@ -146,13 +146,13 @@ def run_with_a_role_killed(tmp_path: Path, role: str, *, steps: int, kill_at: in
 
 def test_the_loop_runs_through_a_killed_preprocess_role(tmp_path: Path) -> None:
     """The fast chaos test: preprocess (the role every picture goes through) killed after step 2 of 5."""
-    run_with_a_role_killed(tmp_path, "preprocess", steps=5, kill_at=2, base_port=19320)
+    run_with_a_role_killed(tmp_path, "preprocess", steps=5, kill_at=2, base_port=9820)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["encoder", "engine", "data", "rollout"])
 def test_the_loop_runs_through_each_killed_role(tmp_path: Path, role: str) -> None:
-    run_with_a_role_killed(tmp_path, role, steps=8, kill_at=3, base_port=19340)
+    run_with_a_role_killed(tmp_path, role, steps=8, kill_at=3, base_port=9840)
 
 
 def _recorded(url: str, token: str | None) -> float:
@@ -172,13 +172,13 @@ def test_weir_train_demo_runs_through_every_role_killed_in_turn(tmp_path: Path) 
     import sys
 
     home, steps, order = tmp_path / "weir", 36, ["preprocess", "encoder", "engine", "data", "rollout"]
-    stack = LocalStack(home=home, base_port=19360)
+    stack = LocalStack(home=home, base_port=9860)
     urls = stack.start()
     recorded_before_kill = 0.0
     try:
         with Supervisor(stack) as supervisor:
             command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--attach", "--home", str(home)]
-            command += ["--base-port", "19360", "--steps", str(steps)]
+            command += ["--base-port", "9860", "--steps", str(steps)]
             log = home / "train.log"
             with open(log, "wb") as out:
                 run = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)

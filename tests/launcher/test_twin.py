@@ -31,7 +31,7 @@ RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.
 
 def _free_base(engines: int) -> int:
     for _ in range(50):
-        base = random.randrange(10_000, 30_000, 10)
+        base = random.randrange(9_000, 9_790, 10)  # engines at base + 21,900: below Linux's ephemeral range (32768)
         if not any(_port_in_use("127.0.0.1", port) for _, _, port in stack_ports(base, engines)):
             return base
     raise RuntimeError("no free base port")
@@ -66,14 +66,17 @@ def test_a_tiny_twin_runs_end_to_end(tmp_path: Path) -> None:
     assert colocate["mode"] == "colocate" and colocate["engines"] == 2 and colocate["processes"] == 1
     assert colocate["steps"] == 3 and colocate["samples_per_step"] == 8 and colocate["tokens_per_step"] > 0
     assert colocate["sim_s_per_step"] == pytest.approx(colocate["wall_s_per_step"] * 1000.0)
-    # the trainer's own accounting: optimizer + weight sync + the colocate swap (2+2 engine, 1+1 trainer) + training
-    assert colocate["trainer_sim_s_per_step"] > 1.0 + 1.0 + 6.0
+    # the trainer's own accounting: weight sync + the colocate swap (2+2 engine, 1+1 trainer) + training + optimizer
+    assert colocate["trainer_sim_s_per_step"] > 1.0 + 6.0 + colocate["trainer_optimizer_s_per_step"]
+    assert colocate["trainer_allreduce_s_per_step"] == 0.0  # 2 GPUs at TP=2: one data-parallel rank
+    assert 0 < colocate["trainer_optimizer_s_per_step"] < 0.1  # 2.01e9 params x 28 B / (3.35 TB/s x 70%)
     assert colocate["speedup"] == pytest.approx(1.0) and colocate["linearity"] is None  # one size only
     assert colocate["staleness_histogram"] == {"0": 24}  # colocate trains only what the current policy made
     assert on_policy["engines"] == 1 and on_policy["trainer_gpus"] == 1
     assert set(on_policy["staleness_histogram"]) == {"0"}  # staleness 0: anything older was dropped
     for row in out["rows"]:  # the data role's load, read from its /metrics
-        assert row["data"]["groups"] >= 6 and row["data"]["ack_requests"] >= 3
+        assert row["data"]["groups"] >= 6 and row["data"]["ack_requests"] >= 3  # a step's in one request
+        assert row["data"]["microbatches"] >= 3 and row["data_microbatches_per_wall_s"] > 0
         assert row["data"]["ingest_p99_ms"] is not None and row["data_groups_per_wall_s"] > 0
     assert "colocate_error" in out["calibration"] and "async-0_speedup" in out["calibration"]
     assert json.loads((config.home / "results.json").read_text())["rows"][0]["mode"] == "colocate"
@@ -102,7 +105,8 @@ def test_the_cost_model_alone_gives_a_colocate_step(tmp_path: Path) -> None:
     swap = sum(engine[k]["value"] for k in ("sleep_s", "wake_s")) + sum(
         trainer[k]["value"] for k in ("onload_s", "offload_s")
     )
-    fixed = swap + trainer["optimizer_step_s"]["value"] + trainer["weight_sync_broadcast_s"]["value"]
+    fixed = swap + out["allreduce_s"] + out["optimizer_s"] + trainer["weight_sync_broadcast_s"]["value"]
+    assert out["allreduce_s"] > 0 and out["optimizer_s"] > 0  # 4 GPUs at TP=2: two data-parallel ranks
     assert out["fixed_s"] == pytest.approx(fixed + engine["weight_update_s"]["value"])
     train = out["tokens_per_step"] / (4 * trainer["train_tokens_per_gpu_s"]["value"])
     assert out["s_per_step"] == pytest.approx(out["generation_s"] + out["fixed_s"] + train)
@@ -121,14 +125,22 @@ def test_the_data_roles_load_is_read_from_its_metrics() -> None:
             ),
             'weir_http_request_seconds_count{route="/v1/experience"} 100',
             'weir_http_request_seconds_sum{route="/v1/experience"} 3.0',
+            *(
+                f'weir_http_request_seconds_bucket{{le="{le}",route="{route}"}} {count}'
+                for route in ("/v1/microbatches/ack", "/v1/microbatches/{batch_id}/ack")
+                for le, count in (("0.05", 4), ("0.1", 5), ("+Inf", 5))
+            ),
             "# TYPE weir_data_groups_stored counter",
             "weir_data_groups_stored_total 100",
+            "# TYPE weir_data_microbatches_delivered counter",
+            "weir_data_microbatches_delivered_total 12",
         ]
     )
     load = data_role_load(text + "\n")
     assert load["groups"] == 100 and load["ingest_requests"] == 100
     assert load["ingest_p99_ms"] == pytest.approx(250.0)  # the bucket the 99th request falls in
-    assert load["ack_requests"] == 0 and load["ack_p99_ms"] is None
+    assert load["ack_requests"] == 10 and load["ack_p99_ms"] == pytest.approx(100.0)  # both routes' buckets summed
+    assert load["microbatches"] == 12
 
 
 def test_control_plane_share_from_two_compressions() -> None:

@@ -32,6 +32,10 @@ PUBLIC = {
     "MediaKind",
     "ProcessedItem",
     "read_source",
+    "ItemPool",
+    "PoolJob",
+    "PooledItem",
+    "usable_cores",
     "AspectRatioError",
     "BudgetExceededError",
     "CorruptMediaError",
@@ -50,7 +54,7 @@ def test_public_api_is_pinned() -> None:
 
 def test_libraries_do_not_import_the_http_stack() -> None:
     code = (
-        "import sys, preprocess, preprocess.prep, preprocess.demo, encoders, trainer; "
+        "import sys, preprocess, preprocess.prep, preprocess.pool, preprocess.demo, encoders, trainer; "
         "print(sorted(m for m in ('fastapi', 'starlette', 'uvicorn', 'services') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()

@@ -7,13 +7,14 @@ import io
 import av
 import numpy as np
 import pytest
+import soxr
 import torch
 import torchaudio.functional as taf
 from transformers import WhisperFeatureExtractor
 
 import preprocess as pp
 from preprocess import samples
-from preprocess.audio import log_mel
+from preprocess.audio import decode_audio, log_mel
 
 
 def _whisper(spec: pp.ProcessorSpec) -> WhisperFeatureExtractor:
@@ -26,14 +27,19 @@ def _whisper(spec: pp.ProcessorSpec) -> WhisperFeatureExtractor:
     )
 
 
-def _reference_wave(data: bytes) -> np.ndarray:
-    """An independent decode: PyAV resampler to float mono at the native rate, then torchaudio."""
-    with av.open(io.BytesIO(data)) as container:
+def _native_wave(data: bytes) -> tuple[np.ndarray, int]:
+    """An independent decode: PyAV resampler to float mono at the native rate, and that rate."""
+    with av.open(io.BytesIO(data), mode="r") as container:
         stream = container.streams.audio[0]
         rate = stream.sample_rate
         resampler = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=rate)
         planes = [f.to_ndarray() for frame in container.decode(stream) for f in resampler.resample(frame)]
-    wave = np.concatenate(planes, axis=1).mean(axis=0, dtype=np.float32)
+    return np.concatenate(planes, axis=1).mean(axis=0, dtype=np.float32), rate
+
+
+def _reference_wave(data: bytes) -> np.ndarray:
+    """`_native_wave`, then torchaudio to 16 kHz."""
+    wave, rate = _native_wave(data)
     return taf.resample(torch.from_numpy(wave), rate, 16000).numpy() if rate != 16000 else wave
 
 
@@ -135,3 +141,28 @@ def test_mel_filter_bank_is_whispers() -> None:
         mel_scale="slaney",
     )
     np.testing.assert_array_equal(_mel_filters(400, 128, 16000).numpy().T, ref.astype(np.float32))
+
+
+def _librosa_resample(wave: np.ndarray, rate: int) -> np.ndarray:
+    """librosa 0.10-0.11 ``resample(wave, orig_sr=rate, target_sr=16000)`` (res_type "soxr_hq", fix=True),
+    what ``librosa.load(sr=16000)`` in qwen-omni-utils does: libsoxr, then the length set to ceil(n·ratio)."""
+    out = soxr.resample(wave, rate, 16000, quality="soxr_hq")
+    size = int(np.ceil(wave.shape[-1] * (16000 / rate)))
+    return np.asarray(out[:size] if len(out) >= size else np.pad(out, (0, size - len(out))), dtype=wave.dtype)
+
+
+@pytest.mark.parametrize(
+    "fmt,rate,channels", [("wav", 44100, 2), ("wav", 22050, 1), ("flac", 48000, 2), ("mp3", 44100, 2)]
+)
+def test_the_soxr_resampler_resamples_as_librosa(fmt: str, rate: int, channels: int, spec: pp.ProcessorSpec) -> None:
+    """``audio_resampler="soxr"``: the waveform is librosa's resampling of the whole decoded clip (as qwen-omni-utils
+    loads audio), bit for bit; its features have other cache keys than the default's."""
+    fast = spec.with_audio_resampler("soxr")
+    data = samples.make_audio(6.1, rate, channels, fmt, seed=rate + channels)
+    plan = pp.plan_media(data, fast, kind="audio")
+    native, _ = _native_wave(data)
+    np.testing.assert_array_equal(decode_audio(data, plan, fast), _librosa_resample(native, rate))
+    ours = pp.process_audio(data, fast)
+    ref = _whisper(spec)(_librosa_resample(native, rate), sampling_rate=16000, return_tensors="np")
+    np.testing.assert_allclose(ours.input_features, ref["input_features"][0, :, : ours.num_frames], atol=1e-4, rtol=0)
+    assert fast.fingerprint != spec.fingerprint and spec.fingerprint == pp.ProcessorSpec.qwen2_5_omni().fingerprint

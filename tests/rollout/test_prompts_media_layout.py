@@ -38,7 +38,8 @@ def _answer(data: bytes, kind: pp.MediaKind, spec: pp.ProcessorSpec, *, with_aud
     if with_audio:
         track = pp.process_bytes(data, "audio", spec)
         plan = dataclasses.replace(plan, audio=track.plan)
-    return item_result(0, plan, done, track).model_dump(mode="json")
+    pooled = None if track is None else pp.PooledItem.of(track)
+    return item_result(0, plan, pp.PooledItem.of(done), pooled).model_dump(mode="json")
 
 
 def _user(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -140,9 +140,10 @@ def test_children_of_a_tool_past_its_deadline_die_with_its_worker(registry: Tool
         run(registry, "fork_and_hang", {"count": 4, "pids_file": str(pids_file)})
     children = [int(p) for p in pids_file.read_text().split()]
     assert len(children) == 4 and gone([pid, *children])
-    # the grandchildren (orphaned at once, so re-parented to the worker) are in its process group too
+    # the grandchildren are in the worker's process group too, so the same SIGKILL reached them; a loaded machine
+    # may take a moment to schedule their deaths (the CI run that caught one alive did not wait)
     leftovers = [p for p in map(int, filter(str.isdigit, os.listdir("/proc"))) if alive(p) and _pgid(p) == pid]
-    assert leftovers == []
+    assert gone(leftovers), [p for p in leftovers if alive(p)]
 
 
 def test_a_child_that_left_the_session_dies_with_its_worker(registry: ToolRegistry, tmp_path: Path) -> None:

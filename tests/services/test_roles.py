@@ -142,3 +142,36 @@ def test_a_request_id_follows_a_rollout_across_roles(
     assert response.status_code == 200, response.text
     seen = {r.name for r in caplog.records if getattr(r, "request_id", None) == "trace-rollout-1"}
     assert {"services.rollout.access", "services.engine.access"} <= seen, seen
+
+
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+
+@pytest.mark.parametrize(
+    "given,passed_on",
+    [
+        (TRACE, TRACE),  # a valid W3C traceparent reaches the engine unchanged
+        ("00-00000000000000000000000000000000-b7ad6b7169203331-01", None),  # all-zero trace id: dropped
+        ("ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", None),  # version ff: dropped
+        (None, None),  # none sent: none made up
+    ],
+)
+def test_a_traceparent_follows_a_rollout_across_roles(
+    given: str | None, passed_on: str | None, live_roles: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="services")
+    body = {
+        "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 1, "reward": {"type": "none"}}],
+        "sampling_params": {"max_new_tokens": 2},
+    }
+    request_id = f"trace-{given is not None}-{passed_on is not None}-{len(given or '')}-{(given or '')[:2]}"
+    headers = {"X-Request-Id": request_id, **({"traceparent": given} if given else {})}
+    response = httpx.post(f"{live_roles['rollout']}/v1/rollouts", json=body, headers=headers, timeout=120)
+    assert response.status_code == 200, response.text
+    seen = {
+        r.name: getattr(r, "traceparent", "absent")
+        for r in caplog.records
+        if getattr(r, "request_id", None) == request_id
+    }
+    assert {"services.rollout.access", "services.engine.access"} <= set(seen), seen
+    assert seen["services.rollout.access"] == passed_on and seen["services.engine.access"] == passed_on

@@ -146,14 +146,41 @@ def test_an_ack_answered_5xx_is_retried_then_raised() -> None:
     def data_role(request: httpx.Request) -> httpx.Response:
         seen.append(request.url.path)
         status = answers.pop(0) if answers else 500
-        return httpx.Response(status, json={} if status == 200 else {"error": {"code": "internal_error"}})
+        return httpx.Response(
+            status, json={"lease_expired": []} if status == 200 else {"error": {"code": "internal_error"}}
+        )
 
     feed = MicroBatchFeed("http://data", prefetch=0)
     feed._client = httpx.Client(transport=httpx.MockTransport(data_role))
     assert feed.ack("b1", retry_s=10) is True and seen == ["/v1/microbatches/b1/ack"] * 3
+    answers[:] = [503, 200]
+    assert feed.ack_all(["b1", "b3"], retry_s=10) == [] and seen[3:] == ["/v1/microbatches/ack"] * 2
     with pytest.raises(httpx.HTTPStatusError, match="500"):  # a data role that stays broken: raised in the end
         feed.ack("b2", retry_s=0.2)
     feed.close()
+
+
+def test_a_steps_acks_go_in_one_request_that_names_the_expired_and_refuses_as_one(tmp_path: Path) -> None:
+    token = "feed-test-token"
+    auth = {"Authorization": f"Bearer {token}"}
+    server = RunningServer(create_app(DataSettings(data_dir=tmp_path, lease_s=0.3, api_token=token))).__enter__()
+    try:
+        groups = {"groups": [group("a", [0.0, 1.0]).to_json(), group("b", [1.0, 0.0]).to_json()]}
+        assert httpx.post(f"{server.url}/v1/experience", json=groups, headers=auth).status_code == 200
+        feed = MicroBatchFeed(server.url, max_tokens=14, wait_s=0.5, prefetch=0, token=token)
+        late = feed.next(timeout=2)
+        assert late is not None
+        time.sleep(0.5)  # its lease runs out and its samples go out again
+        again, other = feed.next(timeout=2), feed.next(timeout=2)
+        assert again is not None and other is not None and again.sample_ids == late.sample_ids
+        assert feed.ack_all([]) == []
+        assert feed.ack_all([again.batch_id, late.batch_id, other.batch_id]) == [late.batch_id]
+        with pytest.raises(AckRefused, match="HTTP 404 not_found") as refused:
+            feed.ack_all([again.batch_id, "never-delivered"])
+        assert refused.value.batch_id == f"{again.batch_id}, never-delivered"
+        feed.close()
+    finally:
+        server.__exit__()
 
 
 def test_pack_routed_experts_aligned_with_tokens() -> None:

@@ -37,9 +37,9 @@ class _Feed:
             self.iterated += 1
             yield batch
 
-    def ack(self, batch_id: str) -> bool:
-        self.acked.append(batch_id)
-        return True
+    def ack_all(self, batch_ids: list[str]) -> list[str]:
+        self.acked.extend(batch_ids)
+        return []  # no lease expired
 
 
 class _Failing:

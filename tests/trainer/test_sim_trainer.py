@@ -43,6 +43,7 @@ def batch(tokens: int, samples: int = 2, name: str = "b") -> FeedBatch:
 def test_the_relax_profile_has_trainer_constants_with_sources() -> None:
     profile = SimTrainerProfile.load(RELAX)
     assert profile.gpus == 16 and profile.weight_sync == "broadcast"
+    assert profile.optimizer_step_s is None and profile.tensor_parallel == 2  # the step's time from the formulas
     derived = profile.peak_flops_per_gpu * profile.mfu / profile.flops_per_token
     assert profile.train_tokens_per_gpu_s == pytest.approx(derived, rel=0.01)  # the cited arithmetic holds
     assert all(source.strip() for source in profile.sources.values())

@@ -448,7 +448,6 @@ class MegatronBatchIterator:
         (its samples went out again), any other refusal raises `trainer.feed.AckRefused`."""
         if self.leasing:
             assert self.feed is not None
-            for batch_id in self.pending:
-                if not self.feed.ack(batch_id):
-                    logger.warning("micro-batch %s was acknowledged after its lease expired", batch_id)
+            for batch_id in self.feed.ack_all(self.pending):  # the step's batches in one request
+                logger.warning("micro-batch %s was acknowledged after its lease expired", batch_id)
         self.pending = []

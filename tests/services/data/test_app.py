@@ -139,12 +139,47 @@ def test_microbatches_ack_and_a_late_ack(tmp_path: Path) -> None:
         assert client.post("/v1/regenerations").json() == {"groups": []}
 
 
+def test_a_steps_acks_in_one_request(tmp_path: Path) -> None:
+    """``POST /v1/microbatches/ack``: the step's batches acknowledged at once; an expired batch whose samples went
+    out again is listed, not acknowledged; an unknown id is 404 with nothing acknowledged; every malformed body
+    is refused by its schema."""
+    app = create_app(DataSettings(data_dir=tmp_path, lease_s=0.3, max_wait_s=0.2))
+    with TestClient(app) as client:
+        for name in ("a", "b"):
+            client.post("/v1/experience", json=group(name, [0.0, 1.0]).to_json()).raise_for_status()
+        params = {"wait_s": 0, "max_tokens": 14}
+        late, kept = (client.get("/v1/microbatches", params=params).headers["X-Weir-Batch-Id"] for _ in range(2))
+        time.sleep(0.4)  # both leases run out; both batches' samples go out again
+        again = [client.get("/v1/microbatches", params=params).headers["X-Weir-Batch-Id"] for _ in range(2)]
+        unknown = client.post("/v1/microbatches/ack", json={"batch_ids": [*again, "never-delivered"]})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "not_found"
+        assert client.get("/v1/stats").json()["consumed"] == 0  # all or nothing
+        done = client.post("/v1/microbatches/ack", json={"batch_ids": [*again, late]})
+        assert done.status_code == 200 and done.json() == {"acked": again, "lease_expired": [late]}
+        assert client.post("/v1/microbatches/ack", json={"batch_ids": again}).json()["acked"] == again  # idempotent
+        assert client.get("/v1/stats").json()["consumed"] == 4 and kept not in again
+        for body in (
+            {"batch_ids": []},
+            {"batch_ids": ["ok"] * 4097},
+            {"batch_ids": ["a b"]},
+            {"batch_ids": [7]},
+            {"batch_ids": ["x"], "also": 1},
+            {"ids": ["x"]},
+            ["x"],
+        ):
+            refused = client.post("/v1/microbatches/ack", json=body)
+            assert refused.status_code == 422 and refused.json()["error"]["code"] == "invalid_request", body
+        broken = client.post("/v1/microbatches/ack", content=b"{", headers={"Content-Type": "application/json"})
+        assert broken.status_code == 400
+
+
 def test_every_route_but_health_needs_the_token(tmp_path: Path) -> None:
     app = create_app(DataSettings(data_dir=tmp_path, api_token="s3cret", max_wait_s=0))
     routes: list[tuple[str, str, dict[str, Any]]] = [
         ("POST", "/v1/experience", {"json": group("g", [0.0, 1.0]).to_json()}),
         ("GET", "/v1/microbatches", {"params": {"wait_s": 0}}),
         ("POST", "/v1/microbatches/nope/ack", {}),
+        ("POST", "/v1/microbatches/ack", {"json": {"batch_ids": ["nope"]}}),
         ("POST", "/v1/microbatches/release", {}),
         ("POST", "/v1/regenerations", {}),
         ("POST", "/v1/policy", {"json": {"version": 1}}),
@@ -163,7 +198,7 @@ def test_every_route_but_health_needs_the_token(tmp_path: Path) -> None:
             refused = client.request(method, path, **kwargs)
             assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized", path
             allowed = client.request(method, path, headers={"Authorization": "Bearer s3cret"}, **kwargs)
-            assert allowed.status_code == (404 if "nope" in path else 200), path
+            assert allowed.status_code == (404 if "nope" in f"{path}{kwargs}" else 200), path
         assert client.get("/healthz").status_code == 200 and client.get("/readyz").status_code == 200
 
 

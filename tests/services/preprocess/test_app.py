@@ -275,3 +275,29 @@ def test_use_audio_in_video_is_refused_without_an_audio_tower(serve) -> None:  #
     error = response.json()["error"]
     assert error["code"] == "audio_in_video_unsupported" and error["item"] == 0
     assert client.post("/v1/preprocess", json={"items": [item("video", clip)]}).status_code == 200
+
+
+def test_a_request_s_items_at_once_are_the_items_one_at_a_time(serve, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A multi-item request is decoded on the pool (2 processes); the same items sent alone and decoded in
+    the request's thread give the same answers and the same cached bytes."""
+    _, pooled = serve(spec_preset="qwen2_5_omni", decode_workers=2)
+    _, serial = serve(spec_preset="qwen2_5_omni", decode_workers=1, cache_dir=tmp_path / "serial-cache")
+    clip = samples.make_video(160, 120, 10, 30, audio_rate=44100)
+    items = [
+        item("image", JPEG),
+        item("image", samples.encode_image(samples.test_pattern(333, 517, seed=2), "PNG")),
+        {**item("video", clip), "use_audio_in_video": True},
+        item("audio", samples.make_audio(2.5, 48000, 2, "mp3")),
+    ]
+    together = pooled.post("/v1/preprocess", json={"items": items})
+    assert together.status_code == 200, together.text
+    for index, one in enumerate(items):
+        alone = serial.post("/v1/preprocess", json={"items": [one]})
+        assert alone.status_code == 200, alone.text
+        expected = {**alone.json()["items"][0], "index": index}
+        if expected["audio"] is not None:
+            expected["audio"]["index"] = index
+        got = together.json()["items"][index]
+        assert got == expected
+        for key in [got["key"]] + ([got["audio"]["key"]] if got["audio"] else []):
+            assert pooled.get(f"/v1/features/{key}").content == serial.get(f"/v1/features/{key}").content

@@ -1,0 +1,85 @@
+"""Argument types of the ``weir`` command line that check what they name while the options are parsed: a
+missing dataset or profile is one line from argparse and exit status 2, never a traceback from
+deep inside the command. Also the text of the train options whose default depends on the task.
+
+What the files hold is checked later, by the code that reads them; this module only sees that they are there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import NoReturn
+
+from .config import AGENT_DEMO_DEFAULTS, DEMO_DEFAULTS, GENERIC_DEFAULTS, VIDEO_DEMO_DEFAULTS, TrainDefaults
+
+__all__ = ["SPEC_NAMES", "Parser", "existing_file", "processor_spec", "profile_file", "task_default"]
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2: what was wrong and where the
+    options are listed, not the usage block (a page for `weir train`)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def existing_file(text: str) -> Path:
+    """A file that exists (a dataset, an evaluation set, a results file)."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text}: {'a folder, not a file' if path.is_dir() else 'no such file'}")
+    return path
+
+
+def existing_dataset(text: str) -> Path:
+    """A dataset that exists: a file (JSONL, JSON, Parquet, Arrow) or a folder (``datasets``' ``save_to_disk``,
+    or Parquet / Arrow shards; `preprocess.dataset.iter_rows` reads which)."""
+    path = Path(text)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+    return path
+
+
+SPEC_NAMES = ("qwen2_5_omni", "qwen2_5_vl")
+
+
+def processor_spec(text: str) -> str:
+    """A processor spec by name (`SPEC_NAMES`), or a model folder holding its processor configuration."""
+    configs = ("preprocessor_config.json", "processor_config.json")  # what `ProcessorSpec.from_pretrained` reads
+    if text in SPEC_NAMES or any((Path(text) / name).is_file() for name in configs):
+        return text
+    what = "no such folder" if not Path(text).exists() else f"no {' or '.join(configs)} there"
+    raise argparse.ArgumentTypeError(f"{text}: {what} (give {', '.join(SPEC_NAMES)} or a Hugging Face model folder)")
+
+
+def profile_file(text: str) -> Path:
+    """A sim profile: a file, or the name of one shipped in `profiles` (``relax-qwen3-4b-h800``)."""
+    if Path(text).is_file():
+        return Path(text)
+    from profiles import resolve
+
+    try:
+        return resolve(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+_TASKS: tuple[tuple[str, TrainDefaults], ...] = (
+    ("visual-search", AGENT_DEMO_DEFAULTS),
+    ("video-audio", VIDEO_DEMO_DEFAULTS),
+)
+
+
+def task_default(key: str) -> str:
+    """The default of a train option the task decides (`launcher.config`): generic, --demo, and each demo task
+    whose value differs from the colour demo's."""
+
+    def shown(defaults: Mapping[str, object]) -> str:
+        value = defaults[key]
+        return "no bound" if value is None else str(value)
+
+    others = ", ".join(f"{task} {shown(d)}" for task, d in _TASKS if shown(d) != shown(DEMO_DEFAULTS))
+    demo = shown(DEMO_DEFAULTS) + (f"; --demo-task {others}" if others else "")
+    return f"(default: {shown(GENERIC_DEFAULTS)}; with --demo: {demo})"

@@ -1,0 +1,432 @@
+"""Questions asked of the twin's cost model (`launcher.twin_model`): how to split ``N`` GPUs between engines and
+trainer and which staleness bound to run (`plan`, ``weir twin plan``), how much a prediction moves when an
+estimated constant is off (`sensitivity`), and the one calibration knob fitted on a published colocate step
+(`calibrate`, ``weir twin calibrate``).
+
+Every figure is a cost-model prediction in simulated seconds with a 95 % interval over its steps (the spread
+comes from the response lengths each step happens to draw). Runs are independent, so they go to a process pool
+(one per core) behind a progress bar.
+
+The sensitivity knobs, each a factor on the constants it stands for (both the engines' and the trainer's):
+
+* ``length``: the response length's median (``length_median``), ±15 %;
+* ``mfu``: compute efficiency — the trainer's ``mfu`` (its tokens/s follows) and the engines' compute-bound
+  costs (``prefill_per_token_s``, ``decode_per_request_s``, divided by the factor), ±10 %;
+* ``bandwidth``: memory and link efficiency — the trainer's ``link_efficiency`` and ``hbm_efficiency`` and the
+  engines' memory-bound decode costs (``decode_base_s``, ``decode_per_context_token_s``, divided), ±10 %.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypedDict, cast
+
+import yaml
+
+from engines.sim_profile import SimProfile
+from trainer.sim_trainer import SimTrainerProfile
+
+from .twin_model import Prediction, async_cost_model, colocate_cost_model
+
+__all__ = [
+    "KNOBS",
+    "Candidate",
+    "Fit",
+    "Options",
+    "Sensitivity",
+    "calibrate",
+    "candidates",
+    "knob_overrides",
+    "plan",
+    "predict",
+    "sensitivity",
+]
+
+_CALIBRATION_HEAD = "# One knob fitted on a published colocate step (`weir twin calibrate`); the rest are estimates.\n"
+_PREVIOUS_FIT = re.compile(r"^calibration:[^\n]*\n(?:(?:[ #][^\n]*)?\n)*", re.MULTILINE)
+KNOBS = {"length": 0.15, "mfu": 0.10, "bandwidth": 0.10}  # each knob's ± share (the issue's bands)
+
+
+class Options(TypedDict, total=False):
+    """What every prediction of one question shares (`predict`'s keywords)."""
+
+    prompts: int
+    n: int
+    steps: int
+    gpus_per_node: int
+    overrides: Mapping[str, Any]
+    trainer_overrides: Mapping[str, Any]
+
+
+class Swing(TypedDict):
+    share: float  # the knob's ± share
+    low: float  # s/step at 1 - share
+    high: float  # s/step at 1 + share
+
+
+class Sensitivity(TypedDict):
+    base: Prediction
+    length: Swing
+    mfu: Swing
+    bandwidth: Swing
+
+
+class Fit(TypedDict):
+    """`calibrate`'s result: the knob's fitted value, the s/step it gives, and the uncalibrated ones."""
+
+    knob: str
+    value: float
+    s_per_step: float
+    target_s_per_step: float
+    uncalibrated_value: float
+    uncalibrated_s_per_step: float
+    gpus: int
+    prompts: int
+    n: int
+    steps: int
+
+
+Job = tuple[Path, "Candidate", Options]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A way to run ``engine_gpus + trainer_gpus`` GPUs: ``colocate`` (every GPU generates, then trains:
+    ``trainer_gpus`` is 0; ``hybrid``: the same with veRL's hybrid-engine swaps), or ``async-S`` with that split."""
+
+    mode: str
+    engine_gpus: int
+    trainer_gpus: int
+
+    @property
+    def gpus(self) -> int:
+        return self.engine_gpus + self.trainer_gpus
+
+    @property
+    def label(self) -> str:
+        if self.mode in ("colocate", "hybrid"):
+            return f"{self.mode} {self.gpus}"
+        return f"{self.mode} {self.engine_gpus}:{self.trainer_gpus}"
+
+
+def candidates(gpus: int, staleness: tuple[int, ...] = (0, 1, 2, 4), splits: int = 8) -> list[Candidate]:
+    """Colocate on every GPU, and every async split in eighths of ``gpus`` (every split under 8 GPUs) at each
+    staleness bound."""
+    if gpus < 1:
+        raise ValueError("gpus must be >= 1")
+    out = [Candidate("colocate", gpus, 0)]
+    engines = sorted({max(1, round(gpus * k / splits)) for k in range(1, splits)} - {gpus}) if gpus >= 2 else []
+    for bound in staleness:
+        out += [Candidate(f"async-{bound}", e, gpus - e) for e in engines]
+    return out
+
+
+def knob_overrides(
+    engine: SimProfile, trainer: SimTrainerProfile, knob: str, factor: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """The engine and trainer constants ``knob`` moves by ``factor`` (see the module)."""
+    if knob == "length":
+        return {"length_median": engine.length_median * factor}, {}
+    if knob == "mfu":
+        engine_changes = {
+            "prefill_per_token_s": engine.prefill_per_token_s / factor,
+            "decode_per_request_s": engine.decode_per_request_s / factor,
+        }
+        return engine_changes, {"mfu": trainer.mfu * factor}
+    if knob == "bandwidth":
+        engine_changes = {
+            "decode_base_s": engine.decode_base_s / factor,
+            "decode_per_context_token_s": engine.decode_per_context_token_s / factor,
+        }
+        trainer_changes = {
+            "link_efficiency": min(1.0, trainer.link_efficiency * factor),
+            "hbm_efficiency": min(1.0, trainer.hbm_efficiency * factor),
+        }
+        return engine_changes, trainer_changes
+    raise ValueError(f"unknown knob {knob!r}: {', '.join(KNOBS)}")
+
+
+def predict(
+    profile: Path,
+    candidate: Candidate,
+    *,
+    prompts: int,
+    n: int = 8,
+    steps: int = 8,
+    gpus_per_node: int = 8,
+    overrides: Mapping[str, Any] | None = None,
+    trainer_overrides: Mapping[str, Any] | None = None,
+) -> Prediction:
+    """The cost model's figures for one candidate, labelled with it."""
+    if candidate.mode in ("colocate", "hybrid"):
+        out = colocate_cost_model(
+            profile,
+            candidate.gpus,
+            prompts=prompts,
+            n=n,
+            steps=steps,
+            gpus_per_node=gpus_per_node,
+            overrides=overrides,
+            trainer_overrides=trainer_overrides,
+            hybrid=candidate.mode == "hybrid",
+        )
+    else:
+        kind, _, bound = candidate.mode.partition("-")
+        if kind != "async" or not bound.isdigit():
+            raise ValueError(f"the cost model runs colocate and async-S, not {candidate.mode!r}")
+        out = async_cost_model(
+            profile,
+            engine_gpus=candidate.engine_gpus,
+            trainer_gpus=candidate.trainer_gpus,
+            staleness=int(bound),
+            prompts=prompts,
+            n=n,
+            steps=steps,
+            gpus_per_node=gpus_per_node,
+            overrides=overrides,
+            trainer_overrides=trainer_overrides,
+        )
+    out["mode"], out["label"], out["gpus"] = candidate.mode, candidate.label, candidate.gpus
+    return out
+
+
+def _predict(job: Job) -> Prediction:
+    profile, candidate, options = job
+    return predict(profile, candidate, **options)
+
+
+def run_all(
+    jobs: list[Job],
+    *,
+    workers: int | None = None,
+    on_done: Callable[[Prediction], None] | None = None,
+) -> list[Prediction]:
+    """Every job's prediction, in the jobs' order, on a process pool (``workers``: one per core by default;
+    1: in this process)."""
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) == 1:
+        results = []
+        for job in jobs:
+            results.append(_predict(job))
+            if on_done is not None:
+                on_done(results[-1])
+        return results
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+        futures = [pool.submit(_predict, job) for job in jobs]
+        for future in futures:
+            if on_done is not None:
+                future.add_done_callback(lambda f: on_done(f.result()))
+        return [f.result() for f in futures]
+
+
+def plan(
+    profile: Path,
+    gpus: int,
+    *,
+    prompts: int,
+    n: int = 8,
+    steps: int = 8,
+    staleness: tuple[int, ...] = (0, 1, 2, 4),
+    gpus_per_node: int = 8,
+    workers: int | None = None,
+    on_done: Callable[[Prediction], None] | None = None,
+) -> list[Prediction]:
+    """Every candidate of ``gpus`` GPUs (`candidates`), fastest first (by mean simulated s/step); each with
+    ``overlaps_best``: whether its interval overlaps the best one's (the two are then not told apart)."""
+    options: Options = {"prompts": prompts, "n": n, "steps": steps, "gpus_per_node": gpus_per_node}
+    jobs: list[Job] = [(profile, c, options) for c in candidates(gpus, staleness)]
+    results = sorted(run_all(jobs, workers=workers, on_done=on_done), key=lambda r: r["s_per_step"])
+    best = results[0]
+    for r in results:
+        r["overlaps_best"] = r["s_per_step"] - r["s_per_step_ci95"] <= best["s_per_step"] + best["s_per_step_ci95"]
+    return results
+
+
+def sensitivity(
+    profile: Path,
+    candidate: Candidate,
+    *,
+    prompts: int,
+    n: int = 8,
+    steps: int = 8,
+    gpus_per_node: int = 8,
+    workers: int | None = None,
+) -> Sensitivity:
+    """The candidate's prediction, and again with each knob at its low and high end (`KNOBS`): ``{"base": …,
+    "<knob>": {"low": s/step, "high": s/step, "share": ±share}}``."""
+    engine, trainer = SimProfile.load(profile), SimTrainerProfile.load(profile)
+    options: Options = {"prompts": prompts, "n": n, "steps": steps, "gpus_per_node": gpus_per_node}
+    jobs: list[Job] = [(profile, candidate, options)]
+    for knob, share in KNOBS.items():
+        for factor in (1 - share, 1 + share):
+            engine_changes, trainer_changes = knob_overrides(engine, trainer, knob, factor)
+            jobs.append(
+                (profile, candidate, {**options, "overrides": engine_changes, "trainer_overrides": trainer_changes})
+            )
+    results = run_all(jobs, workers=workers)
+    swings = {
+        knob: Swing(share=share, low=results[1 + 2 * i]["s_per_step"], high=results[2 + 2 * i]["s_per_step"])
+        for i, (knob, share) in enumerate(KNOBS.items())
+    }
+    return cast(Sensitivity, {"base": results[0], **swings})
+
+
+def calibrate(
+    profile: Path,
+    *,
+    target_s: float,
+    gpus: int,
+    prompts: int,
+    n: int = 8,
+    steps: int = 8,
+    knob: str = "length_median",
+    tolerance: float = 0.002,
+) -> Fit:
+    """The one knob (the response length's median: the constant with no source that decides the async
+    prediction) fitted by bisection so the colocate cost model's s/step on ``gpus`` GPUs meets ``target_s``
+    (within ``tolerance``, relative); its fit (value, the s/step reached, the uncalibrated value and s/step)."""
+    if knob != "length_median":
+        raise ValueError("the calibration knob is length_median")
+    candidate = Candidate("colocate", gpus, 0)
+    base = SimProfile.load(profile).length_median
+
+    def at(value: float) -> float:
+        figures = predict(profile, candidate, prompts=prompts, n=n, steps=steps, overrides={knob: value})
+        return float(figures["s_per_step"])
+
+    before = at(base)
+    low, high = base / 8, base * 8
+    reach = (at(low), at(high))
+    if not reach[0] <= target_s <= reach[1]:
+        raise ValueError(
+            f"{target_s} s/step is out of the knob's reach: {knob} from {low:g} to {high:g} gives "
+            f"{reach[0]:.1f}-{reach[1]:.1f} s/step (responses capped at max_response_tokens, or the target is wrong)"
+        )
+    value, reached = base, before
+    for _ in range(40):
+        value = math.sqrt(low * high)  # lengths are log-normal: bisect in log space
+        reached = at(value)
+        if abs(reached / target_s - 1) <= tolerance:
+            break
+        low, high = (value, high) if reached < target_s else (low, value)
+    return {
+        "knob": knob,
+        "value": round(value, 1),
+        "s_per_step": reached,
+        "target_s_per_step": target_s,
+        "uncalibrated_value": base,
+        "uncalibrated_s_per_step": before,
+        "gpus": gpus,
+        "prompts": prompts,
+        "n": n,
+        "steps": steps,
+    }
+
+
+def write_calibration(profile: Path, fit: Fit, out: Path, *, source: str) -> Path:
+    """``profile`` with the fitted knob's value (a comment on its line keeps the estimate) and a ``calibration``
+    section holding the fit, written to ``out``; the file's other lines and comments are kept as they are."""
+    text = profile.read_text()
+    # the constant's block: its lines indented deeper than the next constant's, its value among them
+    pattern = re.compile(rf"^(  {re.escape(fit['knob'])}:\n(?:    [^\n]*\n)*?    value: )([^\n]*)$", re.MULTILINE)
+    if not pattern.search(text):
+        raise ValueError(f"{profile}: no constants.{fit['knob']} with a value")
+    estimate = fit["uncalibrated_value"]
+    text = pattern.sub(
+        lambda m: f"{m.group(1)}{fit['value']}  # CALIBRATED (see calibration); estimate: {estimate}", text
+    )
+    # a previous fit is replaced: its head comment and its top-level block (indented lines up to the next key),
+    # wherever it stands and whether or not a YAML dump has dropped the comment
+    text = _PREVIOUS_FIT.sub("", text.replace(_CALIBRATION_HEAD, ""))
+    section = yaml.safe_dump({"calibration": {"fitted_on": source, **dict(fit)}}, sort_keys=False, width=120)
+    text = text.rstrip("\n") + "\n" + _CALIBRATION_HEAD + section
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    return out
+
+
+def _pm(figures: Mapping[str, Any]) -> str:
+    return f"{figures['s_per_step']:.1f} ± {figures['s_per_step_ci95']:.1f}"
+
+
+def print_predictions(
+    rows: Sequence[Mapping[str, Any]], *, title: str, sensitivities: Mapping[str, Any] | None = None
+) -> None:
+    """A table of cost-model predictions (s/step with its 95 % interval, tokens/s per GPU, idle shares, drops),
+    and per row the s/step at each knob's ends where ``sensitivities`` (by label) has them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .console import console
+
+    table = Table(title=title, title_justify="left")
+    columns = ["run", "s/step ± 95 %", "tok/s/GPU", "engine idle", "trainer idle", "dropped", "staleness (trained)"]
+    columns += ["KV retractions", "peak KV"]
+    columns += [f"{knob} ∓{share:.0%}" for knob, share in KNOBS.items()] if sensitivities else []
+    for name in columns:
+        table.add_column(name, justify="left" if name in ("run", "staleness (trained)") else "right")
+    for r in rows:
+        share = [r.get("engine_idle_share"), r.get("trainer_idle_share")]
+        cells = [
+            r["label"],
+            _pm(r),
+            f"{r['tokens_per_s_per_gpu']:.0f}",
+            *("-" if v is None else f"{v:.0%}" for v in share),
+            str(r.get("dropped_stale", 0)),
+            " ".join(f"{k}:{v}" for k, v in (r.get("staleness_histogram") or {}).items()) or "-",
+            str(r.get("retractions", 0)),
+            f"{r['peak_kv_share']:.0%}" if "peak_kv_share" in r else "-",
+        ]
+        found = (sensitivities or {}).get(r["label"])
+        if sensitivities:
+            cells += [f"{found[k]['low']:.1f} / {found[k]['high']:.1f}" if found else "-" for k in KNOBS]
+        table.add_row(*cells)
+    Console(width=max(console.width, 200)).print(table)  # every column whole, on a terminal or in a log
+
+
+def read_lengths(path: Path) -> list[int]:
+    """Response lengths (tokens) from a file: a JSON list, or one number per line (a CSV's first column; a header
+    and blank lines are skipped). ValueError names the file when it holds none."""
+    text = path.read_text()
+    values: list[int] = []
+    if path.suffix == ".json":
+        values = [int(v) for v in json.loads(text)]
+    else:
+        for line in text.splitlines():
+            cell = line.split(",")[0].strip()
+            if cell.replace(".", "", 1).isdigit():
+                values.append(round(float(cell)))
+    values = [v for v in values if v >= 1]
+    if not values:
+        raise ValueError(f"{path}: no response lengths (a JSON list, or one number per line)")
+    return values
+
+
+def with_lengths(profile: Path, lengths: Path, out: Path, *, bins: int = 40) -> Path:
+    """A copy of ``profile`` whose responses are drawn from ``lengths`` (`read_lengths`) — an empirical
+    histogram of ``bins`` log-spaced bins between the shortest and longest, in place of the log-normal's
+    median and spreads (`engines.sim_profile.SimProfile.draw_length`) — written to ``out``."""
+    values = sorted(read_lengths(lengths))
+    low, high = values[0], values[-1]
+    edges = sorted({round(low * (high / low) ** (i / bins)) for i in range(bins + 1)} | {low, high})
+    histogram = []
+    for a, b in zip(edges, edges[1:], strict=False):
+        last = b == edges[-1]
+        count = sum(1 for v in values if a <= v < b or (last and v == b))
+        if count:  # bins are inclusive: [a, b - 1], the last [a, b]
+            histogram.append([a, b if last else b - 1, count])
+    data = yaml.safe_load(profile.read_text())
+    data["constants"]["length_histogram"] = {
+        "value": histogram,
+        "source": f"the user's response lengths ({lengths}, {len(values)} responses) in {len(histogram)} bins",
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(yaml.safe_dump(data, sort_keys=False, width=120))
+    return out
