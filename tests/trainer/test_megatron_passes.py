@@ -5,7 +5,7 @@ losses, metrics and weights (the tolerances of test_megatron_trainer.py and test
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch
 
 from encoders.embedded_model import init_model
 from tests.trainer.test_megatron_cpu import batches
+from tests.trainer.weights import assert_weights_close
 from trainer.feed import FeedBatch
 from trainer.losses import LossConfig
 from trainer.megatron.passes import label_logprobs
@@ -59,18 +60,8 @@ def assert_same_steps(got: list[StepResult], want: list[StepResult], names: tupl
             assert mine.metrics[name] == pytest.approx(theirs.metrics[name], abs=1e-5), (index, name)
 
 
-def named(name: str) -> Callable[[str], str]:
-    return lambda message: f"{name}: {message}"
-
-
 def assert_same_weights(trainer: MegatronTrainer, reference: ReferenceTrainer) -> None:
-    want = reference.model.state_dict()
-    got = trainer.full_state_dict()
-    assert got
-    for name, value in got.items():
-        # Adam's first steps move a weight by about lr (1e-3) whatever its gradient's size: reductions in another
-        # order move it by a share of that, hence atol 1e-5 (as test_megatron_model_parallel.py).
-        torch.testing.assert_close(value, want[name], rtol=1e-4, atol=1e-5, msg=named(name))
+    assert_weights_close(trainer.full_state_dict(), reference.model.state_dict())
 
 
 PPO_METRICS = ("ratio_mean", "clip_fraction", "approx_kl", "rollout_trainer_kl", "rollout_is_weight_mean", "tokens")
@@ -230,5 +221,4 @@ def test_model_parallel_ranks_make_the_passes_and_the_penalty_as_one_rank(tmp_pa
             assert record["metrics"][name] == pytest.approx(want.metrics[name], abs=1e-5), (rank, name)
     state = torch.load(out / "state.pt")
     assert state.keys() == whole.keys()
-    for name, value in whole.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-5, msg=named(name))
+    assert_weights_close(state, whole)
