@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -37,6 +36,7 @@ from typing import Any, Literal, NotRequired, TypedDict, TypeVar
 import httpx
 
 from engines.sampling import SGLangSampling
+from experience import wire
 
 from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, refuses_token
 
@@ -234,7 +234,9 @@ class Dispatcher:
 
     async def _open(self, engine: EngineEndpoint, body: GenerateBody) -> EngineStream:
         engine.outstanding += 1
-        request = self._client.build_request("POST", f"{engine.url}/generate", json=body)
+        request = self._client.build_request(
+            "POST", f"{engine.url}/generate", content=wire.dumps(body), headers=wire.JSON_HEADERS
+        )
         try:
             response = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout_s)
         except TimeoutError:
@@ -261,7 +263,8 @@ class Dispatcher:
     async def _call(self, engine: EngineEndpoint, body: GenerateBody) -> dict[str, Any]:
         engine.outstanding += 1
         try:
-            response = await asyncio.wait_for(self._client.post(f"{engine.url}/generate", json=body), self.timeout_s)
+            post = self._client.post(f"{engine.url}/generate", content=wire.dumps(body), headers=wire.JSON_HEADERS)
+            response = await asyncio.wait_for(post, self.timeout_s)
         except TimeoutError:
             # Free the engine's slot: an abandoned request would otherwise keep generating.
             asyncio.ensure_future(self._abort(engine, body.get("rid")))
@@ -276,7 +279,7 @@ class Dispatcher:
             code, message = _refusal(response)
             raise EngineRefused(f"engine {engine.url}: {message}", code=code)
         try:
-            result = response.json()
+            result = wire.loads(response.content)
         except ValueError:
             raise _EngineFailed(f"HTTP {response.status_code} with a body that is not JSON") from None
         if not isinstance(result, dict):
@@ -333,7 +336,7 @@ class EngineStream:
                     self._done = True
                     return
                 try:
-                    event = json.loads(data)
+                    event = wire.loads(data)
                 except ValueError:
                     raise EnginesUnavailable(f"engine {self.engine.url} sent an event that is not JSON") from None
                 if not isinstance(event, dict):

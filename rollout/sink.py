@@ -8,7 +8,6 @@ group is recorded (an evaluation request is not experience: the caller skips the
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import threading
@@ -18,6 +17,7 @@ from typing import Protocol
 
 import httpx
 
+from experience import wire
 from experience.records import Group
 
 from .errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
@@ -48,7 +48,7 @@ class JsonlSink:
             os.fsync(fh.fileno())
 
     async def append(self, group: Group) -> None:
-        line = (json.dumps(group.to_json(), separators=(",", ":")) + "\n").encode()
+        line = wire.dumps(group.to_json()) + b"\n"
         await asyncio.to_thread(self._write, line)
 
     async def close(self) -> None:
@@ -70,12 +70,12 @@ class HttpSink:
         self.retry_s = retry_s
 
     async def append(self, group: Group) -> None:
-        payload = group.to_json()
+        body = wire.dumps(group.to_json())  # once, whatever the retries
         deadline = time.monotonic() + self.retry_s
         delay = 0.2
         while True:
             try:
-                response = await self._client.post("/v1/experience", json=payload)
+                response = await self._client.post("/v1/experience", content=body, headers=wire.JSON_HEADERS)
             except httpx.TransportError as error:
                 problem = f"{type(error).__name__}: {error}"
             else:

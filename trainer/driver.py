@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from experience import wire
 from experience.records import Group
 
 __all__ = ["RolloutDriver", "group_id", "row_of"]
@@ -106,9 +107,11 @@ class RolloutDriver:
 
     def _request(self, prompts: list[dict[str, Any]]) -> int:
         body = {"prompts": [{**p, "n": self.n} for p in prompts], "sampling_params": self.sampling_params}
-        response = self._client.post(f"{self.rollout_url}/v1/rollouts", json=body)
+        url = f"{self.rollout_url}/v1/rollouts"
+        response = self._client.post(url, content=wire.dumps(body), headers=wire.JSON_HEADERS)
         response.raise_for_status()
-        groups = [Group.from_json(g) for g in response.json()["groups"]]  # the rollout role's contract, checked
+        # the rollout role's contract, checked
+        groups = [Group.from_json(g) for g in wire.loads(response.content)["groups"]]
         return len(groups)
 
     def start(self) -> None:

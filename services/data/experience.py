@@ -12,12 +12,13 @@ from fastapi import APIRouter, Body
 
 from experience import Group
 
+from ..wire_route import WireRoute
 from .deps import Consumer, Store, refusals
 from .schemas import ExperienceIn, ExperienceOut, StatsOut
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["experience"])
+router = APIRouter(tags=["experience"], route_class=WireRoute)
 
 
 @router.post("/v1/experience", responses=refusals(400, 413, 422))

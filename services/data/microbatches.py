@@ -16,12 +16,13 @@ from experience import microbatch_to_arrow, with_media
 
 from ..errors import ApiError
 from ..template import ARROW_STREAM
+from ..wire_route import WireRoute
 from .deps import BatchId, Consumer, Features, Rank, Settings, Store, refusals
 from .schemas import AckOut, AcksIn, AcksOut, ReleaseOut
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["microbatches"])
+router = APIRouter(tags=["microbatches"], route_class=WireRoute)
 
 
 @router.get(

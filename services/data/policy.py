@@ -9,12 +9,13 @@ import asyncio
 
 from fastapi import APIRouter
 
+from ..wire_route import WireRoute
 from .deps import Consumer, Store, refusals
 from .schemas import AdmissionOut, PolicyIn, PolicyOut, RegenerationsOut
 
 __all__ = ["router"]
 
-router = APIRouter(tags=["policy"])
+router = APIRouter(tags=["policy"], route_class=WireRoute)
 
 
 @router.post("/v1/regenerations", responses=refusals())

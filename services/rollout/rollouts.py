@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import StreamingResponse
 
 from engines.errors import InvalidSampling
 from engines.protocol import SamplingParams
+from experience import wire
 from experience.records import Group
 from preprocess.budget import TokenBudget
 from rollout.context import PromptSpec
@@ -24,6 +24,7 @@ from rollout.errors import InvalidPrompt, RolloutError
 from rollout.group import run_prompt
 
 from ..errors import ApiError, error_body
+from ..wire_route import WireRoute
 from .deps import Role, request_bytes
 from .schemas import RolloutRequest, RolloutResponse
 from .service import RolloutRole, budget_of, library_reward, multiturn_fields, prompt_sampling
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 NDJSON = "application/x-ndjson"
 
-router = APIRouter()
+router = APIRouter(route_class=WireRoute)
 
 
 @router.post(
@@ -65,7 +66,7 @@ async def rollouts(body: RolloutRequest, request: Request, role: Role) -> Any:
         finally:  # one group's error fails the request: the others stop
             for task in tasks:
                 task.cancel()
-    return JSONResponse({"groups": [g.to_json() for g in groups]})
+    return Response(wire.dumps({"groups": [g.to_json() for g in groups]}), media_type="application/json")
 
 
 def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, SamplingParams]]:
@@ -120,7 +121,7 @@ async def _lines(tasks: Sequence[asyncio.Future[Group]], held: contextlib.ExitSt
                 except Exception:  # noqa: BLE001 - the 200 is sent: the error goes in the stream and the log
                     logger.exception("a group failed while streaming")
                     line = error_body("internal_error", "the service failed on this group; see its log")
-                yield (json.dumps(line) + "\n").encode()
+                yield wire.dumps(line) + b"\n"
         finally:  # a client that went away stops the groups still running
             for task in tasks:
                 task.cancel()

@@ -3,6 +3,7 @@ readiness from a real write, and metrics with counters exported as counters."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from services.data import DataSettings, create_app
 from services.settings import RoleSettings, SettingsError, load_settings
 from tests.experience.test_store import group
 
+JSON = {"content-type": "application/json"}
 HOSTILE = {"group_id": "x", "prompt_ids": "zzz", "samples": [{"bogus": 1}]}
 
 
@@ -265,3 +267,22 @@ def test_settings_fail_fast_and_describe_themselves(monkeypatch: pytest.MonkeyPa
         load_settings(DataSettings)
     monkeypatch.setenv("WEIR_ADVANTAGE_ESTIMATOR", "dr_grpo")
     assert load_settings(DataSettings).config().advantage_estimator == "dr_grpo"
+
+
+def test_a_group_with_a_non_finite_literal_is_malformed_json_and_nothing_is_stored(client: TestClient) -> None:
+    """The role reads bodies with orjson (`services.wire_route`): a ``NaN`` / ``Infinity`` literal, which the
+    standard library would have handed to the schema, is a malformed body; a well-formed one is stored."""
+    text = json.dumps(group("g", [0.0, 1.0]).to_json(), separators=(",", ":"))
+    for literal in ("NaN", "Infinity", "-Infinity"):
+        bad = text.replace('"reward":1.0', f'"reward":{literal}')
+        assert literal in bad
+        response = client.post("/v1/experience", content=bad.encode(), headers=JSON)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "malformed_json", literal
+    # an integer past 64 bits (orjson reads it as a double) is refused as json's reading of it was
+    huge = text.replace('"prompt_ids":[0,', f'"prompt_ids":[{2**64},')
+    assert huge != text
+    response = client.post("/v1/experience", content=huge.encode(), headers=JSON)
+    assert response.status_code == 422, response.text
+    assert store_of(client).stored_groups() == []
+    stored = client.post("/v1/experience", content=text.encode(), headers=JSON).json()
+    assert stored == {"stored": ["g"], "duplicates": []}
