@@ -265,7 +265,6 @@ def _engines(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import signal
     import time
 
     from .console import console
@@ -293,7 +292,7 @@ def _up(args: argparse.Namespace) -> int:
             run_showcase(urls, args.home / "media", token=stack.token)
             return 0
         console.print("Ready. Ctrl-C stops every role; a role that exits is started again.")
-        signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+        _sigterm_as_interrupt()
         with Supervisor(stack) as supervisor:
             while supervisor.fatal is None:
                 time.sleep(0.5)
@@ -306,15 +305,26 @@ def _up(args: argparse.Namespace) -> int:
         console.print("stopped.")
 
 
-def _train(args: argparse.Namespace) -> int:
+def _sigterm_as_interrupt() -> None:
+    """SIGTERM (a scheduler, `kill`, `timeout`) ends a command as Ctrl-C does: the stack it started is stopped on
+    the way out (by default SIGTERM ends the process at once, and every role it started keeps running)."""
     import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+
+def _twin(args: argparse.Namespace) -> int:
+    _sigterm_as_interrupt()  # a live twin's stack is dozens of processes (32 engine processes at 256 GPUs)
+    return run_twin_command(args)
+
+
+def _train(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from .config import TrainConfig
     from .training import run_training
 
-    # SIGTERM (a scheduler, `kill`) ends the run as Ctrl-C does: the stack it started is stopped on the way out.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    _sigterm_as_interrupt()
 
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
     return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
@@ -361,7 +371,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "up": _up,
     "engines": _engines,
     "train": _train,
-    "twin": run_twin_command,
+    "twin": _twin,
     "export-hf": _export_hf,
     "init-model": _init_model,
     "demo": _demo,

@@ -246,3 +246,35 @@ def test_length_seed_prompt_draws_the_same_lengths_in_every_run() -> None:
     assert len(set(lengths[0][:3])) > 1  # occurrences of one prompt draw differently
     with pytest.raises(ValueError, match="length_seed"):
         SimProfile.from_dict(_constants(length_seed="dice"))
+
+
+def test_weir_twin_stopped_by_sigterm_stops_its_stack(tmp_path: Path) -> None:
+    """A live twin killed by SIGTERM (a scheduler, `timeout`) exits 130 and leaves no role running: before, its
+    stack (32 engine processes at 256 GPUs) kept running after the twin was gone."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.benchmarks.soak import _role_pids
+
+    base = _free_base(1)
+    command = [sys.executable, "-m", "launcher.cli", "twin", "--gpus", "2", "--steps", "1000", "--compression", "100"]
+    command += ["--modes", "async-1", "--profile", str(_short_profile(tmp_path / "short.yaml"))]
+    command += ["--home", str(tmp_path / "twin"), "--base-port", str(base)]
+    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = tmp_path / "twin" / "g2" / "c100" / "async-1" / "train" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not (metrics.is_file() and metrics.read_text().strip()) and run.poll() is None:
+            assert time.monotonic() < deadline, "the twin's first step did not finish"
+            time.sleep(0.5)
+        assert run.poll() is None, run.communicate()[1][-3000:]
+        run.send_signal(signal.SIGTERM)
+        _, err = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130, err[-3000:]
+    assert b"Traceback" not in err and b"interrupted" in err
+    assert not _role_pids(base)  # every role process is gone
