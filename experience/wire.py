@@ -29,8 +29,9 @@ JSON_HEADERS = {"content-type": "application/json"}
 
 
 def dumps(value: Any) -> bytes:
-    """``value`` as compact JSON bytes."""
-    return orjson.dumps(value)
+    """``value`` as compact JSON bytes; numpy arrays and scalars as lists and numbers (a backend's log-probs may be
+    numpy values, which pydantic's encoder accepted)."""
+    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:

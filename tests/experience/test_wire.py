@@ -8,6 +8,7 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 
 from experience import Group, wire
@@ -25,6 +26,11 @@ def test_numbers_read_back_as_the_standard_library_reads_them() -> None:
     assert json.loads(ours) == doc  # what the other side reads, if it uses json
     assert wire.loads(json.dumps(doc)) == doc == wire.loads(ours)  # what we read, whoever wrote it
     assert math.copysign(1.0, wire.loads(ours)["logprobs"][1]) == -1.0  # -0.0 keeps its sign
+
+
+def test_numpy_values_are_written_as_numbers() -> None:
+    doc = {"lp": [np.float32(-0.5), np.float64(-1.25)], "id": np.int64(7), "ids": np.arange(3, dtype=np.int32)}
+    assert json.loads(wire.dumps(doc)) == {"lp": [-0.5, -1.25], "id": 7, "ids": [0, 1, 2]}
 
 
 def test_a_group_crosses_the_wire_unchanged() -> None:
