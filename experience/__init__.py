@@ -11,6 +11,7 @@
     index.py        the SQLite index: durable opening, transactions, counters
     store.py        ExperienceStore, the facade over one index and the Arrow entries; DataConfig
     errors.py       the exception tree (ExperienceError and its codes)
+    wire.py         JSON on the roles' hot paths through orjson
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ data role's and the driver's; orjson reads and writes the same documents several
 their exact values both ways (each is written as the shortest text that reads back as the same double).
 
 Where it differs from ``json``, on what these bodies never hold legitimately: ``loads`` refuses ``NaN`` /
-``Infinity`` literals (an error, as any malformed body) and reads an integer past 64 bits as the nearest double
-(the schemas refuse such ids and versions either way); ``dumps`` writes a non-finite float as ``null`` (records
-refuse non-finite log-probs and rewards before they get here).
+``Infinity`` literals, a UTF-8 byte-order mark, UTF-16 bodies and lone surrogate escapes (each an error, as any
+malformed body), and reads an integer past 64 bits as the nearest double (token ids and versions are bounded and
+refuse it; an unbounded integer field, a seed, would take it rounded); ``dumps`` writes a non-finite float as
+``null`` (records refuse non-finite log-probs and rewards before they get here).
 APIs that clients call with their own libraries (OpenAI's, SGLang's) keep FastAPI's encoding.
 """
 
@@ -28,10 +29,17 @@ JSONDecodeError = orjson.JSONDecodeError  # a subclass of json.JSONDecodeError (
 JSON_HEADERS = {"content-type": "application/json"}
 
 
+def _as_list(value: Any) -> Any:
+    """What orjson does not write itself: a torch tensor or a non-contiguous numpy array, as its ``tolist()``."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def dumps(value: Any) -> bytes:
-    """``value`` as compact JSON bytes; numpy arrays and scalars as lists and numbers (a backend's log-probs may be
-    numpy values, which pydantic's encoder accepted)."""
-    return orjson.dumps(value, option=orjson.OPT_SERIALIZE_NUMPY)
+    """``value`` as compact JSON bytes; numpy arrays and scalars (and torch tensors) as lists and numbers (a
+    backend's log-probs may be such values, which pydantic's encoder accepted)."""
+    return orjson.dumps(value, default=_as_list, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 def loads(data: bytes | bytearray | memoryview | str) -> Any:

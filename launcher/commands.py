@@ -277,6 +277,7 @@ def _up(args: argparse.Namespace) -> int:
         home=args.home, model=args.model, engines=args.engines, base_port=args.base_port, env=_engine_env(args)
     )
     console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
+    _sigterm_as_interrupt()  # also while the roles start (start() stops those it started on any exception)
     urls = stack.start()
     for role, url in urls.items():
         console.print(f"  {role:<14} {url}")
@@ -292,7 +293,6 @@ def _up(args: argparse.Namespace) -> int:
             run_showcase(urls, args.home / "media", token=stack.token)
             return 0
         console.print("Ready. Ctrl-C stops every role; a role that exits is started again.")
-        _sigterm_as_interrupt()
         with Supervisor(stack) as supervisor:
             while supervisor.fatal is None:
                 time.sleep(0.5)
@@ -307,10 +307,15 @@ def _up(args: argparse.Namespace) -> int:
 
 def _sigterm_as_interrupt() -> None:
     """SIGTERM (a scheduler, `kill`, `timeout`) ends a command as Ctrl-C does: the stack it started is stopped on
-    the way out (by default SIGTERM ends the process at once, and every role it started keeps running)."""
+    the way out (by default SIGTERM ends the process at once, and every role it started keeps running). Once: a
+    second SIGTERM is ignored, so it cannot cut the stack's own stopping short."""
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    def interrupt(*_: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def _twin(args: argparse.Namespace) -> int:

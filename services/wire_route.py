@@ -31,6 +31,6 @@ class WireRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def read_with_orjson(request: Request) -> Response:
-            return await handler(_WireRequest(request.scope, request.receive))
+            return await handler(_WireRequest(request.scope, request.receive, request._send))
 
         return read_with_orjson

@@ -5,7 +5,6 @@ response shape for a result, the cached readiness probe, and the role's metrics.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -27,6 +26,7 @@ from engines import (
     sampling_from,
 )
 from engines import MediaRef as MediaKey
+from experience import wire
 from experience.records import policy_version_of
 
 from ..errors import ApiError
@@ -160,7 +160,9 @@ def result_json(
 
 
 def sse(payload: GenerateAnswer | StreamError) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()
+    """One server-sent event, written as the non-streaming answer is (`experience.wire`: a non-finite log-prob as
+    null, numpy values as numbers), so a stream and an answer read the same."""
+    return b"data: " + wire.dumps(payload) + b"\n\n"
 
 
 class Probe:

@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from experience import Group, wire
 from tests.experience.test_store import group
@@ -31,6 +32,10 @@ def test_numbers_read_back_as_the_standard_library_reads_them() -> None:
 def test_numpy_values_are_written_as_numbers() -> None:
     doc = {"lp": [np.float32(-0.5), np.float64(-1.25)], "id": np.int64(7), "ids": np.arange(3, dtype=np.int32)}
     assert json.loads(wire.dumps(doc)) == {"lp": [-0.5, -1.25], "id": 7, "ids": [0, 1, 2]}
+    sliced = np.arange(6, dtype=np.float32).reshape(2, 3)[:, 1]  # not contiguous: orjson's numpy path refuses it
+    assert json.loads(wire.dumps({"a": sliced, "t": torch.tensor([1.5, -2.0])})) == {"a": [1.0, 4.0], "t": [1.5, -2.0]}
+    with pytest.raises(TypeError):
+        wire.dumps({"s": {1, 2}})
 
 
 def test_a_group_crosses_the_wire_unchanged() -> None:
