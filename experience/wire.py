@@ -13,15 +13,26 @@ malformed body), and reads an integer past 64 bits as the nearest double (token 
 refuse it; an unbounded integer field, a seed, would take it rounded); ``dumps`` writes a non-finite float as
 ``null`` (records refuse non-finite log-probs and rewards before they get here).
 APIs that clients call with their own libraries (OpenAI's, SGLang's) keep FastAPI's encoding.
+
+Packed arrays (`pack`, `unpack`): a long list of numbers as one base64 string of little-endian values — how Weir's
+engine answers the rollout role's rollouts (``weir_packed``). Reading a 5,559-token answer's ids and log-probs as
+JSON lists (SGLang's ``[logprob, id, null]`` entries: four objects a token) took 4.3 ms, packed 0.75 ms.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import base64
+import binascii
+from collections.abc import Sequence
+from typing import Any, Literal
 
+import numpy as np
 import orjson
 
-__all__ = ["JSON_HEADERS", "JSONDecodeError", "dumps", "loads"]
+__all__ = ["JSON_HEADERS", "JSONDecodeError", "PackedType", "dumps", "loads", "pack", "unpack"]
+
+# int32 token ids (every vocabulary fits), float64 log-probs (the exact double JSON would carry).
+PackedType = Literal["<i4", "<f8"]
 
 JSONDecodeError = orjson.JSONDecodeError  # a subclass of json.JSONDecodeError (and so of ValueError)
 
@@ -45,3 +56,28 @@ def dumps(value: Any) -> bytes:
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """The document in ``data``; `JSONDecodeError` (a ``ValueError``) when it is not JSON."""
     return orjson.loads(data)
+
+
+def pack(values: Sequence[int] | Sequence[float] | np.ndarray, dtype: PackedType) -> str:
+    """``values`` as base64 of their little-endian ``dtype`` bytes (`unpack` reads it back). An id outside int32
+    raises ``OverflowError``, as a value JSON could carry but the packed form cannot."""
+    array = np.asarray(values)
+    if dtype == "<i4" and array.size and (array.min() < -(2**31) or array.max() >= 2**31):
+        raise OverflowError("a value does not fit in int32")
+    return base64.b64encode(array.astype(dtype, copy=False).tobytes()).decode("ascii")
+
+
+def unpack(text: object, dtype: PackedType) -> list[Any]:
+    """The numbers `pack` wrote, as a list of Python ints or floats; ``ValueError`` for anything else (not a
+    string, not base64, a length that is not a whole number of values)."""
+    if not isinstance(text, str):
+        raise ValueError(f"a packed array is a base64 string, not {type(text).__name__}")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"a packed array is not base64: {error}") from None
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise ValueError(f"a packed array of {len(raw)} bytes is not a whole number of {size}-byte values")
+    values: list[Any] = np.frombuffer(raw, dtype=dtype).tolist()
+    return values

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rich.progress import Progress
 from rich.table import Table
 
 import preprocess as pp
@@ -112,24 +113,30 @@ def _warm_up(
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
     crop-then-answer trajectories (`launcher.demo.task.agent_warmup_pairs`); then the engines and the encoder
     get the weights."""
-    from .demo.task import agent_warmup_pairs, agent_warmup_rows, clip_warmup_pairs, warmup_prompts
+    from .demo.task import AgentWarmup, Pair, agent_warmup_pairs, agent_warmup_rows, clip_warmup_pairs, warmup_prompts
 
+    pairs: list[Pair] = []
+    agent: AgentWarmup | None = None  # the agent's examples change from step to step
     if config.demo_task == "visual-search":  # scripted trajectories: crop the square's quarter, then answer
-        pairs = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
-        what = f"{len(pairs) // 2} scripted crop-then-answer trajectories (tool-call and answer format)"
+        agent = agent_warmup_pairs(agent_warmup_rows(), trainer.answer_ids, rollout_url=urls["rollout"], token=token)
+        what = f"{len(agent.calls)} scripted crop-then-answer trajectories (the crop, the answer's format)"
     elif config.demo_task == "video-audio":  # the format with a clip in context; every clip gets every answer
         pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
     else:
         pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
         what = "text-only prompts (answer format)"
-    for _ in range(config.warmup_steps):
-        loss = trainer.supervised_step(pairs, lr=_WARMUP_LR)
-    if trainer.parallel is None or trainer.parallel.is_main:
+    main = trainer.parallel is None or trainer.parallel.is_main
+    with Progress(console=console, transient=True, disable=not main) as progress:
+        task = progress.add_task(f"warm-up on {what}", total=config.warmup_steps)
+        for step in range(config.warmup_steps):
+            loss = trainer.supervised_step(agent.pairs(step) if agent is not None else pairs, lr=_WARMUP_LR)
+            progress.update(task, advance=1, description=f"warm-up, loss {loss:.3f}")
+    if main:
         console.print(f"Warm-up: {config.warmup_steps} supervised steps on {what}, loss {loss:.3f}")
+    _reference_from_policy(trainer)
     # An attached data role may already hold a policy: versions only go up from it; then the warmed-up
     # weights are the next version, published through the policy version's one owner as the loop does.
-    main = trainer.parallel is None or trainer.parallel.is_main
     recipients = WeightRecipients(
         engines=[u for k, u in urls.items() if k.startswith("engine")],
         current=cluster_engines if config.ray else None,  # engines come and go: the registry's at the time
@@ -146,6 +153,17 @@ def _warm_up(
         policy.publish()  # collective (export or state dict) with several ranks; rank 0 tells the recipients
     finally:
         policy.close()  # the engines leave the warm-up's broadcast group; the loop joins its own
+
+
+def _reference_from_policy(trainer: ReferenceTrainer | MegatronTrainer) -> None:
+    """The KL penalty's frozen reference becomes the warmed-up weights: the penalty keeps RL near where RL
+    starts, not near the model folder's random weights (which the warm-up left behind)."""
+    if trainer.reference is None:
+        return
+    if isinstance(trainer, ReferenceTrainer):  # the reference is whole on every rank: the full state (collective)
+        trainer.reference.load_state_dict(trainer.full_state_dict())
+    else:  # megatron: the reference is sharded as the policy, so each rank copies its own shards
+        trainer.reference.load_state_dict(getattr(trainer.model, "module", trainer.model).state_dict())
 
 
 def _show_diagnosis(diagnosis: dict[str, float]) -> None:

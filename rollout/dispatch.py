@@ -62,7 +62,8 @@ class EngineMediaRef(TypedDict):
 
 class GenerateBody(TypedDict):
     """An engine's ``/generate`` request (SGLang's native API): Weir's engine takes the media by cache key
-    (``weir_media``), a plain SGLang server inline (``image_data`` / ``video_data`` / ``audio_data``)."""
+    (``weir_media``) and may answer the output packed (``weir_packed``), a plain SGLang server inline
+    (``image_data`` / ``video_data`` / ``audio_data``)."""
 
     input_ids: list[int]
     sampling_params: SGLangSampling
@@ -73,6 +74,7 @@ class GenerateBody(TypedDict):
     logprob_start_len: NotRequired[int]
     stream: NotRequired[bool]
     weir_media: NotRequired[list[EngineMediaRef]]
+    weir_packed: NotRequired[bool]
     image_data: NotRequired[list[str]]
     video_data: NotRequired[list[str]]
     audio_data: NotRequired[list[str]]
@@ -188,9 +190,16 @@ class Dispatcher:
     async def stream(self, body: BodyFor, *, group: str | None = None) -> EngineStream:
         """POST /generate with ``stream: true`` on one engine: an open `EngineStream` (its status
         checked: a refusal is raised here, before any chunk). Opening is retried once on another
-        engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`)."""
+        engine if the first fails; once chunks flow, a failure ends the stream (`EnginesUnavailable`). Chunks
+        carry lists: ``weir_packed`` is for JSON answers, and is left out."""
+
+        def streamed(engine: EngineEndpoint) -> GenerateBody:
+            asked = body(engine)
+            asked.pop("weir_packed", None)
+            return GenerateBody(**asked, stream=True)
+
         return await self._on_one_then_another(
-            lambda engine: self._open(engine, GenerateBody(**body(engine), stream=True)), group, self._media_keys(body)
+            lambda engine: self._open(engine, streamed(engine)), group, self._media_keys(body)
         )
 
     async def _on_one_then_another(

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from engines.protocol import SamplingParams
 from engines.sampling import sampling_json
+from experience import wire
 from experience.records import FinishReason, Sample, SampleStatus, policy_version_of, sample_id
 
 from .context import RolloutContext
@@ -77,6 +78,8 @@ def engine_body(
         body["logprob_start_len"] = 0
     if engine.kind == "weir":
         body["weir_media"] = prepared.media
+        if not ask.extra:  # ids and log-probs packed: reading them as JSON lists was most of this role's CPU
+            body["weir_packed"] = True
         return body
     for item in prepared.inline:
         source = item.get("data") or item.get("url") or f"file://{item['path']}"
@@ -99,8 +102,13 @@ def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float)
         meta = out["meta_info"]
         reason = meta["finish_reason"]
         kind = reason.get("type") if isinstance(reason, Mapping) else reason
-        response_ids = [int(t) for t in out["output_ids"]]
-        logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
+        packed = out.get("weir_packed")
+        if isinstance(packed, Mapping):  # Weir's engine, asked for `weir_packed` (`experience.wire.pack`)
+            response_ids = wire.unpack(packed["output_ids"], "<i4")
+            logprobs = wire.unpack(packed["output_logprobs"], "<f8") if "output_logprobs" in packed else []
+        else:
+            response_ids = [int(t) for t in out["output_ids"]]
+            logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         text = str(out.get("text") or "")
         routed = meta.get("routed_experts")
     except (KeyError, TypeError, ValueError, IndexError, OverflowError) as error:

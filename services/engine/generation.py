@@ -58,6 +58,7 @@ async def generate(body: GenerateBody, http: Request, role: Role) -> Any:
             input_ids=request.input_ids,
             token_text=token_text,
             prompt_token_ids=body.return_prompt_token_ids,
+            packed=body.weir_packed,
         )
 
     if body.stream:

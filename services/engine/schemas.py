@@ -199,6 +199,19 @@ class GenerateBody(BaseModel):
     video_data: Any = Field(None, description="as image_data")
     audio_data: Any = Field(None, description="as image_data")
     weir_media: list[MediaRef] = Field(default_factory=list)
+    weir_packed: bool = Field(
+        False,
+        description="Weir's: the output's ids and log-probs as packed arrays (`weir_packed`: base64 of "
+        "little-endian int32 ids and float64 log-probs) in place of output_ids and output_token_logprobs; "
+        "JSON answers only (not with stream)",
+    )
+
+
+class PackedOutput(TypedDict):
+    """An answer's output, packed (`experience.wire.pack`): what ``weir_packed`` asks for in place of the lists."""
+
+    output_ids: str  # int32, little-endian, base64
+    output_logprobs: NotRequired[str]  # float64, little-endian, base64; with return_logprob
 
 
 class MetaInfo(TypedDict):
@@ -226,8 +239,9 @@ class GenerateResponse(BaseModel):
     """One result; a batch or n > 1 is answered with a JSON list of these (item-major, as SGLang)."""
 
     text: str
-    output_ids: list[int]
+    output_ids: list[int] | None = Field(None, description="absent with weir_packed")
     prompt_token_ids: list[int] | None = Field(None, description="with return_prompt_token_ids")
+    weir_packed: PackedOutput | None = Field(None, description="with weir_packed: the output ids and log-probs")
     meta_info: MetaInfo = Field(
         description="id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, "
         "num_retractions, e2e_latency; with return_logprob: output_token_logprobs and input_token_logprobs "

@@ -33,7 +33,7 @@ from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..template import Readiness
 from .media import MediaSources, expand_prompt, items_for, read_media
-from .schemas import REFUSED_FIELDS, GenerateBody, MetaInfo
+from .schemas import REFUSED_FIELDS, GenerateBody, MetaInfo, PackedOutput
 from .settings import EngineSettings
 
 __all__ = [
@@ -71,8 +71,9 @@ class GenerateAnswer(TypedDict):
     """SGLang's answer to one generate request (`schemas.GenerateResponse`), and a stream's chunk."""
 
     text: str
-    output_ids: list[int]
+    output_ids: NotRequired[list[int]]  # not with weir_packed
     meta_info: MetaInfo
+    weir_packed: NotRequired[PackedOutput]  # with weir_packed: output_ids and output log-probs packed
     prompt_token_ids: NotRequired[list[int]]  # with return_prompt_token_ids
     index: NotRequired[int]  # a stream's chunk of a batch or n > 1: its place in the JSON list
 
@@ -116,10 +117,13 @@ def result_json(
     input_ids: Sequence[int] = (),
     token_text: Callable[[int], str] | None = None,
     prompt_token_ids: bool = False,
+    packed: bool = False,
 ) -> GenerateAnswer:
     """SGLang's response to one generate request. Log-prob entries are ``[logprob, token_id, text]``, the
     text filled by ``token_text`` (``return_text_in_logprobs``), else null; top log-probs are lists of such
-    entries per position (null where SGLang pads the first prompt position)."""
+    entries per position (null where SGLang pads the first prompt position). ``packed`` (Weir's
+    ``weir_packed``): the output ids and their log-probs as `PackedOutput` in place of those lists (a
+    non-finite log-prob stays one there; JSON writes it as null)."""
     meta: MetaInfo = {
         "id": result.rid,
         "finish_reason": result.finish_reason,
@@ -143,9 +147,10 @@ def result_json(
         def tops(position: TopLogprobs | None) -> list[list[Any]] | None:
             return None if position is None else [entry(lp, t) for lp, t in position]
 
-        meta["output_token_logprobs"] = [
-            entry(lp, t) for lp, t in zip(result.output_logprobs, result.output_ids, strict=True)
-        ]
+        if not packed:
+            meta["output_token_logprobs"] = [
+                entry(lp, t) for lp, t in zip(result.output_logprobs, result.output_ids, strict=True)
+            ]
         if result.input_logprobs is not None:
             prompt = list(input_ids)[result.input_logprob_start :]
             meta["input_token_logprobs"] = [entry(lp, t) for lp, t in zip(result.input_logprobs, prompt, strict=False)]
@@ -153,7 +158,14 @@ def result_json(
             meta["output_top_logprobs"] = [tops(p) for p in result.output_top_logprobs]
         if result.input_top_logprobs is not None:
             meta["input_top_logprobs"] = [tops(p) for p in result.input_top_logprobs]
-    out: GenerateAnswer = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
+    out: GenerateAnswer
+    if packed:
+        output: PackedOutput = {"output_ids": wire.pack(result.output_ids, "<i4")}
+        if logprobs:
+            output["output_logprobs"] = wire.pack(result.output_logprobs, "<f8")
+        out = {"text": result.text, "meta_info": meta, "weir_packed": output}
+    else:
+        out = {"text": result.text, "output_ids": result.output_ids, "meta_info": meta}
     if prompt_token_ids:
         out["prompt_token_ids"] = list(input_ids)
     return out
@@ -268,6 +280,8 @@ def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
             raise ApiError(400, "unsupported_field", f"{name} is not supported by this engine role", field=name)
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(422, "invalid_request", "give exactly one of text, input_ids", field="text")
+    if body.weir_packed and body.stream:
+        raise ApiError(400, "invalid_request", "weir_packed is for JSON answers, not streams", field="weir_packed")
     prompts: list[list[int]]
     if body.text is not None:
         batch = isinstance(body.text, list)

@@ -54,3 +54,19 @@ def test_an_integer_past_64_bits_reads_as_the_nearest_double() -> None:
     near 2**63, and the schemas refuse one that does (a token id must fit int32: tests/services/data)."""
     assert wire.loads(str(2**64)) == float(2**64) and isinstance(wire.loads(str(2**64)), float)
     assert wire.loads(str(2**63 - 1)) == 2**63 - 1 and wire.loads(str(-(2**63))) == -(2**63)
+
+
+def test_packed_arrays_read_back_exactly_and_refuse_what_is_not_one() -> None:
+    rng = random.Random(1)
+    floats = EDGES + [rng.uniform(-40.0, 0.0) for _ in range(3000)] + [math.nan, -math.inf]
+    back = wire.unpack(wire.pack(floats, "<f8"), "<f8")
+    assert back[:-2] == floats[:-2] and math.isnan(back[-2]) and back[-1] == -math.inf
+    assert math.copysign(1.0, back[1]) == -1.0  # -0.0 keeps its sign
+    ids = [0, 1, 151_645, 2**31 - 1, -(2**31)]
+    assert wire.unpack(wire.pack(ids, "<i4"), "<i4") == ids and wire.unpack(wire.pack([], "<i4"), "<i4") == []
+    assert all(type(v) is int for v in wire.unpack(wire.pack(ids, "<i4"), "<i4"))
+    with pytest.raises(OverflowError):
+        wire.pack([2**31], "<i4")
+    for bad in ("not base64!", "AAA", "AAAAAA==", 5, None, ["AAAA"]):  # "AAAAAA==": 4 bytes, not a float64
+        with pytest.raises(ValueError):
+            wire.unpack(bad, "<f8")

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from engines.protocol import SamplingParams
+from experience import wire
 from experience.records import Group, SampleStatus
 from rollout.admission import Admission
 from rollout.context import PromptSpec, RolloutContext
@@ -92,6 +93,40 @@ def test_an_answer_the_record_refuses_is_a_failed_sample_not_an_error(change: di
     assert Group.from_json(json.loads(json.dumps(group.to_json()))) == group
 
 
+def packed(out: dict[str, Any]) -> dict[str, Any]:
+    """``out`` as Weir's engine answers it when asked for ``weir_packed``."""
+    meta = {k: v for k, v in out["meta_info"].items() if k != "output_token_logprobs"}
+    logprobs = [lp for lp, _, _ in out["meta_info"]["output_token_logprobs"]]
+    arrays = {"output_ids": wire.pack(out["output_ids"], "<i4"), "output_logprobs": wire.pack(logprobs, "<f8")}
+    return {"text": out["text"], "meta_info": meta, "weir_packed": arrays}
+
+
+def test_a_packed_answer_is_the_same_sample_as_its_json_lists() -> None:
+    for meta in ({}, {"finish_reason": {"type": "abort"}}, {"weight_version": "v2"}):
+        assert sample_from_engine(packed(answer(**meta)), index=3, generate_s=0.1) == sample_from_engine(
+            answer(**meta), index=3, generate_s=0.1
+        )
+    inf = answer(output_token_logprobs=[[-math.inf, 5, None], [-0.25, 6, None]])
+    assert "logprobs.0" in (sample_from_engine(packed(inf), index=0, generate_s=0).error or "")
+
+
+@pytest.mark.parametrize(
+    "arrays,problem",
+    [
+        ({"output_ids": "not base64!", "output_logprobs": ""}, "not base64"),
+        ({"output_ids": "BQAAAAYAAAA=", "output_logprobs": "AAAA"}, "whole number"),  # 3 bytes of float64
+        ({"output_ids": 5}, "base64 string"),
+        ({"output_ids": "BQAAAAYAAAA="}, "0 log-probs for 2 tokens"),
+        ({"output_logprobs": "AAAAAAAA4L8="}, "malformed engine response"),
+    ],
+)
+def test_a_malformed_packed_answer_is_a_failed_sample(arrays: dict[str, Any], problem: str) -> None:
+    out = packed(answer())
+    out["weir_packed"] = arrays
+    sample = sample_from_engine(out, index=0, generate_s=0)
+    assert sample.status is SampleStatus.FAILED and problem in (sample.error or ""), sample.error
+
+
 def test_a_missing_meta_info_is_a_failed_sample() -> None:
     sample = sample_from_engine({"text": "x"}, index=0, generate_s=0)
     assert sample.status is SampleStatus.FAILED and "malformed engine response" in (sample.error or "")
@@ -112,7 +147,8 @@ def test_engine_bodies() -> None:
     weir = engine_body(EngineEndpoint.parse("http://e:1/"), PREPARED, sampling, "g/0", routed_experts=False)
     assert weir["weir_media"] == PREPARED.media and weir["rid"] == "g/0" and weir["input_ids"] == [1, 2, 9, 9, 3]
     plain = engine_body(EngineEndpoint.parse("sglang+http://e:1"), PREPARED, sampling, "g/0", routed_experts=True)
-    assert "weir_media" not in plain and plain["return_routed_experts"] is True
+    assert weir["weir_packed"] is True  # ids and log-probs packed: only Weir's engine, only without top log-probs
+    assert "weir_media" not in plain and "weir_packed" not in plain and plain["return_routed_experts"] is True
     assert plain["image_data"] == ["data:image/png;base64,AA"] and plain["audio_data"] == ["file:///m/a.wav"]
     assert PREPARED.media_tokens == 2
 

@@ -33,6 +33,25 @@ def test_rows_carry_the_environment_and_the_scripted_call_crops_the_square() -> 
         assert call == {"name": "crop", "arguments": {"x": qx, "y": qy, "w": w, "h": h}}
 
 
+def test_the_warm_up_teaches_the_crop_and_the_answers_format_never_a_pictures_colour() -> None:
+    """`AgentWarmup.pairs`: every step trains each row's true crop call; its answer turn rotates through the
+    colours, so every step names each colour equally often and six steps give each row every colour once."""
+    names = [[10 + k, 99] for k in range(6)]  # six colours' answer ids, the end of turn
+    calls = [([1, row], [50 + row], [f"f{row}"]) for row in range(6)]
+    contexts = [([1, row, 50 + row, 7], [f"f{row}", f"crop{row}"]) for row in range(6)]
+    warmup = demo_task.AgentWarmup(calls=calls, contexts=contexts, names=names)
+    seen: dict[int, list[int]] = {row: [] for row in range(6)}
+    for step in range(6):
+        pairs = warmup.pairs(step)
+        assert pairs[:6] == calls and len(pairs) == 12
+        answers = pairs[6:]
+        assert sorted(a[0] for _, a, _ in answers) == [10, 11, 12, 13, 14, 15]  # each colour once a step
+        for row, (prompt, answer, keys) in enumerate(answers):
+            assert (prompt, keys) == contexts[row]
+            seen[row].append(answer[0])
+    assert all(sorted(colours) == [10, 11, 12, 13, 14, 15] for colours in seen.values())
+
+
 def test_the_driver_sends_the_multiturn_fields_on() -> None:
     rows = [{"messages": [], **demo_task.agent_row(3), "sampling_params": {"temperature": 0.5}}]
     driver = RolloutDriver(

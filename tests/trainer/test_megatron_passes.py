@@ -222,3 +222,18 @@ def test_model_parallel_ranks_make_the_passes_and_the_penalty_as_one_rank(tmp_pa
     state = torch.load(out / "state.pt")
     assert state.keys() == whole.keys()
     assert_weights_close(state, whole)
+
+
+def test_the_reference_is_rebased_on_the_warmed_up_weights(model_dir: Path, make: Any) -> None:
+    """After `weir train --demo`'s warm-up the KL reference is the warmed-up policy (RL's starting point), not the
+    model folder's weights: both trainers, then KL 0 at the next forward and the reference still frozen."""
+    from launcher.training import _reference_from_policy
+
+    a, b, ab = batches()
+    loss = LossConfig(kl_coef=0.5)
+    for trainer in (ReferenceTrainer(model_dir, lr=1e-3, seed=0, loss=loss), make(loss=loss)):
+        steps(trainer, [[a, b]])  # the "warm-up": the policy leaves the folder's weights
+        assert trainer.reference is not None
+        _reference_from_policy(trainer)
+        assert steps(trainer, [[ab]])[0].metrics["kl_ref"] == pytest.approx(0.0, abs=1e-9)
+        assert not any(p.requires_grad for p in trainer.reference.parameters())

@@ -74,6 +74,29 @@ def test_generate_with_media_by_feature_and_embedding_key(stack) -> None:  # typ
     assert client.post("/generate", json=body).json()["output_ids"] == out["output_ids"]
 
 
+def test_a_packed_answer_carries_the_json_answers_ids_and_log_probs_exactly(stack) -> None:  # type: ignore[no-untyped-def]
+    """``weir_packed`` (what the rollout role asks for): the same ids and bit-identical log-probs as the JSON
+    lists, for a single prompt and for each item of a batch; without return_logprob, ids only."""
+    from experience import wire
+
+    client, _, _, _ = stack
+    sampling = {"max_new_tokens": 12, "temperature": 1.0, "sampling_seed": 7, "ignore_eos": True}
+    for ids in ([5, 6, 7], [[5, 6, 7], [9, 10]]):
+        body = {"input_ids": ids, "return_logprob": True, "rid": "p", "sampling_params": sampling}
+        plain = client.post("/generate", json=body).json()
+        packed = client.post("/generate", json={**body, "weir_packed": True}).json()
+        for one, other in zip(*(x if isinstance(x, list) else [x] for x in (plain, packed)), strict=True):
+            assert "output_ids" not in other and "output_token_logprobs" not in other["meta_info"]
+            assert wire.unpack(other["weir_packed"]["output_ids"], "<i4") == one["output_ids"]
+            logprobs = wire.unpack(other["weir_packed"]["output_logprobs"], "<f8")
+            assert logprobs == [lp for lp, _, _ in one["meta_info"]["output_token_logprobs"]]  # exact doubles
+            assert other["text"] == one["text"]
+            assert other["meta_info"]["finish_reason"] == one["meta_info"]["finish_reason"]
+    body = {"input_ids": [5, 6], "weir_packed": True, "sampling_params": sampling}
+    ids_only = client.post("/generate", json=body).json()["weir_packed"]
+    assert set(ids_only) == {"output_ids"} and len(wire.unpack(ids_only["output_ids"], "<i4")) == 12
+
+
 def test_streaming_is_cumulative_then_done(stack) -> None:  # type: ignore[no-untyped-def]
     client, model, _, _ = stack
     body = {
@@ -234,6 +257,8 @@ def test_every_body_is_typed_in_the_openapi_document(stack) -> None:  # type: ig
             "embedding_not_found",
         ),
         ("/generate", {"input_ids": [1], "weir_media": {"type": "image"}}, 422, "invalid_request"),
+        ("/generate", {"input_ids": [1], "weir_packed": True, "stream": True}, 400, "invalid_request"),
+        ("/generate", {"input_ids": [1], "weir_packed": "yes"}, 422, "invalid_request"),
         ("/update_weights_from_disk", {}, 422, "invalid_request"),
         ("/update_weights_from_disk", {"model_path": 5}, 422, "invalid_request"),
         ("/update_weights_from_disk", {"model_path": "/x", "weight_version": 7}, 422, "invalid_request"),
