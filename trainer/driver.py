@@ -75,8 +75,11 @@ class RolloutDriver:
             timeout=600,
             headers={"Authorization": f"Bearer {token}"} if token else None,
             # a refused connection (the rollout or data role restarting) is retried with backoff, ~30 s in all,
-            # before its prompt is dropped
-            transport=httpx.HTTPTransport(retries=7),
+            # before its prompt is dropped. Connections unbounded (the in_flight threads bound them): under httpx's
+            # default pool of 100, groups past the 100th waited for a connection, not for an engine.
+            transport=httpx.HTTPTransport(
+                retries=7, limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, in_flight))
+            ),
         )
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

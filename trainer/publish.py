@@ -13,11 +13,10 @@ call; None sends none.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -34,6 +33,8 @@ __all__ = [
     "PublishResult",
     "TensorBucket",
     "data_policy_version",
+    "fan_out_client",
+    "post_each",
     "publish_weights",
 ]
 
@@ -97,34 +98,62 @@ def publish_weights(
     rollout role already routes around it, and one dead engine must not stop training. An engine
     that answers but refuses the weights is an error.
     """
-    unreachable: list[str] = []
-    live: list[str] = []
-    with httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None) as client:
+    with fan_out_client(len(engine_urls), timeout_s=timeout_s, token=token) as client:
         start = time.perf_counter()
-        for url in engine_urls:
-            try:
-                client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
-                live.append(url)
-            except httpx.TransportError:
-                logger.warning("engine %s is unreachable; publishing to the others", url)
-                unreachable.append(url)
+        paused = post_each(client, engine_urls, "pause_generation", {"mode": pause_mode})
+        live = [url for url, answer in zip(engine_urls, paused, strict=True) if isinstance(answer, httpx.Response)]
+        unreachable = [url for url in engine_urls if url not in live]
+        for url in unreachable:
+            logger.warning("engine %s is unreachable; publishing to the others", url)
         try:
+            for answer in paused:
+                if isinstance(answer, httpx.Response):
+                    answer.raise_for_status()
             if encoder_url:  # while the engines are paused, so no new generation mixes old towers with new weights
                 client.post(f"{encoder_url}/v1/weights", json={"model_path": str(folder)}).raise_for_status()
-            for url in live:
-                response = client.post(
-                    f"{url}/update_weights_from_disk", json={"model_path": str(folder), "weight_version": str(version)}
-                )
-                if response.status_code != 200 or not response.json().get("success"):
-                    raise RuntimeError(f"{url} refused the weights: {response.text}")
+            body = {"model_path": str(folder), "weight_version": str(version)}
+            for url, answer in zip(live, post_each(client, live, "update_weights_from_disk", body), strict=True):
+                if isinstance(answer, httpx.TransportError):
+                    raise answer
+                if answer.status_code != 200 or not answer.json().get("success"):
+                    raise RuntimeError(f"{url} refused the weights: {answer.text}")
         finally:
-            for url in live:
-                with contextlib.suppress(httpx.TransportError):
-                    client.post(f"{url}/continue_generation", json={})
+            post_each(client, live, "continue_generation", {})
         out = PublishResult(unreachable=unreachable, engines_s=time.perf_counter() - start)
         if data_url:
             client.post(f"{data_url}/v1/policy", json={"version": version}).raise_for_status()
     return out
+
+
+def fan_out_client(width: int, *, timeout_s: float, token: str | None) -> httpx.Client:
+    """A client for calls to ``width`` engines at once. Unbounded connections (the callers bound them: one
+    thread per engine): under httpx's default pool of 100, engine 101 and on waited for a free connection —
+    each publish then took two rounds of engine updates, and a broadcast, where every engine must be in its
+    request for the collective to end, never ended."""
+    return httpx.Client(
+        timeout=timeout_s,
+        headers={"Authorization": f"Bearer {token}"} if token else None,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, width)),
+    )
+
+
+def post_each(
+    client: httpx.Client, urls: list[str], path: str, body: Mapping[str, Any]
+) -> list[httpx.Response | httpx.TransportError]:
+    """``POST {url}/{path}`` with ``body`` on every url at once (a thread each), in order: each answer, or the
+    transport error that stopped it (an engine that died). Engines are paused, updated and continued together:
+    one after another, a publish took the sum of every engine's update time (minutes at 128 engines)."""
+
+    def post(url: str) -> httpx.Response | httpx.TransportError:
+        try:
+            return client.post(f"{url}/{path}", json=body)
+        except httpx.TransportError as error:
+            return error
+
+    if not urls:
+        return []
+    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix=path) as pool:
+        return list(pool.map(post, urls))
 
 
 def data_policy_version(data_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> int:
@@ -195,7 +224,7 @@ class BroadcastWeightSync:
         self.world_size = 1 + len(self.engine_urls) * tp_size
         self.bucket_bytes = bucket_bytes
         self.data_url, self.encoder_url = data_url, encoder_url
-        self.client = httpx.Client(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"} if token else None)
+        self.client = fan_out_client(len(self.engine_urls), timeout_s=timeout_s, token=token)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
 
@@ -281,9 +310,11 @@ class BroadcastWeightSync:
         import torch.distributed as dist
 
         start = time.perf_counter()
-        try:  # an engine that cannot be paused (it died) fails the publish, the ones paused already continued
-            for url in self.engine_urls:
-                self.client.post(f"{url}/pause_generation", json={"mode": pause_mode}).raise_for_status()
+        try:  # an engine that cannot be paused (it died) fails the publish, the others continued
+            for answer in post_each(self.client, self.engine_urls, "pause_generation", {"mode": pause_mode}):
+                if isinstance(answer, httpx.TransportError):
+                    raise answer
+                answer.raise_for_status()
             if towers is not None and self.encoder_url:  # while the engines are paused, as publish_weights
                 self.client.post(f"{self.encoder_url}/v1/weights", json={"model_path": str(towers)}).raise_for_status()
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
@@ -307,18 +338,14 @@ class BroadcastWeightSync:
                         work.wait()
                 self._check(pending)
         finally:
-            for url in self.engine_urls:
-                with contextlib.suppress(httpx.TransportError):
-                    self.client.post(f"{url}/continue_generation", json={})
+            post_each(self.client, self.engine_urls, "continue_generation", {})
         out = PublishResult(unreachable=[], engines_s=time.perf_counter() - start)
         if self.data_url:
             self.client.post(f"{self.data_url}/v1/policy", json={"version": version}).raise_for_status()
         return out
 
     def close(self) -> None:
-        for url in self.engine_urls:
-            with contextlib.suppress(httpx.HTTPError):
-                self.client.post(f"{url}/destroy_weights_update_group", json={"group_name": self.group_name})
+        post_each(self.client, self.engine_urls, "destroy_weights_update_group", {"group_name": self.group_name})
         if self.group is not None:
             import torch.distributed as dist
 
