@@ -166,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="how audio reaches 16 kHz: torchaudio, or libsoxr as librosa.load does (qwen-omni-utils; other cache "
         "keys) (default: torchaudio)",
     )
+    prep.add_argument(
+        "--image-decode",
+        choices=("exact", "draft"),
+        default="exact",
+        help="how JPEGs are decoded: exact (in full, bit-exact with the references), or draft (libjpeg's 1/2, 1/4, "
+        "1/8 DCT scaling when the resized image still fits: faster on large photos, not bit-exact; other cache keys) "
+        "(default: exact)",
+    )
     prep.add_argument("--cache-max-bytes", type=int, default=10 << 30, help="the feature cache's byte budget")
     _add_budget(prep)
 

@@ -128,7 +128,7 @@ def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-u
     report = run_prep(
         args.dataset,
         args.out,
-        _spec(args.spec).with_audio_resampler(args.audio_resampler),
+        _spec(args.spec).with_audio_resampler(args.audio_resampler).with_image_decode(args.image_decode),
         budget,
         workers=args.workers,
         cache_max_bytes=args.cache_max_bytes,
@@ -154,6 +154,7 @@ def _demo(args: argparse.Namespace) -> int:
         workers=args.workers,
         cache_max_bytes=2 << 30,
         audio_resampler="torchaudio",
+        image_decode="exact",
     )
     console.print("[bold]Pass 1[/bold]: cold cache (budget: image 4096, video 8192, audio 750 tokens)")
     _prep(prep_args, budget=budget)

@@ -12,12 +12,16 @@ Behaviour of the pinned transformers version that this reproduces on purpose:
   `Image.convert("RGB")`, which keeps the colour channels as they are. (5.21+ composites onto
   white; a spec for those versions would need its own pipeline version.)
 * GIF and other animated formats: the first frame.
+
+With ``image_decode="draft"`` (opt-in, `spec.ImageDecode`) a JPEG is decoded by libjpeg at 1/2, 1/4 or 1/8
+scale when the resized size still fits in it, then resized as usual: faster, not bit-exact. The grid and
+token count come from the header and do not change; other formats are decoded in full.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from PIL import ImageOps
+from PIL import Image, ImageOps, JpegImagePlugin
 
 from .errors import CorruptMediaError
 from .features import ImageFeatures
@@ -25,20 +29,54 @@ from .patches import patchify_image
 from .plan import MediaPlan
 from .probe import open_image
 from .resize import resize_image
-from .spec import ImageBackend, ProcessorSpec
+from .spec import ImageBackend, ImageDecode, ProcessorSpec
 
-__all__ = ["decode_image", "image_features"]
+__all__ = ["decode_image", "image_features", "load_image"]
+
+# EXIF orientations whose transpose swaps the stored image's axes (as `probe` counts them).
+_TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
 
-def decode_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int, backend: ImageBackend = "pil") -> np.ndarray:
-    """uint8 (H', W', 3) pixels of the resized image the plan describes."""
+def _draft(image: JpegImagePlugin.JpegImageFile, resized_size: tuple[int, int]) -> None:
+    """Ask libjpeg for the largest DCT reduction (1/2, 1/4, 1/8) whose output still covers ``resized_size`` (h, w,
+    as displayed) on both axes: Pillow's ``draft`` takes 1/s with s <= min(W // w, H // h) of the stored image's
+    (W, H), so a transposing EXIF orientation swaps the target's axes first (else a portrait photo decodes in full)."""
+    height, width = resized_size
+    try:
+        orientation = image.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block reads as no orientation, as in `probe`
+        orientation = 1
+    stored = (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
+    image.draft("RGB", stored)
+
+
+def load_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int, decode: ImageDecode = "exact") -> Image.Image:
+    """The decoded RGB image, EXIF orientation applied, before the resize: at full size, or with ``decode="draft"``
+    a JPEG at the DCT scale `_draft` chose (at least the plan's resized size on both axes)."""
     assert plan.resized_size is not None
     image = open_image(data, max_pixels=max_decode_pixels)
     try:
+        if decode == "draft" and isinstance(image, JpegImagePlugin.JpegImageFile):
+            _draft(image, plan.resized_size)
         image.load()
         image = ImageOps.exif_transpose(image) or image
-        if image.mode != "RGB":
-            image = image.convert("RGB")
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise CorruptMediaError(f"the image could not be decoded: {exc}") from None
+
+
+def decode_image(
+    data: bytes,
+    plan: MediaPlan,
+    *,
+    max_decode_pixels: int,
+    backend: ImageBackend = "pil",
+    decode: ImageDecode = "exact",
+) -> np.ndarray:
+    """uint8 (H', W', 3) pixels of the resized image the plan describes."""
+    assert plan.resized_size is not None
+    image = load_image(data, plan, max_decode_pixels=max_decode_pixels, decode=decode)
+    try:
         return resize_image(image, plan.resized_size, "pil" if backend == "pil" else "uint8")
     except (OSError, SyntaxError, ValueError) as exc:
         raise CorruptMediaError(f"the image could not be decoded: {exc}") from None

@@ -50,7 +50,13 @@ def process_bytes(
             return ProcessedItem(key=key, plan=plan, features=cached, cache_hit=True)
     features: Features
     if kind == "image":
-        pixels = decode_image(data, plan, max_decode_pixels=budget.max_decode_pixels, backend=spec.image_backend)
+        pixels = decode_image(
+            data,
+            plan,
+            max_decode_pixels=budget.max_decode_pixels,
+            backend=spec.image_backend,
+            decode=spec.image_decode,
+        )
         features = image_features(key, pixels, plan, spec)
     elif kind == "video":
         features = video_features(key, decode_video(data, plan), plan, spec)

@@ -18,6 +18,7 @@ __all__ = [
     "AudioFamily",
     "AudioResampler",
     "ImageBackend",
+    "ImageDecode",
     "ProcessorSpec",
     "VideoBackend",
     "VideoSampler",
@@ -25,6 +26,11 @@ __all__ = [
 
 # Which reference implementation's pixels a spec reproduces bit for bit (see resize.py).
 ImageBackend = Literal["pil", "torchvision"]
+# How a JPEG is decoded: in full ("exact", the default: what the references decode), or ("draft") by libjpeg's DCT
+# scaling at 1/2, 1/4 or 1/8 of its size when the resized target still fits (never smaller than it on either axis),
+# then resized as usual. Faster on large photos, not bit-exact (tests/benchmarks/bench_preprocess.py ``weir_draft``
+# prints the deviation); grids and token counts are the header's, unchanged. Other formats decode in full either way.
+ImageDecode = Literal["exact", "draft"]
 VideoBackend = Literal["qwen_vl_utils", "torchvision"]
 VideoSampler = Literal["qwen_vl_utils", "transformers"]
 # Which Omni processor's audio rules: Qwen2.5-Omni pads every clip to the checkpoint's maximum
@@ -59,12 +65,13 @@ _NOT_FINGERPRINTED = ("video_timestamps", "omni")
 _QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe"})
 # ... and Qwen3-Omni-MoE's (the whole model, or a thinker-only folder).
 _QWEN3_OMNI_NAMES = frozenset({"Qwen3OmniMoeProcessor", "qwen3_omni_moe", "qwen3_omni_moe_thinker"})
-# Audio fields: left out of the fingerprint while at their Qwen2.5 defaults (pinned keys stay).
-_AUDIO_FAMILY_DEFAULTS = {
+# Audio fields and opt-in options: left out of the fingerprint while at their defaults (pinned keys stay).
+_LEFT_OUT_AT_DEFAULT = {
     "audio_family": "qwen2_5",
     "audio_n_window": 50,
     "position_id_per_seconds": 25.0,
     "audio_resampler": "torchaudio",
+    "image_decode": "exact",
 }
 
 
@@ -114,6 +121,8 @@ class ProcessorSpec:
     # Bit-exact targets: transformers' PIL image processor / qwen-vl-utils videos by default; the
     # "torchvision" backends match transformers' default (torchvision) processors on CPU instead.
     image_backend: ImageBackend = "pil"
+    # Opt-in speed for exactness on JPEG (`ImageDecode`); "exact" keeps the bit-exact targets above.
+    image_decode: ImageDecode = "exact"
     video_backend: VideoBackend = "qwen_vl_utils"
     # Which frames and size: qwen-vl-utils' `fetch_video` (the model cards' pipeline), or transformers'
     # own video processor sampling and resizing (`Qwen3VLVideoProcessor` with ``do_sample_frames``: frames
@@ -272,6 +281,10 @@ class ProcessorSpec:
         """This spec with audio brought to 16 kHz by ``resampler`` (`AudioResampler`; other cache keys)."""
         return dataclasses.replace(self, audio_resampler=resampler)
 
+    def with_image_decode(self, decode: ImageDecode) -> ProcessorSpec:
+        """This spec with JPEGs decoded by ``decode`` (`ImageDecode`; "draft" is not bit-exact; other cache keys)."""
+        return dataclasses.replace(self, image_decode=decode)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -284,7 +297,7 @@ class ProcessorSpec:
             # fingerprints (and every cache key made before they existed) as they were.
             for name in ("video_sampler", "video_clip_min_pixels", "video_clip_max_pixels"):
                 fields.pop(name)
-        for name, default in _AUDIO_FAMILY_DEFAULTS.items():
+        for name, default in _LEFT_OUT_AT_DEFAULT.items():
             if fields[name] == default:
                 fields.pop(name)
         payload = json.dumps({"pipeline": PIPELINE_VERSION, **fields}, sort_keys=True, separators=(",", ":"))

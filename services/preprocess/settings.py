@@ -45,6 +45,8 @@ class PreprocessSettings(RoleSettings, MediaUrls):
     decode_workers: int | None = Field(None, gt=0)
     # How audio reaches 16 kHz (`preprocess.AudioResampler`): torchaudio, or libsoxr as librosa (qwen-omni-utils).
     audio_resampler: Literal["torchaudio", "soxr"] = "torchaudio"
+    # How JPEGs are decoded (`preprocess.ImageDecode`): in full, or "draft" (libjpeg's DCT scaling; faster, not exact).
+    image_decode: Literal["exact", "draft"] = "exact"
 
     @field_validator("model", mode="before")
     @classmethod
@@ -64,7 +66,7 @@ class PreprocessSettings(RoleSettings, MediaUrls):
             spec = pp.ProcessorSpec.from_pretrained(self.model)
         else:
             spec = getattr(pp.ProcessorSpec, self.spec_preset)()
-        return spec.with_audio_resampler(self.audio_resampler)
+        return spec.with_audio_resampler(self.audio_resampler).with_image_decode(self.image_decode)
 
     def default_budget(self) -> pp.TokenBudget:
         return pp.TokenBudget(

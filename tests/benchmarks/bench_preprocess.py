@@ -7,6 +7,10 @@ by `preprocess.samples`) and does everything from those bytes to the model's flo
    (``pp.process_image(b, spec).pixel_values``) vs transformers ``Qwen2VLImageProcessor``
    (torchvision backend) and ``Qwen2VLImageProcessorPil`` fed ``Image.open(BytesIO(b)).convert("RGB")``,
    and the decode-only floor (Pillow open + load). Goals: weir ≥ 2× both; weir ≤ 2.5× the floor.
+   ``images_draft``: the same JPEGs with a smaller model budget (max_pixels 1003520 — transformers' class
+   default — and 200704), where libjpeg's DCT scaling can help: Weir exact vs ``weir_draft``
+   (``spec.image_decode="draft"``) vs both transformers processors at the same max_pixels, with draft's
+   deviation from exact (mean and max |Δ| of the float ``pixel_values``) in each row.
 2. ``video``: clips/s. Weir (``pp.process_video(b, spec).pixel_values``) vs qwen-vl-utils
    ``fetch_video`` (decord, from a temp file) + transformers ``Qwen2VLVideoProcessor``. Goal ≥ 3×.
 3. ``audio``: audio seconds/s on clips under 30 s. Weir (``pp.process_audio``) vs PyAV decode to
@@ -33,6 +37,7 @@ progress bars go to stderr. Run from the repository root::
     .venv/bin/python tests/benchmarks/bench_preprocess.py --quick   # < ~2 min on 2 cores
     .venv/bin/python tests/benchmarks/bench_preprocess.py           # the full run, < ~8 min
     .venv/bin/python tests/benchmarks/bench_preprocess.py --quick --sections parallel --workers 2
+    .venv/bin/python tests/benchmarks/bench_preprocess.py --quick --sections draft   # images_draft alone
 
 This is a script, not a pytest module: nothing in it is named ``test_*``.
 """
@@ -54,11 +59,12 @@ import av
 import numpy as np
 import soxr
 import torch
-from peers import Peers, decode_floor, librosa_resample, open_rgb
+from peers import MIN_PIXELS, Peers, decode_floor, librosa_resample, open_rgb
 from PIL import Image
 from preprocess_parallel import bench_parallel, contender_calls
 from report import Goals, arguments, emit, environment, rounded
 from tqdm import tqdm
+from transformers import Qwen2VLImageProcessor, Qwen2VLImageProcessorPil
 
 import preprocess as pp
 from preprocess import samples
@@ -276,6 +282,51 @@ def bench_images(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Go
     return items
 
 
+def bench_image_draft(config: Config, spec: pp.ProcessorSpec, items: Sequence[Item]) -> None:
+    """Exact vs draft JPEG decode under smaller max_pixels, next to transformers' processors at the same size."""
+    for max_pixels in (1003520, 200704):
+        draft_rows(config, dataclasses.replace(spec, max_pixels=max_pixels), items)
+
+
+def draft_rows(config: Config, exact: pp.ProcessorSpec, items: Sequence[Item]) -> None:
+    draft = exact.with_image_decode("draft")
+    tv = Qwen2VLImageProcessor(min_pixels=MIN_PIXELS, max_pixels=exact.max_pixels)
+    pil = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=exact.max_pixels)
+    contenders: dict[str, Callable[[Item], Any]] = {
+        "weir": lambda it: pp.process_image(it.data, exact).pixel_values,
+        "weir_draft": lambda it: pp.process_image(it.data, draft).pixel_values,
+        "hf_torchvision": lambda it: tv(open_rgb(it.data), return_tensors="pt")["pixel_values"],
+        "hf_pil": lambda it: pil(open_rgb(it.data), return_tensors="np")["pixel_values"],
+    }
+    firsts = first_of_groups(items)
+    medians, kept = measure(contenders, items, config.image_repeats, f"draft {exact.max_pixels}", set(firsts.values()))
+    delta = {g: np.abs(kept["weir_draft"][i] - kept["weir"][i]) for g, i in firsts.items()}
+    delta["all"] = np.concatenate([d.ravel() for d in delta.values()])
+    for group, per in group_rates(medians, items, lambda _: 1.0).items():
+        for name, (work, secs) in per.items():
+            record: dict[str, Any] = {
+                "bench": "images_draft",
+                "max_pixels": exact.max_pixels,
+                "group": group,
+                "contender": name,
+                "items_per_s": rounded(work / secs),
+                "ms_per_item": rounded(1000 * secs / work),
+            }
+            if name.startswith("weir"):
+                record["ratio_vs_hf_torchvision"] = rounded(per["hf_torchvision"][1] / secs)
+                record["ratio_vs_hf_pil"] = rounded(per["hf_pil"][1] / secs)
+            if name == "weir" and group in firsts:  # the exact mode is still bit-exact with the PIL processor
+                diff = max_abs_diff(kept["weir"][firsts[group]], kept["hf_pil"][firsts[group]])
+                record["max_abs_diff_vs_hf_pil"] = diff if diff is None else rounded(diff, 3)
+            if name == "weir_draft":
+                record["speedup_vs_exact"] = rounded(per["weir"][1] / secs)
+                record["abs_diff_vs_exact"] = {
+                    "mean": rounded(float(delta[group].mean()), 3),
+                    "max": rounded(float(delta[group].max()), 3),
+                }
+            emit(record)
+
+
 def bench_video(config: Config, spec: pp.ProcessorSpec, peers: Peers, goals: Goals, folder: Path) -> list[Item]:
     items = make_clips(config, folder)
     spec_tv = dataclasses.replace(spec, video_backend="torchvision")
@@ -467,9 +518,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--sections",
         nargs="+",
-        choices=("one_process", "parallel"),
+        choices=("one_process", "draft", "parallel"),
         default=["one_process", "parallel"],
-        help="one_process: images, video, audio, cache, bytes in this process; parallel: every core (default: both)",
+        help="one_process: images, images_draft, video, audio, cache, bytes in this process; draft: images_draft "
+        "alone; parallel: every core (default: one_process parallel)",
     )
     args = parser.parse_args(argv)
     config = Config.make(args.quick)
@@ -481,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = Path(tmp)
         if "one_process" in args.sections:
             images = bench_images(config, spec, peers, goals)
+            bench_image_draft(config, spec, images)
             clips = bench_video(config, spec, peers, goals, folder)
             sounds = bench_audio(config, spec, peers, goals)
             photo = next(item for item in images if item.group == "1920x1080")
@@ -495,7 +548,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 folder,
             )
         else:
-            images, clips, sounds = make_images(config), make_clips(config, folder), make_sounds(config)
+            images = make_images(config)
+            if "draft" in args.sections:
+                bench_image_draft(config, spec, images)
+            if "parallel" in args.sections:
+                clips, sounds = make_clips(config, folder), make_sounds(config)
         if "parallel" in args.sections:
             corpus = {"image": images, "video": clips, "audio": sounds}
             calls = contender_calls(spec, peers)
