@@ -127,9 +127,8 @@ def publish_weights(
 
 def fan_out_client(width: int, *, timeout_s: float, token: str | None) -> httpx.Client:
     """A client for calls to ``width`` engines at once. Unbounded connections (the callers bound them: one
-    thread per engine): under httpx's default pool of 100, engine 101 and on waited for a free connection —
-    each publish then took two rounds of engine updates, and a broadcast, where every engine must be in its
-    request for the collective to end, never ended."""
+    thread per engine): under httpx's default pool of 100, engine 101 and on would wait for a free connection —
+    and a broadcast, where every engine must be in its request for the collective to end, would never end."""
     return httpx.Client(
         timeout=timeout_s,
         headers={"Authorization": f"Bearer {token}"} if token else None,
