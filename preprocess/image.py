@@ -27,14 +27,11 @@ from .errors import CorruptMediaError
 from .features import ImageFeatures
 from .patches import patchify_image
 from .plan import MediaPlan
-from .probe import open_image
+from .probe import open_image, transposes
 from .resize import resize_image
 from .spec import ImageBackend, ImageDecode, ProcessorSpec
 
 __all__ = ["decode_image", "image_features", "load_image"]
-
-# EXIF orientations whose transpose swaps the stored image's axes (as `probe` counts them).
-_TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 
 
 def _draft(image: JpegImagePlugin.JpegImageFile, resized_size: tuple[int, int]) -> None:
@@ -42,11 +39,7 @@ def _draft(image: JpegImagePlugin.JpegImageFile, resized_size: tuple[int, int]) 
     as displayed) on both axes: Pillow's ``draft`` takes 1/s with s <= min(W // w, H // h) of the stored image's
     (W, H), so a transposing EXIF orientation swaps the target's axes first (else a portrait photo decodes in full)."""
     height, width = resized_size
-    try:
-        orientation = image.getexif().get(0x0112, 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block reads as no orientation, as in `probe`
-        orientation = 1
-    stored = (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
+    stored = (height, width) if transposes(image) else (width, height)
     image.draft("RGB", stored)
 
 

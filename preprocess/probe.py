@@ -24,7 +24,7 @@ from .errors import (
     UnsupportedMediaError,
 )
 
-__all__ = ["MediaHeader", "MediaKind", "detect_kind", "open_container", "open_image", "probe"]
+__all__ = ["MediaHeader", "MediaKind", "detect_kind", "open_container", "open_image", "probe", "transposes"]
 
 MediaKind = Literal["image", "video", "audio"]
 
@@ -101,14 +101,19 @@ def open_container(data: bytes) -> av.container.InputContainer:
         raise CorruptMediaError(f"the container is corrupt: {exc}") from None
 
 
-def _probe_image(data: bytes, max_pixels: int) -> MediaHeader:
-    image = open_image(data, max_pixels=max_pixels)
-    width, height = image.size
+def transposes(image: Image.Image) -> bool:
+    """Whether the image's EXIF orientation swaps its stored width and height once applied."""
     try:
         orientation = image.getexif().get(0x0112, 1)
     except Exception:  # noqa: BLE001 - a broken EXIF block is ignored, as Pillow's exif_transpose does
         orientation = 1
-    if orientation in _TRANSPOSING_ORIENTATIONS:
+    return orientation in _TRANSPOSING_ORIENTATIONS
+
+
+def _probe_image(data: bytes, max_pixels: int) -> MediaHeader:
+    image = open_image(data, max_pixels=max_pixels)
+    width, height = image.size
+    if transposes(image):
         width, height = height, width
     return MediaHeader(kind="image", format=str(image.format or "unknown").lower(), width=width, height=height)
 

@@ -151,6 +151,8 @@ def post_each(
 
     if not urls:
         return []
+    # A pool of its own, not the broadcast's: after a failed broadcast that one's threads may still sit in bucket
+    # requests, and the engines must be continued without waiting for them.
     with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix=path) as pool:
         return list(pool.map(post, urls))
 
