@@ -4,7 +4,6 @@ to that serves another model refused — against real roles on loopback ports at
 from __future__ import annotations
 
 import shutil
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from launcher.config import TrainConfig
 from launcher.model import attach_refusal, run_model
 from launcher.stack import stack_model, stack_ports
 from services.settings import SettingsError
+from tests.ports import free_stack_base
 
 from ..services.conftest import RunningServer
 from ..services.test_model_ref import MAIN, REPO, fake_hub_snapshot
@@ -29,23 +29,6 @@ class _ServerAt(RunningServer):
         self.app, self.port, self.url = app, port, f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_base_port() -> int:
-    """A base port whose whole stack (rollout … engine) is free here."""
-    for base in range(10100, 10860, 97):  # the engine (base + 21900) stays below the ephemeral ports
-        if all(_free(port) for _, _, port in stack_ports(base)):
-            return base
-    raise RuntimeError("no free stack ports")
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +49,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, Path
     root = tmp_path_factory.mktemp("served")
     model = init_model(root / "model")
     (root / "media").mkdir()
-    base = _free_base_port()
+    base = free_stack_base()
     port = {role: p for _, role, p in stack_ports(base)}
     url = {role: f"http://127.0.0.1:{p}" for role, p in port.items()}
     caches = {"cache_dir": root / "cache", "embedding_cache_dir": root / "emb"}

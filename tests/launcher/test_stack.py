@@ -12,6 +12,7 @@ import pytest
 
 from launcher.stack import LocalStack, ensure_token, ephemeral_ports, stack_ports
 from services.roles import BASE_PORT, ROLES
+from tests.ports import free_stack_base
 
 
 def test_ports_follow_the_table_and_move_with_the_base_port() -> None:
@@ -81,11 +82,12 @@ def _check_token(urls: dict[str, str], token: str) -> None:
 
 @pytest.mark.integration
 def test_local_stack_starts_every_role_behind_its_token_and_stops_them(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    stack = LocalStack(home=tmp_path / "weir", engines=1, base_port=free_stack_base())
     urls = stack.start()
     processes = [c.process for c in stack.children]
     try:
-        assert set(urls) == {"preprocess", "encoder", "data", "engine-30000", "rollout"}
+        assert set(urls) == {name for name, _, _ in stack_ports(stack.base_port)}
+        assert set(urls) == {"preprocess", "encoder", "data", f"engine-{stack.base_port + 21900}", "rollout"}
         assert (tmp_path / "weir" / "model" / "config.json").is_file()  # the tiny model, made on first run
         assert stack.token and stack.token_path.read_text().strip() == stack.token
         assert stat.S_IMODE(stack.token_path.stat().st_mode) == 0o600
@@ -111,7 +113,8 @@ def test_local_stack_starts_every_role_behind_its_token_and_stops_them(tmp_path:
         assert client.post(f"{urls['rollout']}/v1/rollouts", json=rollout).status_code == 200
         stats = client.get(f"{urls['data']}/v1/stats").json()
         assert (stats["groups"], stats["samples"]) == (1, 2)  # the group reached the data role, durably
-        attached = LocalStack(home=tmp_path / "weir")  # another process finds the stack and its token
+        # another process finds the stack and its token
+        attached = LocalStack(home=tmp_path / "weir", base_port=stack.base_port)
         assert attached.attach() == urls and attached.token == stack.token
     finally:
         stack.stop()
@@ -121,12 +124,14 @@ def test_local_stack_starts_every_role_behind_its_token_and_stops_them(tmp_path:
 @pytest.mark.integration
 @pytest.mark.slow  # two whole stacks at once: twice the cost of the test above
 def test_two_stacks_run_side_by_side(tmp_path: Path) -> None:
-    first = LocalStack(home=tmp_path / "a")
-    second = LocalStack(home=tmp_path / "b", base_port=9100, model=tmp_path / "a" / "model")
+    first = LocalStack(home=tmp_path / "a", base_port=free_stack_base())
+    second = LocalStack(home=tmp_path / "b", model=tmp_path / "a" / "model")
     try:
         urls_a = first.start()
+        second.base_port = base = free_stack_base()  # drawn once the first stack holds its ports
         urls_b = second.start()
-        assert urls_b["rollout"].endswith(":9100") and urls_b["engine-31000"].endswith(":31000")
+        engine = base + 21900
+        assert urls_b["rollout"].endswith(f":{base}") and urls_b[f"engine-{engine}"].endswith(f":{engine}")
         assert first.token != second.token
         _check_token(urls_a, first.token or "")
         _check_token(urls_b, second.token or "")

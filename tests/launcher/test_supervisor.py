@@ -20,6 +20,7 @@ from experience.store import ExperienceStore
 from launcher.demo.task import write_demo_task
 from launcher.stack import LocalStack
 from launcher.supervisor import Supervisor, last_lines
+from tests.ports import free_stack_base
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
 
@@ -54,7 +55,7 @@ def test_last_lines_of_a_log(tmp_path: Path) -> None:
 
 
 def test_a_killed_role_is_started_again_and_a_role_that_cannot_start_is_fatal(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", base_port=9800)
+    stack = LocalStack(home=tmp_path / "weir", base_port=free_stack_base())
     urls = stack.start()
     fatal: list[str] = []
     broken = {"on": False}
@@ -146,13 +147,13 @@ def run_with_a_role_killed(tmp_path: Path, role: str, *, steps: int, kill_at: in
 
 def test_the_loop_runs_through_a_killed_preprocess_role(tmp_path: Path) -> None:
     """The fast chaos test: preprocess (the role every picture goes through) killed after step 2 of 5."""
-    run_with_a_role_killed(tmp_path, "preprocess", steps=5, kill_at=2, base_port=9820)
+    run_with_a_role_killed(tmp_path, "preprocess", steps=5, kill_at=2, base_port=free_stack_base())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("role", ["encoder", "engine", "data", "rollout"])
 def test_the_loop_runs_through_each_killed_role(tmp_path: Path, role: str) -> None:
-    run_with_a_role_killed(tmp_path, role, steps=8, kill_at=3, base_port=9840)
+    run_with_a_role_killed(tmp_path, role, steps=8, kill_at=3, base_port=free_stack_base())
 
 
 def _recorded(url: str, token: str | None) -> float:
@@ -172,13 +173,13 @@ def test_weir_train_demo_runs_through_every_role_killed_in_turn(tmp_path: Path) 
     import sys
 
     home, steps, order = tmp_path / "weir", 36, ["preprocess", "encoder", "engine", "data", "rollout"]
-    stack = LocalStack(home=home, base_port=9860)
+    stack = LocalStack(home=home, base_port=free_stack_base())
     urls = stack.start()
     recorded_before_kill = 0.0
     try:
         with Supervisor(stack) as supervisor:
             command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--attach", "--home", str(home)]
-            command += ["--base-port", "9860", "--steps", str(steps)]
+            command += ["--base-port", str(stack.base_port), "--steps", str(steps)]
             log = home / "train.log"
             with open(log, "wb") as out:
                 run = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -219,7 +220,7 @@ def test_weir_train_stopped_by_a_signal_stops_its_stack_without_a_traceback(tmp_
     import subprocess
     import sys
 
-    home, base = tmp_path / "weir", 19380
+    home, base = tmp_path / "weir", free_stack_base()
     command = [sys.executable, "-m", "launcher.cli", "train", "--demo", "--steps", "1000", "--warmup-steps", "2"]
     command += ["--home", str(home), "--base-port", str(base)]
     run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -4,7 +4,6 @@ real RL loop end to end; the control-plane arithmetic and the table's speed-ups 
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import yaml
 from engines import GenerateRequest, SamplingParams
 from engines.sim_backend import SimEngine, SimProfile
 from launcher.cli import build_parser
-from launcher.stack import _port_in_use, stack_ports
 from launcher.twin import (
     TwinConfig,
     cost_model_step,
@@ -25,16 +23,9 @@ from launcher.twin import (
     run_twin,
 )
 from launcher.twin_report import control_plane, plot_twin, summary, twin_table
+from tests.ports import free_stack_base
 
 RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
-
-
-def _free_base(engines: int) -> int:
-    for _ in range(50):
-        base = random.randrange(9_000, 9_790, 10)  # engines at base + 21,900: below Linux's ephemeral range (32768)
-        if not any(_port_in_use("127.0.0.1", port) for _, _, port in stack_ports(base, engines)):
-            return base
-    raise RuntimeError("no free base port")
 
 
 def _short_profile(path: Path) -> Path:
@@ -58,7 +49,7 @@ def test_a_tiny_twin_runs_end_to_end(tmp_path: Path) -> None:
         compressions=(1000.0,),
         modes=("colocate", "async-0"),
         home=tmp_path / "twin",
-        base_port=_free_base(1),
+        base_port=free_stack_base(1),
         prompts=8,
     )
     out = run_twin(config)
@@ -258,7 +249,7 @@ def test_weir_twin_stopped_by_sigterm_stops_its_stack(tmp_path: Path) -> None:
 
     from tests.benchmarks.soak import _role_pids
 
-    base = _free_base(1)
+    base = free_stack_base(1)
     command = [sys.executable, "-m", "launcher.cli", "twin", "--gpus", "2", "--steps", "1000", "--compression", "100"]
     command += ["--modes", "async-1", "--profile", str(_short_profile(tmp_path / "short.yaml"))]
     command += ["--home", str(tmp_path / "twin"), "--base-port", str(base)]

@@ -11,23 +11,17 @@ tests that import it from this module."""
 from __future__ import annotations
 
 import contextlib
-import socket
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from tests.ports import free_port
 from trainer.megatron.attention import SegmentAttention
 from trainer.megatron.cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 
 __all__ = ["SegmentAttention", "free_port", "gpt_from_hf", "megatron_cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

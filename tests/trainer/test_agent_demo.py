@@ -14,6 +14,7 @@ import torch
 
 import launcher.demo.task as demo_task
 from launcher.cli import main
+from tests.ports import free_stack_base
 from trainer.driver import RolloutDriver
 from trainer.reference import ReferenceTrainer
 
@@ -99,7 +100,8 @@ def test_weir_train_visual_search_trains_multiturn_samples(
 
     monkeypatch.setattr(ReferenceTrainer, "accumulate", counting)
     home = tmp_path / "weir"
-    argv = ["train", "--demo", "--demo-task", "visual-search", "--home", str(home), "--base-port", "9650"]
+    argv = ["train", "--demo", "--demo-task", "visual-search", "--home", str(home)]
+    argv += ["--base-port", str(free_stack_base())]
     options = ["--steps", "2", "--warmup-steps", "1", "--n", "2", "--groups-per-step", "3", "--max-new-tokens", "256"]
     assert main([*argv, *options]) == 0
     out = capsys.readouterr().out

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
+from tests.ports import free_stack_base
 from tests.trainer.conftest import free_port
 from trainer.feed import FeedBatch, pack
 from trainer.losses import LossConfig
@@ -145,7 +146,7 @@ def test_weir_train_runs_two_ranks_end_to_end(tmp_path: Path) -> None:
     home = tmp_path / "home"
     code = main(
         ["train", "--demo", "--nproc", "2", "--steps", "2", "--warmup-steps", "1", "--home", str(home),
-         "--base-port", "9500"]  # a stack of its own: 9500-9503 and engine 31400
+         "--base-port", str(free_stack_base())]
     )  # fmt: skip
     assert code == 0
     records = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]

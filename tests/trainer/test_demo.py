@@ -14,6 +14,7 @@ from encoders.embedded_model import init_model
 from launcher.cli import main
 from launcher.demo.plot import plot_runs
 from launcher.demo.task import COLOURS, colour_picture, warmup_prompts, write_demo_task
+from tests.ports import free_stack_base
 from trainer.reference import ReferenceTrainer
 
 
@@ -48,7 +49,8 @@ def test_the_plot_overlays_runs(tmp_path: Path) -> None:
 @pytest.mark.integration
 def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     home = tmp_path / "weir"
-    assert main(["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "2"]) == 0
+    argv = ["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "2"]
+    assert main([*argv, "--base-port", str(free_stack_base())]) == 0
     out = capsys.readouterr().out
     assert "Greedy accuracy on 16 held-out pictures before RL" in out and "Training summary" in out
     assert "memory per rank (estimate)" in out  # printed before the first step
@@ -70,10 +72,11 @@ def test_weir_train_attaches_to_a_running_stack_and_compares_modes(tmp_path: Pat
         )
         + "\n"
     )
-    stack = LocalStack(home=home)
+    stack = LocalStack(home=home, base_port=free_stack_base())
     stack.start()
     try:
         common = ["--dataset", str(dataset), "--attach", "--home", str(home), "--steps", "1", "--max-new-tokens", "3"]
+        common += ["--base-port", str(stack.base_port)]
         assert main(["train", *common, "--mode", "async"]) == 0
         assert main(["train", *common, "--mode", "colocate"]) == 0
         assert all(c.process.poll() is None for c in stack.children)  # attached: nothing was stopped

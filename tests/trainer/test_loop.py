@@ -10,6 +10,7 @@ import pytest
 
 import preprocess as pp
 from launcher.stack import LocalStack
+from tests.ports import free_stack_base
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
 
@@ -21,7 +22,7 @@ ROWS = [
 
 @pytest.mark.integration
 def test_async_and_colocate_loops(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    stack = LocalStack(home=tmp_path / "weir", engines=1, base_port=free_stack_base())
     urls = stack.start()
     try:
         trainer = ReferenceTrainer(

@@ -13,6 +13,7 @@ import torch
 
 from encoders.architectures import load_thinker
 from encoders.embedded_model import init_model
+from tests.ports import free_stack_base
 from tests.trainer.test_megatron_cpu import batches, reference_loss
 from trainer.megatron.trainer import MegatronTrainer
 from trainer.reference import ReferenceTrainer
@@ -151,6 +152,7 @@ def test_weir_train_demo_runs_on_the_megatron_trainer(tmp_path: Path, capsys: py
 
     home = tmp_path / "weir"
     argv = ["train", "--demo", "--trainer", "megatron", "--home", str(home), "--steps", "2", "--warmup-steps", "2"]
+    argv += ["--base-port", str(free_stack_base())]
     assert main([*argv, "--checkpoint-every", "1"]) == 0
     out = capsys.readouterr().out
     assert "Greedy accuracy on 16 held-out pictures before RL" in out and "Training summary" in out
@@ -213,7 +215,8 @@ def test_weir_train_runs_megatrons_model_parallelism_on_two_ranks(
 
     home = tmp_path / "weir"
     argv = ["train", "--demo", "--trainer", "megatron", "--nproc", "2", "--steps", "2", "--warmup-steps", "1",
-            "--checkpoint-every", "2", "--home", str(home), "--base-port", "9540", *options]  # fmt: skip
+            "--checkpoint-every", "2", "--home", str(home), *options]  # fmt: skip
+    argv += ["--base-port", str(free_stack_base())]
     assert main(argv) == 0
     records = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]

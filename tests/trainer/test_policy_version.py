@@ -14,6 +14,7 @@ import pytest
 
 from launcher.cli import main
 from launcher.stack import LocalStack
+from tests.ports import free_stack_base
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.integration
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
     """One local stack (one engine, an encoder role) the runs attach to."""
     home = tmp_path_factory.mktemp("weights") / "weir"
-    stack = LocalStack(home=home, base_port=9400)
+    stack = LocalStack(home=home, base_port=free_stack_base())
     stack.start()
     try:
         yield stack
@@ -40,7 +41,7 @@ def engine_versions(stack: LocalStack) -> list[str]:
 
 
 def train(stack: LocalStack, *options: str) -> list[dict[str, int]]:
-    common = ["--attach", "--home", str(stack.home), "--base-port", "9400"]
+    common = ["--attach", "--home", str(stack.home), "--base-port", str(stack.base_port)]
     assert main(["train", *common, *options]) == 0
     lines = (stack.home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]

@@ -17,6 +17,7 @@ import pytest
 import preprocess as pp
 from experience.store import ExperienceStore
 from launcher.stack import LocalStack
+from tests.ports import free_stack_base
 from trainer.loop import LoopConfig, run_loop
 from trainer.reference import ReferenceTrainer
 
@@ -79,7 +80,7 @@ def _child(tmp_path: Path, name: str, urls: dict[str, str], token: str | None, *
 
 @pytest.mark.integration
 def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    stack = LocalStack(home=tmp_path / "weir", engines=1, base_port=free_stack_base())
     urls = stack.start()
     try:
         first_log = tmp_path / "first.log"
@@ -144,7 +145,7 @@ def test_trainer_killed_mid_step_resumes_from_the_committed_offset(tmp_path: Pat
 @pytest.mark.integration
 def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Path) -> None:
     flaky = {"WEIR_REWARD_FUNCTIONS": "flaky=tests.services.rewards_for_tests:flaky"}  # registered at start-up
-    stack = LocalStack(home=tmp_path / "weir", engines=2, env=flaky)
+    stack = LocalStack(home=tmp_path / "weir", engines=2, env=flaky, base_port=free_stack_base(2))
     urls = stack.start()
     try:
         trainer = _trainer(tmp_path / "weir")
@@ -176,7 +177,7 @@ def test_a_dying_engine_and_a_failing_reward_do_not_stall_the_loop(tmp_path: Pat
 
 @pytest.mark.integration
 def test_the_loop_goes_on_when_the_data_role_is_killed_and_restarted(tmp_path: Path) -> None:
-    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    stack = LocalStack(home=tmp_path / "weir", engines=1, base_port=free_stack_base())
     urls = stack.start()
     try:
         trainer = _trainer(tmp_path / "weir")
@@ -216,7 +217,7 @@ def test_a_rank_killed_mid_step_restarts_every_rank_and_each_sample_is_trained_o
 
     from trainer.data_parallel import run_ranks
 
-    stack = LocalStack(home=tmp_path / "weir", engines=1)
+    stack = LocalStack(home=tmp_path / "weir", engines=1, base_port=free_stack_base())
     urls = stack.start()
     config = {
         "mode": "async",

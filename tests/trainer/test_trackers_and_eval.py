@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_stack_base
+
 
 @pytest.mark.integration
 def test_a_short_run_writes_evaluations_mismatch_and_tracker_files(
@@ -18,7 +20,8 @@ def test_a_short_run_writes_evaluations_mismatch_and_tracker_files(
 
     home = tmp_path / "weir"
     argv = ["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "1", "--eval-every", "1",
-            "--eval-k", "2", "--report-to", "tensorboard,mlflow,wandb", "--base-port", "9560"]  # fmt: skip
+            "--eval-k", "2", "--report-to", "tensorboard,mlflow,wandb"]  # fmt: skip
+    argv += ["--base-port", str(free_stack_base())]
     assert main(argv) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "step 1/2, ETA" in out and "step 2/2" in out and "eval pass@1" in out

@@ -17,17 +17,16 @@ from experience.records import Group
 from launcher.cli import main
 from launcher.stack import LocalStack
 from preprocess.rows import prompt_row
+from tests.ports import free_stack_base
 
 from ..preprocess.datasets import geo3k_row, png, write_geo3k
 
 pytestmark = pytest.mark.integration
 
-BASE_PORT = "9600"  # a stack of its own: 9600-9603 and engine 31500
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
-    stack = LocalStack(home=tmp_path_factory.mktemp("verl") / "weir", base_port=int(BASE_PORT))
+    stack = LocalStack(home=tmp_path_factory.mktemp("verl") / "weir", base_port=free_stack_base())
     stack.start()
     try:
         yield stack
@@ -48,7 +47,7 @@ def test_weir_prep_and_weir_train_take_a_geo3k_parquet(stack: LocalStack, tmp_pa
     report = json.loads((tmp_path / "prep" / "report.json").read_text())
     assert (report["rows"], report["items"], report["failed"], report["rows_without_media"]) == (3, 4, 0, 0)
 
-    common = ["--attach", "--home", str(stack.home), "--base-port", BASE_PORT]
+    common = ["--attach", "--home", str(stack.home), "--base-port", str(stack.base_port)]
     small = ["--steps", "2", "--n", "2", "--groups-per-step", "2", "--max-new-tokens", "3"]
     assert main(["train", "--dataset", str(dataset), *common, *small]) == 0
     lines = (stack.home / "train" / "async" / "metrics.jsonl").read_text().splitlines()

@@ -14,6 +14,7 @@ from launcher.cli import main
 from launcher.demo.task import COLOURS, VIDEO_QUESTION, write_video_audio_task
 from preprocess.probe import probe
 from preprocess.video import decode_video
+from tests.ports import free_stack_base
 
 
 def test_clips_are_their_colour_and_carry_their_own_audio(tmp_path: Path) -> None:
@@ -40,7 +41,7 @@ def test_clips_are_their_colour_and_carry_their_own_audio(tmp_path: Path) -> Non
 @pytest.mark.slow  # the stack, a warm-up step, two RL steps on ~300-token clips: over a minute on 2 cores
 def test_weir_train_video_audio_demo_runs_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     home = tmp_path / "weir"
-    argv = ["train", "--demo", "--demo-task", "video-audio", "--home", str(home), "--base-port", "9700"]
+    argv = ["train", "--demo", "--demo-task", "video-audio", "--home", str(home), "--base-port", str(free_stack_base())]
     argv += ["--steps", "2", "--warmup-steps", "1", "--n", "2", "--groups-per-step", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out

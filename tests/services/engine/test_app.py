@@ -19,6 +19,7 @@ from preprocess import samples
 from services.engine.app import create_app
 from services.engine.settings import EngineSettings
 from services.settings import SettingsError, load_settings
+from tests.floats import logprobs_close
 from tests.services.conftest import RunningServer
 
 
@@ -89,7 +90,9 @@ def test_a_packed_answer_carries_the_json_answers_ids_and_log_probs_exactly(stac
             assert "output_ids" not in other and "output_token_logprobs" not in other["meta_info"]
             assert wire.unpack(other["weir_packed"]["output_ids"], "<i4") == one["output_ids"]
             logprobs = wire.unpack(other["weir_packed"]["output_logprobs"], "<f8")
-            assert logprobs == [lp for lp, _, _ in one["meta_info"]["output_token_logprobs"]]  # exact doubles
+            # two separate generations: within fp32's reordering error (tests/floats.py); packing itself is
+            # bit-exact (tests/experience/test_wire.py)
+            assert logprobs_close(logprobs, [lp for lp, _, _ in one["meta_info"]["output_token_logprobs"]])
             assert other["text"] == one["text"]
             assert other["meta_info"]["finish_reason"] == one["meta_info"]["finish_reason"]
     body = {"input_ids": [5, 6], "weir_packed": True, "sampling_params": sampling}

@@ -1,0 +1,35 @@
+"""Loopback ports for tests: one free port, or the base port of a whole stack whose every port is free.
+
+No test names a fixed port: a second suite on the same host (a CI runner's neighbour, or this suite run twice
+at once) would take it first and the test would fail for nothing. A stack's base port is drawn at random from
+a window below Linux's ephemeral range (32768-60999, where the kernel hands out the ports clients connect
+from), with its engines at base + 21900 below it too, so an outgoing connection never holds a stack's port.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+from launcher.stack import _port_in_use, stack_ports
+
+# Base ports 9100-10860: the rollout role at the base, preprocess / data / encoder just above it, the
+# engines at base + 21900 (31000-32760 and up): all below 32768 for a few engines.
+STACK_BASES = range(9100, 10861, 10)
+
+
+def free_port() -> int:
+    """A port the kernel says is free now (bound to 0 and released)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def free_stack_base(engines: int = 1) -> int:
+    """A base port whose stack (``stack_ports(base, engines)``) is free now, at random in `STACK_BASES`."""
+    bases = list(STACK_BASES)
+    random.shuffle(bases)
+    for base in bases:
+        if not any(_port_in_use("127.0.0.1", port) for _, _, port in stack_ports(base, engines)):
+            return base
+    raise RuntimeError(f"no free stack of {engines} engine(s) at base ports {STACK_BASES}")
