@@ -49,6 +49,8 @@ from transformers import (
 
 from preprocess.spec import ProcessorSpec
 
+from .file_modes import as_umask_allows
+
 __all__ = [
     "ARCHITECTURES",
     "CHAT_TEMPLATE",
@@ -548,6 +550,7 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(root, safe_serialization=True)
+    as_umask_allows(root)  # safetensors writes 0600: the roles serving it may run as another user
     tokenizer.save_pretrained(root)
     if arch == "qwen3-vl":
         image, video = _qwen3_vl_processor_configs(ProcessorSpec.qwen3_vl())

@@ -14,7 +14,7 @@ from typing import NoReturn
 
 from .config import AGENT_DEMO_DEFAULTS, DEMO_DEFAULTS, GENERIC_DEFAULTS, VIDEO_DEMO_DEFAULTS, TrainDefaults
 
-__all__ = ["SPEC_NAMES", "Parser", "existing_file", "processor_spec", "profile_file", "task_default"]
+__all__ = ["SPEC_NAMES", "Parser", "existing_file", "processor_spec", "profile_file", "role_url", "task_default"]
 
 
 class Parser(argparse.ArgumentParser):
@@ -43,6 +43,26 @@ def existing_dataset(text: str) -> Path:
 
 
 SPEC_NAMES = ("qwen2_5_omni", "qwen2_5_vl")
+
+
+def role_url(text: str) -> tuple[str, str]:
+    """``ROLE=URL`` of ``weir train --role-url``: a role of the stack's table (``engine`` once per engine) and
+    an http(s) URL with a host, as (role, URL without a trailing slash)."""
+    from urllib.parse import urlsplit
+
+    from services.roles import ROLES
+
+    role, equals, url = text.partition("=")
+    if not equals or role not in ROLES:
+        raise argparse.ArgumentTypeError(f"{text!r}: ROLE=URL with ROLE one of {', '.join(ROLES)}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 — reading it checks the port is a number in range
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the URL is http(s)://HOST[:PORT], e.g. {role}=http://{role}:8100")
+    return role, url.rstrip("/")
 
 
 def processor_spec(text: str) -> str:

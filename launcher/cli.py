@@ -44,7 +44,7 @@ from pathlib import Path
 from services import __version__
 from services.roles import BASE_PORT, ROLES
 
-from .arguments import Parser, existing_dataset, processor_spec, profile_file, task_default
+from .arguments import Parser, existing_dataset, processor_spec, profile_file, role_url, task_default
 from .commands import HANDLERS, WORKER_APPS
 from .twin_command import twin_arguments
 
@@ -401,6 +401,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--attach", action="store_true", help="use the stack `weir up` runs (same --home and --base-port) instead"
+    )
+    train.add_argument(
+        "--role-url",
+        action="append",
+        type=role_url,
+        default=[],
+        metavar="ROLE=URL",
+        help="with --attach, a stack that is not on this host's ports (docker compose, another host): where ROLE "
+        "answers, e.g. rollout=http://rollout:8100; once per role (engine once per engine), rollout, data and an "
+        "engine at least",
+    )
+    train.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="the feature cache the stack's preprocess role writes, read by the trainer (default: HOME/cache, "
+        "where `weir up` puts it; compose: /cache/features)",
     )
     train.add_argument(
         "--model",

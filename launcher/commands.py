@@ -333,6 +333,7 @@ def _train(args: argparse.Namespace) -> int:
     _sigterm_as_interrupt()
 
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
+    given["role_url"] = tuple(given["role_url"])
     return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
 
 

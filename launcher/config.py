@@ -137,6 +137,8 @@ class TrainConfig:
     home: Path = Path(".weir")
     base_port: int = BASE_PORT
     attach: bool = False
+    role_url: tuple[tuple[str, str], ...] = ()  # with ``attach``: (role, URL) of a stack off this host's ports
+    cache_dir: Path | None = None  # the stack's feature cache; None: HOME/cache
     ray: bool = False
     address: str | None = None  # with ``ray``: a running cluster; None: start Ray here
     serve_port: int = 8000

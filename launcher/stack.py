@@ -23,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +108,33 @@ def stack_ports(base_port: int = BASE_PORT, engines: int = 1) -> list[tuple[str,
         else:
             plan.append((role.name, role.name, role.port_at(base_port)))
     return plan
+
+
+def remote_urls(roles: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """The stack names of (role, URL) pairs given by hand (`weir train --role-url`): engines ``engine-1``,
+    ``engine-2``… in order, every other role by its name."""
+    urls: dict[str, str] = {}
+    engines = 0
+    for role, url in roles:
+        if role == "engine":
+            engines += 1
+            urls[f"engine-{engines}"] = url
+        else:
+            urls[role] = url
+    return urls
+
+
+def remote_refusal(roles: Iterable[tuple[str, str]]) -> str | None:
+    """Why (role, URL) pairs cannot be a stack to attach to: a role given twice (engines excepted), or one the
+    RL loop needs (rollout, data, an engine) missing; None when they can."""
+    named = [role for role, _ in roles]
+    twice = sorted({role for role in named if role != "engine" and named.count(role) > 1})
+    if twice:
+        return f"--role-url: {', '.join(twice)} given more than once (only engine may be, once per engine)"
+    missing = [role for role in ("rollout", "data", "engine") if role not in named]
+    if missing:
+        return f"--role-url: the RL loop needs the stack's rollout, data and an engine; missing: {', '.join(missing)}"
+    return None
 
 
 def gpus_per_engine(env: Mapping[str, str]) -> int:
@@ -197,6 +224,8 @@ class LocalStack:
     host: str = "127.0.0.1"
     base_port: int = BASE_PORT  # the rollout role's port; every other port moves with it (`services.roles`)
     env: dict[str, str] = field(default_factory=dict)  # extra WEIR_* settings for every role (e.g. WEIR_MAX_STALENESS)
+    # (role, URL) of a stack off this host's ports (compose, another host), for attach(); empty: this host's
+    remote: tuple[tuple[str, str], ...] = ()
     token: str | None = None  # the API token; set by start() / attach() when not given
     children: list[RoleProcess] = field(default_factory=list)
     launched_env: dict[str, str] = field(default_factory=dict)  # what the roles were started with
@@ -308,13 +337,15 @@ class LocalStack:
         ``home``), once each role answers ``/readyz``; its token is read from ``home/api-token``.
         Nothing is started or stopped."""
         self.token = self._given_token() or _read_token(self.token_path)
-        urls = {name: self._url(port) for name, _, port in stack_ports(self.base_port, self.engines)}
+        if self.remote:
+            urls, hint = remote_urls(self.remote), "is the stack up, and are the --role-url addresses its roles'?"
+        else:
+            urls = {name: self._url(port) for name, _, port in stack_ports(self.base_port, self.engines)}
+            hint = "start the stack with `weir up` first (same --home and --base-port)"
         deadline = time.monotonic() + timeout_s
         for role, url in urls.items():
             if not poll_ready(url, deadline):
-                raise RuntimeError(
-                    f"no ready {role} at {url}: start the stack with `weir up` first (same --home and --base-port)"
-                )
+                raise RuntimeError(f"no ready {role} at {url}: {hint}")
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         if httpx.get(f"{urls['rollout']}/metrics", headers=headers, timeout=5).status_code == 401:
             raise RuntimeError(f"the stack at {urls['rollout']} refused the token in {self.token_path}")

@@ -59,7 +59,7 @@ from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .model import attach_refusal, run_model
-from .stack import LocalStack
+from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
 from .trackers import Trackers, eta, parse_report_to
 
@@ -242,7 +242,12 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
             env=settings,
         )
     return LocalStack(
-        home=config.home, model=config.model, engines=config.engines, base_port=config.base_port, env=settings
+        home=config.home,
+        model=config.model,
+        engines=config.engines,
+        base_port=config.base_port,
+        env=settings,
+        remote=config.role_url,
     )
 
 
@@ -305,6 +310,12 @@ def _refusal(config: TrainConfig) -> str | None:
             run_model(config)
         except SettingsError as error:
             return str(error)
+    if config.role_url:
+        if not config.attach or config.ray:
+            return "--role-url names the roles of a running stack: use it with --attach (and without --ray)"
+        refusal = remote_refusal(config.role_url)
+        if refusal:
+            return refusal
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
         return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
     try:
@@ -472,7 +483,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         if config.ray:  # features from the node that made them, through this node's cache
             features = trainer_features(config.home, stack.token)
         else:
-            features = pp.FeatureStore(config.home / "cache", 10 << 30)
+            features = pp.FeatureStore(config.cache_dir or config.home / "cache", 10 << 30)
         trainer = _trainer(config, features, parallel)
         closing.callback(getattr(trainer, "close", lambda: None))  # megatron's: its CPU adaptations, its ranks
         if config.warmup_steps and not config.resume:

@@ -96,11 +96,29 @@ def model_name(folder: Path) -> str:
 
 
 def model_folder(value: str | os.PathLike[str]) -> Path:
-    """`resolve_model`, checked: the folder holds a ``config.json``, else `ModelRefError`."""
+    """`resolve_model`, checked: the folder holds a ``config.json`` and this process can read it and every
+    weights file, else `ModelRefError` (a file another user wrote with mode 0600 is named here, at start-up,
+    not as a loader's traceback)."""
     folder = resolve_model(value)
-    if not (folder / "config.json").is_file():
+    try:
+        found = (folder / "config.json").is_file()
+        weights = sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin"))
+    except PermissionError as error:  # a folder on the way this user may not enter or list
+        raise ModelRefError(
+            f"{error.filename}: permission denied to this process (uid {os.getuid()}): make the model's folders "
+            f"readable (chmod -R a+rX {folder}) or run the role as their owner"
+        ) from None
+    if not found:
         raise ModelRefError(
             f"{os.fspath(value)} is not a model folder (no config.json); give a model folder or a Hugging Face "
             "hub id (owner/name[@revision]), or create the embedded one with `weir init-model DIR`"
         )
+    for file in [folder / "config.json", *weights]:
+        if not os.access(file, os.R_OK):
+            stat = file.stat()
+            raise ModelRefError(
+                f"{file} is not readable by this process (uid {os.getuid()}; the file is mode "
+                f"{stat.st_mode & 0o777:04o}, owner uid {stat.st_uid}): make the model's files readable "
+                f"(chmod -R a+rX {folder}) or run the role as their owner"
+            )
     return folder

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from encoders.file_modes import as_umask_allows
+
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "WeightInfo",
@@ -148,6 +150,7 @@ def write_hf_folder(
         save_torch_state_dict(_owning(tensors), staging, max_shard_size=parse_size(max_shard_size))
         for file in [f for f in sorted(base.iterdir()) if f.is_file() and not _is_weights(f)] + list(extra_files):
             shutil.copy2(file, staging / file.name)
+        as_umask_allows(staging)  # safetensors writes 0600: engines may run as another user
         for file in staging.iterdir():
             _fsync(file)
         _fsync(staging)

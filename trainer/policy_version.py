@@ -35,6 +35,8 @@ import httpx
 import torch
 from safetensors.torch import save_file
 
+from encoders.file_modes import as_umask_allows
+
 from .protocol import LoopTrainer
 from .publish import BroadcastWeightSync, PauseMode, publish_weights
 
@@ -251,5 +253,7 @@ class PolicyVersion:
         if not towers:
             return None
         folder.mkdir(parents=True, exist_ok=True)
-        save_file(towers, str(folder / "towers.safetensors"))
+        path = folder / "towers.safetensors"
+        save_file(towers, str(path))
+        as_umask_allows(path)  # safetensors writes 0600: the encoder role may run as another user
         return folder

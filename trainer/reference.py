@@ -56,6 +56,7 @@ from transformers import AutoTokenizer
 
 import preprocess as pp
 from encoders.architectures import decoder_layers, load_thinker, model_inputs
+from encoders.file_modes import as_umask_allows
 from encoders.positions import OmniRope, feature_items
 from encoders.routing import RoutingReplay, is_moe
 
@@ -583,13 +584,12 @@ class ReferenceTrainer(SupervisedPairs):
         """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk
         (data-parallel: every rank calls it; rank 0 writes)."""
         root = Path(folder)
-        if self.parallel is None:
-            self.model.save_pretrained(root, safe_serialization=True)
-            return root
-        state = self.full_state_dict()
-        if self.parallel.is_main:
+        state = None if self.parallel is None else self.full_state_dict()  # a collective: every rank
+        if self.parallel is None or self.parallel.is_main:
             self.model.save_pretrained(root, state_dict=state, safe_serialization=True)
-        self.parallel.barrier()
+            as_umask_allows(root)  # safetensors writes 0600: engines may run as another user
+        if self.parallel is not None:
+            self.parallel.barrier()
         return root
 
 

@@ -1,10 +1,10 @@
 """Static checks of the container files: docker-compose.yml, .env, Dockerfile and pyproject.toml agree
 with each other and with the role table (services/roles.py).
 
-No Docker engine runs on the CI machines, so nothing here builds or starts a container. The compose file is
-validated against the Compose Specification schema from ../shared/schemas, each service's command is parsed
-by the project's own CLI parser (ports, roles and backends are read from the parsed commands), and the
-Dockerfile is read as text.
+Nothing here builds or starts a container (tests/services/test_compose_up.py does, where a Docker engine
+answers). The compose file is validated against the Compose Specification schema from ../shared/schemas, each
+service's command is parsed by the project's own CLI parser (ports, roles and backends are read from the
+parsed commands), and the Dockerfile is read as text.
 """
 
 from __future__ import annotations
@@ -44,9 +44,12 @@ def services() -> dict[str, dict[str, Any]]:
 
 
 def command_of(name: str, service: dict[str, Any]) -> list[str]:
+    """What the service runs: its entrypoint (when it sets one), then its command."""
     command = service.get("command")
     assert isinstance(command, list), f"service {name!r}: command must be a list (exec form), got {command!r}"
-    return [str(part) for part in command]
+    entrypoint = service.get("entrypoint", [])
+    assert isinstance(entrypoint, list), f"service {name!r}: entrypoint must be a list (exec form)"
+    return [str(part) for part in [*entrypoint, *command]]
 
 
 def option_value(command: list[str], option: str) -> str:
@@ -152,6 +155,8 @@ def test_only_rollout_and_data_are_published_and_on_loopback_by_default() -> Non
             assert isinstance(mapping, str), f"service {name!r}: ports as 'HOST_IP:HOST_PORT:PORT' strings"
             assert interpolate(mapping) == f"127.0.0.1:{port}:{port}", f"service {name!r} publishes {mapping}"
             assert interpolate(mapping, {"WEIR_BIND": "0.0.0.0"}) == f"0.0.0.0:{port}:{port}", "WEIR_BIND overrides"
+            variable = f"WEIR_{name.upper()}_PORT"  # another host port: a second stack, or one in use
+            assert interpolate(mapping, {variable: "9"}) == f"127.0.0.1:9:{port}", f"{variable} moves {name!r}"
     for name, (_, args) in role_services().items():
         if name not in published:
             assert [str(p) for p in services()[name].get("expose", [])] == [str(args.port)], f"{name!r}: expose it"
@@ -206,19 +211,24 @@ def test_the_model_is_made_before_the_roles_that_read_it() -> None:
         assert spec["depends_on"][name] == {"condition": "service_completed_successfully"}, role_service
 
 
-def test_the_cpu_profile_runs_the_transformers_engine_under_the_engine_name() -> None:
+def test_the_cpu_profile_runs_the_engine_and_encoder_on_the_cpu_under_their_names() -> None:
     served = role_services()
     engines = {name: args for name, (role, args) in served.items() if role == "engine"}
-    assert set(engines) == {"engine", "engine-cpu"}
+    encoders = {name for name, (role, _) in served.items() if role == "encoder"}
+    assert set(engines) == {"engine", "engine-cpu"} and encoders == {"encoder", "encoder-gpu"}
     assert (services()["engine"]["profiles"], engines["engine"].backend) == (["gpu"], "sglang")
     assert (services()["engine-cpu"]["profiles"], engines["engine-cpu"].backend) == (["cpu"], "transformers")
     assert services()["engine-cpu"]["networks"]["default"]["aliases"] == ["engine"]
+    assert (services()["encoder"]["profiles"], services()["encoder-gpu"]["profiles"]) == (["cpu"], ["gpu"])
+    assert services()["encoder-gpu"]["networks"]["default"]["aliases"] == ["encoder"]
+    assert services()["encoder-gpu"]["environment"]["WEIR_DEVICE"] == "cuda"
+    assert services()["trainer"]["profiles"] == ["train"]
     for name, service in services().items():
-        if name not in engines:
+        if name not in {*engines, *encoders, "trainer"}:
             assert "profiles" not in service, f"{name!r} runs in every profile"
     depends = services()["rollout"]["depends_on"]
-    for engine in engines:  # one of the two is always left out by the profile: neither may be required
-        assert depends[engine] == {"condition": "service_healthy", "required": False}, engine
+    for name in (*engines, *encoders):  # one of each pair is always left out by the profile: none is required
+        assert depends[name] == {"condition": "service_healthy", "required": False}, name
     # `docker compose up` runs the GPU engine: the default profile comes from .env, which `--profile cpu`
     # replaces (compose-go cli.WithDefaultProfiles reads COMPOSE_PROFILES only when no --profile is given).
     dotenv = dict(line.split("=", 1) for line in DOTENV.read_text().splitlines() if line and not line.startswith("#"))
@@ -229,6 +239,60 @@ def test_dockerfile_default_command_is_the_preprocess_service_command() -> None:
     cmds = dockerfile_instructions("CMD")
     assert cmds, "Dockerfile has no CMD"
     assert json.loads(cmds[-1]) == command_of("preprocess", services()["preprocess"])
+
+
+def test_every_cpu_service_runs_the_one_image_built_once() -> None:
+    """One `build:` makes weir:dev; every other service of that image only names it (compose builds it first;
+    a `build:` on each would build and export it once per service). The GPU profile's engine and encoder run
+    weir:sglang, which the engine builds."""
+    built = {name: service["image"] for name, service in services().items() if "build" in service}
+    assert built == {"token": "weir:dev", "engine": "weir:sglang"}
+    assert services()["token"]["build"]["args"] == {"TORCH_INDEX_URL": "${WEIR_TORCH_INDEX_URL:-}"}
+    images = {name: service.get("image") for name, service in services().items()}
+    assert {name for name, image in images.items() if image == "weir:sglang"} == {"engine", "encoder-gpu"}
+    assert all(image in ("weir:dev", "weir:sglang") for image in images.values()), images
+
+
+def test_dockerfile_installs_the_dependencies_before_the_source() -> None:
+    """A source change rebuilds only the layers after the first package is copied: the dependencies (read from
+    pyproject.toml alone) are installed before it, and Weir itself without them after it."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    first_package = next(i for i, line in enumerate(lines) if line.startswith("COPY launcher/"))
+    dependencies = next(i for i, line in enumerate(lines) if "-r /tmp/requirements.txt" in line)
+    project = next(i for i, line in enumerate(lines) if line.startswith("RUN pip install") and "--no-deps" in line)
+    assert dependencies < first_package < project
+    assert [line for line in lines[:dependencies] if line.startswith("COPY")] == ["COPY pyproject.toml ./"]
+    assert "ARG TORCH_INDEX_URL=" in lines and '--extra-index-url "$TORCH_INDEX_URL"' in lines[dependencies]
+
+
+def test_the_trainer_attaches_to_the_stack_by_its_service_names() -> None:
+    from launcher.arguments import role_url
+    from launcher.cli import build_parser
+    from launcher.stack import remote_refusal
+
+    trainer = services()["trainer"]
+    args = build_parser().parse_args(command_of("trainer", trainer)[1:])
+    assert args.command == "train" and args.attach and args.demo and args.weights == "disk"
+    assert remote_refusal(args.role_url) is None
+    names = {name: role for name, (role, _) in role_services().items()}
+    for name, service in services().items():
+        for alias in (service.get("networks") or {}).get("default", {}).get("aliases", []):
+            names[alias] = names[name]
+    assert {role for role, _ in args.role_url} == set(ROLES)
+    for role, url in args.role_url:
+        assert role_url(f"{role}={url}") == (role, url)
+        assert names.get(urlsplit(url).hostname or "") == role and urlsplit(url).port == ROLES[role].port, url
+    # Its home is the volume the roles read the published weights (engine, encoder) and the demo's media
+    # (preprocess) from, read-only; it reads the preprocess role's feature cache.
+    home = mounts(trainer)[str(args.home)]
+    assert home[1] == "rw" and interpolate(str(args.model)) == "/models/tiny"
+    for role in ("preprocess", "encoder", "encoder-gpu", "engine", "engine-cpu"):
+        assert mounts(services()[role])[str(args.home)] == (home[0], "ro"), role
+    assert str(args.home / "media") in services()["preprocess"]["environment"]["WEIR_MEDIA_ROOTS"].split(":")
+    assert str(args.cache_dir) == services()["preprocess"]["environment"]["WEIR_CACHE_DIR"]
+    assert mounts(trainer)["/cache"][0] == mounts(services()["preprocess"])["/cache"][0]
+    assert trainer["depends_on"] == {"rollout": {"condition": "service_healthy"}}
 
 
 def test_dockerfile_copies_every_package() -> None:
@@ -249,6 +313,9 @@ def test_the_sglang_engine_reserves_the_gpus_its_server_arguments_take() -> None
     engine = services()["engine"]
     (reservation,) = engine["deploy"]["resources"]["reservations"]["devices"]
     assert reservation["count"] == "${WEIR_ENGINE_GPUS:-1}" and reservation["capabilities"] == ["gpu"]
+    assert reservation["driver"] == "nvidia"
+    (towers,) = services()["encoder-gpu"]["deploy"]["resources"]["reservations"]["devices"]
+    assert towers == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
     assert engine["environment"]["WEIR_ENGINE_GPUS"] == "${WEIR_ENGINE_GPUS:-1}"
     assert engine["environment"]["WEIR_SGLANG_ARGS"] == "${WEIR_SGLANG_ARGS:-}"
     assert engine["environment"]["WEIR_MODEL"] == services()["rollout"]["environment"]["WEIR_MODEL"]
