@@ -179,6 +179,10 @@ def test_train_help_states_the_task_defaults() -> None:
         (["twin", "--profile", "no-such-profile"], "shipped profiles: qwen3-vl-8b-h800, relax-qwen3-4b-h800"),
         (["twin", "--merge", "/missing/results.json"], "--merge: /missing/results.json: no such file"),
         (["serve", "engine", "--profile", "/missing/profile.yaml"], "--profile: /missing/profile.yaml"),
+        (["train", "--demo", "--role-url", "trainer=http://t:1"], "ROLE=URL with ROLE one of preprocess"),
+        (["train", "--demo", "--role-url", "rollout=rollout:8100"], "the URL is http(s)://HOST[:PORT]"),
+        (["train", "--demo", "--role-url", "data=http://data:99999"], "Port out of range"),
+        (["train", "--demo", "--role-url", "data=http://data:8103/v1"], "the URL is http(s)://HOST[:PORT]"),
     ],
 )
 def test_a_missing_file_or_a_bad_value_is_one_line_and_status_2(
@@ -260,3 +264,44 @@ def test_weir_engines_refuses_a_bad_count_or_autoscaling_spec_before_reaching_ra
     ):
         assert main(argv) == 2, argv
         assert wrong in capsys.readouterr().err, argv
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (
+            ["--role-url", "rollout=http://r:8100"],
+            "--role-url names the roles of a running stack",
+        ),
+        (["--attach", "--role-url", "rollout=http://r:8100", "--role-url", "data=http://d:8103"], "missing: engine"),
+        (
+            [
+                "--attach",
+                "--role-url",
+                "data=http://d:1",
+                "--role-url",
+                "data=http://e:1",
+                "--role-url",
+                "engine=http://x:2",
+            ],
+            "data given more than once",
+        ),
+    ],
+)
+def test_role_urls_that_cannot_be_a_stack_are_refused_before_anything_starts(
+    args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *args]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert said in out and not (tmp_path / "w").exists(), out
+
+
+def test_role_urls_name_the_engines_in_order() -> None:
+    from launcher.stack import remote_urls
+
+    pairs = [("rollout", "http://r:8100"), ("engine", "http://a:30000"), ("engine", "http://b:30000")]
+    assert remote_urls(pairs) == {
+        "rollout": "http://r:8100",
+        "engine-1": "http://a:30000",
+        "engine-2": "http://b:30000",
+    }
