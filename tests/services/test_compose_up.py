@@ -205,3 +205,19 @@ def test_a_role_that_cannot_start_says_why_in_its_logs_last_line(
     done = compose.run("run", "--rm", "--no-deps", "-e", f"WEIR_MODEL={model}", "engine-cpu", timeout=300, check=False)
     last = (done.stdout + done.stderr).strip().splitlines()[-1]
     assert done.returncode == 2 and said in last and "Traceback" not in done.stdout + done.stderr, last
+
+
+def test_the_gpu_profile_is_valid_compose_and_puts_the_engine_and_encoder_on_gpus() -> None:
+    """What Docker Compose itself makes of the GPU profile (not run here: no GPU): both images' services, the
+    device reservations compose passes to the NVIDIA runtime."""
+    command = ["docker", "compose", "-f", str(REPO / "docker-compose.yml"), "--profile", "gpu", "config", "--format",
+               "json"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60, check=True)
+    services = json.loads(done.stdout)["services"]
+    assert set(services) == {"token", "model", "preprocess", "encoder-gpu", "engine", "data", "rollout"}
+    for name in ("engine", "encoder-gpu"):
+        (device,) = services[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia", name
+        assert services[name]["image"] == "weir:sglang"
+    assert services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]["count"] == 1
+    assert services["encoder-gpu"]["environment"]["WEIR_DEVICE"] == "cuda"
