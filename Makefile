@@ -1,10 +1,13 @@
 # The two set-up commands of the README. Both create .venv on first use: `make run` installs the `run` extra
-# (what the demo needs), `make test` the `dev` extra (that, the reference libraries, linters, docs, every extra).
+# (what the demo needs), `make test` the `dev` extra (that, the reference libraries, linters, docs, every extra)
+# and, for its last step, .venv-sglang (the released SGLang beside Weir).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 RUN_STAMP := $(VENV)/.installed-run
+# the released SGLang's environment (see sglang-check below)
+SGLANG_VENV := .venv-sglang
 
 .PHONY: run test lint bench clean gpu-check sglang-check extras-check docs
 
@@ -27,10 +30,11 @@ run: $(RUN_STAMP)
 	$(BIN)/weir demo --out .weir/demo
 	$(BIN)/weir train --demo
 
-test: $(STAMP) extras-check docs
+test: $(STAMP) $(SGLANG_VENV)/.installed extras-check docs
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25  # CI prints the 25 slowest tests
+	$(SGLANG_PYTEST)  # the modules that need the released SGLang, the real engine generating on the CPU
 
 # The documentation site (mkdocs.yml: docs/, the README as its home page) into .weir/site; --strict makes a
 # broken link to a page or an anchor, or a page missing from the nav, fail the build (the variable only
@@ -42,9 +46,12 @@ docs: $(STAMP)
 extras-check: $(STAMP)
 	$(BIN)/python tests/check_extras.py
 
-# SGLang's own request and argument classes against what Weir sends (CPU; sglang imports without a GPU).
-# The first run builds .venv-sglang (about 11 GB, some minutes); later runs reuse it.
-SGLANG_VENV := .venv-sglang
+# Weir against the released SGLang (sglang 0.5.23 from PyPI) in an environment of its own: its request and
+# argument classes against what Weir sends, and the real engine generating on the CPU under the test
+# scaffolding of tests/engines/sglang_cpu.py (a stub libcuda.so.1, built with gcc). `make test` runs it too.
+# The first run builds .venv-sglang (about 11 GB, 3 minutes here); later runs reuse it.
+SGLANG_TESTS := tests/engines/test_sglang_backend.py tests/engines/test_sglang_installed.py tests/engines/test_sglang_real.py
+SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu' $(SGLANG_TESTS)
 $(SGLANG_VENV)/.installed: pyproject.toml
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install --quiet --upgrade pip
@@ -52,7 +59,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml
 	touch $@
 
 sglang-check: $(SGLANG_VENV)/.installed
-	$(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu' tests/engines/test_sglang_backend.py tests/engines/test_sglang_installed.py
+	$(SGLANG_PYTEST)
 
 # Every `gpu`-marked check, on a machine with a CUDA GPU (one verdict line per check; see tests/gpu/run.sh).
 gpu-check:

@@ -26,6 +26,10 @@ The rules it keeps, and raises on, loudly:
 - Pause modes: ``in_place`` freezes the batch, ``retract`` puts running requests back in the queue (their
   ``num_retractions`` counted), ``abort`` aborts every request (again each second) until none holds the
   reader lock. Continue resumes.
+- After every weight update the cache is flushed (the record's ``flush_cache``, default true), which fails
+  unless no request runs (and, outside a pause, none waits): the weights are updated and the call answers
+  ``success=False`` with SGLang's `FLUSH_REFUSED` — an update during an ``in_place`` pause with requests running
+  (the real engine does this; `tests/engines/test_sglang_real.py`).
 - Abort: a queued request answers at once, ``{"type": "abort", "message": "Abort in waiting queue"}``, no
   output; a running one runs one more decode step and finishes ``{"type": "abort", "message": "Aborted"}``
   with its output so far. An abort rid matches by prefix, as SGLang's scheduler matches it.
@@ -160,6 +164,12 @@ io_struct = SimpleNamespace(
 )
 
 # The server arguments this stand-in knows (each a real `ServerArgs` field; sglang-check confirms it).
+# sglang 0.5.23's weight updater (scheduler_components/weight_updater.py), word for word
+FLUSH_REFUSED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or queued. Retract or "
+    "finish them, then call /flush_cache."
+)
+
 SERVER_ARGS = {
     "model_path": None,
     "tp_size": 1,
@@ -515,6 +525,17 @@ class TokenizerManager:
         finally:
             await self.model_update_lock.release_write()
 
+    async def _flush_after_update(self, obj: Any, success: bool, message: str) -> tuple[bool, str]:
+        """SGLang's weight updater after every update: the cache the old weights made is flushed, which fails
+        unless the scheduler is idle — waiting requests aside while paused (so a ``retract`` pause passes and an
+        ``in_place`` one, whose requests stay running, does not): the weights stay updated, the call fails."""
+        if not success or not getattr(obj, "flush_cache", True):
+            return success, message
+        paused = self.is_pause
+        if await self._scheduler_call(lambda s: not s.running and (paused or not s.waiting)):
+            return success, message
+        return False, FLUSH_REFUSED
+
     async def update_weights_from_disk(
         self, obj: UpdateWeightFromDiskReqInput, request: Any = None
     ) -> tuple[bool, str, int]:
@@ -525,7 +546,7 @@ class TokenizerManager:
         await self._under_update_lock(lambda s: time.sleep(0.01))
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
-        return True, "Succeeded to update model weights.", 0
+        return (*await self._flush_after_update(obj, True, "Succeeded to update model weights."), 0)
 
     async def update_weights_from_tensor(
         self, obj: UpdateWeightsFromTensorReqInput, request: Any = None
@@ -535,7 +556,7 @@ class TokenizerManager:
         await self._under_update_lock(lambda s: None)
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
-        return True, "Succeeded to update model weights."
+        return await self._flush_after_update(obj, True, "Succeeded to update model weights.")
 
     async def init_weights_update_group(
         self, obj: InitWeightsUpdateGroupReqInput, request: Any = None
@@ -555,7 +576,7 @@ class TokenizerManager:
         await self._under_update_lock(lambda s: None)
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
-        return True, "Succeeded to update parameter online from distributed."
+        return await self._flush_after_update(obj, True, "Succeeded to update parameter online from distributed.")
 
     async def destroy_weights_update_group(
         self, obj: DestroyWeightsUpdateGroupReqInput, request: Any = None

@@ -149,19 +149,33 @@ def test_a_coroutine_on_another_loop_is_refused_loudly(engine: SGLangEngine) -> 
 
 
 def test_a_publish_while_64_run(engine: SGLangEngine, tmp_path: Path) -> None:
-    """Pause in place, load new weights, continue: all 64 finish, whole, under the new version."""
+    """Weir's publish (`trainer.publish`): pause ``retract``, load new weights, continue — all 64 finish, whole,
+    under the new version, recomputed after the retraction."""
     futures = [engine.submit(request(max_new_tokens=150)) for _ in range(64)]
     wait_running(engine, futures, 64)
-    engine.pause("in_place")
-    steps = scheduler(engine).steps
-    threading.Event().wait(0.05)
-    assert scheduler(engine).steps == steps and engine.paused  # frozen
+    engine.pause("retract")
     assert engine.update_weights(str(tmp_path), "1") == "1"
     engine.resume()
     results = [f.result(timeout=60) for f in futures]
     assert all(r.completion_tokens == 150 and r.finish_reason["type"] == "length" for r in results)
     assert {r.weight_version for r in results} == {"1"} and not engine.paused
-    assert calls(engine)[-3:] == ["pause:in_place", f"update_weights_from_disk:{tmp_path}", "continue"]
+    assert all(r.num_retractions >= 1 for r in results)
+    assert calls(engine)[-3:] == ["pause:retract", f"update_weights_from_disk:{tmp_path}", "continue"]
+
+
+def test_an_update_paused_in_place_with_requests_running_fails_as_sglangs(engine: SGLangEngine, tmp_path: Path) -> None:
+    """SGLang updates the weights, cannot flush the cache the running requests hold, and fails the call (what
+    the real engine does: tests/engines/test_sglang_real.py); the requests go on once continued."""
+    futures = [engine.submit(request(max_new_tokens=150)) for _ in range(16)]
+    wait_running(engine, futures, 16)
+    engine.pause("in_place")
+    steps = scheduler(engine).steps
+    threading.Event().wait(0.05)
+    assert scheduler(engine).steps == steps and engine.paused  # frozen
+    with pytest.raises(WeightsError, match="cache was not flushed"):
+        engine.update_weights(str(tmp_path), "1")
+    engine.resume()
+    assert all(f.result(timeout=60).completion_tokens == 150 for f in futures)
 
 
 def test_an_update_without_a_pause_waits_for_running_requests(engine: SGLangEngine, tmp_path: Path) -> None:

@@ -1,0 +1,92 @@
+"""Test scaffolding that lets the released SGLang (0.5.23, its CUDA wheels from PyPI) generate on a CPU machine
+without NVIDIA's driver, so ``make test`` runs Weir against the real engine. Never imported by Weir itself.
+
+What it takes, and why (measured on this project's machines: /work/shared/reference/sglang-on-cpu.md):
+
+- ``SGLANG_USE_CPU_ENGINE=1``: without it ``device="cpu"`` still takes CUDA paths;
+- a stub ``libcuda.so.1`` (built here with the C compiler: four entry points, each answering "no device"),
+  on ``LD_LIBRARY_PATH`` for SGLang's spawned scheduler and detokenizer and preloaded in this process:
+  sgl-kernel's CUDA build links the driver library, and nothing calls into it on this path;
+- ``OMP_NUM_THREADS=1`` before torch starts its pool (two threads on two loaded cores ran 35x slower);
+- ``TORCHDYNAMO_DISABLE=1``: the VL models' mrope is under ``torch.compile``, ~40 s of inductor on CPU;
+- four CPU-only ``sgl_kernel`` ops declared (no kernel) before SGLang's Qwen-VL processor module is imported: it
+  imports the Qwen3.5 model, which binds them at import on CPU; only Qwen3.5 would call them.
+
+`prepare()` does all of it once per process, before sglang is imported; `SERVER_ARGS` are what every CPU engine
+takes (a KV pool of a fixed size: otherwise it is sized from the free RAM).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["SERVER_ARGS", "prepare"]
+
+SERVER_ARGS = {"device": "cpu", "max_total_tokens": 8192, "dtype": "float32"}
+
+_STUB = """
+/* libcuda.so.1 for a machine without NVIDIA's driver: every entry point sgl-kernel's loader resolves answers
+   CUDA_ERROR_NO_DEVICE (100). */
+int cuInit(unsigned flags) { (void)flags; return 100; }
+int cuDriverGetVersion(int *version) { (void)version; return 100; }
+int cuDeviceGetCount(int *count) { if (count) *count = 0; return 100; }
+int cuPointerGetAttribute(void *data, int attribute, unsigned long long pointer) {
+  (void)data; (void)attribute; (void)pointer; return 100;
+}
+"""
+
+_CPU_ONLY_OPS = (
+    "fused_sigmoid_mul_cpu",
+    "fused_qk_gemma_rmsnorm_cpu",
+    "fused_qk_gemma_rmsnorm_with_gate_cpu",
+    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
+)
+
+_prepared: list[object] = []  # what must live as long as the process (the op library)
+
+
+def _stub_library() -> Path:
+    """The stub driver library, compiled once per machine into the temporary folder."""
+    folder = Path(tempfile.gettempdir()) / f"weir-libcuda-stub-{os.getuid()}"
+    library = folder / "libcuda.so.1"
+    if library.is_file():
+        return folder
+    compiler = shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise RuntimeError("the real SGLang on CPU needs a C compiler (gcc) for its stub libcuda.so.1")
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "stub.c"
+    source.write_text(_STUB)
+    staged = folder / f".libcuda.so.1.{os.getpid()}"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-Wl,-soname,libcuda.so.1", "-o", str(staged), str(source)], check=True
+    )
+    os.replace(staged, library)  # several processes may build it at once: one rename wins, whole
+    return folder
+
+
+def prepare() -> None:
+    """Make this process (and the processes SGLang spawns) able to run the CPU engine; idempotent."""
+    if _prepared:
+        return
+    folder = _stub_library()
+    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
+    os.environ["OMP_NUM_THREADS"] = "1"
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    paths = [str(folder), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
+    os.environ["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(paths))
+    ctypes.CDLL(str(folder / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
+    import sgl_kernel  # noqa: F401 — loads the CUDA build (against the stub) before the ops are declared
+    import torch
+
+    torch.set_num_threads(1)
+    library = torch.library.Library("sgl_kernel", "FRAGMENT")
+    for name in _CPU_ONLY_OPS:
+        if not hasattr(torch.ops.sgl_kernel, name):
+            library.define(f"{name}(Tensor[] args) -> ()")
+    _prepared.append(library)
