@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal, TypedDict
@@ -34,6 +34,7 @@ __all__ = [
     "TensorBucket",
     "data_policy_version",
     "fan_out_client",
+    "group_layout",
     "post_each",
     "publish_weights",
 ]
@@ -78,6 +79,16 @@ class TensorBucket(TypedDict):
     group_name: str
     flush_cache: bool
     weight_version: str | None
+
+
+def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
+    """A weight-broadcast group over engines of these tensor-parallel sizes: its world size and each engine's
+    ``rank_offset``. The trainer is rank 0; SGLang's workers join as ``rank_offset + tp_rank``, so engine i's
+    ranks follow every rank of the engines before it."""
+    if any(size < 1 for size in tp_sizes):
+        raise ValueError(f"tensor-parallel sizes are 1 or more, not {list(tp_sizes)}")
+    offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+    return 1 + sum(tp_sizes), offsets
 
 
 def publish_weights(
@@ -211,7 +222,7 @@ class BroadcastWeightSync:
         master_address: str,
         master_port: int,
         backend: str | None = None,
-        tp_size: int = 1,
+        tp_size: int | Sequence[int] | None = None,
         group_name: str = "weight_update_group",
         bucket_bytes: int = 512 << 20,
         data_url: str | None = None,
@@ -219,15 +230,26 @@ class BroadcastWeightSync:
         timeout_s: float = 600.0,
         token: str | None = None,
     ) -> None:
-        self.engine_urls, self.tp_size, self.group_name = list(engine_urls), tp_size, group_name
+        self.engine_urls, self.group_name = list(engine_urls), group_name
         self.master_address, self.master_port = master_address, master_port
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        self.world_size = 1 + len(self.engine_urls) * tp_size
         self.bucket_bytes = bucket_bytes
         self.data_url, self.encoder_url = data_url, encoder_url
         self.client = fan_out_client(len(self.engine_urls), timeout_s=timeout_s, token=token)
+        # Each engine's tensor-parallel ranks: given (one size for all, or one per engine), else asked of the
+        # engines (SGLang's /get_server_info, and Weir's engine role, answer tp_size).
+        if tp_size is None:
+            self.tp_sizes = [self._tp_size_of(url) for url in self.engine_urls]
+        else:
+            self.tp_sizes = [tp_size] * len(self.engine_urls) if isinstance(tp_size, int) else list(tp_size)
+        self.world_size, self.rank_offsets = group_layout(self.tp_sizes)
         self.pool = ThreadPoolExecutor(max_workers=max(1, len(self.engine_urls)))
         self.group: Any = None
+
+    def _tp_size_of(self, url: str) -> int:
+        answer = self.client.get(f"{url}/get_server_info")
+        answer.raise_for_status()
+        return int(answer.json().get("tp_size") or 1)
 
     def _post_all(self, path: str, bodies: list[GroupJoin] | list[TensorBucket]) -> list[Future[httpx.Response]]:
         return [
@@ -250,12 +272,12 @@ class BroadcastWeightSync:
             GroupJoin(
                 master_address=self.master_address,
                 master_port=self.master_port,
-                rank_offset=1 + i * self.tp_size,
+                rank_offset=offset,
                 world_size=self.world_size,
                 group_name=self.group_name,
                 backend=self.backend,
             )
-            for i in range(len(self.engine_urls))
+            for offset in self.rank_offsets
         ]
         pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
         # Rank 0 joins in a thread of its own, so an engine that refuses at once (NCCL on a CPU engine, a

@@ -88,4 +88,5 @@ async def server_info(role: Role) -> Any:
         # Weir's addition: how much of its life the engine spent generating (the loop's engine-idle share).
         "busy_seconds": engine.busy_s,
         "uptime_seconds": time.monotonic() - engine.started,
+        "tp_size": 1 if transformers else int(settings.sglang_args.get("tp_size", 1)),
     }

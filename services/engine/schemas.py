@@ -402,6 +402,10 @@ class ServerInfo(BaseModel):
     weight_version: str
     busy_seconds: float | None = Field(description="seconds spent generating (Weir's addition)")
     uptime_seconds: float | None
+    tp_size: int = Field(
+        description="tensor-parallel ranks (SGLang's field): the ranks this engine takes in a weight-broadcast "
+        "group, from rank_offset on"
+    )
 
 
 class ErrorDetail(BaseModel):

@@ -5,7 +5,6 @@ weights from disk —, and weights that do not fit are refused while the old one
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,8 +17,9 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
+from tests.ports import free_port
 from trainer.policy_version import WeightRecipients
-from trainer.publish import BroadcastWeightSync
+from trainer.publish import BroadcastWeightSync, group_layout
 from trainer.reference import ReferenceTrainer
 
 pytestmark = pytest.mark.integration
@@ -29,12 +29,6 @@ GREEDY = {
     "return_logprob": True,
     "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_engine(model: Path, root: Path, port: int | None = None) -> tuple[subprocess.Popen[bytes], str]:
@@ -77,6 +71,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         urls = [url for _, url in engines]
         sync = BroadcastWeightSync(urls, master_address="127.0.0.1", master_port=free_port(), bucket_bytes=1 << 20)
         assert sync.backend == "gloo" or torch.cuda.is_available()
+        assert (sync.tp_sizes, sync.world_size, sync.rank_offsets) == ([1, 1], 3, [1, 2])  # asked of the engines
         sync.connect()
         try:
             yield {"root": root, "model": model, "urls": urls, "sync": sync}
@@ -210,3 +205,39 @@ def test_a_dead_engine_is_left_out_until_it_answers_again_then_a_refusal_falls_b
             process.terminate()
         for process, _ in engines:
             process.wait(30)
+
+
+def test_the_group_gives_each_engine_as_many_ranks_as_its_tensor_parallel_size() -> None:
+    """SGLang's workers join as rank_offset + tp_rank: engines of tp 2 take two ranks each. The publisher asks
+    every engine its tp_size (it built a group of 1 + engines ranks, whatever their sizes, before)."""
+    from fastapi import FastAPI
+
+    from tests.services.conftest import RunningServer
+
+    joins: list[dict[str, Any]] = []
+    app = FastAPI()
+
+    @app.get("/get_server_info")
+    def server_info() -> dict[str, Any]:
+        return {"tp_size": 2}
+
+    @app.post("/init_weights_update_group")
+    def join(body: dict[str, Any]) -> dict[str, Any]:
+        joins.append(body)
+        return {"success": False, "message": "recorded, not joined"}  # so the connect ends at once
+
+    assert group_layout([1, 2, 4]) == (8, [1, 2, 4])
+    with pytest.raises(ValueError, match="1 or more"):
+        group_layout([2, 0])
+    with RunningServer(app) as first, RunningServer(app) as second:
+        sync = BroadcastWeightSync([first.url, second.url], master_address="127.0.0.1", master_port=free_port())
+        try:
+            assert (sync.tp_sizes, sync.world_size, sync.rank_offsets) == ([2, 2], 5, [1, 3])
+            with pytest.raises(RuntimeError, match="recorded, not joined"):
+                sync.connect()
+        finally:
+            sync.close()
+    assert sorted((j["rank_offset"], j["world_size"]) for j in joins) == [(1, 5), (3, 5)]
+    given = BroadcastWeightSync(["http://a", "http://b"], master_address="127.0.0.1", master_port=1, tp_size=[1, 4])
+    assert (given.world_size, given.rank_offsets) == (6, [1, 2])
+    given.close()
