@@ -33,6 +33,7 @@ metrics behind ``--enable-metrics``).
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import uuid
@@ -63,8 +64,10 @@ from .sglang_request import (
     SGLangOutput,
     build_request,
     output_logprob,
+    refuse_video_tracks,
     result_from,
     token_step,
+    video_track_marker,
 )
 
 __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mapping re-exported for its callers
@@ -88,6 +91,7 @@ class SGLangEngine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.limits = ModelLimits.read(self.model_dir)
+        self._tracks = video_track_marker(json.loads((self.model_dir / "config.json").read_text()))
         args = {
             "weight_version": "0",
             # names are checked against the installed SGLang by load_engine; here only Weir's own are refused
@@ -139,6 +143,7 @@ class SGLangEngine:
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
         """Check ``request`` and hand it to SGLang; cancelling the future aborts it there."""
         self.limits.check(request)
+        refuse_video_tracks(request.input_ids, self._tracks)
         if not request.rid:
             request = replace(request, rid=uuid.uuid4().hex)
         return self._loop.submit(self._generate(request, on_token))

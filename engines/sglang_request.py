@@ -9,6 +9,12 @@ with the Hugging Face processor keys (Weir's features are exactly those tensors)
 ``audio_feature_lens``), with ``input_ids`` whose placeholders are already expanded. Every `SamplingParams` field
 goes under SGLang's own name (penalties, ``min_p``, ``logit_bias`` with string keys, the detokenizer options, the
 grammar of ``json_schema`` / ``regex`` / ``ebnf`` as given), and so do ``logprob_start_len`` / ``top_logprobs_num``.
+
+Not served: a video laid out with its own audio track (an Omni prompt's ``vision_bos, audio_bos, <video>…``,
+``use_audio_in_video`` in the processors' words). sglang 0.5.23's Qwen-Omni processor computes the 3-D positions
+with ``use_audio_in_video=False`` whatever the request says (``multimodal/processors/qwen_vl.py``), so it would lay
+the track out as an audio item of its own, at other positions than the ones the trainer computes: `refuse_video_tracks`
+refuses such a prompt by name instead (`video_track_marker` reads the layout from the model's config).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 
 import preprocess as pp
 
+from .errors import InvalidPrompt
 from .protocol import FinishReason, GenerateRequest, GenerateResult, MediaInput, TokenStep
 from .sampling import SGLangSampling  # the same JSON whoever writes it
 
@@ -33,8 +40,10 @@ __all__ = [
     "SGLangSampling",
     "build_request",
     "output_logprob",
+    "refuse_video_tracks",
     "result_from",
     "token_step",
+    "video_track_marker",
 ]
 
 
@@ -132,6 +141,36 @@ def _audio(items: list[MediaInput]) -> MediaData:
         mask[i, :n] = 1
     # The Qwen2.5-Omni processor's padded layout: (n, mel, L_max) with a feature attention mask.
     return {"format": "processor_output", "input_features": batch, "feature_attention_mask": mask}
+
+
+_OMNI_THINKERS = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
+
+
+def video_track_marker(config: dict[str, Any]) -> tuple[int, int, int] | None:
+    """``(vision_bos, audio_bos, video placeholder)`` of an Omni model's ``config.json`` (the thinker's, or a
+    whole Omni model's ``thinker_config``): a video sent with its own track starts with them. None for the
+    models that have no such layout."""
+    thinker = config.get("thinker_config") or config
+    if thinker.get("model_type") not in _OMNI_THINKERS:
+        return None
+    video = thinker["video_token_id"] if "video_token_id" in thinker else thinker["video_token_index"]  # 2.5's name
+    return int(thinker["vision_start_token_id"]), int(thinker["audio_start_token_id"]), int(video)
+
+
+def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | None) -> None:
+    """`InvalidPrompt` when ``input_ids`` hold a video laid out with its own audio track (``marker`` of
+    `video_track_marker`), which this SGLang would lay out at other positions (the module's docstring)."""
+    if marker is None:
+        return
+    bos, audio_bos, video = marker
+    for i in range(2, len(input_ids)):
+        if input_ids[i] == video and input_ids[i - 2] == bos and input_ids[i - 1] == audio_bos:
+            raise InvalidPrompt(
+                "a video with its own audio track (use_audio_in_video) is not served on SGLang 0.5.23: its Qwen-Omni "
+                "processor lays the track out as an audio item of its own, at other positions than the trainer's; "
+                "send the clip's audio as a separate item, or serve this model on the transformers backend",
+                field="use_audio_in_video",
+            )
 
 
 def build_request(request: GenerateRequest) -> GenerateKwargs:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import InvalidPrompt, WeightsError
+from engines import InvalidPrompt, WeightsError, sglang_request
 from engines.protocol import (
     ABORT_BEFORE_PREFILL,
     ABORT_BY_REQUEST,
@@ -380,3 +380,27 @@ def test_close_stops_sglang_and_the_loop(model_dir: Path) -> None:
     assert not engine.healthy() and engine.engine.shut_down
     with pytest.raises(RuntimeError, match="not running"):
         engine.submit(request())
+
+
+def test_a_video_with_its_own_audio_track_is_refused_by_name(tmp_path: Path) -> None:
+    """sglang 0.5.23 computes an Omni prompt's positions with use_audio_in_video=False whatever it is sent
+    (tests/engines/test_sglang_installed.py reads that in its source): such a video is refused, never served at
+    positions other than the trainer's. A video without its track, and a model that is not Omni, go through."""
+    thinker = {
+        "model_type": "qwen3_omni_moe_thinker",
+        "text_config": {"vocab_size": VOCAB, "max_position_embeddings": 4096},
+        "vision_start_token_id": 10, "audio_start_token_id": 11, "video_token_id": 12,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(thinker))
+    engine = start(tmp_path)
+    try:
+        with pytest.raises(InvalidPrompt, match="use_audio_in_video") as refused:
+            engine.submit(GenerateRequest(input_ids=[1, 10, 11, 12, 12, 13], sampling=SamplingParams(max_new_tokens=2)))
+        assert refused.value.field == "use_audio_in_video" and refused.value.code == "invalid_prompt"
+        two = SamplingParams(max_new_tokens=2)
+        assert engine.generate(GenerateRequest(input_ids=[1, 10, 12, 12, 13], sampling=two)).completion_tokens == 2
+    finally:
+        engine.close()
+    whole = {"model_type": "qwen3_omni_moe", "thinker_config": thinker}  # a whole Omni model's config
+    assert sglang_request.video_track_marker(whole) == (10, 11, 12)
+    assert sglang_request.video_track_marker({"model_type": "qwen3_vl"}) is None

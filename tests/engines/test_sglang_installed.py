@@ -517,3 +517,15 @@ def test_engine_serializes_tensors_per_rank() -> None:
     assert callable(Engine._serialize_tensors_per_rank)
     parameters = list(inspect.signature(Engine._serialize_tensors_per_rank).parameters)
     assert parameters == ["self", "tensors", "load_format"]  # the backend passes (named_tensors, None)
+
+
+def test_sglangs_omni_processor_ignores_use_audio_in_video_so_weir_refuses_it() -> None:
+    """The request takes ``use_audio_in_video``, but the Qwen-VL / Omni processor computes the 3-D positions with
+    ``use_audio_in_video=False`` whatever it says: Weir refuses a video with its own track on SGLang
+    (`engines.sglang_request.refuse_video_tracks`). When this fails, SGLang honours the flag: send it instead."""
+    from sglang.srt.multimodal.processors import qwen_vl
+
+    assert "use_audio_in_video" in {f.name for f in dataclasses.fields(io_struct.GenerateReqInput)}
+    source = inspect.getsource(qwen_vl)
+    assert source.count("use_audio_in_video=False") >= 2 and "use_audio_in_video=request" not in source
+    assert "request_obj.use_audio_in_video" not in source and "use_audio_in_video=getattr" not in source
