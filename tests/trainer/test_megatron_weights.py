@@ -210,6 +210,25 @@ def test_the_built_gpt_gives_the_hf_models_logprobs_on_packed_text(
         assert not torch.allclose(changed[0, : cu[1] - 1], output[0, : cu[1] - 1], atol=1e-4)
 
 
+def test_megatrons_own_attention_refuses_packed_sequences_so_every_device_uses_segment_attention(
+    megatron_world: None, models: dict[str, Any]
+) -> None:
+    """The trainer's GPU branch built its GPTModel with megatron's local ``DotProductAttention``
+    (``core_attention=None``): every forward passes packed sequences, which it refuses. That branch is gone:
+    the trainer builds with `SegmentAttention` on every device (the same forward the CPU tests run)."""
+    import inspect
+
+    from trainer.megatron import build_gpt
+    from trainer.megatron.trainer import MegatronTrainer
+
+    model = models["qwen2.5-omni"]
+    local = build_gpt(model.config, core_attention=None)  # megatron's DotProductAttention, the old CUDA branch's
+    with torch.no_grad(), pytest.raises(AssertionError, match="[Pp]acked"):
+        forward_step(iter([megatron_batch(text_batch(), pad_to_multiple=8)]), local)
+    source = inspect.getsource(MegatronTrainer.__init__)
+    assert "core_attention=SegmentAttention," in source and "if cuda else SegmentAttention" not in source
+
+
 def test_qwen3_vl_with_an_image_interleaved_mrope_and_deepstack(megatron_world: None, models: dict[str, Any]) -> None:
     """An image sequence packed before a text one: the vision tower's merged embeddings spliced into
     ``decoder_input``, Qwen3's interleaved 3-D positions, and the DeepStack features added after the first

@@ -137,7 +137,9 @@ class MegatronTrainer(SupervisedPairs):
         def built() -> Any:
             gpt = build_gpt(
                 thinker.config,
-                core_attention=None if cuda else SegmentAttention,
+                # on every device: megatron's local DotProductAttention refuses the packed (THD) sequences
+                # every forward passes; on a GPU, scaled_dot_product_attention picks its fused kernels per segment
+                core_attention=SegmentAttention,
                 params_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
                 bf16=precision == "bf16",
                 recompute=activation_checkpointing,
