@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -153,6 +153,7 @@ def run_ranks(
     max_restarts: int = 0,
     quiet_ranks: bool = True,
     log_dir: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> int:
     """Run ``command`` as ``nproc`` ranks on this host under torchrun's elastic agent (`elastic_launch`:
     a c10d rendezvous on a free loopback port, torchrun's variables set); returns 0 when every rank
@@ -161,7 +162,8 @@ def run_ranks(
     When a rank fails the agent stops the others and, while ``max_restarts`` remain, starts them all again;
     a restarted rank sees ``TORCHELASTIC_RESTART_COUNT`` > 0 (`restarted`) and resumes from the last
     checkpoint. ``quiet_ranks``: only rank 0 prints, the others' output goes to ``log_dir`` (torchelastic's
-    per-attempt, per-rank files; a temporary folder when None)."""
+    per-attempt, per-rank files; a temporary folder when None). ``env``: variables the ranks are started with
+    (their GPUs: `launcher.placement.DevicePlan.trainer_env`)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -182,7 +184,7 @@ def run_ranks(
     # The agent hands its environment to the ranks. Its own store, shared with the ranks by default, keeps the
     # first attempt's gloo addresses across a restart: a restarted rank 1 can read the dead rank 0's and fail to
     # connect (seen under load). Unshared, rank 0 of each attempt hosts a fresh store.
-    scoped = {"OMP_NUM_THREADS": threads, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    scoped = {"OMP_NUM_THREADS": threads, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})}
     saved = {name: os.environ.get(name) for name in scoped}
     os.environ.update(scoped)
     try:
