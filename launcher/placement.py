@@ -15,8 +15,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DevicePlan", "PlacementError", "plan_devices", "visible_gpus"]
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+__all__ = ["DevicePlan", "PlacementError", "plan_devices", "single_rank_device", "training_plan", "visible_gpus"]
 
 
 class PlacementError(ValueError):
@@ -75,3 +79,28 @@ def plan_devices(visible: Sequence[str], *, engines: int, gpus_per_engine: int, 
     runs = tuple(tuple(visible[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines))
     start = engines * gpus_per_engine
     return DevicePlan(engines=runs, trainer=tuple(visible[start : start + trainer_ranks]))
+
+
+def training_plan(config: TrainConfig) -> DevicePlan | None:
+    """This node's plan for a `weir train` run whose stack is on this host; None on Ray, for a stack given by
+    --role-url, and inside a rank (its launcher planned it)."""
+    if config.ray or config.role_url or "WORLD_SIZE" in os.environ:
+        return None
+    from .stack import gpus_per_engine
+
+    sglang = os.environ.get("WEIR_BACKEND") == "sglang"  # transformers engines run on the CPU: no GPU taken
+    return plan_devices(
+        visible_gpus(),
+        engines=config.engines,
+        gpus_per_engine=gpus_per_engine(os.environ) if sglang else 0,
+        trainer_ranks=config.nproc,
+    )
+
+
+def single_rank_device(config: TrainConfig) -> str | None:
+    """A one-rank trainer's device in the launching process: its planned GPU, by torch's index of it among the
+    visible ones; None (the trainer's default) without a plan or a GPU."""
+    plan = training_plan(config)
+    if plan is None or not plan.trainer:
+        return None
+    return f"cuda:{visible_gpus().index(plan.trainer[0])}"

@@ -59,8 +59,8 @@ from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .model import attach_refusal, run_model
-from .placement import DevicePlan, PlacementError, plan_devices, visible_gpus
-from .stack import LocalStack, gpus_per_engine, remote_refusal
+from .placement import PlacementError, single_rank_device, training_plan
+from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
 from .trackers import Trackers, eta, parse_report_to
 
@@ -270,7 +270,7 @@ def _launch_ranks(config: TrainConfig) -> int:
         stack.start()
     command = [sys.executable, "-m", "launcher.cli", *config.argv, *([] if config.attach else ["--attach"])]
     supervisor = Supervisor(stack, on_fatal=_interrupt).start() if isinstance(stack, LocalStack) else None
-    plan = _device_plan(config)
+    plan = training_plan(config)
     if plan is not None and plan.trainer:
         console.print(plan.describe(), markup=False, highlight=False)
     try:  # a rank started again after a failed one resumes (`run_training`)
@@ -285,20 +285,6 @@ def _launch_ranks(config: TrainConfig) -> int:
         if supervisor is not None:
             supervisor.close()
         stack.stop()  # an attached stack has no children here: nothing is stopped
-
-
-def _device_plan(config: TrainConfig) -> DevicePlan | None:
-    """This node's GPUs for the run's engines and trainer ranks (`launcher.placement`), when the stack runs on
-    this host; None on Ray, for a stack given by --role-url, and inside a rank (its launcher planned it)."""
-    if config.ray or config.role_url or "WORLD_SIZE" in os.environ:
-        return None
-    sglang = os.environ.get("WEIR_BACKEND") == "sglang"  # transformers engines run on the CPU: no GPU taken
-    return plan_devices(
-        visible_gpus(),
-        engines=config.engines,
-        gpus_per_engine=gpus_per_engine(os.environ) if sglang else 0,
-        trainer_ranks=config.nproc,
-    )
 
 
 def run_training(config: TrainConfig) -> int:
@@ -339,7 +325,7 @@ def _refusal(config: TrainConfig) -> str | None:
         if refusal:
             return refusal
     try:
-        _device_plan(config)  # too few GPUs for the engines and the ranks: said before anything starts
+        training_plan(config)  # too few GPUs for the engines and the ranks: said before anything starts
     except PlacementError as error:
         return str(error)
     if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
@@ -443,6 +429,7 @@ def _trainer(
         precision=config.precision,
         activation_checkpointing=config.activation_checkpointing,
         cpu_offload=config.cpu_offload,
+        device=single_rank_device(config) if parallel is None else None,
     )
     if parallel is None or parallel.is_main:  # before the first step: what a rank will hold
         console.print(str(trainer.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)

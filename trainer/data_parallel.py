@@ -146,6 +146,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def default_device() -> torch.device:
+    """Where one trainer rank runs when nothing says: the first GPU torch sees, else the CPU."""
+    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def run_ranks(
     command: list[str],
     nproc: int,

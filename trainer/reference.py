@@ -1,11 +1,10 @@
-"""A plain PyTorch trainer for the embedded model (CPU): log-probs, the RL loss, AdamW, checkpoints.
+"""A plain PyTorch trainer (one rank on ``device``: the first GPU when there is one, else the CPU).
 
-`ReferenceTrainer.step(batch)` recomputes the policy's log-probs for every sequence of a fed
-micro-batch (media from the feature cache by key, through the model's own towers), applies
-`trainer.losses.policy_loss` with the rollout log-probs as the importance reference, clips the
-gradient norm and takes an AdamW step. Checkpoints hold the model, the optimizer, the policy
-version and whatever feed state the caller passes (the acknowledged batch ids), written to a
-temporary folder and renamed into place so a crash never leaves half a checkpoint.
+`ReferenceTrainer.step(batch)` recomputes the policy's log-probs for every sequence of a fed micro-batch (media
+from the feature cache by key, through the model's own towers), applies `trainer.losses.policy_loss` with the
+rollout log-probs as the importance reference, clips the gradient norm and takes an AdamW step. Checkpoints hold
+the model, the optimizer, the policy version and whatever feed state the caller passes (the acknowledged batch
+ids), written to a temporary folder and renamed into place so a crash never leaves half a checkpoint.
 
 Omni models: the forward's 3-D positions are computed per media item (`encoders.positions`) and given to
 the model, not left to its ``get_rope_index`` (one ``use_audio_in_video`` flag per call): a video laid
@@ -60,7 +59,7 @@ from encoders.file_modes import as_umask_allows
 from encoders.positions import OmniRope, feature_items
 from encoders.routing import RoutingReplay, is_moe
 
-from .data_parallel import DataParallel
+from .data_parallel import DataParallel, default_device
 from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
 from .memory import MemoryEstimate, Precision, estimate_memory
@@ -135,6 +134,7 @@ class ReferenceTrainer(SupervisedPairs):
         cpu_offload: bool = False,
         ppo_epochs: int = 1,
         mini_batches: int = 1,
+        device: str | torch.device | None = None,
     ) -> None:
         if ppo_epochs < 1 or mini_batches < 1:
             raise ValueError(f"ppo_epochs and mini_batches are 1 or more, not {ppo_epochs} and {mini_batches}")
@@ -150,7 +150,7 @@ class ReferenceTrainer(SupervisedPairs):
         self.precision: Precision = precision
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
-        self.device = parallel.device if parallel is not None else torch.device("cpu")
+        self.device = parallel.device if parallel is not None else torch.device(device or default_device())
         self.model = load_thinker(model_dir, dtype=torch.float32)  # the class the folder's config names
         torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
         self.model.train()

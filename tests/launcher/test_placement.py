@@ -63,3 +63,22 @@ def test_weir_train_refuses_a_plan_that_does_not_fit_before_anything_starts(
     out = " ".join(capsys.readouterr().out.split())
     assert "1 engine(s) of 2 GPU(s) and 2 trainer rank(s) need 4 GPUs, but 2 are visible (0,1)" in out, out
     assert not (tmp_path / "w").exists()
+
+
+def test_a_one_rank_trainer_takes_its_planned_gpu_by_torchs_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weir train` with one rank trains in its own process: on the GPU after the engines', named as torch
+    numbers the visible ones (it trained on the CPU of a GPU machine before)."""
+    from launcher.config import TrainConfig
+    from launcher.placement import single_rank_device, training_plan
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    monkeypatch.setenv("WEIR_BACKEND", "sglang")
+    monkeypatch.setenv("WEIR_ENGINE_GPUS", "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = TrainConfig.with_defaults(demo=True)
+    plan = training_plan(config)
+    assert plan is not None and plan.engines == (("4", "5"),) and plan.trainer == ("6",)
+    assert single_rank_device(config) == "cuda:2"
+    assert training_plan(TrainConfig.with_defaults(demo=True, ray=True)) is None  # Ray places its own
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert single_rank_device(config) is None  # no GPU: the trainer's default, the CPU here
