@@ -16,11 +16,23 @@ settings are server arguments too (`SETTINGS`); given both ways with different v
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import json
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-__all__ = ["RESERVED", "SETTINGS", "check_server_args", "engine_gpus", "parse_server_args", "server_arg_fields"]
+__all__ = [
+    "RESERVED",
+    "SETTINGS",
+    "check_server_args",
+    "engine_gpus",
+    "parse_server_args",
+    "served_architectures",
+    "server_arg_fields",
+    "unserved_refusal",
+]
 
 RESERVED = {
     "model_path": "the model served is WEIR_MODEL (weir serve engine --model)",
@@ -88,3 +100,42 @@ def engine_gpus(args: Mapping[str, Any]) -> int:
 
     replicas = 1 if args.get("enable_dp_attention") else size("dp_size")
     return size("tp_size") * size("pp_size") * replicas
+
+
+# ``EntryClass = Model`` or ``EntryClass = [ModelA, ModelB]`` at the top level of a module of sglang/srt/models:
+# what SGLang's ModelRegistry registers, one module per architecture family.
+_ENTRY_CLASS = re.compile(r"^EntryClass\s*=\s*(?:\[(?P<many>[^\]]*)\]|(?P<one>\w+))", re.MULTILINE)
+
+
+def served_architectures(models_dir: Path | None = None) -> frozenset[str] | None:
+    """The architectures (a model's ``config.json`` ``architectures``) the installed SGLang has a native model for,
+    read from its ``srt/models`` sources without importing it (importing sglang takes 15-30 s); None when sglang is
+    not installed. ``models_dir``: another such folder."""
+    if models_dir is None:
+        try:
+            spec = importlib.util.find_spec("sglang")
+        except (ImportError, ValueError):  # a module put in its place (a test's stand-in) has no spec
+            return None
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        models_dir = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
+    names: set[str] = set()
+    for module in models_dir.glob("*.py"):
+        for entry in _ENTRY_CLASS.finditer(module.read_text(errors="replace")):
+            names.update(re.findall(r"\w+", entry["many"] or entry["one"]))
+    return frozenset(names)
+
+
+def unserved_refusal(
+    architectures: Sequence[str], args: Mapping[str, Any], served: frozenset[str] | None
+) -> str | None:
+    """Why SGLang cannot serve a model of these ``architectures`` (none of them native, and ``args`` not asking
+    for SGLang's transformers fallback, ``model_impl="transformers"``); None when it can, or when ``served`` is
+    unknown (sglang not installed: its import fails at start instead)."""
+    if served is None or args.get("model_impl") == "transformers" or any(a in served for a in architectures):
+        return None
+    return (
+        f"the model is a {', '.join(architectures) or 'model with no architectures'}, which the installed SGLang "
+        "has no model for: serve it with WEIR_BACKEND=transformers, or try SGLang's transformers fallback "
+        '(WEIR_SGLANG_ARGS=\'{"model_impl": "transformers"}\')'
+    )

@@ -6,13 +6,20 @@ never a quietly created random model — ``weir up`` and ``weir init-model`` mak
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from engines.sglang_args import check_server_args, engine_gpus, parse_server_args
+from engines.sglang_args import (
+    check_server_args,
+    engine_gpus,
+    parse_server_args,
+    served_architectures,
+    unserved_refusal,
+)
 
 from ..media_roots import MediaRoots
 from ..media_urls import MediaUrls
@@ -111,6 +118,16 @@ class EngineSettings(RoleSettings, MediaUrls):
                     f"WEIR_SGLANG_ARGS needs {needed} GPUs per engine (tp_size × pp_size × dp_size) but "
                     f"WEIR_ENGINE_GPUS gives it {self.engine_gpus}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _a_model_sglang_serves(self) -> EngineSettings:
+        """On SGLang, a model it has no model for is refused here, in one line, not as its traceback."""
+        if self.backend == "sglang":
+            config = json.loads((Path(self.model) / "config.json").read_text())
+            why = unserved_refusal(list(config.get("architectures") or []), self.sglang_args, served_architectures())
+            if why:
+                raise ValueError(f"WEIR_MODEL: {why}")
         return self
 
     @model_validator(mode="after")

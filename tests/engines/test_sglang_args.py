@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engines.sglang_args import check_server_args, engine_gpus, parse_server_args
@@ -34,3 +36,19 @@ def test_gpus_per_engine_follow_sglangs_world_size() -> None:
     assert engine_gpus({"tp_size": 4, "dp_size": 4, "enable_dp_attention": True}) == 4  # DP ranks inside TP
     with pytest.raises(ValueError, match="tp_size must be a positive integer"):
         engine_gpus({"tp_size": 0})
+
+
+def test_the_architectures_sglang_serves_are_read_from_its_model_modules(tmp_path: Path) -> None:
+    from engines.sglang_args import served_architectures, unserved_refusal
+
+    (tmp_path / "one.py").write_text("class A: ...\n\nEntryClass = A\n")
+    (tmp_path / "many.py").write_text("EntryClass = [\n    B,\n    C,\n]\n")
+    (tmp_path / "none.py").write_text("x = 1  # EntryClass = D only in a comment\n")
+    served = served_architectures(tmp_path)
+    assert served == frozenset({"A", "B", "C"})
+    assert unserved_refusal(["C"], {}, served) is None
+    assert unserved_refusal(["E"], {"model_impl": "transformers"}, served) is None  # SGLang's own fallback
+    assert unserved_refusal(["E"], {}, None) is None  # sglang not installed: its import fails at start instead
+    said = unserved_refusal(["E"], {}, served)
+    assert said is not None and "a E, which the installed SGLang has no model for" in said
+    assert "WEIR_BACKEND=transformers" in said and '"model_impl": "transformers"' in said

@@ -529,3 +529,26 @@ def test_sglangs_omni_processor_ignores_use_audio_in_video_so_weir_refuses_it() 
     source = inspect.getsource(qwen_vl)
     assert source.count("use_audio_in_video=False") >= 2 and "use_audio_in_video=request" not in source
     assert "request_obj.use_audio_in_video" not in source and "use_audio_in_video=getattr" not in source
+
+
+def test_the_families_weir_serves_on_sglang_are_the_ones_it_registers(tmp_path: Path) -> None:
+    """Read from the installed sources (`engines.sglang_args.served_architectures`): Qwen2.5-VL, Qwen3-VL (and its
+    MoE), Qwen3-Omni-MoE (the whole model), Qwen3 and Qwen3-MoE; not the Qwen2.5-Omni or Qwen3-Omni thinker
+    alone, which the engine role refuses by name on WEIR_BACKEND=sglang before anything loads."""
+    from encoders.embedded_model import init_model
+    from engines.sglang_args import served_architectures
+    from services.engine.settings import EngineSettings
+    from services.settings import SettingsError
+
+    served = served_architectures()
+    assert served is not None
+    for native in ("Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+                   "Qwen3VLMoeForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration", "Qwen3ForCausalLM",
+                   "Qwen3MoeForCausalLM"):  # fmt: skip
+        assert native in served, native
+    assert not {"Qwen2_5OmniThinkerForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration"} & served
+    omni = init_model(tmp_path / "omni")
+    with pytest.raises((SettingsError, ValueError), match="Qwen2_5OmniThinkerForConditionalGeneration, which the"):
+        EngineSettings(backend="sglang", model=omni)
+    vl = init_model(tmp_path / "vl", arch="qwen3-vl")
+    assert EngineSettings(backend="sglang", model=vl).backend == "sglang"
