@@ -83,14 +83,28 @@ def test_greedy_tokens_equal_the_transformers_engines(engine: SGLangEngine, mode
         reference.close()
 
 
-def _running(engine: SGLangEngine, model: Path, n: int, tokens: int) -> list[Future[GenerateResult]]:
-    """``n`` requests submitted, returned once SGLang is generating them."""
+def _running(
+    engine: SGLangEngine, model: Path, n: int, tokens: int, *, rids: list[str] | None = None
+) -> list[Future[GenerateResult]]:
+    """``n`` requests submitted (streamed, so each reports its tokens), returned once every one has generated
+    some: SGLang is decoding them all, a state rather than a guess at its speed."""
     ids = _prompt(model, "Tell a long story.")
-    futures = [engine.submit(_request(ids, tokens, temperature=1.0, sampling_seed=i)) for i in range(n)]
+    seen = [0] * n
+    futures = [
+        engine.submit(
+            GenerateRequest(
+                input_ids=ids,
+                sampling=SamplingParams(max_new_tokens=tokens, ignore_eos=True, temperature=1.0, sampling_seed=i),
+                rid=rids[i] if rids else "",
+            ),
+            on_token=lambda token, logprob, i=i: seen.__setitem__(i, seen[i] + 1),
+        )
+        for i in range(n)
+    ]
     deadline = time.monotonic() + 300
-    while engine.running < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)  # a few decode steps in
+    while min(seen) < 2:  # past its prefill and decoding, for every request
+        assert time.monotonic() < deadline, f"tokens so far: {seen}"
+        time.sleep(0.02)
     return futures
 
 
@@ -121,18 +135,12 @@ def test_an_update_while_paused_in_place_with_requests_running_is_refused_by_nam
 
 
 def test_an_abort_and_a_cancelled_future_end_their_requests_in_sglang(engine: SGLangEngine, model: Path) -> None:
-    ids = _prompt(model, "Tell a long story.")
-    long = SamplingParams(max_new_tokens=2000, ignore_eos=True, temperature=1.0)
-    aborted = engine.submit(GenerateRequest(input_ids=ids, sampling=long, rid="abort-me"))
-    cancelled = engine.submit(GenerateRequest(input_ids=ids, sampling=long, rid="cancel-me"))
-    deadline = time.monotonic() + 300
-    while engine.running < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.5)
+    aborted, cancelled = _running(engine, model, 2, 2000, rids=["abort-me", "cancel-me"])
     assert engine.abort("abort-me")
     cancelled.cancel()
     result = aborted.result(timeout=300)
     assert result.finish_reason["type"] == "abort" and len(result.output_ids) < 2000
+    deadline = time.monotonic() + 60
     while engine.running and time.monotonic() < deadline:  # the cancelled one left SGLang too
         time.sleep(0.05)
     assert engine.running == 0
