@@ -16,6 +16,7 @@ settings are server arguments too (`SETTINGS`); given both ways with different v
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import json
 import re
@@ -119,6 +120,11 @@ def served_architectures(models_dir: Path | None = None) -> frozenset[str] | Non
         if spec is None or not spec.submodule_search_locations:
             return None
         models_dir = Path(next(iter(spec.submodule_search_locations))) / "srt" / "models"
+    return _entry_classes(Path(models_dir))
+
+
+@functools.cache  # ~300 modules read once per process, not at every engine settings' validation
+def _entry_classes(models_dir: Path) -> frozenset[str]:
     names: set[str] = set()
     for module in models_dir.glob("*.py"):
         for entry in _ENTRY_CLASS.finditer(module.read_text(errors="replace")):
