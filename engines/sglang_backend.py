@@ -66,6 +66,7 @@ from .sglang_request import (
     output_logprob,
     refuse_video_tracks,
     result_from,
+    timestamped_video,
     token_step,
     video_track_marker,
 )
@@ -91,7 +92,9 @@ class SGLangEngine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.limits = ModelLimits.read(self.model_dir)
-        self._tracks = video_track_marker(json.loads((self.model_dir / "config.json").read_text()))
+        config = json.loads((self.model_dir / "config.json").read_text())
+        self._tracks = video_track_marker(config)
+        self._timestamped = timestamped_video(config)
         args = {
             "weight_version": "0",
             # names are checked against the installed SGLang by load_engine; here only Weir's own are refused
@@ -152,7 +155,7 @@ class SGLangEngine:
         return self.submit(request).result(timeout)
 
     async def _generate(self, request: GenerateRequest, on_token: TokenCallback | None) -> GenerateResult:
-        kwargs = build_request(request)
+        kwargs = build_request(request, timestamped=self._timestamped)
         rid = kwargs["rid"]
         self._enter(rid)
         try:
@@ -265,17 +268,30 @@ class SGLangEngine:
 
     # -- weights -----------------------------------------------------------------------------------
 
-    def _weights(self, method: str, record: str, **fields: Any) -> None:
+    def _weights(self, method: str, record: str, *, session: bool = False, **fields: Any) -> None:
         """The tokenizer manager's ``method`` with an ``io_struct.<record>``; its refusal (``success``
-        false, SGLang's message) is `WeightsError` ``weights_rejected``."""
+        false, SGLang's message) is `WeightsError` ``weights_rejected``.
+
+        ``session``: inside a weight-update session of its own. sglang 0.5.23 loads tensors (the caller's or a
+        broadcast's) only between ``begin_weight_update`` and ``end_weight_update`` (its scheduler's weight
+        updater refuses them otherwise; a disk update needs none), so each such update here is one whole
+        session, opened and closed on the engine's loop with nothing in between."""
+        manager, io = self._tokenizer_manager, self._io
 
         async def on_loop() -> Any:
-            return await getattr(self._tokenizer_manager, method)(getattr(self._io, record)(**fields), None)
+            if not session:
+                return await getattr(manager, method)(getattr(io, record)(**fields), None)
+            opened = await manager.begin_weight_update(io.BeginWeightUpdateReqInput(), None)
+            if not _succeeded(opened)[0]:
+                return opened
+            try:
+                return await getattr(manager, method)(getattr(io, record)(**fields), None)
+            finally:
+                await manager.end_weight_update(io.EndWeightUpdateReqInput(), None)
 
-        outcome = self._loop.call(on_loop())
-        ok, message = (outcome[0], outcome[1]) if isinstance(outcome, tuple) else (bool(outcome), "")
+        ok, message = _succeeded(self._loop.call(on_loop()))
         if not ok:
-            raise WeightsError(str(message), code="weights_rejected")
+            raise WeightsError(message, code="weights_rejected")
 
     def update_weights(self, path: str, version: str | None = None) -> str:
         self._weights(
@@ -293,6 +309,7 @@ class SGLangEngine:
         self._weights(
             "update_weights_from_tensor",
             "UpdateWeightsFromTensorReqInput",
+            session=True,
             serialized_named_tensors=serialized,
             weight_version=version,
         )
@@ -326,6 +343,7 @@ class SGLangEngine:
         self._weights(
             "update_weights_from_distributed",
             "UpdateWeightsFromDistributedReqInput",
+            session=True,
             names=names,
             dtypes=dtypes,
             shapes=shapes,
@@ -346,3 +364,11 @@ class SGLangEngine:
             self._loop.run(self.engine.shutdown)
         finally:
             self._loop.stop()
+
+
+def _succeeded(outcome: Any) -> tuple[bool, str]:
+    """``(success, message)`` of a tokenizer manager's answer to a control call: a tuple led by them (weight
+    updates), or a record with ``success`` (flush)."""
+    if isinstance(outcome, tuple):
+        return bool(outcome[0]), str(outcome[1])
+    return bool(getattr(outcome, "success", outcome)), str(getattr(outcome, "message", ""))

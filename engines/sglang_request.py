@@ -4,9 +4,10 @@ back into a `GenerateResult`, `token_step` reads one streamed token. Pure functi
 against SGLang's own classes by ``make sglang-check``.
 
 Multimodal inputs go in process, per modality **one** dict per request: ``{"format": "processor_output", ...}``
-with the Hugging Face processor keys (Weir's features are exactly those tensors), or ``{"format":
-"precomputed_embedding", "feature": ...}`` with the encoder role's embeddings plus the grids (or the clips'
-``audio_feature_lens``), with ``input_ids`` whose placeholders are already expanded. Every `SamplingParams` field
+with the Hugging Face processor keys (Weir's features are exactly those tensors), or with the encoder role's
+embeddings under ``precomputed_embeddings`` and the ``modality`` named, plus the grids (or the clips'
+``audio_feature_lens``), with ``input_ids`` whose placeholders are already expanded (`_embedded` says why not
+SGLang's ``precomputed_embedding`` format). Every `SamplingParams` field
 goes under SGLang's own name (penalties, ``min_p``, ``logit_bias`` with string keys, the detokenizer options, the
 grammar of ``json_schema`` / ``regex`` / ``ebnf`` as given), and so do ``logprob_start_len`` / ``top_logprobs_num``.
 
@@ -42,6 +43,7 @@ __all__ = [
     "output_logprob",
     "refuse_video_tracks",
     "result_from",
+    "timestamped_video",
     "token_step",
     "video_track_marker",
 ]
@@ -49,10 +51,12 @@ __all__ = [
 
 class MediaData(TypedDict, total=False):
     """One modality's item of ``image_data`` / ``video_data`` / ``audio_data``: SGLang's processor output
-    (the Hugging Face processor keys) or a precomputed embedding in ``feature`` with the grids / clip lengths."""
+    (the Hugging Face processor keys, or the encoder stage's embedding in ``precomputed_embeddings``) with the
+    grids / clip lengths."""
 
-    format: Literal["processor_output", "precomputed_embedding"]
-    feature: torch.Tensor
+    format: Literal["processor_output"]
+    modality: Literal["image", "video", "audio"]
+    precomputed_embeddings: torch.Tensor
     pixel_values: torch.Tensor
     pixel_values_videos: torch.Tensor
     image_grid_thw: torch.Tensor
@@ -104,12 +108,21 @@ class SGLangOutput(TypedDict, total=False):
     meta_info: SGLangMeta
 
 
-def _visual(items: list[MediaInput], kind: str) -> MediaData:
+def _embedded(kind: Literal["image", "video", "audio"], items: list[MediaInput]) -> MediaData:
+    """The encoder stage's embeddings of one modality, as sglang 0.5.23 serves them to its Qwen models: a
+    ``processor_output`` dict whose ``precomputed_embeddings`` its scheduler splices in without running the
+    tower, the ``modality`` named (that key alone would be filed as an image). Its ``precomputed_embedding``
+    format is not that: it keeps the tensor as the item's ``feature``, which the Qwen-VL models then feed to
+    their vision tower as pixels (the real engine crashed so, `tests/engines/test_sglang_real.py`)."""
+    embeddings = torch.cat([m.embedding for m in items])  # type: ignore[misc]
+    return {"format": "processor_output", "modality": kind, "precomputed_embeddings": embeddings}
+
+
+def _visual(items: list[MediaInput], kind: Literal["image", "video"], timestamped: bool) -> MediaData:
     grids = torch.tensor([m.grid_thw for m in items], dtype=torch.long)
     out: MediaData
     if all(m.embedding is not None for m in items):
-        # SGLang takes a precomputed embedding from "feature"; the other keys become the item's model data
-        out = {"format": "precomputed_embedding", "feature": torch.cat([m.embedding for m in items])}  # type: ignore[misc]
+        out = _embedded(kind, items)
     else:
         pixels = torch.from_numpy(np.concatenate([m.features.pixel_values for m in items]))  # type: ignore[union-attr]
         if kind == "image":
@@ -120,18 +133,17 @@ def _visual(items: list[MediaInput], kind: str) -> MediaData:
         out["image_grid_thw"] = grids
     else:
         out["video_grid_thw"] = grids
-        out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in items])
+        if not timestamped:  # a timestamped layout's processor has no such output (`timestamped_video`)
+            out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in items])
     return out
 
 
 def _audio(items: list[MediaInput]) -> MediaData:
     lengths = [int(m.audio_frames or 0) for m in items]
     if all(m.embedding is not None for m in items):
-        return {
-            "format": "precomputed_embedding",
-            "feature": torch.cat([m.embedding for m in items]),  # type: ignore[misc]
-            "audio_feature_lens": torch.tensor(lengths),  # mel frames per clip, SGLang's name (Omni positions)
-        }
+        out = _embedded("audio", items)
+        out["audio_feature_lens"] = torch.tensor(lengths)  # mel frames per clip, SGLang's name (Omni positions)
+        return out
     features = [m.features for m in items]
     assert all(isinstance(f, pp.AudioFeatures) for f in features)
     batch = torch.zeros(len(items), features[0].input_features.shape[0], max(lengths))  # type: ignore[union-attr]
@@ -173,8 +185,21 @@ def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | Non
             )
 
 
-def build_request(request: GenerateRequest) -> GenerateKwargs:
-    """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded)."""
+_TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+def timestamped_video(config: dict[str, Any]) -> bool:
+    """Whether a model (its ``config.json``) lays a video out frame by frame after a text timestamp (Qwen3-VL and
+    its successors): its processor outputs no ``second_per_grid_ts``, and SGLang, which repeats the video grid
+    per frame for these models but not that list, fails on a video sent with it (a multi-frame clip: an
+    ``IndexError`` in its rope index, found on the real engine)."""
+    text = config.get("text_config") or {}
+    return config.get("model_type") in _TIMESTAMPED or text.get("model_type") in _TIMESTAMPED
+
+
+def build_request(request: GenerateRequest, *, timestamped: bool = False) -> GenerateKwargs:
+    """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded); ``timestamped``:
+    the model's video layout (`timestamped_video`)."""
     params = request.sampling
     sampling: SGLangSampling = {
         "max_new_tokens": params.max_new_tokens,
@@ -229,10 +254,10 @@ def build_request(request: GenerateRequest) -> GenerateKwargs:
         kwargs["return_routed_experts"] = True
     images = [m for m in request.media if m.kind == "image"]
     if images:
-        kwargs["image_data"] = [_visual(images, "image")]
+        kwargs["image_data"] = [_visual(images, "image", timestamped)]
     videos = [m for m in request.media if m.kind == "video"]
     if videos:
-        kwargs["video_data"] = [_visual(videos, "video")]
+        kwargs["video_data"] = [_visual(videos, "video", timestamped)]
     audio = [m for m in request.media if m.kind == "audio"]
     if audio:
         kwargs["audio_data"] = [_audio(audio)]

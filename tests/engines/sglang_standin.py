@@ -30,6 +30,9 @@ The rules it keeps, and raises on, loudly:
   unless no request runs (and, outside a pause, none waits): the weights are updated and the call answers
   ``success=False`` with SGLang's `FLUSH_REFUSED` — an update during an ``in_place`` pause with requests running
   (the real engine does this; `tests/engines/test_sglang_real.py`).
+- Tensor and broadcast updates load only inside a weight-update session (``begin_weight_update`` …
+  ``end_weight_update``, one open at a time); outside one they answer ``success=False`` with SGLang's
+  `OUTSIDE_SESSION` (the real engine refused Weir's tensor update so: `tests/engines/test_sglang_real.py`).
 - Abort: a queued request answers at once, ``{"type": "abort", "message": "Abort in waiting queue"}``, no
   output; a running one runs one more decode step and finishes ``{"type": "abort", "message": "Aborted"}``
   with its output so far. An abort rid matches by prefix, as SGLang's scheduler matches it.
@@ -146,6 +149,16 @@ class DestroyWeightsUpdateGroupReqInput:
     group_name: str = "weight_update_group"
 
 
+@dataclass(kw_only=True)
+class BeginWeightUpdateReqInput:
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+@dataclass(kw_only=True)
+class EndWeightUpdateReqInput:
+    pass
+
+
 @dataclass
 class FlushCacheReqOutput:
     success: bool
@@ -161,10 +174,16 @@ io_struct = SimpleNamespace(
     UpdateWeightsFromDistributedReqInput=UpdateWeightsFromDistributedReqInput,
     InitWeightsUpdateGroupReqInput=InitWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqInput=DestroyWeightsUpdateGroupReqInput,
+    BeginWeightUpdateReqInput=BeginWeightUpdateReqInput,
+    EndWeightUpdateReqInput=EndWeightUpdateReqInput,
 )
 
 # The server arguments this stand-in knows (each a real `ServerArgs` field; sglang-check confirms it).
-# sglang 0.5.23's weight updater (scheduler_components/weight_updater.py), word for word
+# sglang 0.5.23's weight updater (scheduler_components/weight_updater.py), word for word: tensor and broadcast
+# updates only inside a session that begin_weight_update opens and end_weight_update closes (disk updates need none)
+OUTSIDE_SESSION = "{method} must run between begin_weight_update() and end_weight_update()"
+SESSION_ALREADY_OPEN = "a weight-update session is already open; call end_weight_update() first"
+SESSION_NOT_OPEN = "no weight-update session is open; call begin_weight_update() first"
 FLUSH_REFUSED = (
     "Weights were updated, but the cache was not flushed because requests are still running or queued. Retract or "
     "finish them, then call /flush_cache."
@@ -352,6 +371,7 @@ class TokenizerManager:
         self.model_update_lock = _RWLock()
         self.weight_version = str(engine.server_args["weight_version"])
         self.groups: set[str] = set()
+        self.session_open = False  # the scheduler's weight-update session (begin / end_weight_update)
         self.calls: list[str] = []  # control calls, in order (what a test checks)
         self._outputs: asyncio.Queue[list[Any]] | None = None
 
@@ -548,11 +568,31 @@ class TokenizerManager:
             self.weight_version = obj.weight_version
         return (*await self._flush_after_update(obj, True, "Succeeded to update model weights."), 0)
 
+    async def begin_weight_update(self, obj: BeginWeightUpdateReqInput, request: Any = None) -> tuple[bool, str]:
+        self.auto_create_handle_loop()
+        self.calls.append("begin_weight_update")
+        if self.session_open:
+            return False, SESSION_ALREADY_OPEN
+        await self._under_update_lock(lambda s: None)
+        self.session_open = True
+        return True, "Success"
+
+    async def end_weight_update(self, obj: EndWeightUpdateReqInput, request: Any = None) -> tuple[bool, str]:
+        self.auto_create_handle_loop()
+        self.calls.append("end_weight_update")
+        if not self.session_open:
+            return False, SESSION_NOT_OPEN
+        await self._under_update_lock(lambda s: None)
+        self.session_open = False
+        return True, "Success"
+
     async def update_weights_from_tensor(
         self, obj: UpdateWeightsFromTensorReqInput, request: Any = None
     ) -> tuple[bool, str]:
         self.auto_create_handle_loop()
         self.calls.append(f"update_weights_from_tensor:{len(obj.serialized_named_tensors)}")
+        if not self.session_open:
+            return False, OUTSIDE_SESSION.format(method="update_weights_from_tensor")
         await self._under_update_lock(lambda s: None)
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
@@ -571,6 +611,8 @@ class TokenizerManager:
     ) -> tuple[bool, str]:
         self.auto_create_handle_loop()
         self.calls.append(f"update_weights_from_distributed:{obj.group_name}:{len(obj.names)}")
+        if not self.session_open:
+            return False, OUTSIDE_SESSION.format(method="update_weights_from_distributed")
         if obj.group_name not in self.groups:
             return False, f"Group {obj.group_name} not in the weight update groups"
         await self._under_update_lock(lambda s: None)
@@ -661,6 +703,13 @@ class Engine:
     def update_weights_from_distributed(self, **kwargs: Any) -> Any:
         obj = UpdateWeightsFromDistributedReqInput(**kwargs)
         return self.loop.run_until_complete(self.tokenizer_manager.update_weights_from_distributed(obj, None))
+
+    def begin_weight_update(self, selector: str = "all") -> Any:
+        obj = BeginWeightUpdateReqInput(selector=selector)  # type: ignore[arg-type]
+        return self.loop.run_until_complete(self.tokenizer_manager.begin_weight_update(obj, None))
+
+    def end_weight_update(self) -> Any:
+        return self.loop.run_until_complete(self.tokenizer_manager.end_weight_update(EndWeightUpdateReqInput(), None))
 
     def destroy_weights_update_group(self, group_name: str) -> Any:
         obj = DestroyWeightsUpdateGroupReqInput(group_name=group_name)

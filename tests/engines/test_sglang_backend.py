@@ -46,11 +46,21 @@ def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
     item = MediaInput(kind="image", embedding=torch.zeros(image.num_tokens, 64), grid_thw=image.grid_thw)  # type: ignore[union-attr]
     kwargs = build_request(GenerateRequest(input_ids=[5], media=(item,)))
     (images,) = kwargs["image_data"]
-    assert images["format"] == "precomputed_embedding" and images["feature"].shape == (
-        image.num_tokens,
-        64,
-    )
+    assert (images["format"], images["modality"]) == ("processor_output", "image")
+    assert images["precomputed_embeddings"].shape == (image.num_tokens, 64) and "pixel_values" not in images
     assert "video_data" not in kwargs and "audio_data" not in kwargs
+
+
+def test_a_timestamped_video_goes_without_seconds_per_grid(media: list[pp.Features]) -> None:
+    """Qwen3-VL's processor outputs no ``second_per_grid_ts`` (its frames carry text timestamps), and SGLang fails
+    on a multi-frame clip sent with it: the list goes only to the models whose positions use it."""
+    from engines.sglang_request import timestamped_video
+
+    request = GenerateRequest(input_ids=[5], media=(MediaInput.of(media[2]),))
+    assert "second_per_grid_ts" in build_request(request)["video_data"][0]
+    assert "second_per_grid_ts" not in build_request(request, timestamped=True)["video_data"][0]
+    assert timestamped_video({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3_vl_text"}})
+    assert not timestamped_video({"model_type": "qwen2_5_omni_thinker"})
 
 
 def test_routed_experts_are_requested_and_returned() -> None:

@@ -14,8 +14,10 @@ Real package, no mocks (sglang 0.5.23 imports on CPU; it cannot generate there):
   ``SAMPLING_KEYS``; `engines.sglang_args` reads the real ``ServerArgs`` fields;
 - the loop rules the stand-in keeps, read from the installed ``Engine`` and ``TokenizerManager``.
 
-It found one: Weir sent a precomputed embedding under ``precomputed_embeddings`` (and audio lengths as
-``audio_feature_lengths``), where sglang 0.5.23 reads ``feature`` (``audio_feature_lens``); fixed.
+The real engine (`tests/engines/test_sglang_real.py`) corrected what reading alone had concluded here: SGLang's
+``precomputed_embedding`` format keeps its tensor as the item's ``feature``, which the Qwen-VL models run through
+their vision tower as pixels (the engine crashed); Weir sends the encoder stage's embeddings as a
+``processor_output`` dict's ``precomputed_embeddings`` with the ``modality`` named, which the scheduler splices in.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import inspect
 import json
 import re
 import threading
+import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -193,7 +196,7 @@ def test_every_request_shape_is_a_real_generate_request(name: str, media: list[p
         assert (obj.logprob_start_len, obj.top_logprobs_num) == (request.logprob_start_len, request.top_logprobs_num)
     assert obj.return_routed_experts is request.return_routed_experts
     kinds = {m.kind for m in request.media}
-    expected_format = "precomputed_embedding" if "precomputed" in name else "processor_output"
+    expected_format = "processor_output"  # embeddings too: `engines.sglang_request._embedded` says why
     for field, kind in MEDIA_FIELDS.items():
         value = getattr(obj, field)
         if kind not in kinds:
@@ -239,19 +242,41 @@ def test_processor_output_keys_are_read_as_their_modality(media: list[pp.Feature
             assert modality_of.get(key) == MEDIA_FIELDS[field], f"{field}: {key}"
 
 
-def test_sglang_takes_a_precomputed_embedding_from_its_feature_key() -> None:
-    source = inspect.getsource(BaseMultimodalProcessor.process_and_combine_mm_data)
-    assert 'feature = dict_item.pop("feature")' in source and "model_specific_data=dict_item" in source
-    for method in (Engine.generate, Engine.async_generate):
-        assert "'precomputed_embedding' and `feature`: the precomputed embedding" in inspect.getsource(method)
+def _attr_modalities() -> dict[str, Any]:
+    """SGLang's processor-output key → modality table (`ATTR_NAME_TO_MODALITY`, set in the processor's
+    __init__), read from source with its feature names, as an object its item collector can run on."""
+    from sglang.srt.multimodal.modality import Modality
+
+    source = inspect.getsource(BaseMultimodalProcessor.__init__)
+    table = {key: Modality[kind] for key, kind in re.findall(r'"(\w+)": Modality\.(\w+)', source)}
+    names = re.search(r"self.FEATURE_NAMES = \[(.*?)\]", source, re.S)
+    assert table and names is not None
+    return {"ATTR_NAME_TO_MODALITY": table, "FEATURE_NAMES": re.findall(r'"(\w+)"', names[1])}
 
 
 @pytest.mark.parametrize("name", [n for n in SHAPES if "precomputed" in n])
-def test_precomputed_embedding_dicts_carry_sglangs_feature_key(name: str, media: list[pp.Features]) -> None:
+def test_embeddings_become_items_of_their_modality_with_precomputed_embeddings(
+    name: str, media: list[pp.Features]
+) -> None:
+    """SGLang's own collector (`collect_mm_items_from_processor_output`) turns each embedding dict Weir sends into
+    one item of its modality whose ``precomputed_embeddings`` is the encoder stage's tensor, no pixels or mel
+    features (its ``feature`` empty): the scheduler then splices it in without running the tower."""
+    collector = types.SimpleNamespace(**_attr_modalities())
     for field, item in _media_dicts(build_request(_request(name, media))).items():
-        assert "feature" in item, f"{field}: {sorted(item)}"
-        if field == "audio_data":  # the clips' mel frames, under the name SGLang's Qwen processors read
-            assert "audio_feature_lens" in item
+        (collected,) = BaseMultimodalProcessor.collect_mm_items_from_processor_output(collector, item)
+        assert collected.modality.name.lower() == MEDIA_FIELDS[field], field
+        assert collected.precomputed_embeddings is item["precomputed_embeddings"] and collected.feature is None
+
+
+def test_the_scheduler_splices_precomputed_embeddings_in_and_the_precomputed_format_does_not() -> None:
+    """Why Weir does not send SGLang's ``precomputed_embedding`` format: it files the tensor as the item's
+    ``feature`` (the pixels, for the Qwen-VL models' towers), while the scheduler splices in only an item's
+    ``precomputed_embeddings``. When this fails, read `engines.sglang_request._embedded` again."""
+    from sglang.srt.managers import mm_schedule
+
+    combine = inspect.getsource(BaseMultimodalProcessor.process_and_combine_mm_data)
+    assert 'feature = dict_item.pop("feature")' in combine and "feature=feature," in combine
+    assert "item.precomputed_embeddings" in inspect.getsource(mm_schedule)
 
 
 # -- records, server arguments, sampling keys --------------------------------------------------------------
@@ -309,9 +334,9 @@ def test_the_backend_builds_real_records(tmp_path: Path) -> None:
     assert calls == [
         *[call for mode in PAUSE_MODES for call in (f"pause:{mode}", *PAUSE_ABORTS[mode], "continue")],
         f"update_weights_from_disk:{tmp_path}",
-        "update_weights_from_tensor:1",
+        *("begin_weight_update", "update_weights_from_tensor:1", "end_weight_update"),
         "init_weights_update_group:g",
-        "update_weights_from_distributed:g:1",
+        *("begin_weight_update", "update_weights_from_distributed:g:1", "end_weight_update"),
         "destroy_weights_update_group:g",
         "flush_cache",
     ]
@@ -396,6 +421,8 @@ def test_server_arg_fields_are_the_installed_ones() -> None:
         "update_weights_from_distributed",
         "init_weights_update_group",
         "destroy_weights_update_group",
+        "begin_weight_update",
+        "end_weight_update",
         "flush_cache",
     ],
 )
@@ -459,6 +486,8 @@ TOKENIZER_COROUTINES = [
     "update_weights_from_distributed",
     "init_weights_update_group",
     "destroy_weights_update_group",
+    "begin_weight_update",
+    "end_weight_update",
     "flush_cache",
 ]
 
@@ -496,7 +525,10 @@ def test_the_tokenizer_manager_keeps_the_loop_of_its_first_call() -> None:
     for name in ["generate_request", *TOKENIZER_COROUTINES]:
         if name in ("pause_generation", "continue_generation"):
             continue  # 0.5.23's dispatch these without starting the handle loop (the stand-in's do: stricter)
-        assert "self.auto_create_handle_loop()" in inspect.getsource(getattr(TokenizerManager, name)), name
+        source = inspect.getsource(getattr(TokenizerManager, name))
+        if "self._weight_update_session_call(" in source:  # begin / end_weight_update start it there
+            source = inspect.getsource(TokenizerManager._weight_update_session_call)
+        assert "self.auto_create_handle_loop()" in source, name
 
 
 def test_the_abort_messages_are_sglangs() -> None:
@@ -511,6 +543,19 @@ def test_update_weights_from_disk_answers_three_values() -> None:
     assert "num_paused_requests" in source and "return success, message, num_paused_requests" in source
     for name in ("update_weights_from_tensor", "update_weights_from_distributed"):
         assert "return success, message\n" in inspect.getsource(getattr(TokenizerManager, name)), name
+
+
+def test_tensor_and_broadcast_updates_need_a_weight_update_session() -> None:
+    """The stand-in's session rule and messages are SGLang's scheduler's, word for word."""
+    from sglang.srt.managers.scheduler_components import weight_updater
+
+    source = inspect.getsource(weight_updater)
+    for method in ("update_weights_from_tensor", "update_weights_from_distributed"):
+        message = standin.OUTSIDE_SESSION.format(method=method)
+        head, tail = message.split(" begin_weight_update")
+        assert f'"{head} "' in source, method
+        assert f'"begin_weight_update{tail}"' in source, method
+    assert standin.SESSION_ALREADY_OPEN.split("; ")[1] in source and standin.SESSION_NOT_OPEN.split("; ")[1] in source
 
 
 def test_engine_serializes_tensors_per_rank() -> None:

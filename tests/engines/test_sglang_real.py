@@ -12,12 +12,14 @@ import importlib.util
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+import preprocess as pp
 from engines.errors import WeightsError
-from engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from engines.protocol import GenerateRequest, GenerateResult, MediaInput, SamplingParams
 
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("needs sglang: `make test` builds .venv-sglang and runs this module there", allow_module_level=True)
@@ -56,8 +58,9 @@ def _prompt(model: Path, text: str) -> list[int]:
     return list(tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
 
 
-def _request(ids: list[int], tokens: int, **sampling: object) -> GenerateRequest:
-    return GenerateRequest(input_ids=ids, sampling=SamplingParams(max_new_tokens=tokens, ignore_eos=True, **sampling))
+def _request(ids: list[int], tokens: int, media: tuple[MediaInput, ...] = (), **sampling: object) -> GenerateRequest:
+    sampling_params = SamplingParams(max_new_tokens=tokens, ignore_eos=True, **sampling)  # type: ignore[arg-type]
+    return GenerateRequest(input_ids=ids, sampling=sampling_params, media=media)
 
 
 def test_256_concurrent_requests_are_all_answered(engine: SGLangEngine, model: Path) -> None:
@@ -70,17 +73,9 @@ def test_256_concurrent_requests_are_all_answered(engine: SGLangEngine, model: P
 
 
 def test_greedy_tokens_equal_the_transformers_engines(engine: SGLangEngine, model: Path) -> None:
-    from engines.transformers_backend import TransformersEngine
-
-    reference = TransformersEngine(model)
-    try:
-        for text in ("What colour is it?", "Name a shape.", "Say yes."):
-            ids = _prompt(model, text)
-            ours = engine.generate(_request(ids, 8, temperature=0.0), timeout=300)
-            theirs = reference.generate(_request(ids, 8, temperature=0.0), timeout=300)
-            assert ours.output_ids == theirs.output_ids, text
-    finally:
-        reference.close()
+    requests = [_request(_prompt(model, t), 8, temperature=0.0) for t in ("What colour is it?", "Name a shape.")]
+    ours = [engine.generate(r, timeout=300).output_ids for r in requests]
+    assert ours == _greedy_on_transformers(model, requests)
 
 
 def _running(
@@ -144,3 +139,113 @@ def test_an_abort_and_a_cancelled_future_end_their_requests_in_sglang(engine: SG
     while engine.running and time.monotonic() < deadline:  # the cancelled one left SGLang too
         time.sleep(0.05)
     assert engine.running == 0
+
+
+def _greedy_on_transformers(model: Path, requests: list[GenerateRequest]) -> list[list[int]]:
+    from engines.transformers_backend import TransformersEngine
+
+    reference = TransformersEngine(model)
+    try:
+        return [reference.generate(r, timeout=300).output_ids for r in requests]
+    finally:
+        reference.close()
+
+
+def test_an_update_from_tensors_serves_the_new_weights(engine: SGLangEngine, model: Path, tmp_path: Path) -> None:
+    """The language model's weights, moved, sent as tensors (SGLang's in-process update): greedy tokens are
+    then those of a transformers engine on a folder with the same weights; an update from disk restores them."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    moved = tmp_path / "moved"
+    shutil.copytree(model, moved)
+    generator = torch.Generator().manual_seed(0)
+    weights = load_file(str(model / "model.safetensors"))
+    changed = {
+        name: tensor + 0.5 * tensor.std() * torch.randn(tensor.shape, generator=generator)
+        for name, tensor in weights.items()
+        if not name.startswith("model.visual.") and tensor.ndim == 2
+    }
+    save_file({**weights, **changed}, str(moved / "model.safetensors"), metadata={"format": "pt"})
+    requests = [_request(_prompt(model, text), 8, temperature=0.0) for text in ("Say yes.", "Name a shape.")]
+    before = [engine.generate(r, timeout=300).output_ids for r in requests]
+    assert engine.update_weights_from_tensor(sorted(changed.items()), "7") == "7"
+    after = [engine.generate(r, timeout=300) for r in requests]
+    assert {r.weight_version for r in after} == {"7"}
+    assert [r.output_ids for r in after] == _greedy_on_transformers(moved, requests)
+    assert [r.output_ids for r in after] != before
+    engine.update_weights(str(model), "0")
+    assert [engine.generate(r, timeout=300).output_ids for r in requests] == before
+
+
+def _media_prompt(model: Path, text: str, media: list[pp.Features]) -> list[int]:
+    """A chat prompt with ``media`` before ``text``, placeholders expanded (a video in Qwen3-VL's timestamped
+    layout), as Weir's preprocessing sends it."""
+    from transformers import AutoTokenizer
+
+    from encoders.embedded_model import QWEN3_VL_MEDIA_TOKENS
+    from preprocess.placeholders import expand_placeholders, timestamped_video_ids
+
+    spec = pp.ProcessorSpec.qwen3_vl()
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    token = {k: tokenizer.convert_tokens_to_ids(v) for k, v in QWEN3_VL_MEDIA_TOKENS.items()}
+    content = [{"type": m.kind} for m in media] + [{"type": "text", "text": text}]
+    messages = [{"role": "user", "content": content}]
+    chat = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    expansions: list[tuple[str, int | list[int]]] = []
+    for item in media:
+        if isinstance(item, pp.VideoFeatures):
+            ids = timestamped_video_ids(
+                lambda s: tokenizer.encode(s, add_special_tokens=False),
+                frame_indices=item.frame_indices,
+                video_fps=item.video_fps,
+                grid_thw=item.grid_thw,
+                merge_size=spec.merge_size,
+                temporal_patch_size=spec.temporal_patch_size,
+                video_id=token["video_token"],
+                vision_start_id=token["vision_start_token"],
+                vision_end_id=token["vision_end_token"],
+            )
+            expansions.append(("video", ids))
+        else:
+            expansions.append((item.kind, item.num_tokens))
+    placeholders = {"image": token["image_token"], "video": token["video_token"]}
+    return expand_placeholders(tokenizer.encode(chat, add_special_tokens=False), placeholders, expansions)
+
+
+def test_media_as_pixels_and_as_the_encoder_stages_embeddings_generates_the_same_tokens(
+    engine: SGLangEngine, model: Path
+) -> None:
+    """The card's encoder-parallel stage feeding SGLang: images and a video sent as the processor's pixels
+    (SGLang runs its vision tower) and as Weir's encoder stage's embeddings (merged output and DeepStack maps
+    side by side) generate the same greedy tokens, which are the transformers engine's."""
+    from encoders.towers import Towers
+    from preprocess import samples
+
+    spec = pp.ProcessorSpec.qwen3_vl()
+    towers = Towers(model)
+    image = pp.process_image(samples.encode_image(samples.test_pattern(96, 80), "PNG"), spec)
+    tall = pp.process_image(samples.encode_image(samples.test_pattern(64, 128), "PNG"), spec)
+    video = pp.process_video(samples.make_video(64, 64, 10, 8), spec)
+    cases = (
+        ([image], "What colour is the star?"),
+        ([tall, image], "Describe both."),
+        ([video], "What moves?"),
+        ([tall, video], "And these?"),
+    )
+    as_pixels, as_embeddings = [], []
+    for media, text in cases:
+        ids = _media_prompt(model, text, media)
+        embedded = tuple(
+            replace(MediaInput.of(f), features=None, embedding=e)
+            for f, e in zip(media, towers.encode(media), strict=True)
+        )
+        as_pixels.append(_request(ids, 8, tuple(MediaInput.of(f) for f in media), temperature=0.0))
+        as_embeddings.append(_request(ids, 8, embedded, temperature=0.0))
+    pixels = [engine.generate(r, timeout=300) for r in as_pixels]
+    assert [r.prompt_tokens for r in pixels] == [len(r.input_ids) for r in as_pixels]
+    tokens = [r.output_ids for r in pixels]
+    assert [engine.generate(r, timeout=300).output_ids for r in as_embeddings] == tokens
+    assert tokens == _greedy_on_transformers(model, as_pixels)
