@@ -97,6 +97,12 @@ QWEN3_OMNI_MEDIA_TOKENS = {
 }
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe")
+# the class each tiny model is (its config.json's "architectures"), known before it is made
+MODEL_CLASSES = {
+    "qwen2.5-omni": "Qwen2_5OmniThinkerForConditionalGeneration",
+    "qwen3-vl": "Qwen3VLForConditionalGeneration",
+    "qwen3-omni-moe": "Qwen3OmniMoeThinkerForConditionalGeneration",
+}
 
 
 # Qwen-style ChatML; each media part becomes <bos><placeholder><eos>, the placeholder later

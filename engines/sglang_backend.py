@@ -60,15 +60,14 @@ from .sglang_args import check_server_args
 from .sglang_loop import EngineLoop
 from .sglang_request import (
     GenerateKwargs,
+    ModelLayout,
     SGLangMeta,
     SGLangOutput,
     build_request,
     output_logprob,
     refuse_video_tracks,
     result_from,
-    timestamped_video,
     token_step,
-    video_track_marker,
 )
 
 __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mapping re-exported for its callers
@@ -92,9 +91,7 @@ class SGLangEngine:
     ) -> None:
         self.model_dir = Path(model_dir)
         self.limits = ModelLimits.read(self.model_dir)
-        config = json.loads((self.model_dir / "config.json").read_text())
-        self._tracks = video_track_marker(config)
-        self._timestamped = timestamped_video(config)
+        self._layout = ModelLayout.of(json.loads((self.model_dir / "config.json").read_text()))
         args = {
             "weight_version": "0",
             # names are checked against the installed SGLang by load_engine; here only Weir's own are refused
@@ -146,7 +143,7 @@ class SGLangEngine:
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
         """Check ``request`` and hand it to SGLang; cancelling the future aborts it there."""
         self.limits.check(request)
-        refuse_video_tracks(request.input_ids, self._tracks)
+        refuse_video_tracks(request.input_ids, self._layout.video_tracks)
         if not request.rid:
             request = replace(request, rid=uuid.uuid4().hex)
         return self._loop.submit(self._generate(request, on_token))
@@ -155,7 +152,7 @@ class SGLangEngine:
         return self.submit(request).result(timeout)
 
     async def _generate(self, request: GenerateRequest, on_token: TokenCallback | None) -> GenerateResult:
-        kwargs = build_request(request, timestamped=self._timestamped)
+        kwargs = build_request(request, self._layout)
         rid = kwargs["rid"]
         self._enter(rid)
         try:

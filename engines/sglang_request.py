@@ -15,13 +15,14 @@ Not served: a video laid out with its own audio track (an Omni prompt's ``vision
 ``use_audio_in_video`` in the processors' words). sglang 0.5.23's Qwen-Omni processor computes the 3-D positions
 with ``use_audio_in_video=False`` whatever the request says (``multimodal/processors/qwen_vl.py``), so it would lay
 the track out as an audio item of its own, at other positions than the ones the trainer computes: `refuse_video_tracks`
-refuses such a prompt by name instead (`video_track_marker` reads the layout from the model's config).
+refuses such a prompt by name instead (`ModelLayout` reads the layout from the model's config).
 """
 
 from __future__ import annotations
 
 import math
 import uuid
+from dataclasses import dataclass
 from typing import Any, Literal, NotRequired, TypedDict
 
 import numpy as np
@@ -35,6 +36,7 @@ from .sampling import SGLangSampling  # the same JSON whoever writes it
 
 __all__ = [
     "GenerateKwargs",
+    "ModelLayout",
     "MediaData",
     "SGLangMeta",
     "SGLangOutput",
@@ -43,9 +45,7 @@ __all__ = [
     "output_logprob",
     "refuse_video_tracks",
     "result_from",
-    "timestamped_video",
     "token_step",
-    "video_track_marker",
 ]
 
 
@@ -133,7 +133,7 @@ def _visual(items: list[MediaInput], kind: Literal["image", "video"], timestampe
         out["image_grid_thw"] = grids
     else:
         out["video_grid_thw"] = grids
-        if not timestamped:  # a timestamped layout's processor has no such output (`timestamped_video`)
+        if not timestamped:  # a timestamped layout's processor has no such output (`ModelLayout`)
             out["second_per_grid_ts"] = torch.tensor([m.second_per_grid_t for m in items])
     return out
 
@@ -158,20 +158,10 @@ def _audio(items: list[MediaInput]) -> MediaData:
 _OMNI_THINKERS = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 
 
-def video_track_marker(config: dict[str, Any]) -> tuple[int, int, int] | None:
-    """``(vision_bos, audio_bos, video placeholder)`` of an Omni model's ``config.json`` (the thinker's, or a
-    whole Omni model's ``thinker_config``): a video sent with its own track starts with them. None for the
-    models that have no such layout."""
-    thinker = config.get("thinker_config") or config
-    if thinker.get("model_type") not in _OMNI_THINKERS:
-        return None
-    video = thinker["video_token_id"] if "video_token_id" in thinker else thinker["video_token_index"]  # 2.5's name
-    return int(thinker["vision_start_token_id"]), int(thinker["audio_start_token_id"]), int(video)
-
-
 def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | None) -> None:
-    """`InvalidPrompt` when ``input_ids`` hold a video laid out with its own audio track (``marker`` of
-    `video_track_marker`), which this SGLang would lay out at other positions (the module's docstring)."""
+    """`InvalidPrompt` when ``input_ids`` hold a video laid out with its own audio track (``marker``: a
+    `ModelLayout`'s ``video_tracks``), which this SGLang would lay out at other positions (the module's
+    docstring)."""
     if marker is None:
         return
     bos, audio_bos, video = marker
@@ -188,18 +178,53 @@ def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | Non
 _TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
-def timestamped_video(config: dict[str, Any]) -> bool:
-    """Whether a model (its ``config.json``) lays a video out frame by frame after a text timestamp (Qwen3-VL and
-    its successors): its processor outputs no ``second_per_grid_ts``, and SGLang, which repeats the video grid
-    per frame for these models but not that list, fails on a video sent with it (a multi-frame clip: an
-    ``IndexError`` in its rope index, found on the real engine)."""
-    text = config.get("text_config") or {}
-    return config.get("model_type") in _TIMESTAMPED or text.get("model_type") in _TIMESTAMPED
+_STRUCTURAL = (
+    *("image_token_id", "image_token_index", "video_token_id", "video_token_index"),
+    *("audio_token_id", "audio_token_index", "vision_start_token_id", "vision_end_token_id"),
+    *("audio_start_token_id", "audio_end_token_id"),
+)
 
 
-def build_request(request: GenerateRequest, *, timestamped: bool = False) -> GenerateKwargs:
-    """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded); ``timestamped``:
-    the model's video layout (`timestamped_video`)."""
+@dataclass(frozen=True, slots=True)
+class ModelLayout:
+    """What the requests for one model must know of it, read once from its ``config.json`` (`ModelLayout.of`):
+
+    - ``video_tracks``: ``(vision_bos, audio_bos, video placeholder)`` of an Omni model, with which a video sent
+      with its own track starts (`refuse_video_tracks`); None for the models with no such layout;
+    - ``timestamped_video``: a video laid out frame by frame after a text timestamp (Qwen3-VL and its
+      successors): their processor outputs no ``second_per_grid_ts``, and SGLang, which repeats the video grid
+      per frame for these models but not that list, fails on a video sent with it (a multi-frame clip: an
+      ``IndexError`` in its rope index, found on the real engine);
+    - ``structural_tokens``: the placeholders and media bos / eos, never generated (as on the transformers
+      backend): one in a response is read as a media slot when the trainer recomputes the sequence, and the
+      model refuses that forward (the real engine sampled an image placeholder from a tiny Qwen3-VL)."""
+
+    video_tracks: tuple[int, int, int] | None = None
+    timestamped_video: bool = False
+    structural_tokens: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, config: dict[str, Any]) -> ModelLayout:
+        """From a model's ``config.json``: the thinker's, or a whole Omni model's with its ``thinker_config``."""
+        thinker = config.get("thinker_config") or config
+        tracks = None
+        if thinker.get("model_type") in _OMNI_THINKERS:
+            video = thinker["video_token_id"] if "video_token_id" in thinker else thinker["video_token_index"]
+            tracks = int(thinker["vision_start_token_id"]), int(thinker["audio_start_token_id"]), int(video)
+        text_type = (config.get("text_config") or {}).get("model_type")
+        found = {thinker.get(name) for name in _STRUCTURAL} | {config.get(name) for name in _STRUCTURAL}
+        return cls(
+            video_tracks=tracks,
+            timestamped_video=config.get("model_type") in _TIMESTAMPED or text_type in _TIMESTAMPED,
+            structural_tokens=tuple(sorted(t for t in found if isinstance(t, int) and not isinstance(t, bool))),
+        )
+
+
+def build_request(request: GenerateRequest, layout: ModelLayout = ModelLayout()) -> GenerateKwargs:
+    """Keyword arguments for `sglang.Engine.generate` (one dict per modality, ids pre-expanded), for a model of
+    ``layout``: its video layout, and its structural tokens never sampled, by a ``logit_bias`` of -inf over the
+    request's own. SGLang reports log-probs after its bias, so there the other tokens' log-probs leave those
+    tokens' mass out (the transformers backend reports it; a trained model puts next to none on them)."""
     params = request.sampling
     sampling: SGLangSampling = {
         "max_new_tokens": params.max_new_tokens,
@@ -222,8 +247,9 @@ def build_request(request: GenerateRequest, *, timestamped: bool = False) -> Gen
         sampling["frequency_penalty"] = params.frequency_penalty
     if params.min_new_tokens != 0:
         sampling["min_new_tokens"] = params.min_new_tokens
-    if params.logit_bias:
-        sampling["logit_bias"] = {str(token): bias for token, bias in params.logit_bias}
+    if params.logit_bias or layout.structural_tokens:
+        bias = {str(token): bias for token, bias in params.logit_bias}
+        sampling["logit_bias"] = {**bias, **{str(token): float("-inf") for token in layout.structural_tokens}}
     if params.return_top_p_token_ids:  # honoured by slime's patched SGLang (meta_info.top_p_token_ids / _offsets)
         sampling["custom_params"] = {"return_top_p_token_ids": True}
     if params.stop:
@@ -254,10 +280,10 @@ def build_request(request: GenerateRequest, *, timestamped: bool = False) -> Gen
         kwargs["return_routed_experts"] = True
     images = [m for m in request.media if m.kind == "image"]
     if images:
-        kwargs["image_data"] = [_visual(images, "image", timestamped)]
+        kwargs["image_data"] = [_visual(images, "image", layout.timestamped_video)]
     videos = [m for m in request.media if m.kind == "video"]
     if videos:
-        kwargs["video_data"] = [_visual(videos, "video", timestamped)]
+        kwargs["video_data"] = [_visual(videos, "video", layout.timestamped_video)]
     audio = [m for m in request.media if m.kind == "audio"]
     if audio:
         kwargs["audio_data"] = [_audio(audio)]

@@ -395,6 +395,14 @@ def build_parser() -> argparse.ArgumentParser:
         "always disk for now (an engine that joins later loads the recorded folder)",
     )
     train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
+    train.add_argument(
+        "--backend",
+        choices=("transformers", "sglang"),
+        default=None,
+        help="the engines' backend, as `weir up --backend` (sets WEIR_BACKEND for the stack it starts; sglang: "
+        "`pip install 'weir[sglang]'`, a model SGLang serves) (default: WEIR_BACKEND, else transformers)",
+    )
+    _add_sglang_args(train)
     train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home, as `weir up --home`")
     train.add_argument(
         "--base-port", type=int, default=BASE_PORT, help="the stack's base port, as `weir up --base-port`"

@@ -132,6 +132,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     resume: bool = False
     weights: Literal["broadcast", "disk"] = "broadcast"  # how weights reach the engines (disk on Ray for now)
+    backend: Literal["transformers", "sglang"] | None = None  # the engines' (WEIR_BACKEND); None: the environment's
+    sglang_args: str | None = None  # with backend sglang: its server arguments, JSON (WEIR_SGLANG_ARGS)
     # the stack
     engines: int = 1
     home: Path = Path(".weir")

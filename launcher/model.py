@@ -1,5 +1,6 @@
 """The model a `weir train` run trains — ``--model`` (a folder or a Hugging Face hub id), else the tiny model
-in HOME/model — and the check that a stack it attaches to serves that same model.
+in HOME/model — the check that a stack it attaches to serves that same model, and that the engines it starts
+(``--backend``, ``--sglang-args``) can serve it.
 
 An attached stack was started by someone else (`weir up --model …`), so its engines may serve another model
 than the one the trainer would load; the weights it publishes would then not fit them. The engines say what
@@ -11,6 +12,8 @@ Not here: resolving a hub id to its snapshot (`services.model_ref`), the folder 
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 import httpx
@@ -18,7 +21,7 @@ import httpx
 from .config import TrainConfig
 from .stack import stack_model
 
-__all__ = ["attach_refusal", "run_model"]
+__all__ = ["attach_refusal", "engine_env", "engine_refusal", "run_model"]
 
 
 def run_model(config: TrainConfig) -> Path:
@@ -46,3 +49,54 @@ def attach_refusal(urls: dict[str, str], token: str | None, folder: Path) -> str
                 "(`weir up --model …`)"
             )
     return None
+
+
+def engine_env(config: TrainConfig) -> dict[str, str]:
+    """The engine settings ``--backend`` and ``--sglang-args`` give the stack this run starts."""
+    given = (("WEIR_BACKEND", config.backend), ("WEIR_SGLANG_ARGS", config.sglang_args))
+    return {variable: value for variable, value in given if value is not None}
+
+
+def engine_refusal(config: TrainConfig) -> str | None:
+    """Why the engines this run would start cannot serve its model, in one line, before anything starts: SGLang
+    asked for where it is not installed, server arguments it does not know, a model it has no architecture for;
+    or engine options given for a stack this run does not start (``--attach``)."""
+    from engines.sglang_args import (
+        check_server_args,
+        parse_server_args,
+        served_architectures,
+        server_arg_fields,
+        unserved_refusal,
+    )
+
+    if config.attach and (config.backend or config.sglang_args):
+        return (
+            "--backend / --sglang-args choose the engines of the stack `weir train` starts: with --attach the "
+            "stack's engines are its own (`weir up --backend …`)"
+        )
+    backend = config.backend or os.environ.get("WEIR_BACKEND") or "transformers"
+    if config.sglang_args is not None and backend != "sglang":
+        return f"--sglang-args are SGLang's server arguments: use them with --backend sglang (not {backend})"
+    if backend != "sglang" or config.attach:
+        return None
+    fields = server_arg_fields()  # imports SGLang's server arguments (about 6 s): the names are checked, not guessed
+    if fields is None:
+        return "--backend sglang: sglang is not installed here (`pip install 'weir[sglang]'`, a CUDA machine)"
+    try:
+        args = check_server_args(
+            parse_server_args(config.sglang_args or os.environ.get("WEIR_SGLANG_ARGS", "")), fields
+        )
+    except ValueError as error:
+        return f"--sglang-args: {error}"
+    refusal = unserved_refusal(_architectures(config), args, served_architectures())
+    return f"--backend sglang: {refusal}" if refusal else None
+
+
+def _architectures(config: TrainConfig) -> list[str]:
+    """The architectures of the model this run serves: its folder's config, else the tiny model's it will make."""
+    from encoders.embedded_model import MODEL_CLASSES
+
+    folder = run_model(config)
+    if (folder / "config.json").is_file():
+        return list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
+    return [MODEL_CLASSES[config.arch or "qwen2.5-omni"]]

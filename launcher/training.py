@@ -58,7 +58,7 @@ from .cluster.training import cluster_engines, in_trainer_task, record_weights, 
 from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
-from .model import attach_refusal, run_model
+from .model import attach_refusal, engine_env, engine_refusal, run_model
 from .placement import PlacementError, single_rank_device, training_plan
 from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
@@ -229,6 +229,7 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     # monitor compares the trainer's routers with them (routing agreement, R3 on and off).
     if config.r3 or config.arch == "qwen3-omni-moe":
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
+    settings.update(engine_env(config))
     from trainer.losses import PRESET_ADVANTAGE_ESTIMATOR  # the advantages the objective's paper pairs it with
 
     settings["WEIR_ADVANTAGE_ESTIMATOR"] = PRESET_ADVANTAGE_ESTIMATOR[config.loss]
@@ -318,6 +319,9 @@ def _refusal(config: TrainConfig) -> str | None:
             run_model(config)
         except SettingsError as error:
             return str(error)
+    refusal = engine_refusal(config)
+    if refusal:
+        return refusal
     if config.role_url:
         if not config.attach or config.ray:
             return "--role-url names the roles of a running stack: use it with --attach (and without --ray)"

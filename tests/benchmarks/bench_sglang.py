@@ -1,15 +1,18 @@
 """Weir's engine role on SGLang against SGLang's own server, on the same model, under the same load.
 
     python tests/benchmarks/bench_sglang.py --model DIR                 # a GPU with sglang: both as servers
-    python tests/benchmarks/bench_sglang.py                             # CPU: both on the SGLang stand-in
+    python tests/benchmarks/bench_sglang.py --cpu                       # the real engine on this CPU
+    python tests/benchmarks/bench_sglang.py --backend standin           # CPU: both on the SGLang stand-in
     … [--concurrency 1 64 256] [--requests 512] [--max-new-tokens 128] [--out FILE.json]
 
 With sglang installed (``--backend sglang``, the default when it imports), the peer is ``python -m
 sglang.launch_server`` and Weir is ``weir serve engine --backend sglang``, each a process of its own on the
-same GPU, one after the other. Without it (``--backend standin``), both run in this process on the rule-keeping
-stand-in of ``tests/engines/sglang_standin.py``: the peer is a server shaped like SGLang's ``http_server`` (the
-tokenizer manager on the server's own loop), Weir is the engine role with `SGLangEngine` — the harness is
-then tested, and the figure is the cost of Weir's layer (its owned loop, its request checks), not a GPU's.
+same GPU, one after the other; with ``--cpu``, on the CPU under the test scaffolding of
+``tests/engines/sglang_cpu.py`` (its ``SERVER_ARGS`` added to both). Without sglang (``--backend standin``),
+both run in this process on the rule-keeping stand-in of ``tests/engines/sglang_standin.py``: the peer is a
+server shaped like SGLang's ``http_server`` (the tokenizer manager on the server's own loop), Weir is the engine
+role with `SGLangEngine` — the harness is then tested, and the figure is the cost of Weir's layer (its owned
+loop, its request checks), not a GPU's.
 
 The same client drives both: ``concurrency`` requests always in flight, ``--requests`` in all, each with
 ``ignore_eos`` and ``max_new_tokens`` so every answer has the same length. It prints requests/s and
@@ -172,17 +175,21 @@ def process_server(command: list[str], url: str, env: dict[str, str], timeout_s:
             process.kill()
 
 
-def sglang_servers(model: Path, which: str, port: int, server_args: dict[str, Any]) -> Any:
+def sglang_servers(model: Path, which: str, port: int, server_args: dict[str, Any], cpu: bool = False) -> Any:
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ)
+    # on the CPU each server runs under the test scaffolding (`python -m tests.engines.sglang_cpu MODULE`)
+    python = [sys.executable, "-m", "tests.engines.sglang_cpu"] if cpu else [sys.executable, "-m"]
+    if cpu:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     if which == "peer":
-        command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
+        command = [*python, "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
         for name, value in server_args.items():
             command += [f"--{name.replace('_', '-')}", str(value)]
         return process_server(command, url, env)
     env.update({"WEIR_MODEL": str(model), "WEIR_SGLANG_ARGS": json.dumps(server_args), "WEIR_API_TOKEN": ""})
     env.update({"WEIR_CACHE_DIR": str(model.parent / "cache"), "WEIR_EMBEDDING_CACHE_DIR": str(model.parent / "emb")})
-    command = [sys.executable, "-m", "launcher.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
+    command = [*python, "launcher.cli", "serve", "engine", "--backend", "sglang", "--port", str(port)]
     return process_server(command, url, env)
 
 
@@ -197,18 +204,28 @@ def run(
     requests: int,
     max_new_tokens: int,
     step_s: float = 0.002,
-    port: int = 31000,
+    port: int | None = None,
     server_args: dict[str, Any] | None = None,
+    cpu: bool = False,
 ) -> dict[str, Any]:
+    if cpu:
+        from tests.engines.sglang_cpu import SERVER_ARGS
+
+        server_args = {**SERVER_ARGS, **(server_args or {})}
+    if port is None:
+        from tests.ports import free_port
+
+        port = free_port()
     config = json.loads((model / "config.json").read_text())
     text = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
     vocab = int(text["vocab_size"])
     results: dict[str, Any] = {"backend": backend, "model": str(model), "max_new_tokens": max_new_tokens, "runs": []}
+    results["device"] = "cpu" if cpu else "gpu"
     for which in ("peer", "weir"):
         servers = (
             standin_servers(model, vocab, step_s, which)
             if backend == "standin"
-            else sglang_servers(model, which, port, server_args or {})
+            else sglang_servers(model, which, port, server_args or {}, cpu)
         )
         with servers as url:
             for c in concurrency:
@@ -242,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=512, help="requests per concurrency (at least the concurrency)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--sglang-args", default="{}", help="server arguments for both servers (JSON)")
+    parser.add_argument(
+        "--cpu", action="store_true", help="the real engine on this CPU (tests/engines/sglang_cpu.py's scaffolding)"
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args(argv)
     model = args.model
@@ -250,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
 
         from encoders.embedded_model import init_model
 
-        model = init_model(Path(tempfile.mkdtemp(prefix="weir-bench-")) / "model")
+        # a family SGLang serves natively
+        model = init_model(Path(tempfile.mkdtemp(prefix="weir-bench-")) / "model", arch="qwen3-vl")
     results = run(
         backend=args.backend,
         model=model,
@@ -258,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         requests=args.requests,
         max_new_tokens=args.max_new_tokens,
         server_args=json.loads(args.sglang_args),
+        cpu=args.cpu,
     )
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=2))

@@ -13,21 +13,28 @@ What it takes, and why (measured on this project's machines: /work/shared/refere
   imports the Qwen3.5 model, which binds them at import on CPU; only Qwen3.5 would call them.
 
 `prepare()` does all of it once per process, before sglang is imported; `SERVER_ARGS` are what every CPU engine
-takes (a KV pool of a fixed size: otherwise it is sized from the free RAM).
+takes (a KV pool of a fixed size: otherwise it is sized from the free RAM). A server as a process of its own:
+``python -m tests.engines.sglang_cpu MODULE ARGS…`` prepares, then runs ``python -m MODULE ARGS…`` in the same
+process (``sglang.launch_server``, or Weir's ``launcher.cli serve engine``). Engine roles a launcher starts
+(``weir train --backend sglang``'s stack): `role_env` gives them a ``sitecustomize`` that prepares each one.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import runpy
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["SERVER_ARGS", "prepare"]
+__all__ = ["SERVER_ARGS", "prepare", "role_env"]
 
-SERVER_ARGS = {"device": "cpu", "max_total_tokens": 8192, "dtype": "float32"}
+# sleep_on_idle: SGLang's scheduler otherwise spins a whole core while idle, which on two cores starves the trainer
+# beside it (a `weir train` step took 120 s instead of 13)
+SERVER_ARGS = {"device": "cpu", "max_total_tokens": 8192, "dtype": "float32", "sleep_on_idle": True}
 
 _STUB = """
 /* libcuda.so.1 for a machine without NVIDIA's driver: every entry point sgl-kernel's loader resolves answers
@@ -90,3 +97,33 @@ def prepare() -> None:
         if not hasattr(torch.ops.sgl_kernel, name):
             library.define(f"{name}(Tensor[] args) -> ()")
     _prepared.append(library)
+
+
+_SITE = """# written by tests/engines/sglang_cpu.py: an engine role started here runs the real SGLang on CPU
+import sys
+
+if sys.argv[1:3] == ["serve", "engine"]:  # `python -m launcher.cli serve engine …` (the module name is not there yet)
+    from tests.engines import sglang_cpu
+
+    sglang_cpu.prepare()
+"""
+
+
+def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """``PYTHONPATH`` for processes a launcher starts (their environment's, default this one's): this checkout,
+    and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve engine``) before it imports
+    sglang; the other roles are left as they are."""
+    folder = Path(tempfile.gettempdir()) / f"weir-sglang-cpu-site-{os.getuid()}"
+    folder.mkdir(parents=True, exist_ok=True)
+    staged = folder / f".sitecustomize.py.{os.getpid()}"
+    staged.write_text(_SITE)
+    os.replace(staged, folder / "sitecustomize.py")
+    root = str(Path(__file__).resolve().parents[2])
+    current = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
+    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(folder), root, *filter(None, current.split(os.pathsep))]))}
+
+
+if __name__ == "__main__":
+    prepare()
+    module, sys.argv = sys.argv[1], sys.argv[1:]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)

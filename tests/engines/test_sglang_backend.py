@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,13 +55,34 @@ def test_precomputed_embedding_request(media: list[pp.Features]) -> None:
 def test_a_timestamped_video_goes_without_seconds_per_grid(media: list[pp.Features]) -> None:
     """Qwen3-VL's processor outputs no ``second_per_grid_ts`` (its frames carry text timestamps), and SGLang fails
     on a multi-frame clip sent with it: the list goes only to the models whose positions use it."""
-    from engines.sglang_request import timestamped_video
+    from engines.sglang_request import ModelLayout
 
     request = GenerateRequest(input_ids=[5], media=(MediaInput.of(media[2]),))
     assert "second_per_grid_ts" in build_request(request)["video_data"][0]
-    assert "second_per_grid_ts" not in build_request(request, timestamped=True)["video_data"][0]
-    assert timestamped_video({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3_vl_text"}})
-    assert not timestamped_video({"model_type": "qwen2_5_omni_thinker"})
+    assert "second_per_grid_ts" not in build_request(request, ModelLayout(timestamped_video=True))["video_data"][0]
+    assert ModelLayout.of({"model_type": "qwen3_vl", "text_config": {"model_type": "qwen3_vl_text"}}).timestamped_video
+    assert not ModelLayout.of({"model_type": "qwen2_5_vl"}).timestamped_video
+
+
+def test_media_structure_tokens_are_never_sampled_as_on_the_transformers_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The placeholders and media bos / eos of the model go at -inf over the request's own bias (the real engine
+    sampled an image placeholder from a tiny Qwen3-VL; the trainer's forward then refused the sequence)."""
+    from encoders.embedded_model import init_model
+    from engines.sglang_request import ModelLayout
+    from engines.transformers_backend import TransformersEngine
+
+    for arch in ("qwen3-vl", "qwen2.5-omni"):
+        folder = init_model(tmp_path / arch, arch=arch)
+        never = ModelLayout.of(json.loads((folder / "config.json").read_text())).structural_tokens
+        reference = TransformersEngine(folder)
+        try:
+            assert set(never) == set(reference._banned.tolist()), arch  # the same tokens as the transformers engine
+        finally:
+            reference.close()
+    request = GenerateRequest(input_ids=[5], sampling=SamplingParams(logit_bias=((7, 1.5), (never[0], 3.0))))
+    bias = build_request(request, ModelLayout(structural_tokens=never))["sampling_params"]["logit_bias"]
+    assert bias == {"7": 1.5, **{str(t): float("-inf") for t in never}}
+    assert "logit_bias" not in build_request(GenerateRequest(input_ids=[5]))["sampling_params"]
 
 
 def test_routed_experts_are_requested_and_returned() -> None:

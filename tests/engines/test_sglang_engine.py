@@ -427,5 +427,5 @@ def test_a_video_with_its_own_audio_track_is_refused_by_name(tmp_path: Path) -> 
     finally:
         engine.close()
     whole = {"model_type": "qwen3_omni_moe", "thinker_config": thinker}  # a whole Omni model's config
-    assert sglang_request.video_track_marker(whole) == (10, 11, 12)
-    assert sglang_request.video_track_marker({"model_type": "qwen3_vl"}) is None
+    assert sglang_request.ModelLayout.of(whole).video_tracks == (10, 11, 12)
+    assert sglang_request.ModelLayout.of({"model_type": "qwen3_vl"}).video_tracks is None

@@ -4,6 +4,7 @@ default; the dataset job writes cache and report; the token file is private and 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -305,3 +306,28 @@ def test_role_urls_name_the_engines_in_order() -> None:
         "engine-1": "http://a:30000",
         "engine-2": "http://b:30000",
     }
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--sglang-args", '{"tp_size": 2}'], "--sglang-args are SGLang's server arguments: use them with --backend"),
+        (["--backend", "transformers", "--sglang-args", "{}"], "use them with --backend sglang (not transformers)"),
+        (["--backend", "sglang", "--attach"], "with --attach the stack's engines are its own"),
+    ],
+)
+def test_engine_options_that_cannot_apply_are_refused_before_anything_starts(
+    args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *args]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert said in out and not (tmp_path / "w").exists(), out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_train_on_sglang_where_it_is_not_installed_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--demo", "--backend", "sglang", "--home", str(tmp_path / "w")]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--backend sglang: sglang is not installed here (`pip install 'weir[sglang]'`" in out, out

@@ -1,0 +1,151 @@
+"""A mixture-of-experts model on the real SGLang engine (sglang 0.5.23 in this process, under
+`tests.engines.sglang_cpu`): a tiny Qwen3-MoE (``Qwen3MoeForCausalLM``, an architecture SGLang serves natively;
+made here from transformers' own class, random weights).
+
+On the CPU it generates, greedy tokens equal to transformers'. **R3 does not run on the CPU**: SGLang's
+routed-expert capture (``enable_return_routed_experts``) pins its host buffer with ``cudaHostRegister``
+(``srt/state_capturer/base.py``), so the engine cannot start with it without a CUDA device. The R3 check — the
+routes come back with every sample in the layout Weir's micro-batches store, and they are the routers' own
+choices, the top-k of transformers' router logits for the same tokens — is therefore ``gpu``: it runs where a
+GPU and sglang are both installed.
+
+Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engines.protocol import GenerateRequest, SamplingParams
+from experience.microbatch import token_routes
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs sglang: `make test` builds .venv-sglang and runs this module there", allow_module_level=True)
+
+from . import sglang_cpu  # noqa: E402 — only where sglang is installed
+
+sglang_cpu.prepare()  # before sglang (and its torch threads) start
+
+from engines.factory import load_engine  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+LAYERS, EXPERTS, TOP_K = 2, 8, 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE with the tokenizer of Weir's tiny models (a Qwen chat tokenizer)."""
+    import shutil
+
+    from transformers import AutoTokenizer, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from encoders.embedded_model import init_model
+
+    donor = init_model(tmp_path_factory.mktemp("donor") / "model", arch="qwen3-vl")
+    folder = tmp_path_factory.mktemp("qwen3-moe") / "model"
+    tokenizer = AutoTokenizer.from_pretrained(donor)
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        norm_topk_prob=True,
+        max_position_embeddings=4096,
+        initializer_range=0.2,  # a random tiny model with the default range repeats one token forever
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    )
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    shutil.copy(donor / "generation_config.json", folder / "generation_config.json")
+    return folder
+
+
+def _engine(model: Path, *, routed_experts: bool) -> object:
+    return load_engine(model, backend="sglang", server_args=sglang_cpu.SERVER_ARGS, routed_experts=routed_experts)
+
+
+def _chat(model: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return list(tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+def test_the_moe_model_generates_transformers_greedy_tokens(model: Path) -> None:
+    from transformers import Qwen3MoeForCausalLM
+
+    engine = _engine(model, routed_experts=False)
+    try:
+        hf = Qwen3MoeForCausalLM.from_pretrained(model).eval()
+        for text in ("Route me.", "Which experts?"):
+            ids = _chat(model, text)
+            request = GenerateRequest(
+                input_ids=ids, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+            )
+            ours = engine.generate(request, timeout=300).output_ids  # type: ignore[attr-defined]
+            with torch.no_grad():
+                theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+            assert ours == theirs[0, len(ids) :].tolist(), text
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+
+
+def _router_choices(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' routers on ``ids``: each token's top-k experts per layer, ``(tokens, layers, k)``, and the
+    router logits, ``(tokens, layers, experts)``."""
+    from transformers import Qwen3MoeForCausalLM
+
+    hf = Qwen3MoeForCausalLM.from_pretrained(model).eval()
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_router_logits=True)
+    logits = torch.stack(out.router_logits, dim=1)  # (tokens, layers, experts)
+    return logits.topk(TOP_K, dim=-1).indices.numpy(), logits.numpy()
+
+
+@pytest.mark.gpu
+def test_routes_come_back_for_every_token_and_are_the_routers_choices(model: Path) -> None:
+    engine = _engine(model, routed_experts=True)
+    try:
+        _check_routes(engine, model)
+    finally:
+        engine.close()  # type: ignore[attr-defined]
+
+
+def _check_routes(engine: object, model: Path) -> None:
+    for text in ("Route me.", "Which experts?"):
+        ids = _chat(model, text)
+        request = GenerateRequest(
+            input_ids=ids,
+            sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0),
+            return_routed_experts=True,
+        )
+        result = engine.generate(request, timeout=300)  # type: ignore[attr-defined]
+        sequence = ids + result.output_ids
+        # Weir's micro-batch column: SGLang's rows [0, tokens - 1), then a row of -1 for the last token
+        routes = token_routes(result.routed_experts, len(sequence)).reshape(len(sequence), LAYERS, TOP_K)
+        assert (routes[-1] == -1).all() and (routes[:-1] >= 0).all() and (routes[:-1] < EXPERTS).all()
+        chosen, logits = _router_choices(model, sequence)
+        ours, theirs = np.sort(routes[:-1], axis=-1), np.sort(chosen[:-1], axis=-1)
+        for token, layer in zip(*np.nonzero((ours != theirs).any(axis=-1)), strict=True):
+            # a choice may differ only where two experts' logits tie to float precision
+            row = logits[token, layer]
+            differing = set(ours[token, layer]) ^ set(theirs[token, layer])
+            spread = max(row[e] for e in differing) - min(row[e] for e in differing)
+            assert spread < 1e-5, (
+                f"{text!r}, token {token}, layer {layer}: {ours[token, layer]} vs {theirs[token, layer]}"
+            )
+    without = engine.generate(GenerateRequest(input_ids=ids, sampling=request.sampling), timeout=300)  # type: ignore[attr-defined]
+    assert without.routed_experts is None  # only when asked

@@ -1,0 +1,211 @@
+"""Weir's engine role (``weir serve engine --backend sglang``) on the real SGLang engine (sglang 0.5.23, in the
+role's process, generating on the CPU with the scaffolding of `tests.engines.sglang_cpu`), over HTTP; and the
+SGLang benchmark's harness on the real pair (SGLang's own ``launch_server`` and Weir's engine role, each a process).
+
+Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import importlib.util
+import json
+import os
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs sglang: `make test` builds .venv-sglang and runs this module there", allow_module_level=True)
+
+from . import sglang_cpu  # noqa: E402 — only where sglang is installed
+
+sglang_cpu.prepare()  # before sglang (and its torch threads) start
+
+from services.engine.app import create_app  # noqa: E402
+from services.engine.settings import EngineSettings  # noqa: E402
+from tests.services.conftest import RunningServer  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from encoders.embedded_model import init_model
+
+    return init_model(tmp_path_factory.mktemp("sglang-role") / "model", arch="qwen3-vl")
+
+
+@pytest.fixture(scope="module")
+def sglang_log(model: Path) -> Iterator[Path]:
+    """SGLang's own log (every process of it: the scheduler is one of its own), to a file the tests read."""
+    log = model.parent / "sglang.log"
+    config = model.parent / "logging.json"
+    handler = {"class": "logging.FileHandler", "filename": str(log), "formatter": "plain"}
+    config.write_text(
+        json.dumps(
+            {
+                "version": 1,
+                "disable_existing_loggers": False,
+                "formatters": {"plain": {"format": "%(asctime)s %(message)s"}},
+                "handlers": {"file": handler},
+                "loggers": {"sglang": {"handlers": ["file"], "level": "INFO"}},
+            }
+        )
+    )
+    saved = os.environ.get("SGLANG_LOGGING_CONFIG_PATH")
+    os.environ["SGLANG_LOGGING_CONFIG_PATH"] = str(config)  # read by each SGLang process as it starts
+    try:
+        yield log
+    finally:
+        if saved is None:
+            os.environ.pop("SGLANG_LOGGING_CONFIG_PATH", None)
+        else:
+            os.environ["SGLANG_LOGGING_CONFIG_PATH"] = saved
+
+
+@pytest.fixture(scope="module")
+def role(model: Path, sglang_log: Path) -> Iterator[str]:
+    # decode_log_interval 1: SGLang logs its running batch at every decode step (the largest batch is read there)
+    settings = EngineSettings(
+        model=model,
+        backend="sglang",
+        sglang_args={**sglang_cpu.SERVER_ARGS, "decode_log_interval": 1},
+        cache_dir=model.parent / "cache",
+        embedding_cache_dir=model.parent / "embeddings",
+        api_token=None,
+    )
+    with RunningServer(create_app(settings)) as server:
+        deadline = httpx.get(f"{server.url}/health", timeout=900)  # the engine starts with the app
+        assert deadline.status_code == 200
+        yield server.url
+
+
+def _prompt(model: Path, text: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    return list(tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"))
+
+
+async def _many(url: str, bodies: list[dict[str, object]]) -> list[httpx.Response]:
+    limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+    async with httpx.AsyncClient(timeout=900, limits=limits) as client:
+        return await asyncio.gather(*(client.post(f"{url}/generate", json=body) for body in bodies))
+
+
+def test_the_role_answers_256_concurrent_requests_batched_by_sglang(role: str, model: Path, sglang_log: Path) -> None:
+    ids = _prompt(model, "Count.")
+    sampling = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 1.0}
+    bodies = [{"input_ids": ids, "sampling_params": {**sampling, "sampling_seed": i}} for i in range(256)]
+    answers = asyncio.run(_many(role, bodies))
+    assert [a.status_code for a in answers] == [200] * 256
+    outputs = [a.json() for a in answers]
+    assert all(len(o["output_ids"]) == 6 and o["meta_info"]["weight_version"] == "0" for o in outputs)
+    # SGLang's scheduler (a process of its own) logs each decode batch
+    running = [int(n) for n in re.findall(r"#running-req: (\d+)", sglang_log.read_text())]
+    assert running, "SGLang logged no decode batch"
+    print(f"\nthe largest batch SGLang's scheduler ran: {max(running)} requests")
+    assert max(running) > 8  # batched by SGLang, not served in turn by Weir's layer
+
+
+def test_a_streamed_generation_arrives_token_by_token(role: str, model: Path) -> None:
+    body = {
+        "input_ids": _prompt(model, "Tell a story."),
+        "sampling_params": {"max_new_tokens": 24, "ignore_eos": True, "temperature": 0.0},
+        "stream": True,
+    }
+    events = []
+    with httpx.stream("POST", f"{role}/generate", json=body, timeout=300) as answer:
+        assert answer.status_code == 200
+        for line in answer.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(httpx.Response(200, content=line[6:]).json())
+    whole = httpx.post(f"{role}/generate", json={**body, "stream": False}, timeout=300).json()
+    assert len(events) > 1 and events[-1]["output_ids"] == whole["output_ids"]
+    lengths = [len(e["output_ids"]) for e in events]
+    assert lengths == sorted(lengths) and lengths[-1] == 24
+
+
+def test_an_image_sent_as_media_generates_sglangs_tokens_for_weirs_features(role: str, model: Path) -> None:
+    """An image sent to the role as bytes is decoded by Weir's preprocessing and reaches SGLang as the
+    processor's pixels; the greedy tokens are the transformers engine's on the same features."""
+    import preprocess as pp
+    from engines.protocol import GenerateRequest, MediaInput, SamplingParams
+    from engines.transformers_backend import TransformersEngine
+    from preprocess import samples
+
+    png = samples.encode_image(samples.test_pattern(96, 80), "PNG")
+    body = {
+        "text": "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n"
+        "<|im_start|>assistant\n",
+        "image_data": [f"data:image/png;base64,{base64.b64encode(png).decode()}"],
+        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0.0},
+        "return_prompt_token_ids": True,
+    }
+    answer = httpx.post(f"{role}/generate", json=body, timeout=300)
+    assert answer.status_code == 200, answer.text
+    out = answer.json()
+    features = pp.process_image(png, pp.ProcessorSpec.qwen3_vl())
+    reference = TransformersEngine(model)
+    try:
+        request = GenerateRequest(
+            input_ids=out["prompt_token_ids"],
+            sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0),
+            media=(MediaInput.of(features),),
+        )
+        assert out["output_ids"] == reference.generate(request, timeout=300).output_ids
+    finally:
+        reference.close()
+
+
+def test_sglangs_own_refusal_comes_back_as_a_4xx_with_a_code(role: str, model: Path) -> None:
+    """A request id already running is refused by SGLang's tokenizer manager (Weir does not check it): the role
+    answers 400 with a stable code, and the first request is unharmed."""
+    ids = _prompt(model, "Go on.")
+    first = {"input_ids": ids, "rid": "twice", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+
+    async def both() -> tuple[httpx.Response, httpx.Response]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            running = asyncio.create_task(client.post(f"{role}/generate", json=first))
+            await asyncio.sleep(0)
+            for _ in range(600):  # until SGLang has it (its answer would say so)
+                again = await client.post(f"{role}/generate", json={**first, "sampling_params": {"max_new_tokens": 2}})
+                if again.status_code != 200:
+                    return await running, again
+                await asyncio.sleep(0.05)
+            raise AssertionError("the duplicate id was never refused")
+
+    done, refused = asyncio.run(both())
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "invalid_prompt" and "Duplicate request ID" in refused.text
+    assert done.status_code == 200 and len(done.json()["output_ids"]) == 400
+
+
+def test_the_benchmark_harness_runs_sglangs_server_and_weirs_role_on_the_real_engine(
+    model: Path, tmp_path: Path
+) -> None:
+    """`tests/benchmarks/bench_sglang.py --cpu`: both servers, processes of their own under the CPU scaffolding,
+    answer every request of every concurrency with every token. No time is asserted (the figures are the
+    closing note's, from the full run)."""
+    sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
+    try:
+        import bench_sglang
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "benchmarks"))
+    results = bench_sglang.run(
+        backend="sglang", model=model, concurrency=[1, 8], requests=8, max_new_tokens=4, cpu=True
+    )
+    assert [(r["server"], r["concurrency"], r["tokens"]) for r in results["runs"]] == [
+        ("peer", 1, 32),
+        ("peer", 8, 32),
+        ("weir", 1, 32),
+        ("weir", 8, 32),
+    ]

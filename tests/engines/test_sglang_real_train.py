@@ -1,0 +1,68 @@
+"""``weir train --backend sglang``: the RL loop with the real SGLang engine (sglang 0.5.23) as the stack's engine
+role, on the CPU (each engine role prepared by the ``sitecustomize`` of `tests.engines.sglang_cpu.role_env`), and
+what it refuses before anything starts.
+
+Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("sglang") is None:
+    pytest.skip("needs sglang: `make test` builds .venv-sglang and runs this module there", allow_module_level=True)
+
+from tests.ports import free_stack_base  # noqa: E402
+
+from . import sglang_cpu  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+CPU_ARGS = json.dumps(sglang_cpu.SERVER_ARGS)
+
+
+def _weir(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **sglang_cpu.role_env()}
+    command = [sys.executable, "-m", "launcher.cli", *argv]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path) -> None:
+    """Two RL steps of the demo on a Qwen3-VL served by SGLang: every sample trained, the weights published to
+    SGLang (retract, update, continue) between steps, and SGLang's log-probs the trainer's (the mismatch
+    monitor's KL under 1e-3; its banned media tokens' mass aside: `engines.sglang_request.build_request`)."""
+    home = tmp_path / "home"
+    argv = ["train", "--demo", "--arch", "qwen3-vl", "--backend", "sglang", "--sglang-args", CPU_ARGS]
+    argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
+    done = _weir(*argv, timeout=1200)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and all(s["samples"] > 0 for s in steps)
+    assert steps[-1]["policy_version"] >= 2  # published to the engine, which generated under it
+    assert all(s["mismatch/all/kl"] < 1e-3 for s in steps)
+    (log,) = (home / "logs").glob("engine-*.log")
+    assert "sglang.srt" in log.read_text()  # the engine role ran SGLang
+
+
+@pytest.mark.parametrize(
+    ("options", "refusal"),
+    [
+        ([], "--backend sglang: the model is a Qwen2_5OmniThinkerForConditionalGeneration, which the installed SGLang"),
+        (["--arch", "qwen3-vl", "--sglang-args", '{"tp_sise": 2}'], "tp_sise: not a server argument of this SGLang"),
+        (["--arch", "qwen3-vl", "--sglang-args", "[1]"], "SGLang server arguments must be a JSON object"),
+        (["--arch", "qwen3-vl", "--attach"], "with --attach the stack's engines are its own"),
+    ],
+)
+def test_what_sglang_cannot_serve_is_refused_in_one_line_before_anything_starts(
+    tmp_path: Path, options: list[str], refusal: str
+) -> None:
+    done = _weir("train", "--demo", "--backend", "sglang", "--home", str(tmp_path / "home"), *options, timeout=120)
+    assert done.returncode == 2 and refusal in done.stdout + done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "home" / "logs").exists()  # no role started
