@@ -403,6 +403,19 @@ def build_parser() -> argparse.ArgumentParser:
         "`pip install 'weir[sglang]'`, a model SGLang serves) (default: WEIR_BACKEND, else transformers)",
     )
     _add_sglang_args(train)
+    train.add_argument(
+        "--engine-gpus",
+        default=None,
+        metavar="LIST",
+        help="the engines' GPUs as CUDA_VISIBLE_DEVICES names them, e.g. 0,1,2,3 (engine i on the i-th run of "
+        "tp × pp × dp) (default: the first visible ones)",
+    )
+    train.add_argument(
+        "--trainer-gpus",
+        default=None,
+        metavar="LIST",
+        help="the trainer ranks' GPUs, one per rank, e.g. 4,5,6,7 (default: the visible ones after the engines')",
+    )
     train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home, as `weir up --home`")
     train.add_argument(
         "--base-port", type=int, default=BASE_PORT, help="the stack's base port, as `weir up --base-port`"

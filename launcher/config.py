@@ -134,6 +134,8 @@ class TrainConfig:
     weights: Literal["broadcast", "disk"] = "broadcast"  # how weights reach the engines (disk on Ray for now)
     backend: Literal["transformers", "sglang"] | None = None  # the engines' (WEIR_BACKEND); None: the environment's
     sglang_args: str | None = None  # with backend sglang: its server arguments, JSON (WEIR_SGLANG_ARGS)
+    engine_gpus: str | None = None  # the engines' GPUs, comma-separated (None: the first visible ones)
+    trainer_gpus: str | None = None  # the trainer ranks' GPUs, one each (None: the next visible ones)
     # the stack
     engines: int = 1
     home: Path = Path(".weir")

@@ -6,7 +6,8 @@ gpus_per_engine`; engines on the transformers backend run on the CPU and take no
 visible devices (``CUDA_VISIBLE_DEVICES`` when set, else every device torch sees); the trainer's ranks take one
 GPU each after them. Before, a rank took ``cuda:LOCAL_RANK`` of every visible device, which is where engine 0
 runs: a trainer rank and an engine on one GPU by default. A machine with no GPU has an empty plan (everything
-on the CPU). Too few GPUs, or a device listed twice, is a `PlacementError` naming the counts, before any role
+on the CPU). ``--engine-gpus`` / ``--trainer-gpus`` choose the GPUs instead. Too few GPUs, a device listed twice,
+one given to both the engines and the trainer, or one not visible is a `PlacementError` naming it, before any role
 starts.
 """
 
@@ -59,26 +60,65 @@ def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
     return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
 
 
-def plan_devices(visible: Sequence[str], *, engines: int, gpus_per_engine: int, trainer_ranks: int) -> DevicePlan:
+def plan_devices(
+    visible: Sequence[str],
+    *,
+    engines: int,
+    gpus_per_engine: int,
+    trainer_ranks: int,
+    engine_gpus: Sequence[str] | None = None,
+    trainer_gpus: Sequence[str] | None = None,
+) -> DevicePlan:
     """Engine i on GPUs ``visible[i·k : (i+1)·k]`` (k = ``gpus_per_engine``, 0 for CPU engines), the trainer's
-    ranks on the next ``trainer_ranks``; an empty plan when nothing is visible."""
+    ranks on the next ``trainer_ranks``; an empty plan when nothing is visible. ``engine_gpus`` /
+    ``trainer_gpus`` (``--engine-gpus`` / ``--trainer-gpus``) choose them instead, in their order: each must be
+    visible, exactly as many as needed, and none given to both; what one leaves the other takes in order."""
     if engines < 0 or gpus_per_engine < 0 or trainer_ranks < 0:
         raise PlacementError(f"engines {engines}, GPUs per engine {gpus_per_engine}, ranks {trainer_ranks}: 0 or more")
-    twice = sorted({gpu for gpu in visible if list(visible).count(gpu) > 1})
-    if twice:
-        raise PlacementError(f"CUDA_VISIBLE_DEVICES lists GPU {', '.join(twice)} more than once")
+    _refuse_bad_lists(visible, engine_gpus, trainer_gpus)
     if not visible:
         return DevicePlan(engines=((),) * engines, trainer=())
     needed = engines * gpus_per_engine + trainer_ranks
+    for name, listed, want in (
+        ("--engine-gpus", engine_gpus, engines * gpus_per_engine),
+        ("--trainer-gpus", trainer_gpus, trainer_ranks),
+    ):
+        if listed is not None and len(listed) != want:
+            counts = f"{engines} engine(s) of {gpus_per_engine} GPU(s) and {trainer_ranks} trainer rank(s)"
+            raise PlacementError(f"{name} lists {len(listed)} GPU(s) for {want}: {counts}")
     if needed > len(visible):
         raise PlacementError(
             f"{engines} engine(s) of {gpus_per_engine} GPU(s) and {trainer_ranks} trainer rank(s) need {needed} "
             f"GPUs, but {len(visible)} are visible ({','.join(visible)}): fewer --engines or --nproc, a smaller "
             "tp_size, or more CUDA_VISIBLE_DEVICES"
         )
-    runs = tuple(tuple(visible[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines))
-    start = engines * gpus_per_engine
-    return DevicePlan(engines=runs, trainer=tuple(visible[start : start + trainer_ranks]))
+    free = [gpu for gpu in visible if gpu not in (engine_gpus or ()) and gpu not in (trainer_gpus or ())]
+    for_engines = list(engine_gpus) if engine_gpus is not None else free[: engines * gpus_per_engine]
+    free = [gpu for gpu in free if gpu not in for_engines]
+    for_trainer = tuple(trainer_gpus) if trainer_gpus is not None else tuple(free[:trainer_ranks])
+    runs = tuple(tuple(for_engines[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines))
+    return DevicePlan(engines=runs, trainer=for_trainer)
+
+
+def _refuse_bad_lists(
+    visible: Sequence[str], engine_gpus: Sequence[str] | None, trainer_gpus: Sequence[str] | None
+) -> None:
+    """A device listed twice, given to both the engines and the trainer, or not visible: `PlacementError`."""
+    lists = (("CUDA_VISIBLE_DEVICES", visible), ("--engine-gpus", engine_gpus), ("--trainer-gpus", trainer_gpus))
+    for name, listed in lists:
+        twice = sorted({gpu for gpu in listed or () if list(listed or ()).count(gpu) > 1})
+        if twice:
+            raise PlacementError(f"{name} lists GPU {', '.join(twice)} more than once")
+    both = sorted(set(engine_gpus or ()) & set(trainer_gpus or ()))
+    if both:
+        raise PlacementError(
+            f"GPU {', '.join(both)} is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)"
+        )
+    for name, listed in lists[1:]:
+        absent = [gpu for gpu in listed or () if gpu not in visible]
+        if absent:
+            shown = ",".join(visible) or "none"
+            raise PlacementError(f"{name}: GPU {', '.join(absent)} is not visible on this node (visible: {shown})")
 
 
 def training_plan(config: TrainConfig) -> DevicePlan | None:
@@ -86,15 +126,23 @@ def training_plan(config: TrainConfig) -> DevicePlan | None:
     --role-url, and inside a rank (its launcher planned it)."""
     if config.ray or config.role_url or "WORLD_SIZE" in os.environ:
         return None
+    from .model import engine_env
     from .stack import gpus_per_engine
 
-    sglang = os.environ.get("WEIR_BACKEND") == "sglang"  # transformers engines run on the CPU: no GPU taken
+    env = {**os.environ, **engine_env(config)}  # --backend / --sglang-args over the environment's
+    sglang = env.get("WEIR_BACKEND") == "sglang"  # transformers engines run on the CPU: no GPU taken
     return plan_devices(
         visible_gpus(),
         engines=config.engines,
-        gpus_per_engine=gpus_per_engine(os.environ) if sglang else 0,
+        gpus_per_engine=gpus_per_engine(env) if sglang else 0,
         trainer_ranks=config.nproc,
+        engine_gpus=_listed(config.engine_gpus),
+        trainer_gpus=_listed(config.trainer_gpus),
     )
+
+
+def _listed(gpus: str | None) -> list[str] | None:
+    return None if gpus is None else [gpu.strip() for gpu in gpus.split(",") if gpu.strip()]
 
 
 def single_rank_device(config: TrainConfig) -> str | None:

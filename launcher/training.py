@@ -230,6 +230,8 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     if config.r3 or config.arch == "qwen3-omni-moe":
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
     settings.update(engine_env(config))
+    if config.engine_gpus is not None:  # engine i takes the i-th run of them (`launcher.stack.engine_devices`)
+        settings["CUDA_VISIBLE_DEVICES"] = config.engine_gpus
     from trainer.losses import PRESET_ADVANTAGE_ESTIMATOR  # the advantages the objective's paper pairs it with
 
     settings["WEIR_ADVANTAGE_ESTIMATOR"] = PRESET_ADVANTAGE_ESTIMATOR[config.loss]

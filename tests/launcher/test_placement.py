@@ -51,18 +51,18 @@ def test_the_visible_gpus_are_cuda_visible_devices_when_set() -> None:
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []  # set and empty: none
 
 
-def test_weir_train_refuses_a_plan_that_does_not_fit_before_anything_starts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from launcher.cli import main
+def test_a_plan_that_does_not_fit_is_refused_with_the_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weir train` makes this plan before anything starts (`launcher.training._refusal`; on SGLang after its
+    engine checks, which need sglang installed: `tests/engines/test_sglang_real_train.py`)."""
+    from launcher.config import TrainConfig
+    from launcher.placement import training_plan
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
     monkeypatch.setenv("WEIR_BACKEND", "sglang")
     monkeypatch.setenv("WEIR_ENGINE_GPUS", "2")
-    assert main(["train", "--demo", "--nproc", "2", "--home", str(tmp_path / "w")]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert "1 engine(s) of 2 GPU(s) and 2 trainer rank(s) need 4 GPUs, but 2 are visible (0,1)" in out, out
-    assert not (tmp_path / "w").exists()
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(PlacementError, match=r"1 engine\(s\) of 2 GPU\(s\) and 2 trainer rank\(s\) need 4 GPUs"):
+        training_plan(TrainConfig.with_defaults(demo=True, nproc=2))
 
 
 def test_a_one_rank_trainer_takes_its_planned_gpu_by_torchs_index(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -82,3 +82,90 @@ def test_a_one_rank_trainer_takes_its_planned_gpu_by_torchs_index(monkeypatch: p
     assert training_plan(TrainConfig.with_defaults(demo=True, ray=True)) is None  # Ray places its own
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert single_rank_device(config) is None  # no GPU: the trainer's default, the CPU here
+
+
+@pytest.mark.parametrize(
+    ("visible", "engines", "per_engine", "ranks", "engine_gpus", "trainer_gpus", "want_engines", "want_trainer"),
+    [
+        (["0", "1"], 1, 1, 1, ["1"], None, (("1",),), ("0",)),  # the trainer takes what the engines leave
+        (
+            [str(i) for i in range(8)],
+            2,
+            2,
+            4,
+            None,
+            ["7", "6", "5", "4"],
+            (("0", "1"), ("2", "3")),
+            ("7", "6", "5", "4"),
+        ),
+        ([str(i) for i in range(8)], 2, 2, 2, ["4", "5", "6", "7"], ["0", "1"], (("4", "5"), ("6", "7")), ("0", "1")),
+    ],
+    ids=["2-gpus-engine-on-1", "8-gpus-trainer-chosen", "8-gpus-both-chosen"],
+)
+def test_chosen_gpus_are_taken_in_their_order(
+    visible: list[str],
+    engines: int,
+    per_engine: int,
+    ranks: int,
+    engine_gpus: list[str] | None,
+    trainer_gpus: list[str] | None,
+    want_engines: tuple,
+    want_trainer: tuple,
+) -> None:
+    plan = plan_devices(
+        visible,
+        engines=engines,
+        gpus_per_engine=per_engine,
+        trainer_ranks=ranks,
+        engine_gpus=engine_gpus,
+        trainer_gpus=trainer_gpus,
+    )
+    assert (plan.engines, plan.trainer) == (want_engines, want_trainer)
+
+
+@pytest.mark.parametrize(
+    ("engine_gpus", "trainer_gpus", "said"),
+    [
+        (["0", "1"], ["1", "2"], "GPU 1 is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)"),
+        (["0", "9"], None, "--engine-gpus: GPU 9 is not visible on this node (visible: 0,1,2,3)"),
+        (["0"], None, "--engine-gpus lists 1 GPU(s) for 2: 1 engine(s) of 2 GPU(s) and 2 trainer rank(s)"),
+        (None, ["2", "2"], "--trainer-gpus lists GPU 2 more than once"),
+        (None, ["2"], "--trainer-gpus lists 1 GPU(s) for 2"),
+    ],
+    ids=["overlap", "not-visible", "too-few-for-the-engines", "twice", "too-few-for-the-ranks"],
+)
+def test_chosen_gpus_that_cannot_be_a_plan_are_refused_by_name(
+    engine_gpus: list[str] | None, trainer_gpus: list[str] | None, said: str
+) -> None:
+    with pytest.raises(PlacementError) as refused:
+        plan_devices(
+            ["0", "1", "2", "3"],
+            engines=1,
+            gpus_per_engine=2,
+            trainer_ranks=2,
+            engine_gpus=engine_gpus,
+            trainer_gpus=trainer_gpus,
+        )
+    assert said in str(refused.value)
+
+
+def test_weir_train_refuses_overlapping_gpus_and_takes_backend_from_its_options(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The plan reads --backend / --sglang-args (tp 2: two GPUs an engine), and --engine-gpus overlapping
+    --trainer-gpus is one line, exit 2, before anything starts."""
+    from launcher.cli import main
+    from launcher.config import TrainConfig
+    from launcher.placement import training_plan
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    monkeypatch.delenv("WEIR_BACKEND", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = TrainConfig.with_defaults(demo=True, backend="sglang", sglang_args='{"tp_size": 2}', trainer_gpus="0")
+    plan = training_plan(config)
+    assert plan is not None and plan.engines == (("1", "2"),) and plan.trainer == ("0",)
+    argv = ["train", "--demo", "--home", str(tmp_path / "w"), "--engine-gpus", "0", "--trainer-gpus", "0"]
+    assert main(argv) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "GPU 0 is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)" in out, out
+    assert not (tmp_path / "w").exists()
