@@ -145,6 +145,24 @@ def test_inline_media_are_used_as_the_cached_ones(setup: Any) -> None:
         assert torch.equal(cached[name], given[name])
 
 
+def test_the_towers_go_to_the_trainers_device_in_its_precision(setup: Any) -> None:
+    """`MegatronTrainer` hands its device and precision to the towers (they stayed on the host in fp32, so every
+    image of a GPU trainer ran through the CPU): bf16 towers encode in bf16 (spliced in as the GPT's dtype)."""
+    import copy
+
+    trainer, store, items = setup
+    thinker = copy.deepcopy(trainer.model)  # moved in place: not the shared trainer's
+    media = QwenMedia.from_thinker(thinker, features=store, device="cpu", dtype=torch.bfloat16)
+    assert {p.dtype for p in thinker.visual.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in thinker.audio_tower.parameters()} == {torch.bfloat16}
+    batch = megatron_batch(media_batch(thinker.config, items), media=media)
+    full = megatron_batch(
+        media_batch(trainer.model.config, items), media=QwenMedia.from_thinker(trainer.model, features=store)
+    )
+    difference = (batch["media_embeds"].float() - full["media_embeds"]).abs()
+    assert 0 < difference.max() < 0.1  # encoded in bf16, not fp32: close, not equal
+
+
 def test_the_cp_partition_index_is_megatrons_two_chunk_split() -> None:
     # Two sequences of 8 and 4 tokens, cp 2: chunks of 2 and 1; rank 0 takes chunks 0 and 3, rank 1 chunks 1 and 2.
     cu = torch.tensor([0, 8, 12])

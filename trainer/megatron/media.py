@@ -149,10 +149,18 @@ class QwenMedia:
         return cls(AutoConfig.from_pretrained(model_dir), towers.encode, features=features)
 
     @classmethod
-    def from_thinker(cls, thinker: Any, *, features: Any = None) -> QwenMedia:
+    def from_thinker(
+        cls,
+        thinker: Any,
+        *,
+        features: Any = None,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> QwenMedia:
         """The towers of a loaded thinker (shared, not copied): ``Qwen2_5OmniThinkerForConditionalGeneration``,
         ``Qwen3VLForConditionalGeneration`` (vision tower at ``model.visual``, no audio tower) or
-        ``Qwen3OmniMoeThinkerForConditionalGeneration``."""
+        ``Qwen3OmniMoeThinkerForConditionalGeneration``; moved to ``device`` in ``dtype`` when given (the
+        trainer's: towers left on the host in fp32 ran every image through the CPU on a GPU trainer)."""
         from encoders.towers import Towers
 
         visual = getattr(thinker, "visual", None)
@@ -160,7 +168,11 @@ class QwenMedia:
             visual = getattr(getattr(thinker, "model", None), "visual", None)
         if visual is None:
             raise ValueError(f"{type(thinker).__name__} has no vision tower (at .visual or .model.visual)")
-        towers = Towers.from_modules(visual, getattr(thinker, "audio_tower", None), "thinker")
+        audio = getattr(thinker, "audio_tower", None)
+        for tower in (visual, audio):
+            if tower is not None and (device is not None or dtype is not None):
+                tower.to(device=device, dtype=dtype)
+        towers = Towers.from_modules(visual, audio, "thinker")
         return cls(thinker.config, towers.encode, features=features)
 
     def sequence_media(self, batch: FeedBatch) -> list[list[Any]]:

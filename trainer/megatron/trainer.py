@@ -163,7 +163,12 @@ class MegatronTrainer(SupervisedPairs):
         self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
         self._passes = ppo_epochs * mini_batches > 1  # several optimizer steps a step: micro-batches are held
         self._held: list[Held] = []
-        self.media = QwenMedia.from_thinker(thinker, features=features) if towers else None
+        tower_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # frozen: in the trainer's precision
+        self.media = (
+            QwenMedia.from_thinker(thinker, features=features, device=self.device, dtype=tower_dtype)
+            if towers
+            else None
+        )
         self.mismatch = MismatchMonitor(placeholder_ids(thinker.config))  # the train-inference mismatch
         self.features = features
         self.gpt = gpt
