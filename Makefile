@@ -9,7 +9,7 @@ RUN_STAMP := $(VENV)/.installed-run
 # the released SGLang's environment (see sglang-check below)
 SGLANG_VENV := .venv-sglang
 
-.PHONY: run test lint bench clean gpu-check sglang-check extras-check docs
+.PHONY: run test lint bench clean gpu-check gpu-check-rehearsal sglang-check extras-check docs
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,6 +65,10 @@ sglang-check: $(SGLANG_VENV)/.installed
 # Every `gpu`-marked check, on a machine with a CUDA GPU (one verdict line per check; see tests/gpu/run.sh).
 gpu-check:
 	PYTHON=$(if $(wildcard $(BIN)/python),$(BIN)/python,python3) tests/gpu/run.sh
+
+# the same script on a machine without a GPU (make test runs it: tests/gpu/test_rehearsal.py)
+gpu-check-rehearsal: $(STAMP)
+	PYTHON=$(BIN)/python tests/gpu/run.sh --rehearse
 
 bench: $(STAMP)
 	$(BIN)/python tests/benchmarks/bench_preprocess.py

@@ -191,6 +191,7 @@ def test_export_writes_a_folder_the_engine_loads(model: Path, tmp_path: Path) ->
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL)")
 def test_megatron_core_schedules_train_on_fed_batches(model: Path) -> None:  # pragma: no cover - needs CUDA
     """On CUDA with only torch and megatron-core (local spec, no transformer-engine or apex): the
     schedule's loss over two micro-batches is the reference trainer's over both, and the gradients

@@ -126,12 +126,8 @@ class MegatronTrainer(SupervisedPairs):
         if ep > 1 and (not self.layout.num_experts or self.layout.num_experts % ep):
             raise ValueError(f"--ep {ep}: {self.model_dir} has {self.layout.num_experts} experts, which ep must divide")
         self.tp, self.ep = tp, ep
-        towers = _has_towers(thinker)
-        self._tower_parameters = sum(
-            p.numel()
-            for name in ("visual", "audio_tower")
-            for p in getattr(getattr(thinker, name, None), "parameters", list)()
-        )
+        towers = bool(_towers(thinker))
+        self._tower_parameters = sum(p.numel() for tower in _towers(thinker) for p in tower.parameters())
         mapped = self._shard(hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False))
 
         def built() -> Any:
@@ -552,8 +548,11 @@ class MegatronTrainer(SupervisedPairs):
         close_megatron_ranks()
 
 
-def _has_towers(thinker: Any) -> bool:
-    return getattr(thinker, "visual", None) is not None or getattr(thinker, "audio_tower", None) is not None
+def _towers(thinker: Any) -> list[torch.nn.Module]:
+    """The thinker's frozen towers: an Omni thinker's ``visual`` and ``audio_tower``, Qwen3-VL's ``model.visual``
+    (missed before: a Qwen3-VL trained on Megatron took its images as text, with 1-D positions)."""
+    found = [getattr(thinker, "visual", None), getattr(getattr(thinker, "model", None), "visual", None)]
+    return [t for t in (*found, getattr(thinker, "audio_tower", None)) if t is not None]
 
 
 def _supervised_batch(prompt: list[int], response: list[int], keys: list[str]) -> FeedBatch:
