@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from trainer.feed import FeedBatch, pack
 
 
 def image_prompt(model: Path) -> tuple[list[int], object]:
@@ -18,18 +23,16 @@ def image_prompt(model: Path) -> tuple[list[int], object]:
     return [*ids, config["vision_end_token_id"], 3, 4], image
 
 
-def image_batch(model: Path, store: object) -> object:
-    """One packed micro-batch: an image sequence and a text one, each with a response."""
-    import pyarrow as pa
-
-    import preprocess as pp
-    from preprocess import samples
-    from trainer.feed import FeedBatch, pack
-
-    spec = pp.ProcessorSpec.from_pretrained(model)
-    item = pp.process_bytes(samples.encode_image(samples.test_pattern(64, 64), "PNG"), "image", spec, store=store)
-    prompt, _ = image_prompt(model)
-    prompts, responses = [prompt, [5, 6, 7]], [[10, 11, 12], [13, 14]]
+def pair_batch(
+    prompts: list[list[int]],
+    responses: list[list[int]],
+    feature_keys: list[list[str]],
+    *,
+    media: list[list[Any]] | None = None,
+    batch_id: str = "b",
+) -> FeedBatch:
+    """Two (prompt, response) sequences packed as the feed packs them: the responses are the loss tokens, the
+    first sequence rewarded (advantage +1), the second not (-1)."""
     table = pa.table(
         {
             "input_ids": [p + r for p, r in zip(prompts, responses, strict=True)],
@@ -40,6 +43,18 @@ def image_batch(model: Path, store: object) -> object:
             "policy_version": [0, 0],
         }
     )
+    ids = [f"{batch_id}/{i}" for i in range(len(prompts))]
     return FeedBatch(
-        batch_id="gpu", tensors=pack(table), sample_ids=["g/0", "g/1"], feature_keys=[[item.key], []], meta={}
+        batch_id=batch_id, tensors=pack(table), sample_ids=ids, feature_keys=feature_keys, meta={}, media=media
     )
+
+
+def image_batch(model: Path, store: object) -> FeedBatch:
+    """One packed micro-batch: an image sequence and a text one, each with a response."""
+    import preprocess as pp
+    from preprocess import samples
+
+    spec = pp.ProcessorSpec.from_pretrained(model)
+    item = pp.process_bytes(samples.encode_image(samples.test_pattern(64, 64), "PNG"), "image", spec, store=store)
+    prompt, _ = image_prompt(model)
+    return pair_batch([prompt, [5, 6, 7]], [[10, 11, 12], [13, 14]], [[item.key], []], batch_id="gpu")

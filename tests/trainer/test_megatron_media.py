@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pyarrow as pa
 import pytest
 import torch
 
@@ -15,7 +14,8 @@ import preprocess as pp
 from encoders.embedded_model import init_model
 from preprocess import samples
 from tests.trainer.conftest import gpt_from_hf
-from trainer.feed import FeedBatch, pack
+from tests.trainer.image_batch import pair_batch
+from trainer.feed import FeedBatch
 from trainer.megatron import (
     QwenMedia,
     forward_step,
@@ -52,24 +52,12 @@ def media_batch(config: Any, items: list[pp.ProcessedItem], *, inline: bool = Fa
         + [c.audio_token_id] * audio.features.num_tokens
         + [c.audio_end_token_id, 4]
     )
-    prompts, responses = [prompt, [5, 6, 7, 8]], [[10, 11, 12], [13, 14]]
-    table = pa.table(
-        {
-            "input_ids": [p + r for p, r in zip(prompts, responses, strict=True)],
-            "loss_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses, strict=True)],
-            "rollout_logprobs": [[-1.0] * (len(p) + len(r)) for p, r in zip(prompts, responses, strict=True)],
-            "advantage": [1.0, -1.0],
-            "reward": [1.0, 0.0],
-            "policy_version": [0, 0],
-        }
-    )
-    return FeedBatch(
-        batch_id="m",
-        tensors=pack(table),
-        sample_ids=["g/0", "g/1"],
-        feature_keys=[[image.key, audio.key], []],
-        meta={},
+    return pair_batch(
+        [prompt, [5, 6, 7, 8]],
+        [[10, 11, 12], [13, 14]],
+        [[image.key, audio.key], []],
         media=[[image.features, audio.features], []] if inline else None,
+        batch_id="m",
     )
 
 

@@ -17,6 +17,7 @@ import torch
 
 from encoders.embedded_model import ARCHITECTURES, init_model
 from tests.trainer.conftest import gpt_from_hf
+from tests.trainer.image_batch import pair_batch
 from trainer.feed import FeedBatch, pack
 from trainer.megatron import (
     QwenLayout,
@@ -292,25 +293,7 @@ def qwen3_vl_batch(config: Any, image: Any) -> FeedBatch:
     """Sequence 0: text, an image (``FeedBatch.media``, inline), a response; sequence 1: text only."""
     c = config
     prompt = [1, 2, c.vision_start_token_id] + [c.image_token_id] * image.num_tokens + [c.vision_end_token_id, 3]
-    prompts, responses = [prompt, [7, 8]], [[4, 5, 6], [9, 10]]
-    table = pa.table(
-        {
-            "input_ids": [p + r for p, r in zip(prompts, responses, strict=True)],
-            "loss_mask": [[0] * len(p) + [1] * len(r) for p, r in zip(prompts, responses, strict=True)],
-            "rollout_logprobs": [[-1.0] * (len(p) + len(r)) for p, r in zip(prompts, responses, strict=True)],
-            "advantage": [1.0, -1.0],
-            "reward": [1.0, 0.0],
-            "policy_version": [0, 0],
-        }
-    )
-    return FeedBatch(
-        batch_id="v",
-        tensors=pack(table),
-        sample_ids=["a", "b"],
-        feature_keys=[[image.key], []],
-        meta={},
-        media=[[image], []],
-    )
+    return pair_batch([prompt, [7, 8]], [[4, 5, 6], [9, 10]], [[image.key], []], media=[[image], []], batch_id="v")
 
 
 def assert_megatron_matches_the_reference(
