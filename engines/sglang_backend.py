@@ -282,9 +282,10 @@ class SGLangEngine:
             if not _succeeded(opened)[0]:
                 return opened
             try:
-                return await getattr(manager, method)(getattr(io, record)(**fields), None)
+                outcome = await getattr(manager, method)(getattr(io, record)(**fields), None)
             finally:
-                await manager.end_weight_update(io.EndWeightUpdateReqInput(), None)
+                closed = await manager.end_weight_update(io.EndWeightUpdateReqInput(), None)
+            return outcome if not _succeeded(outcome)[0] or _succeeded(closed)[0] else closed  # the first failure
 
         ok, message = _succeeded(self._loop.call(on_loop()))
         if not ok:
