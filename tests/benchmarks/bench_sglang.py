@@ -185,7 +185,11 @@ def sglang_servers(model: Path, which: str, port: int, server_args: dict[str, An
     if which == "peer":
         command = [*python, "sglang.launch_server", "--model-path", str(model), "--port", str(port)]
         for name, value in server_args.items():
-            command += [f"--{name.replace('_', '-')}", str(value)]
+            flag = f"--{name.replace('_', '-')}"
+            if isinstance(value, bool):  # SGLang's boolean arguments are flags: present or not
+                command += [flag] if value else []
+            else:
+                command += [flag, str(value)]
         return process_server(command, url, env)
     env.update({"WEIR_MODEL": str(model), "WEIR_SGLANG_ARGS": json.dumps(server_args), "WEIR_API_TOKEN": ""})
     env.update({"WEIR_CACHE_DIR": str(model.parent / "cache"), "WEIR_EMBEDDING_CACHE_DIR": str(model.parent / "emb")})

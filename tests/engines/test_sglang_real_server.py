@@ -168,25 +168,21 @@ def test_an_image_sent_as_media_generates_sglangs_tokens_for_weirs_features(role
 
 def test_sglangs_own_refusal_comes_back_as_a_4xx_with_a_code(role: str, model: Path) -> None:
     """A request id already running is refused by SGLang's tokenizer manager (Weir does not check it): the role
-    answers 400 with a stable code, and the first request is unharmed."""
+    answers 400 with a stable code, and the first request is unharmed. The first is streamed, and the second sent
+    once its first tokens have come: SGLang is running it then (a state, not a guess at its speed)."""
     ids = _prompt(model, "Go on.")
-    first = {"input_ids": ids, "rid": "twice", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
-
-    async def both() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(timeout=300) as client:
-            running = asyncio.create_task(client.post(f"{role}/generate", json=first))
-            await asyncio.sleep(0)
-            for _ in range(600):  # until SGLang has it (its answer would say so)
-                again = await client.post(f"{role}/generate", json={**first, "sampling_params": {"max_new_tokens": 2}})
-                if again.status_code != 200:
-                    return await running, again
-                await asyncio.sleep(0.05)
-            raise AssertionError("the duplicate id was never refused")
-
-    done, refused = asyncio.run(both())
+    sampling = {"max_new_tokens": 400, "ignore_eos": True}
+    first = {"input_ids": ids, "rid": "twice", "sampling_params": sampling, "stream": True}
+    with httpx.Client(timeout=300) as client, client.stream("POST", f"{role}/generate", json=first) as running:
+        assert running.status_code == 200
+        lines = running.iter_lines()
+        next(line for line in lines if line.startswith("data: "))  # SGLang has it, generating
+        again = {"input_ids": ids, "rid": "twice", "sampling_params": {"max_new_tokens": 2}}
+        refused = client.post(f"{role}/generate", json=again)
+        events = [line for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["code"] == "invalid_prompt" and "Duplicate request ID" in refused.text
-    assert done.status_code == 200 and len(done.json()["output_ids"]) == 400
+    assert len(json.loads(events[-1][6:])["output_ids"]) == 400
 
 
 def test_the_benchmark_harness_runs_sglangs_server_and_weirs_role_on_the_real_engine(
