@@ -109,6 +109,7 @@ class SGLangEngine:
         self.engine = self._loop.start(lambda: engine_class(model_path=str(self.model_dir), **args), start_timeout_s)
         self._tokenizer_manager = self.engine.tokenizer_manager
         self.weight_version = str(args["weight_version"])
+        self._parallel = {name: int(args.get(name, 1)) for name in ("pp_size", "dp_size")}
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids; changed on the loop thread only
@@ -324,6 +325,17 @@ class SGLangEngine:
         group_name: str,
         backend: str,
     ) -> None:
+        """Join the trainer's broadcast group. Refused by name for an engine with pp_size or dp_size over 1:
+        sglang 0.5.23 ranks each scheduler in the group as ``rank_offset + tp_rank`` (pipeline stages would
+        share ranks) and asserts one data-parallel replica for the broadcast update."""
+        split = {name: size for name, size in self._parallel.items() if size > 1}
+        if split:
+            sizes = ", ".join(f"{name} {size}" for name, size in split.items())
+            raise WeightsError(
+                f"weights by broadcast need pp_size 1 and dp_size 1 on this SGLang (this engine has {sizes}: its "
+                "group ranks are rank_offset + tp_rank); publish from disk instead (weir train --weights disk)",
+                code="weights_rejected",
+            )
         self._weights(
             "init_weights_update_group",
             "InitWeightsUpdateGroupReqInput",

@@ -361,6 +361,24 @@ def test_weights_by_group_and_by_tensor(model_dir: Path) -> None:
         engine.close()
 
 
+def test_a_broadcast_group_is_refused_by_name_for_an_engine_split_into_stages_or_replicas(model_dir: Path) -> None:
+    for split in ({"pp_size": 2}, {"dp_size": 2}):
+        engine = start(model_dir, **split)
+        try:
+            with pytest.raises(WeightsError, match="weights by broadcast need pp_size 1 and dp_size 1") as refused:
+                engine.init_weights_update_group(
+                    master_address="127.0.0.1",
+                    master_port=1,
+                    rank_offset=1,
+                    world_size=2,
+                    group_name="g",
+                    backend="gloo",
+                )
+            assert refused.value.code == "weights_rejected" and calls(engine) == []  # nothing reached SGLang
+        finally:
+            engine.close()
+
+
 def test_sglang_loads_tensors_only_inside_a_weight_update_session(model_dir: Path) -> None:
     """The rule sglang 0.5.23 keeps (its real engine refused Weir's tensor update without one): outside a
     session a tensor or broadcast update is refused by name; the backend opens one per update, and a session
