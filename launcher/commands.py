@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from services.cluster.autoscaling import EngineAutoscaling
 
     from .cluster.stack import RayStack
+    from .placement import DevicePlan
 
 __all__ = ["HANDLERS", "WORKER_APPS", "preprocess_app"]
 
@@ -193,6 +194,19 @@ def _ray_stack(args: argparse.Namespace) -> RayStack:
     )
 
 
+def _engine_plan(engines: int, env: dict[str, str]) -> DevicePlan | str:
+    """`weir up`'s GPU plan (`launcher.placement`: the engines' GPUs, no trainer), or why it cannot be, in one
+    line, before any role starts."""
+    from .placement import PlacementError, plan_devices, visible_gpus
+    from .stack import gpus_per_engine
+
+    try:
+        per_engine = gpus_per_engine(env) if env.get("WEIR_BACKEND") == "sglang" else 0
+        return plan_devices(visible_gpus(env), engines=engines, gpus_per_engine=per_engine, trainer_ranks=0)
+    except (PlacementError, ValueError) as error:
+        return f"weir up: {error}"
+
+
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
     """The engine settings given as options (``--backend``, ``--sglang-args``), for every role's environment."""
     given = (("WEIR_BACKEND", getattr(args, "backend", None)), ("WEIR_SGLANG_ARGS", getattr(args, "sglang_args", None)))
@@ -277,7 +291,13 @@ def _up(args: argparse.Namespace) -> int:
     stack = LocalStack(
         home=args.home, model=args.model, engines=args.engines, base_port=args.base_port, env=_engine_env(args)
     )
+    plan = _engine_plan(args.engines, {**os.environ, **_engine_env(args)})
+    if isinstance(plan, str):
+        console.print(plan, style="red", markup=False, highlight=False, soft_wrap=True)
+        return 2
     console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
+    runs = [f"engine {i}: GPU {','.join(gpus)}" for i, gpus in enumerate(plan.engines) if gpus]
+    console.print("GPUs: " + ("; ".join(runs) if runs else "none taken (engines on the CPU)"), markup=False)
     _sigterm_as_interrupt()  # also while the roles start (start() stops those it started on any exception)
     urls = stack.start()
     for role, url in urls.items():

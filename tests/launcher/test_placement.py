@@ -169,3 +169,26 @@ def test_weir_train_refuses_overlapping_gpus_and_takes_backend_from_its_options(
     out = " ".join(capsys.readouterr().out.split())
     assert "GPU 0 is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)" in out, out
     assert not (tmp_path / "w").exists()
+
+
+def test_weir_up_refuses_engines_that_do_not_fit_before_any_role_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launcher.cli import main
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    argv = [
+        "up",
+        "--engines",
+        "2",
+        "--backend",
+        "sglang",
+        "--sglang-args",
+        '{"tp_size": 2}',
+        "--home",
+        str(tmp_path / "w"),
+    ]
+    assert main(argv) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "weir up: 2 engine(s) of 2 GPU(s) and 0 trainer rank(s) need 4 GPUs, but 2 are visible (0,1)" in out, out
+    assert not (tmp_path / "w" / "logs").exists()
