@@ -197,12 +197,10 @@ def _ray_stack(args: argparse.Namespace) -> RayStack:
 def _engine_plan(engines: int, env: dict[str, str]) -> DevicePlan | str:
     """`weir up`'s GPU plan (`launcher.placement`: the engines' GPUs, no trainer), or why it cannot be, in one
     line, before any role starts."""
-    from .placement import PlacementError, plan_devices, visible_gpus
-    from .stack import gpus_per_engine
+    from .placement import PlacementError, stack_plan
 
     try:
-        per_engine = gpus_per_engine(env) if env.get("WEIR_BACKEND") == "sglang" else 0
-        return plan_devices(visible_gpus(env), engines=engines, gpus_per_engine=per_engine, trainer_ranks=0)
+        return stack_plan(env, engines=engines)
     except (PlacementError, ValueError) as error:
         return f"weir up: {error}"
 

@@ -21,7 +21,15 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from .config import TrainConfig
 
-__all__ = ["DevicePlan", "PlacementError", "plan_devices", "single_rank_device", "training_plan", "visible_gpus"]
+__all__ = [
+    "DevicePlan",
+    "PlacementError",
+    "plan_devices",
+    "single_rank_device",
+    "stack_plan",
+    "training_plan",
+    "visible_gpus",
+]
 
 
 class PlacementError(ValueError):
@@ -127,17 +135,36 @@ def training_plan(config: TrainConfig) -> DevicePlan | None:
     if config.ray or config.role_url or "WORLD_SIZE" in os.environ:
         return None
     from .model import engine_env
-    from .stack import gpus_per_engine
 
-    env = {**os.environ, **engine_env(config)}  # --backend / --sglang-args over the environment's
-    sglang = env.get("WEIR_BACKEND") == "sglang"  # transformers engines run on the CPU: no GPU taken
-    return plan_devices(
-        visible_gpus(),
+    return stack_plan(
+        {**os.environ, **engine_env(config)},  # --backend / --sglang-args over the environment's
         engines=config.engines,
-        gpus_per_engine=gpus_per_engine(env) if sglang else 0,
         trainer_ranks=config.nproc,
         engine_gpus=_listed(config.engine_gpus),
         trainer_gpus=_listed(config.trainer_gpus),
+    )
+
+
+def stack_plan(
+    env: Mapping[str, str],
+    *,
+    engines: int,
+    trainer_ranks: int = 0,
+    engine_gpus: Sequence[str] | None = None,
+    trainer_gpus: Sequence[str] | None = None,
+) -> DevicePlan:
+    """The plan of a local stack under the settings ``env`` (`weir up`'s, `weir train`'s): engines take GPUs on
+    SGLang only (transformers engines run on the CPU), tp × pp × dp each (`launcher.stack.gpus_per_engine`)."""
+    from .stack import gpus_per_engine
+
+    per_engine = gpus_per_engine(env) if env.get("WEIR_BACKEND") == "sglang" else 0
+    return plan_devices(
+        visible_gpus(env),
+        engines=engines,
+        gpus_per_engine=per_engine,
+        trainer_ranks=trainer_ranks,
+        engine_gpus=engine_gpus,
+        trainer_gpus=trainer_gpus,
     )
 
 
