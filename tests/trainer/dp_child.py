@@ -51,6 +51,7 @@ def main(config_path: str, rank: int) -> None:
         same = all(torch.equal(whole[k], back[k]) for k in whole)
         summary = {"loss": result.loss, "grad_norm": result.grad_norm, "restored_equal": same, "feed": feed_state}
         (out / "result.json").write_text(json.dumps(summary))
+    del trainer, restored  # as a run ends: the models go before the process group
     parallel.close()
 
 
