@@ -28,8 +28,8 @@ Precision and memory (``precision``, ``activation_checkpointing``, ``cpu_offload
 in bf16 and keeps fp32 master weights (the optimizer's) and fp32 gradient reductions — under FSDP2 a
 ``MixedPrecisionPolicy`` (units gathered in bf16, reduced in fp32, shards fp32), on one rank the forward
 under ``torch.autocast`` over fp32 parameters; log-probs are taken in fp32 from the logits either way.
-Activation checkpointing recomputes each decoder layer in the backward (torch's
-``apply_activation_checkpointing``, wrapped before sharding; checkpoints keep the layers' plain names).
+Activation checkpointing recomputes each decoder layer in the backward (torch's module-hook ``checkpoint``, put on
+before sharding: no wrapper, so the layers and checkpoints keep their plain names).
 CPU offload (FSDP2 only) keeps the shards, gradients and AdamW state in host memory.
 `memory_estimate` says what a rank will need before the first step (`trainer.memory`).
 """
@@ -46,12 +46,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    apply_activation_checkpointing,
-    checkpoint_wrapper,
-)
+from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedModel
 
 import preprocess as pp
 from encoders.architectures import decoder_layers, load_thinker, model_inputs
@@ -64,6 +61,7 @@ from .feed import FeedBatch
 from .losses import LossConfig, policy_loss
 from .memory import MemoryEstimate, Precision, estimate_memory
 from .mismatch import MismatchMonitor, placeholder_ids
+from .model_loading import load_onto
 
 __all__ = ["ReferenceTrainer", "StepResult", "SupervisedPairs", "media_inputs", "write_synced"]
 
@@ -146,35 +144,18 @@ class ReferenceTrainer(SupervisedPairs):
             raise ValueError("routing_replay with activation_checkpointing is not supported: the recomputed "
                              "forward would route freely, not as the rollout engine did")  # fmt: skip
         torch.manual_seed(seed)
-        self.parallel = parallel
+        self.parallel, self.activation_checkpointing, self.cpu_offload = parallel, activation_checkpointing, cpu_offload
         self.precision: Precision = precision
-        self.activation_checkpointing = activation_checkpointing
-        self.cpu_offload = cpu_offload
         self.device = parallel.device if parallel is not None else torch.device(device or default_device())
-        self.model = load_thinker(model_dir, dtype=torch.float32)  # the class the folder's config names
-        torch.nn.Module.to(self.model, self.device)  # transformers' typing of `.to` rejects a device
+        # Read straight onto the device, each rank only its shards under FSDP2: no whole fp32 copy on the host
+        # (`trainer.model_loading`). With CPU offload the shards live in host memory (FSDP2 copies them per unit).
+        self.model = load_onto(
+            model_dir,
+            torch.device("cpu") if cpu_offload else self.device,
+            prepare=lambda model: self._prepare(model, routing_replay, model_dir),
+        )
         self.model.train()
         self.omni = OmniRope.of(self.model.config)  # an Omni model's positions, per media item
-        if routing_replay and not is_moe(self.model):
-            raise ValueError(f"routing replay (R3) needs a mixture-of-experts model; {model_dir} has no routers")
-        # Hooks on the routers, registered before sharding (they stay on the same modules under FSDP).
-        # R3 off, an MoE model: the same hooks only compare (the monitor's routing agreement), routing freely.
-        self.replay = RoutingReplay(self.model, enforce=routing_replay) if is_moe(self.model) else None
-        if activation_checkpointing:  # before sharding: FSDP then gathers around the recomputed layer
-            layers = set(decoder_layers(self.model))
-            apply_activation_checkpointing(
-                self.model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda module: module in layers
-            )
-        if parallel is not None:  # before the optimizer: it must hold the sharded parameters
-            parallel.shard(
-                self.model,
-                decoder_layers(self.model),
-                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                if precision == "bf16"
-                else None,
-                # pinned host memory for fast copies to the GPU (a CPU run has nothing to pin)
-                offload_policy=CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else None,
-            )
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
@@ -184,8 +165,7 @@ class ReferenceTrainer(SupervisedPairs):
         # every rank, so its forwards are no collectives).
         self.reference: torch.nn.Module | None = None
         if self.loss_config.kl_coef:
-            self.reference = load_thinker(model_dir, dtype=torch.float32).requires_grad_(False).eval()
-            torch.nn.Module.to(self.reference, self.device)
+            self.reference = load_onto(model_dir, self.device).requires_grad_(False).eval()
         # Decoupled PPO: several optimizer steps per step's samples, each ratio against the proximal policy (the
         # weights the step started with); the behaviour policy (the engine's log-probs) stays the IS correction's.
         self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
@@ -196,6 +176,26 @@ class ReferenceTrainer(SupervisedPairs):
         self.policy_version = 0
         self._units, self._loss = 0.0, 0.0
         self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
+
+    def _prepare(self, model: PreTrainedModel, routing_replay: bool, model_dir: str | Path) -> None:
+        """What goes on the model before its weights are read (on the meta device): the routers' hooks (they stay
+        on the same modules under FSDP), each decoder layer's recompute, the shards."""
+        if routing_replay and not is_moe(model):
+            raise ValueError(f"routing replay (R3) needs a mixture-of-experts model; {model_dir} has no routers")
+        # R3 off, an MoE model: the same hooks only compare (the monitor's routing agreement), routing freely.
+        self.replay: RoutingReplay | None = RoutingReplay(model, enforce=routing_replay) if is_moe(model) else None
+        layers = decoder_layers(model)
+        if self.activation_checkpointing:  # module hooks, no wrapper: the layers keep their names and FSDP2
+            for layer in layers:  # gathers around the recompute
+                checkpoint(layer)
+        if self.parallel is not None:  # before the optimizer: it must hold the sharded parameters
+            bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")  # a CPU run has nothing to pin
+            mp_policy, offload_policy = (
+                bf16 if self.precision == "bf16" else None,
+                offload if self.cpu_offload else None,
+            )
+            self.parallel.shard(model, layers, mp_policy=mp_policy, offload_policy=offload_policy)
 
     def memory_estimate(self, tokens_per_micro_batch: int) -> MemoryEstimate:
         """What one rank of this trainer needs for micro-batches of ``tokens_per_micro_batch`` tokens
