@@ -44,6 +44,7 @@ __all__ = [
     "family_of",
     "has_deepstack",
     "is_qwen3_vl",
+    "drop_language_model",
     "load_thinker",
     "mm_token_type_ids",
     "model_inputs",
@@ -143,6 +144,17 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     inner: Any = getattr(model, "model", model)
     text = getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
     return list(text.layers)
+
+
+def drop_language_model(thinker: torch.nn.Module) -> None:
+    """Take the language model out of a (meta-device) thinker, for a trainer whose own model is it (megatron's
+    GPTModel): its layers, embeddings, final norm and head are then not read; towers, config and buffers stay."""
+    inner: Any = getattr(thinker, "model", thinker)
+    text = getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
+    text.layers = torch.nn.ModuleList()
+    text.embed_tokens = torch.nn.Identity()
+    text.norm = torch.nn.Identity()
+    thinker.lm_head = torch.nn.Identity()
 
 
 def towers_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:

@@ -32,6 +32,7 @@ from trainer.megatron import (
     shard_ep,
     shard_tp,
 )
+from trainer.model_loading import CheckpointTensors
 
 
 @pytest.fixture(scope="module")
@@ -443,3 +444,25 @@ def test_a_shared_expert_maps_and_runs(megatron_world: None) -> None:
     cu, ids = fed.tensors["cu_seqlens"].tolist(), fed.tensors["input_ids"]
     for a, b in zip(cu[:-1], cu[1:], strict=True):
         torch.testing.assert_close(-output[0, a : b - 1], hf_logprobs(model, ids[a:b]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_a_rank_maps_its_part_from_the_checkpoint_read_weight_by_weight(
+    models: dict[str, Any], folders: dict[str, Path], arch: str
+) -> None:
+    """How the Megatron trainer starts (`trainer.model_loading.CheckpointTensors`, ``part``): each weight read
+    from the safetensors under the checkpoint's own names (Qwen3-Omni's per-expert keys), mapped and cut to
+    tp rank 1 of 2 (and ep rank 1 of 2) at once — equal to cutting the whole mapped model, and each kept part
+    its own storage (a view would hold the whole weight). Before, every rank mapped the whole fp32 model."""
+    layout = QwenLayout.from_hf_config(models[arch].config)
+    ep = 2 if layout.num_experts else 1
+
+    def part(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return shard_tp(shard_ep(state, layout, ep=ep, rank=ep - 1), layout, tp=2, rank=1)
+
+    read = CheckpointTensors(folders[arch])
+    assert any(".experts.0." in name for name in read) == bool(layout.num_experts)  # the checkpoint's form
+    got = hf_to_megatron(read, layout, fused_norms=False, part=part)
+    assert_same(got, part(hf_to_megatron(models[arch].state_dict(), layout, fused_norms=False)))
+    for name, tensor in got.items():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name

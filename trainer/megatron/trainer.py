@@ -51,15 +51,16 @@ from typing import Any, Literal
 import pyarrow as pa
 import torch
 import torch.distributed as dist
-from transformers import AutoTokenizer
+from transformers import AutoConfig, AutoTokenizer
 
 import preprocess as pp
-from encoders.architectures import load_thinker
+from encoders.architectures import drop_language_model, thinker_config
 
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
 from ..memory import MemoryEstimate, estimate_megatron_memory
 from ..mismatch import MismatchMonitor, placeholder_ids, token_mismatch
+from ..model_loading import CheckpointTensors, load_onto
 from ..reference import StepResult, SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
@@ -118,17 +119,27 @@ class MegatronTrainer(SupervisedPairs):
             model_parallel_cuda_manual_seed(seed)
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
-        # The Hugging Face thinker: its towers make the media embeddings (frozen); its language model's
-        # weights start the GPTModel and are then dropped from it.
-        thinker = load_thinker(model_dir, dtype=torch.float32)
+        # The Hugging Face thinker without its language model: its towers make the media embeddings (frozen, in
+        # the trainer's precision, read straight onto the device). The language model's weights are read from the
+        # checkpoint one at a time, mapped to megatron's names and cut to this rank's part as they go: no rank
+        # holds the whole model, on the host or the device (`trainer.model_loading`).
+        tower_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.layout = QwenLayout.from_hf_config(thinker_config(model_dir))
+        thinker = load_onto(
+            model_dir,
+            self.device,
+            prepare=drop_language_model,
+            skip=lambda name: not name.startswith(self.layout.tower_prefixes),
+            dtype=tower_dtype,
+        )
         self.hf_config = thinker.config
-        self.layout = QwenLayout.from_hf_config(thinker.config)
         if ep > 1 and (not self.layout.num_experts or self.layout.num_experts % ep):
             raise ValueError(f"--ep {ep}: {self.model_dir} has {self.layout.num_experts} experts, which ep must divide")
         self.tp, self.ep = tp, ep
         towers = bool(_towers(thinker))
         self._tower_parameters = sum(p.numel() for tower in _towers(thinker) for p in tower.parameters())
-        mapped = self._shard(hf_to_megatron(thinker.state_dict(), self.layout, fused_norms=False))
+        saved_as = QwenLayout.from_hf_config(AutoConfig.from_pretrained(model_dir))  # the checkpoint's own names
+        mapped = hf_to_megatron(CheckpointTensors(model_dir), saved_as, fused_norms=False, part=self._part)
 
         def built() -> Any:
             gpt = build_gpt(
@@ -159,7 +170,6 @@ class MegatronTrainer(SupervisedPairs):
         self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
         self._passes = ppo_epochs * mini_batches > 1  # several optimizer steps a step: micro-batches are held
         self._held: list[Held] = []
-        tower_dtype = torch.bfloat16 if precision == "bf16" else torch.float32  # frozen: in the trainer's precision
         self.media = (
             QwenMedia.from_thinker(thinker, features=features, device=self.device, dtype=tower_dtype)
             if towers
@@ -197,9 +207,9 @@ class MegatronTrainer(SupervisedPairs):
         return cuda_kwargs_to_cpu() if self.device.type == "cpu" else contextlib.nullcontext()
 
     # -- building -------------------------------------------------------------------------------------
-    def _shard(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This rank's part of the whole mapped state: its experts (`shard_ep`), then its tensor-parallel
-        slice (`shard_tp`; experts too: expert tensor parallelism is tp)."""
+    def _part(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of mapped weights: its experts (`shard_ep`), then its tensor-parallel slice
+        (`shard_tp`; experts too: expert tensor parallelism is tp)."""
         from megatron.core import parallel_state
 
         if self.ep > 1:

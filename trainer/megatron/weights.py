@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -275,7 +275,12 @@ def megatron_to_hf(
 
 
 def hf_to_megatron(
-    state: Mapping[str, torch.Tensor], layout: QwenLayout, *, fused_norms: bool = True, keep_towers: bool = False
+    state: Mapping[str, torch.Tensor],
+    layout: QwenLayout,
+    *,
+    fused_norms: bool = True,
+    keep_towers: bool = False,
+    part: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The inverse of `megatron_to_hf` (to start a Megatron run from a Hugging Face checkpoint or model):
     either expert form is read. Tower weights are left out, or with ``keep_towers`` passed through under
@@ -286,10 +291,15 @@ def hf_to_megatron(
     (``get_gpt_layer_local_spec``, no transformer-engine) keeps them as modules of their own
     (``input_layernorm``, ``pre_mlp_layernorm``): pass ``fused_norms=False`` for it. (An MoE layer's
     pre-MLP norm is its own module in both specs.)
+
+    ``part``: this rank's part of each mapped weight (`shard_ep`, `shard_tp`), kept as each weight is made, so
+    the whole mapped state is never held (with a lazily read ``state``, `trainer.model_loading.CheckpointTensors`,
+    no rank holds the whole model).
     """
     src = _Source(state, "the Hugging Face state")
     p = layout.hf_prefix
-    out = {"embedding.word_embeddings.weight": src.take(f"{p}embed_tokens.weight")}
+    out: dict[str, torch.Tensor] = {} if part is None else _Parts(part)
+    out["embedding.word_embeddings.weight"] = src.take(f"{p}embed_tokens.weight")
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"{p}layers.{i}."
         moe = i in layout.moe_layers
@@ -344,6 +354,18 @@ def hf_to_megatron(
         elif layout.classify(name) == "language":
             raise ValueError(f"{name} is not used by this layout's mapping (a duplicate, or another layout's weight)")
     return {k: v.contiguous() for k, v in out.items()}
+
+
+class _Parts(dict[str, torch.Tensor]):
+    """A mapped state that keeps only ``part`` of each weight set in it, copied out of the whole (a slice would
+    keep the whole weight's storage alive)."""
+
+    def __init__(self, part: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.part = part
+
+    def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
+        self.update({kept: value.clone() for kept, value in self.part({name: tensor}).items()})
 
 
 # Tensor parallelism: how megatron-core's parallel layers cut each weight.
