@@ -53,6 +53,16 @@ DEFAULT_MAX_SHARD_SIZE = "2GB"  # trainer.hf_folder's, kept here so that `weir -
 __all__ = ["build_parser", "main"]
 
 
+def _add_encoder_gpu(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--encoder-gpu",
+        default=None,
+        metavar="ID|cpu",
+        help="the encoder role's GPU as CUDA_VISIBLE_DEVICES names it, or cpu (default: the next visible GPU no "
+        "engine or trainer rank takes, else the CPU)",
+    )
+
+
 def _add_sglang_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sglang-args",
@@ -200,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sets WEIR_BACKEND for every engine (default: WEIR_BACKEND, else transformers)",
     )
     _add_sglang_args(up)
+    _add_encoder_gpu(up)
     up.add_argument("--demo", action="store_true", help="send a rollout request and a chat completion, then stop")
     _add_ray(up)
     up.add_argument(
@@ -416,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LIST",
         help="the trainer ranks' GPUs, one per rank, e.g. 4,5,6,7 (default: the visible ones after the engines')",
     )
+    _add_encoder_gpu(train)
     train.add_argument("--home", type=Path, default=Path(".weir"), help="the stack's home, as `weir up --home`")
     train.add_argument(
         "--base-port", type=int, default=BASE_PORT, help="the stack's base port, as `weir up --base-port`"

@@ -194,13 +194,13 @@ def _ray_stack(args: argparse.Namespace) -> RayStack:
     )
 
 
-def _engine_plan(engines: int, env: dict[str, str]) -> DevicePlan | str:
-    """`weir up`'s GPU plan (`launcher.placement`: the engines' GPUs, no trainer), or why it cannot be, in one
-    line, before any role starts."""
+def _engine_plan(engines: int, env: dict[str, str], encoder_gpu: str | None = None) -> DevicePlan | str:
+    """`weir up`'s GPU plan (`launcher.placement`: the engines' and the encoder's GPUs, no trainer), or why it
+    cannot be, in one line, before any role starts."""
     from .placement import PlacementError, stack_plan
 
     try:
-        return stack_plan(env, engines=engines)
+        return stack_plan(env, engines=engines, encoder_gpu=encoder_gpu)
     except (PlacementError, ValueError) as error:
         return f"weir up: {error}"
 
@@ -286,15 +286,20 @@ def _up(args: argparse.Namespace) -> int:
 
     if args.ray:
         return _up_ray(args)
-    stack = LocalStack(
-        home=args.home, model=args.model, engines=args.engines, base_port=args.base_port, env=_engine_env(args)
-    )
-    plan = _engine_plan(args.engines, {**os.environ, **_engine_env(args)})
+    plan = _engine_plan(args.engines, {**os.environ, **_engine_env(args)}, args.encoder_gpu)
     if isinstance(plan, str):
         console.print(plan, style="red", markup=False, highlight=False, soft_wrap=True)
         return 2
+    stack = LocalStack(
+        home=args.home,
+        model=args.model,
+        engines=args.engines,
+        base_port=args.base_port,
+        env={**_engine_env(args), **plan.encoder_env()},
+    )
     console.print(f"[bold]Starting preprocess, encoder, data, engine(s), rollout…[/bold] (logs in {args.home}/logs)")
     runs = [f"engine {i}: GPU {','.join(gpus)}" for i, gpus in enumerate(plan.engines) if gpus]
+    runs += [f"encoder: GPU {plan.encoder}"] if plan.encoder is not None else []
     console.print("GPUs: " + ("; ".join(runs) if runs else "none taken (engines on the CPU)"), markup=False)
     _sigterm_as_interrupt()  # also while the roles start (start() stops those it started on any exception)
     urls = stack.start()

@@ -136,6 +136,7 @@ class TrainConfig:
     sglang_args: str | None = None  # with backend sglang: its server arguments, JSON (WEIR_SGLANG_ARGS)
     engine_gpus: str | None = None  # the engines' GPUs, comma-separated (None: the first visible ones)
     trainer_gpus: str | None = None  # the trainer ranks' GPUs, one each (None: the next visible ones)
+    encoder_gpu: str | None = None  # the encoder role's GPU, or "cpu" (None: the next visible one left, else the CPU)
     # the stack
     engines: int = 1
     home: Path = Path(".weir")

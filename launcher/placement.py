@@ -1,14 +1,15 @@
 """Which GPUs each process of a local stack and its trainer get on one node: one plan, made before anything
-starts, so the engines and the trainer never share a GPU.
+starts, so the engines, the encoder and the trainer never share a GPU.
 
 The engines come first, each a run of its own GPUs (tp × pp × dp of its SGLang arguments: `launcher.stack.
 gpus_per_engine`; engines on the transformers backend run on the CPU and take none), in the order of the
 visible devices (``CUDA_VISIBLE_DEVICES`` when set, else every device torch sees); the trainer's ranks take one
 GPU each after them. Before, a rank took ``cuda:LOCAL_RANK`` of every visible device, which is where engine 0
 runs: a trainer rank and an engine on one GPU by default. A machine with no GPU has an empty plan (everything
-on the CPU). ``--engine-gpus`` / ``--trainer-gpus`` choose the GPUs instead. Too few GPUs, a device listed twice,
-one given to both the engines and the trainer, or one not visible is a `PlacementError` naming it, before any role
-starts.
+on the CPU). The encoder role's towers take the next GPU left over, if any (else they run on the CPU: the engines
+and the trainer come first). ``--engine-gpus`` / ``--trainer-gpus`` / ``--encoder-gpu`` choose the GPUs instead.
+Too few GPUs, a device listed twice, one given to two of them, or one not visible is a `PlacementError` naming it,
+before any role starts.
 """
 
 from __future__ import annotations
@@ -38,10 +39,16 @@ class PlacementError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class DevicePlan:
-    """Each engine's GPUs and each trainer rank's GPU (device ids as ``CUDA_VISIBLE_DEVICES`` names them)."""
+    """Each engine's GPUs, each trainer rank's GPU and the encoder's (device ids as ``CUDA_VISIBLE_DEVICES``
+    names them; the encoder's None: on the CPU)."""
 
     engines: tuple[tuple[str, ...], ...]
     trainer: tuple[str, ...]
+    encoder: str | None = None
+
+    def encoder_env(self) -> dict[str, str]:
+        """What the stack starts its encoder role with (`launcher.stack.encoder_devices` reads it)."""
+        return {"WEIR_ENCODER_GPU": self.encoder} if self.encoder is not None else {}
 
     def trainer_env(self) -> dict[str, str]:
         """What the trainer's ranks are started with: only their own GPUs visible, so rank i's
@@ -50,11 +57,12 @@ class DevicePlan:
 
     def describe(self) -> str:
         """One line for the console: who runs on which GPUs."""
-        if not self.trainer and not any(self.engines):
+        if not self.trainer and not any(self.engines) and self.encoder is None:
             return "GPUs: none visible, every role and the trainer on the CPU"
         parts = [f"engine {i}: GPU {','.join(gpus)}" for i, gpus in enumerate(self.engines) if gpus]
         ranks = ", ".join(f"{rank} on GPU {gpu}" for rank, gpu in enumerate(self.trainer))
-        return "GPUs: " + "; ".join([*parts, f"trainer ranks {ranks}" if ranks else "trainer on the CPU"])
+        encoder = f"encoder: GPU {self.encoder}" if self.encoder is not None else "encoder on the CPU"
+        return "GPUs: " + "; ".join([*parts, f"trainer ranks {ranks}" if ranks else "trainer on the CPU", encoder])
 
 
 def visible_gpus(env: Mapping[str, str] | None = None) -> list[str]:
@@ -76,14 +84,17 @@ def plan_devices(
     trainer_ranks: int,
     engine_gpus: Sequence[str] | None = None,
     trainer_gpus: Sequence[str] | None = None,
+    encoder_gpu: str | None = None,
 ) -> DevicePlan:
     """Engine i on GPUs ``visible[i·k : (i+1)·k]`` (k = ``gpus_per_engine``, 0 for CPU engines), the trainer's
-    ranks on the next ``trainer_ranks``; an empty plan when nothing is visible. ``engine_gpus`` /
-    ``trainer_gpus`` (``--engine-gpus`` / ``--trainer-gpus``) choose them instead, in their order: each must be
-    visible, exactly as many as needed, and none given to both; what one leaves the other takes in order."""
+    ranks on the next ``trainer_ranks``, the encoder on the next one if any is left; an empty plan when nothing is
+    visible. ``engine_gpus`` / ``trainer_gpus`` / ``encoder_gpu`` (``--engine-gpus`` / ``--trainer-gpus`` /
+    ``--encoder-gpu``, ``cpu`` for none) choose them instead, in their order: each must be visible, exactly as
+    many as needed, and none given twice; what one leaves the others take in order."""
     if engines < 0 or gpus_per_engine < 0 or trainer_ranks < 0:
         raise PlacementError(f"engines {engines}, GPUs per engine {gpus_per_engine}, ranks {trainer_ranks}: 0 or more")
-    _refuse_bad_lists(visible, engine_gpus, trainer_gpus)
+    chosen_encoder = None if encoder_gpu is None or encoder_gpu == "cpu" else [encoder_gpu]
+    _refuse_bad_lists(visible, engine_gpus, trainer_gpus, chosen_encoder)
     if not visible:
         return DevicePlan(engines=((),) * engines, trainer=())
     needed = engines * gpus_per_engine + trainer_ranks
@@ -100,28 +111,44 @@ def plan_devices(
             f"GPUs, but {len(visible)} are visible ({','.join(visible)}): fewer --engines or --nproc, a smaller "
             "tp_size, or more CUDA_VISIBLE_DEVICES"
         )
-    free = [gpu for gpu in visible if gpu not in (engine_gpus or ()) and gpu not in (trainer_gpus or ())]
+    taken = {*(engine_gpus or ()), *(trainer_gpus or ()), *(chosen_encoder or ())}
+    free = [gpu for gpu in visible if gpu not in taken]
     for_engines = list(engine_gpus) if engine_gpus is not None else free[: engines * gpus_per_engine]
     free = [gpu for gpu in free if gpu not in for_engines]
     for_trainer = tuple(trainer_gpus) if trainer_gpus is not None else tuple(free[:trainer_ranks])
+    free = [gpu for gpu in free if gpu not in for_trainer]
+    left = free[0] if free else None  # the engines and the trainer come first
+    encoder = left if encoder_gpu is None else encoder_gpu if chosen_encoder else None
     runs = tuple(tuple(for_engines[i * gpus_per_engine : (i + 1) * gpus_per_engine]) for i in range(engines))
-    return DevicePlan(engines=runs, trainer=for_trainer)
+    return DevicePlan(engines=runs, trainer=for_trainer, encoder=encoder)
 
 
 def _refuse_bad_lists(
-    visible: Sequence[str], engine_gpus: Sequence[str] | None, trainer_gpus: Sequence[str] | None
+    visible: Sequence[str],
+    engine_gpus: Sequence[str] | None,
+    trainer_gpus: Sequence[str] | None,
+    encoder_gpu: Sequence[str] | None,
 ) -> None:
-    """A device listed twice, given to both the engines and the trainer, or not visible: `PlacementError`."""
-    lists = (("CUDA_VISIBLE_DEVICES", visible), ("--engine-gpus", engine_gpus), ("--trainer-gpus", trainer_gpus))
+    """A device listed twice, given to two of the engines, the trainer and the encoder, or not visible:
+    `PlacementError`."""
+    lists = (
+        ("CUDA_VISIBLE_DEVICES", visible),
+        ("--engine-gpus", engine_gpus),
+        ("--trainer-gpus", trainer_gpus),
+        ("--encoder-gpu", encoder_gpu),
+    )
     for name, listed in lists:
         twice = sorted({gpu for gpu in listed or () if list(listed or ()).count(gpu) > 1})
         if twice:
             raise PlacementError(f"{name} lists GPU {', '.join(twice)} more than once")
-    both = sorted(set(engine_gpus or ()) & set(trainer_gpus or ()))
-    if both:
-        raise PlacementError(
-            f"GPU {', '.join(both)} is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)"
-        )
+    owners = {"the engines (--engine-gpus)": engine_gpus, "the trainer (--trainer-gpus)": trainer_gpus}
+    owners["the encoder (--encoder-gpu)"] = encoder_gpu
+    named = list(owners.items())
+    for i, (first, a) in enumerate(named):
+        for second, b in named[i + 1 :]:
+            both = sorted(set(a or ()) & set(b or ()))
+            if both:
+                raise PlacementError(f"GPU {', '.join(both)} is given to {first} and to {second}")
     for name, listed in lists[1:]:
         absent = [gpu for gpu in listed or () if gpu not in visible]
         if absent:
@@ -142,6 +169,7 @@ def training_plan(config: TrainConfig) -> DevicePlan | None:
         trainer_ranks=config.nproc,
         engine_gpus=_listed(config.engine_gpus),
         trainer_gpus=_listed(config.trainer_gpus),
+        encoder_gpu=config.encoder_gpu,
     )
 
 
@@ -152,6 +180,7 @@ def stack_plan(
     trainer_ranks: int = 0,
     engine_gpus: Sequence[str] | None = None,
     trainer_gpus: Sequence[str] | None = None,
+    encoder_gpu: str | None = None,
 ) -> DevicePlan:
     """The plan of a local stack under the settings ``env`` (`weir up`'s, `weir train`'s): engines take GPUs on
     SGLang only (transformers engines run on the CPU), tp × pp × dp each (`launcher.stack.gpus_per_engine`)."""
@@ -165,6 +194,7 @@ def stack_plan(
         trainer_ranks=trainer_ranks,
         engine_gpus=engine_gpus,
         trainer_gpus=trainer_gpus,
+        encoder_gpu=encoder_gpu,
     )
 
 

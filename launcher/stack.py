@@ -167,6 +167,13 @@ def engine_devices(index: int, env: Mapping[str, str]) -> dict[str, str]:
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine), "WEIR_ENGINE_GPUS": str(k)}
 
 
+def encoder_devices(env: Mapping[str, str]) -> dict[str, str]:
+    """The encoder role's device in a local stack: its planned GPU (``WEIR_ENCODER_GPU``,
+    `launcher.placement.DevicePlan.encoder_env`) as the only one it sees; nothing without one (the CPU)."""
+    gpu = env.get("WEIR_ENCODER_GPU")
+    return {"CUDA_VISIBLE_DEVICES": gpu, "WEIR_DEVICE": "cuda:0"} if gpu else {}
+
+
 def stack_model(home: Path, model: Path | str | None = None) -> Path:
     """The folder a stack's roles serve: ``model`` (a folder, or a hub id's snapshot: `services.model_ref`),
     else the tiny model in ``home/model``, made there on first use. Absolute, so a trainer attached from
@@ -307,6 +314,8 @@ class LocalStack:
                 if role == "engine":
                     self._launch(name, role, port, {**env, **engine_devices(engine_index, env)})
                     engine_index += 1
+                elif role == "encoder":
+                    self._launch(name, role, port, {**env, **encoder_devices(env)})
                 else:
                     self._launch(name, role, port, env)
             for child in self.children:

@@ -232,6 +232,8 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     settings.update(engine_env(config))
     if config.engine_gpus is not None:  # engine i takes the i-th run of them (`launcher.stack.engine_devices`)
         settings["CUDA_VISIBLE_DEVICES"] = config.engine_gpus
+    plan = training_plan(config)  # checked already (`_refusal`): the encoder's GPU, if one is left
+    settings.update(plan.encoder_env() if plan is not None else {})
     from trainer.losses import PRESET_ADVANTAGE_ESTIMATOR  # the advantages the objective's paper pairs it with
 
     settings["WEIR_ADVANTAGE_ESTIMATOR"] = PRESET_ADVANTAGE_ESTIMATOR[config.loss]

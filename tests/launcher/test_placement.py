@@ -192,3 +192,45 @@ def test_weir_up_refuses_engines_that_do_not_fit_before_any_role_starts(
     out = " ".join(capsys.readouterr().out.split())
     assert "weir up: 2 engine(s) of 2 GPU(s) and 0 trainer rank(s) need 4 GPUs, but 2 are visible (0,1)" in out, out
     assert not (tmp_path / "w" / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    ("visible", "engines", "per_engine", "ranks", "want"),
+    [
+        (["0", "1", "2"], 1, 1, 1, "2"),  # the GPU left over after the engine and the rank
+        ([str(i) for i in range(8)], 2, 2, 2, "6"),
+        (["0", "1"], 1, 1, 1, None),  # none left: the towers run on the CPU, the engines and trainer come first
+        (["0"], 1, 0, 0, "0"),  # `weir up` with CPU engines on one GPU: the encoder has it
+    ],
+    ids=["3-gpus", "8-gpus", "none-left", "up-1-gpu"],
+)
+def test_the_encoder_takes_the_next_gpu_left_over_else_the_cpu(
+    visible: list[str], engines: int, per_engine: int, ranks: int, want: str | None
+) -> None:
+    """Before, the encoder role ran its towers on the CPU on any machine (its device was never planned)."""
+    plan = plan_devices(visible, engines=engines, gpus_per_engine=per_engine, trainer_ranks=ranks)
+    assert plan.encoder == want
+    used = [gpu for run in plan.engines for gpu in run] + list(plan.trainer) + [plan.encoder or "cpu"]
+    assert len(used) == len(set(used))
+    assert plan.encoder_env() == ({"WEIR_ENCODER_GPU": want} if want else {})
+    assert (f"encoder: GPU {want}" if want else "encoder on the CPU") in plan.describe()
+
+
+def test_the_encoder_gpu_chosen_is_checked_like_the_others() -> None:
+    gpus = ["0", "1", "2", "3"]
+    plan = plan_devices(gpus, engines=1, gpus_per_engine=1, trainer_ranks=1, encoder_gpu="0")
+    assert (plan.encoder, plan.engines, plan.trainer) == ("0", (("1",),), ("2",))  # the others take what it leaves
+    assert plan_devices(gpus, engines=1, gpus_per_engine=1, trainer_ranks=1, encoder_gpu="cpu").encoder is None
+    with pytest.raises(PlacementError, match=r"GPU 1 is given to the engines \(--engine-gpus\) and to the encoder"):
+        plan_devices(gpus, engines=1, gpus_per_engine=1, trainer_ranks=1, engine_gpus=["1"], encoder_gpu="1")
+    with pytest.raises(PlacementError, match=r"GPU 2 is given to the trainer \(--trainer-gpus\) and to the encoder"):
+        plan_devices(gpus, engines=1, gpus_per_engine=1, trainer_ranks=1, trainer_gpus=["2"], encoder_gpu="2")
+    with pytest.raises(PlacementError, match="--encoder-gpu: GPU 9 is not visible"):
+        plan_devices(gpus, engines=1, gpus_per_engine=1, trainer_ranks=1, encoder_gpu="9")
+
+
+def test_the_stack_starts_its_encoder_on_its_planned_gpu_alone() -> None:
+    from launcher.stack import encoder_devices
+
+    assert encoder_devices({"WEIR_ENCODER_GPU": "3"}) == {"CUDA_VISIBLE_DEVICES": "3", "WEIR_DEVICE": "cuda:0"}
+    assert encoder_devices({}) == {}
