@@ -432,7 +432,9 @@ def tiny_qwen3_omni_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3OmniM
             "temporal_patch_size": 2,
             "out_hidden_size": 64,
             "num_position_embeddings": 256,
-            "deepstack_visual_indexes": [0, 1],
+            # three, as every released Qwen3-VL-MoE / Qwen3-Omni checkpoint: SGLang 0.5.23's MoE language model
+            # adds exactly three DeepStack maps whatever the config says (`qwen3_vl_moe.py`), and crashed on two
+            "deepstack_visual_indexes": [0, 1, 2],
         },
         audio_config={
             "encoder_layers": 2,

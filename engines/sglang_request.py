@@ -140,17 +140,19 @@ def _visual(items: list[MediaInput], kind: Literal["image", "video"], timestampe
 
 def _audio(items: list[MediaInput]) -> MediaData:
     lengths = [int(m.audio_frames or 0) for m in items]
+    mask = torch.zeros(len(items), max(lengths), dtype=torch.long)  # mel frames per clip, as the processor's mask
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
     if all(m.embedding is not None for m in items):
         out = _embedded("audio", items)
         out["audio_feature_lens"] = torch.tensor(lengths)  # mel frames per clip, SGLang's name (Omni positions)
+        out["feature_attention_mask"] = mask  # where SGLang's Qwen3-Omni processor reads them (it failed without)
         return out
     features = [m.features for m in items]
     assert all(isinstance(f, pp.AudioFeatures) for f in features)
     batch = torch.zeros(len(items), features[0].input_features.shape[0], max(lengths))  # type: ignore[union-attr]
-    mask = torch.zeros(len(items), max(lengths), dtype=torch.long)
     for i, (f, n) in enumerate(zip(features, lengths, strict=True)):
         batch[i, :, :n] = torch.from_numpy(np.array(f.input_features))  # type: ignore[union-attr]
-        mask[i, :n] = 1
     # The Qwen2.5-Omni processor's padded layout: (n, mel, L_max) with a feature attention mask.
     return {"format": "processor_output", "input_features": batch, "feature_attention_mask": mask}
 

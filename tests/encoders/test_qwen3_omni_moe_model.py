@@ -116,7 +116,7 @@ def test_init_model_writes_a_qwen3_omni_moe_folder(model_dir: Path, tmp_path: Pa
     text = model.config.text_config
     assert (text.num_experts, text.num_experts_per_tok, text.num_hidden_layers) == (8, 2, 3)
     assert routing_shape(model) == (3, 2)
-    assert model.config.vision_config.deepstack_visual_indexes == [0, 1]
+    assert model.config.vision_config.deepstack_visual_indexes == [0, 1, 2]  # three, as released checkpoints
     assert pp.ProcessorSpec.from_pretrained(model_dir) == SPEC
     # The CLI writes the same bytes for the same seed; another seed, other weights only.
     assert main(["init-model", str(tmp_path / "again"), "--arch", "qwen3-omni-moe"]) == 0
@@ -160,7 +160,7 @@ def test_split_path_equals_the_whole_model(
     assert towers.audio is not None
     embeddings = towers.encode(list(features))
     hidden = engine.hidden_size
-    assert [e.shape[1] for e in embeddings] == [3 * hidden, hidden, 3 * hidden]
+    assert [e.shape[1] for e in embeddings] == [4 * hidden, hidden, 4 * hidden]  # merged + 3 DeepStack maps
     media = tuple(
         MediaInput(
             kind=f.kind,
