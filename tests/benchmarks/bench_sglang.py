@@ -216,20 +216,21 @@ def run(
         from tests.engines.sglang_cpu import SERVER_ARGS
 
         server_args = {**SERVER_ARGS, **(server_args or {})}
-    if port is None:
-        from tests.ports import free_port
+    from tests.ports import free_port
 
-        port = free_port()
     config = json.loads((model / "config.json").read_text())
     text = config.get("text_config") or config.get("thinker_config", {}).get("text_config") or config
     vocab = int(text["vocab_size"])
     results: dict[str, Any] = {"backend": backend, "model": str(model), "max_new_tokens": max_new_tokens, "runs": []}
     results["device"] = "cpu" if cpu else "gpu"
     for which in ("peer", "weir"):
+        # each server on a port of its own: the peer's, just stopped, was still held when Weir's role bound it
+        # (a CI run under load: "address already in use")
+        own_port = port if port is not None and which == "peer" else free_port()
         servers = (
             standin_servers(model, vocab, step_s, which)
             if backend == "standin"
-            else sglang_servers(model, which, port, server_args or {}, cpu)
+            else sglang_servers(model, which, own_port, server_args or {}, cpu)
         )
         with servers as url:
             for c in concurrency:

@@ -21,6 +21,7 @@ process (``sglang.launch_server``, or Weir's ``launcher.cli serve engine``). Eng
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import runpy
@@ -28,9 +29,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-__all__ = ["SERVER_ARGS", "prepare", "role_env"]
+__all__ = ["SERVER_ARGS", "prepare", "role_env", "started_engine"]
 
 # sleep_on_idle: SGLang's scheduler otherwise spins a whole core while idle, which on two cores starves the trainer
 # beside it (a `weir train` step took 120 s instead of 13)
@@ -127,3 +131,18 @@ if __name__ == "__main__":
     prepare()
     module, sys.argv = sys.argv[1], sys.argv[1:]
     runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+@contextlib.contextmanager
+def started_engine(model: Path, what: str) -> Iterator[Any]:
+    """Weir's `SGLangEngine` on the real engine serving ``model`` under these arguments (after `prepare`), its
+    start time printed; closed after."""
+    from engines.sglang_backend import SGLangEngine
+
+    started = time.monotonic()
+    engine = SGLangEngine(model, server_args=SERVER_ARGS, start_timeout_s=900)
+    print(f"\nthe real SGLang engine ({what}) started in {time.monotonic() - started:.1f} s")
+    try:
+        yield engine
+    finally:
+        engine.close()

@@ -42,13 +42,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(model: Path) -> Iterator[SGLangEngine]:
-    started = time.monotonic()
-    engine = SGLangEngine(model, server_args=sglang_cpu.SERVER_ARGS, start_timeout_s=900)
-    print(f"\nthe real SGLang engine started in {time.monotonic() - started:.1f} s")
-    try:
+    with sglang_cpu.started_engine(model, "tiny Qwen3-VL") as engine:
         yield engine
-    finally:
-        engine.close()
 
 
 def _prompt(model: Path, text: str) -> list[int]:

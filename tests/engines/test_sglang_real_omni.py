@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -68,13 +67,8 @@ def thinker(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def engine(thinker: Path) -> Iterator[SGLangEngine]:
     model = whole_omni(thinker, thinker.parent / "whole")
-    started = time.monotonic()
-    engine = SGLangEngine(model, server_args=sglang_cpu.SERVER_ARGS, start_timeout_s=900)
-    print(f"\nthe real SGLang engine (whole Qwen3-Omni-MoE) started in {time.monotonic() - started:.1f} s")
-    try:
+    with sglang_cpu.started_engine(model, "whole Qwen3-Omni-MoE") as engine:
         yield engine
-    finally:
-        engine.close()
 
 
 def _request(thinker: Path, media: list[pp.Features], text: str) -> GenerateRequest:
