@@ -40,11 +40,11 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 __all__ = [
     "audio_tokens",
     "decoder_layers",
+    "drop_language_model",
     "Family",
     "family_of",
     "has_deepstack",
     "is_qwen3_vl",
-    "drop_language_model",
     "load_thinker",
     "mm_token_type_ids",
     "model_inputs",
