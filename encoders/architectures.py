@@ -139,18 +139,21 @@ def audio_tokens(family: Family, config: Any, num_frames: int) -> int:
     raise ValueError(f"{family} has no audio tower")
 
 
+def _text_model(model: torch.nn.Module) -> Any:
+    """The language model inside a loaded model (its layers, embeddings and final norm)."""
+    inner: Any = getattr(model, "model", model)
+    return getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
+
+
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The language model's decoder layers (the units data-parallel training shards one by one)."""
-    inner: Any = getattr(model, "model", model)
-    text = getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
-    return list(text.layers)
+    return list(_text_model(model).layers)
 
 
 def drop_language_model(thinker: torch.nn.Module) -> None:
     """Take the language model out of a (meta-device) thinker, for a trainer whose own model is it (megatron's
     GPTModel): its layers, embeddings, final norm and head are then not read; towers, config and buffers stay."""
-    inner: Any = getattr(thinker, "model", thinker)
-    text = getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
+    text = _text_model(thinker)
     text.layers = torch.nn.ModuleList()
     text.embed_tokens = torch.nn.Identity()
     text.norm = torch.nn.Identity()

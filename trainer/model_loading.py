@@ -85,20 +85,19 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
 
     def __init__(self, model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> None:
         self.dtype = dtype
-        self._files: dict[str, str] = {}
+        self._where: dict[str, safe_open] = {}  # name → its file, opened once (memory-mapped: nothing read yet)
         for file in _safetensors(model_dir):
-            with safe_open(file, "pt") as opened:
-                self._files.update(dict.fromkeys(opened.keys(), file))
+            opened = safe_open(file, "pt")
+            self._where.update(dict.fromkeys(opened.keys(), opened))
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        with safe_open(self._files[name], "pt") as opened:
-            return opened.get_tensor(name).to(self.dtype)
+        return self._where[name].get_tensor(name).to(self.dtype)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._files)
+        return iter(self._where)
 
     def __len__(self) -> int:
-        return len(self._files)
+        return len(self._where)
 
 
 def _safetensors(model_dir: str | Path) -> list[str]:

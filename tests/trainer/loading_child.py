@@ -56,12 +56,12 @@ def main(config_path: str, rank: int) -> None:
             model = load_onto(folder, parallel.device, prepare=shard)
         gathered = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         whole = load_thinker(folder)
-        expected = whole.state_dict()
+        expected, buffers = whole.state_dict(), dict(whole.named_buffers())
         largest = tuple(max(whole.parameters(), key=lambda p: p.numel()).shape)
         results[name] = {
             "equal": sorted(gathered) == sorted(expected)
             and all(torch.equal(gathered[k], expected[k]) for k in expected),
-            "buffers_equal": all(torch.equal(b, dict(whole.named_buffers())[k]) for k, b in model.named_buffers()),
+            "buffers_equal": all(torch.equal(b, buffers[k]) for k, b in model.named_buffers()),
             "buffers": len(list(model.named_buffers())),
             "largest_whole": largest in sharded_read.seen,  # this rank's rows of it: (ceil(rows / 2), ...)
             "largest_half": (-(-largest[0] // 2), *largest[1:]) in sharded_read.seen,
