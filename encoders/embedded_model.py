@@ -276,23 +276,60 @@ def _token_ids(tokenizer: PreTrainedTokenizerFast, tokens: Mapping[str, str]) ->
     return ids
 
 
+def _text_config(
+    tokenizer: PreTrainedTokenizerFast, *, layers: int, rope: Mapping[str, Any], **own: Any
+) -> dict[str, Any]:
+    """A language model's config at the toy sizes every tiny model shares (64 wide, 4 attention heads over
+    2 KV heads, mRoPE sections 2/3/3, the tokenizer's vocabulary, EOS ``<|im_end|>``); ``rope`` and
+    ``own`` are the architecture's own keys."""
+    return {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        **own,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], **rope},
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+def _audio_config(**own: Any) -> dict[str, Any]:
+    """The Whisper-style audio tower at toy sizes (128 mel bins, as both Omni thinkers'); ``own`` is its
+    windowing, which differs between Qwen2.5-Omni and Qwen3-Omni."""
+    return {
+        "encoder_layers": 2,
+        "encoder_attention_heads": 2,
+        "encoder_ffn_dim": 64,
+        "d_model": 32,
+        "output_dim": 64,
+        "num_mel_bins": 128,
+        "max_source_positions": 1500,
+        **own,
+    }
+
+
+def _omni_marker_ids(ids: Mapping[str, int]) -> dict[str, int]:
+    """The ids of the tokens around each medium, as both Omni thinkers' configs name them (``ids``: from
+    their media tokens). The vision ones are not declared by the config classes, but read by the models'
+    rotary-position code (and the engines)."""
+    return {
+        "audio_start_token_id": ids["audio_bos_token"],
+        "audio_end_token_id": ids["audio_eos_token"],
+        "vision_start_token_id": ids["vision_bos_token"],
+        "vision_end_token_id": ids["vision_eos_token"],
+    }
+
+
 def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniThinkerConfig:
     """Toy dimensions; every structural feature of the real thinker kept (windowed vision
     attention with a full-attention block, chunked audio attention, mRoPE sections)."""
     ids = _token_ids(tokenizer, MEDIA_TOKENS)
     fields: dict[str, Any] = dict(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 32768,
-            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
-            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            "pad_token_id": tokenizer.pad_token_id,
-        },
+        text_config=_text_config(tokenizer, layers=2, rope={"rope_theta": 1000000.0}),
         vision_config={
             "depth": 2,
             "hidden_size": 32,
@@ -302,32 +339,20 @@ def tiny_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5OmniThinkerConfig:
             "fullatt_block_indexes": [1],
             "window_size": 112,
         },
-        audio_config={
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
-            "output_dim": 64,
-            "num_mel_bins": 128,
-            "max_source_positions": 1500,
-            "n_window": 100,
-        },
+        audio_config=_audio_config(n_window=100),
         image_token_index=ids["image_token"],
         video_token_index=ids["video_token"],
         audio_token_index=ids["audio_token"],
-        audio_start_token_id=ids["audio_bos_token"],
-        audio_end_token_id=ids["audio_eos_token"],
-        # Not declared by the config class, but read by the model's rotary-position code.
-        vision_start_token_id=ids["vision_bos_token"],
-        vision_end_token_id=ids["vision_eos_token"],
+        **_omni_marker_ids(ids),
     )
     return Qwen2_5OmniThinkerConfig(**fields)
 
 
-def _preprocessor_config(spec: ProcessorSpec) -> dict[str, Any]:
-    """The keys a released Qwen2.5-Omni checkpoint's preprocessor_config.json carries."""
+def _omni_processor_config(spec: ProcessorSpec, processor_class: str) -> dict[str, Any]:
+    """The keys a released Qwen2.5-Omni (``Qwen2_5OmniProcessor``) or Qwen3-Omni (``Qwen3OmniMoeProcessor``)
+    checkpoint's preprocessor_config.json carries, the numbers from ``spec``."""
     return {
-        "processor_class": "Qwen2_5OmniProcessor",
+        "processor_class": processor_class,
         "image_processor_type": "Qwen2VLImageProcessor",
         "feature_extractor_type": "WhisperFeatureExtractor",
         "min_pixels": spec.min_pixels,
@@ -347,6 +372,23 @@ def _preprocessor_config(spec: ProcessorSpec) -> dict[str, Any]:
     }
 
 
+def _qwen3_vision_config(deepstack_visual_indexes: list[int]) -> dict[str, Any]:
+    """Qwen3-VL's vision tower (Qwen3-Omni's too) at toy sizes: the checkpoints' patch 16 / merge 2 / temporal
+    patch 2, learned position embeddings, DeepStack mergers after the blocks ``deepstack_visual_indexes``."""
+    return {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 256,
+        "deepstack_visual_indexes": deepstack_visual_indexes,
+    }
+
+
 def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
     """Qwen3-VL at toy dimensions, every structural feature kept: patch 16 / merge 2 / temporal patch 2
     (the checkpoints' numbers, so Weir's `ProcessorSpec.qwen3_vl` features fit), learned position
@@ -354,36 +396,10 @@ def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
     layers 0 and 1), interleaved mRoPE."""
     ids = _token_ids(tokenizer, QWEN3_VL_MEDIA_TOKENS)
     return Qwen3VLConfig(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 32768,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 5000000.0,
-                "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
-            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": 64,
-            "num_position_embeddings": 256,
-            "deepstack_visual_indexes": [0, 1],
-        },
+        text_config=_text_config(
+            tokenizer, layers=3, rope={"rope_theta": 5000000.0, "mrope_interleaved": True}, head_dim=16
+        ),
+        vision_config=_qwen3_vision_config([0, 1]),
         image_token_id=ids["image_token"],
         video_token_id=ids["video_token"],
         vision_start_token_id=ids["vision_start_token"],
@@ -399,92 +415,30 @@ def tiny_qwen3_omni_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3OmniM
     experts with 2 routed per token (top-k weights renormalised, as the checkpoint), interleaved mRoPE."""
     ids = _token_ids(tokenizer, QWEN3_OMNI_MEDIA_TOKENS)
     fields: dict[str, Any] = dict(
-        text_config={
-            "vocab_size": len(tokenizer),
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "moe_intermediate_size": 32,
-            "num_experts": 8,
-            "num_experts_per_tok": 2,
-            "norm_topk_prob": True,
-            "decoder_sparse_step": 1,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "max_position_embeddings": 32768,
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": 1000000.0,
-                "mrope_section": [2, 3, 3],
-                "interleaved": True,
-            },
-            "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
-            "pad_token_id": tokenizer.pad_token_id,
-        },
-        vision_config={
-            "depth": 3,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": 64,
-            "num_position_embeddings": 256,
-            # three, as every released Qwen3-VL-MoE / Qwen3-Omni checkpoint: SGLang 0.5.23's MoE language model
-            # adds exactly three DeepStack maps whatever the config says (`qwen3_vl_moe.py`), and crashed on two
-            "deepstack_visual_indexes": [0, 1, 2],
-        },
-        audio_config={
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
-            "output_dim": 64,
-            "num_mel_bins": 128,
-            "max_source_positions": 1500,
-            "n_window": 50,
-            "n_window_infer": 800,
-            "downsample_hidden_size": 16,
-        },
+        text_config=_text_config(
+            tokenizer,
+            layers=3,
+            rope={"rope_theta": 1000000.0, "interleaved": True},
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            head_dim=16,
+        ),
+        # three, as every released Qwen3-VL-MoE / Qwen3-Omni checkpoint: SGLang 0.5.23's MoE language model
+        # adds exactly three DeepStack maps whatever the config says (`qwen3_vl_moe.py`), and crashed on two
+        vision_config=_qwen3_vision_config([0, 1, 2]),
+        audio_config=_audio_config(n_window=50, n_window_infer=800, downsample_hidden_size=16),
         image_token_id=ids["image_token"],
         video_token_id=ids["video_token"],
         audio_token_id=ids["audio_token"],
-        audio_start_token_id=ids["audio_bos_token"],
-        # Not declared by the config class, but read by the model's rotary-position code (and the engine).
-        vision_start_token_id=ids["vision_bos_token"],
-        vision_end_token_id=ids["vision_eos_token"],
-        audio_end_token_id=ids["audio_eos_token"],
+        **_omni_marker_ids(ids),
         # The released thinker's (and `ProcessorSpec.qwen3_omni_moe`'s): 13 temporal positions per second.
         position_id_per_seconds=int(getattr(qwen3_omni_spec(), "position_id_per_seconds", 13)),
         tie_word_embeddings=False,
     )
     return Qwen3OmniMoeThinkerConfig(**fields)
-
-
-def _qwen3_omni_processor_config(spec: ProcessorSpec) -> dict[str, Any]:
-    """The keys a released Qwen3-Omni checkpoint's preprocessor_config.json carries (the numbers from
-    ``spec``: patch 16 and mean = std = 0.5 as Qwen3-VL; Whisper-style 128-mel audio)."""
-    return {
-        "processor_class": "Qwen3OmniMoeProcessor",
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "min_pixels": spec.min_pixels,
-        "max_pixels": spec.max_pixels,
-        "patch_size": spec.patch_size,
-        "temporal_patch_size": spec.temporal_patch_size,
-        "merge_size": spec.merge_size,
-        "image_mean": list(spec.image_mean),
-        "image_std": list(spec.image_std),
-        "feature_size": spec.n_mels,
-        "sampling_rate": spec.sampling_rate,
-        "hop_length": spec.hop_length,
-        "n_fft": spec.n_fft,
-        "chunk_length": int(spec.max_audio_seconds),
-        "n_samples": spec.max_audio_samples,
-        "return_attention_mask": True,
-    }
 
 
 def qwen3_omni_spec() -> ProcessorSpec:
@@ -566,11 +520,10 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
         (root / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
         return root
     if arch == "qwen3-omni-moe":
-        text = json.dumps(_qwen3_omni_processor_config(qwen3_omni_spec()), indent=2) + "\n"
-        (root / "preprocessor_config.json").write_text(text)
-        return root
-    spec = ProcessorSpec.qwen2_5_omni()
-    (root / "preprocessor_config.json").write_text(json.dumps(_preprocessor_config(spec), indent=2) + "\n")
+        processor = _omni_processor_config(qwen3_omni_spec(), "Qwen3OmniMoeProcessor")
+    else:
+        processor = _omni_processor_config(ProcessorSpec.qwen2_5_omni(), "Qwen2_5OmniProcessor")
+    (root / "preprocessor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
     return root
 
 

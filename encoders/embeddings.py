@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from typing import TypedDict
 
 import numpy as np
@@ -18,10 +17,11 @@ import torch
 
 import preprocess as pp
 
+from .api import EncodedItem
 from .errors import FeaturesNotFound
 from .towers import Towers
 
-__all__ = ["EmbeddingMeta", "EncodedItem", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
+__all__ = ["EmbeddingMeta", "Encoder", "embedding_from_arrow", "embedding_key", "embedding_to_arrow"]
 
 _META = b"weir"
 
@@ -60,15 +60,6 @@ def embedding_from_arrow(data: bytes | pa.Buffer) -> tuple[np.ndarray, Embedding
     return values, json.loads(reader.schema.metadata[_META])
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EncodedItem:
-    feature_key: str
-    embedding_key: str
-    kind: str
-    shape: tuple[int, int]
-    cache_hit: bool
-
-
 class Encoder:
     """Towers + two stores: where features are read from, and where embeddings are kept."""
 
@@ -76,8 +67,9 @@ class Encoder:
         self.towers, self.features, self.embeddings = towers, features, embeddings
 
     def encode(self, feature_keys: list[str]) -> list[EncodedItem]:
-        """Embed each key (computing only the misses, in packed batches); raises `FeaturesNotFound`
-        (naming the key and its position) for a key the feature cache does not hold."""
+        """Embed each key (computing only the misses, in packed batches), each as the encoder role answers it
+        (`encoders.api.EncodedItem`); raises `FeaturesNotFound` (naming the key and its position) for a key
+        the feature cache does not hold."""
         version = self.towers.version
         results: list[EncodedItem | None] = [None] * len(feature_keys)
         misses: dict[str, list[int]] = {}  # feature key → positions (a key may repeat)
@@ -91,8 +83,8 @@ class Encoder:
                 results[i] = EncodedItem(
                     feature_key=key,
                     embedding_key=emb_key,
-                    kind=meta["kind"],
-                    shape=(tokens, hidden),
+                    type=meta["kind"],  # type: ignore[arg-type]  # validated by the record
+                    shape=[tokens, hidden],
                     cache_hit=True,
                 )
                 continue
@@ -117,8 +109,8 @@ class Encoder:
                 results[i] = EncodedItem(
                     feature_key=key,
                     embedding_key=emb_key,
-                    kind=loaded[key].kind,
-                    shape=(int(array.shape[0]), int(array.shape[1])),
+                    type=loaded[key].kind,
+                    shape=[int(array.shape[0]), int(array.shape[1])],
                     cache_hit=False,
                 )
         return [r for r in results if r is not None]

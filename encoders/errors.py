@@ -4,22 +4,20 @@
 
     EncoderError (ValueError)   base; ``code`` is machine-readable
     ├── FeaturesNotFound        a feature key is not in the feature cache (also a KeyError)
-    └── WeightsError            tower weights that are missing or do not fit the towers
+    └── TowerWeightsError            tower weights that are missing or do not fit the towers
 
 The encoder role maps them to 404 and 400.
 """
 
 from __future__ import annotations
 
-__all__ = ["EncoderError", "FeaturesNotFound", "WeightsError"]
+from wire.errors import WeirError
+
+__all__ = ["EncoderError", "FeaturesNotFound", "TowerWeightsError"]
 
 
-class EncoderError(ValueError):
+class EncoderError(WeirError, ValueError):
     code = "encoder_error"
-
-    def __init__(self, message: str, *, item: int | None = None) -> None:
-        super().__init__(message)
-        self.item = item
 
 
 class FeaturesNotFound(EncoderError, KeyError):
@@ -35,5 +33,5 @@ class FeaturesNotFound(EncoderError, KeyError):
         return str(self.args[0])
 
 
-class WeightsError(EncoderError):
+class TowerWeightsError(EncoderError):
     code = "bad_weights"

@@ -38,7 +38,7 @@ from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 import preprocess as pp
 
 from .architectures import Family, audio_tokens, family_of, pack_visual, thinker_config
-from .errors import WeightsError
+from .errors import TowerWeightsError
 
 __all__ = ["Towers", "pack_by_cost"]
 
@@ -138,7 +138,7 @@ class Towers:
         """Load the towers' tensors from ``folder``; returns the new weights version."""
         files = _weight_files(Path(folder))
         if not files:
-            raise WeightsError(f"no safetensors files in {folder}")
+            raise TowerWeightsError(f"no safetensors files in {folder}")
         states: dict[str, dict[str, torch.Tensor]] = {tower: {} for tower in self._prefixes}
         try:
             for path in files:
@@ -150,7 +150,7 @@ class Towers:
                                 states[tower][name[len(prefix) :]] = handle.get_tensor(name)
                                 break
         except (OSError, SafetensorError) as error:
-            raise WeightsError(f"cannot read the weights in {folder}: {error}") from None
+            raise TowerWeightsError(f"cannot read the weights in {folder}: {error}") from None
         modules = [(t, m) for t, m in (("visual", self.visual), ("audio", self.audio)) if m is not None]
         # All or nothing: every name and shape of both towers is checked before either changes, so a
         # refused folder leaves the towers (and the version their embeddings are cached under) as they were.
@@ -160,7 +160,7 @@ class Towers:
             unexpected = sorted(set(states[tower]) - set(own))
             reshaped = sorted(k for k, v in states[tower].items() if k in own and v.shape != own[k].shape)
             if missing or unexpected or reshaped:
-                raise WeightsError(
+                raise TowerWeightsError(
                     f"{tower} tower weights in {folder} do not fit: missing {missing[:3]}, "
                     f"unexpected {unexpected[:3]}, other shapes {reshaped[:3]}"
                 )

@@ -4,7 +4,8 @@ share one `scheduler.Scheduler`),
 and what an engine role needs around them — SGLang's sampling dict mapped (`sampling_from`), media
 resolved from the caches by key (`MediaResolver`), a model's limits checked (`ModelLimits`).
 
-This package does not speak HTTP: the engine role (`services.engine`) puts SGLang's API in front of it.
+This package does not serve HTTP: the engine role (`services.engine`) puts SGLang's API in front of it, its
+records (`api`) and a client of it (`client`) are here.
 
 ::
 
@@ -13,6 +14,8 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
       errors.py               the exception tree (EngineError and its codes)
       sampling.py             SGLang's sampling_params → SamplingParams: supported, ignored, refused keys
       grammar.py              constrained decoding (json_schema / regex / ebnf) with xgrammar: compiled, cached, matched
+      api.py                  the engine role's records (SGLang's native API, weir_media's MediaRef), declared once
+      client.py               EngineClient / AsyncEngineClient: a typed method per route, Weir's engine or SGLang's
       media.py                MediaRef (by feature or embedding key) → MediaInput, from the two caches
       limits.py               a model's vocabulary and context; prompts outside them are refused at submit
       factory.py              load_engine(model, backend=..., device=..., max_running=..., profile=...)
@@ -34,10 +37,11 @@ This package does not speak HTTP: the engine role (`services.engine`) puts SGLan
 
 from __future__ import annotations
 
-from .errors import EngineError, InvalidMedia, InvalidPrompt, InvalidSampling, MediaNotFound, WeightsError
+from .api import MediaRef
+from .errors import EngineError, InvalidEnginePrompt, InvalidMedia, InvalidSampling, MediaNotFound, WeightsError
 from .factory import DEFAULT_MAX_RUNNING, Backend, load_engine
 from .limits import ModelLimits
-from .media import MediaKind, MediaRef, MediaResolver
+from .media import MediaKind, MediaResolver
 from .protocol import (
     PAUSE_MODES,
     Engine,
@@ -72,7 +76,7 @@ __all__ = [
     "GenerateRequest",
     "GenerateResult",
     "InvalidMedia",
-    "InvalidPrompt",
+    "InvalidEnginePrompt",
     "InvalidSampling",
     "MediaInput",
     "MediaKind",

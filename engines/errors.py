@@ -9,7 +9,7 @@ Errors that are the engine's own fault (a failed forward, a dead scheduler threa
     ├── InvalidSampling         unknown_sampling_param      a key SGLang does not have (a typo)
     │                           unsupported_sampling_param  an SGLang key this engine does not implement
     │                           bad_sampling_params         a value of the wrong type or out of range
-    ├── InvalidPrompt           invalid_prompt              empty, out-of-vocabulary ids, longer than the context
+    ├── InvalidEnginePrompt     invalid_prompt              empty, out-of-vocabulary ids, longer than the context
     ├── InvalidMedia            invalid_media               a reference naming neither or both keys, a kind
     │                                                       mismatch, placeholders that do not fit the media
     ├── MediaNotFound           features_not_found          no such key in the feature cache
@@ -23,44 +23,29 @@ Errors that are the engine's own fault (a failed forward, a dead scheduler threa
 
 from __future__ import annotations
 
+from wire.errors import WeirError
+
 __all__ = [
     "EngineError",
     "InvalidMedia",
-    "InvalidPrompt",
+    "InvalidEnginePrompt",
     "InvalidSampling",
     "MediaNotFound",
     "WeightsError",
 ]
 
 
-class EngineError(ValueError):
-    """Base of every bad-input error of the engines library; ``code`` is stable and machine-readable.
-
-    ``item`` is the index of the media reference (or batch item) at fault, when there is one; ``field``
-    names the request field at fault (``sampling_params.min_p``, ``custom_params.return_top_p_token_ids``)
-    when one is."""
-
-    code = "invalid_request"
-
-    def __init__(
-        self, message: str, *, code: str | None = None, item: int | None = None, field: str | None = None
-    ) -> None:
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-        self.item = item
-        self.field = field
-
-    @property
-    def message(self) -> str:
-        return str(self)
+class EngineError(WeirError, ValueError):
+    """Base of every bad-input error of the engines library; ``item`` is the index of the media reference
+    (or batch item) at fault, ``field`` the request field (``sampling_params.min_p``,
+    ``custom_params.return_top_p_token_ids``), when there is one."""
 
 
 class InvalidSampling(EngineError):
     code = "bad_sampling_params"
 
 
-class InvalidPrompt(EngineError):
+class InvalidEnginePrompt(EngineError):
     code = "invalid_prompt"
 
 

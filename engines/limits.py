@@ -1,4 +1,4 @@
-"""What a model can take: its vocabulary and its context. A prompt outside them is `InvalidPrompt`,
+"""What a model can take: its vocabulary and its context. A prompt outside them is `InvalidEnginePrompt`,
 found when the request is submitted rather than as an index error inside a forward step.
 
 The rule on length is SGLang's: the prompt plus ``max_new_tokens`` must fit the context (SGLang
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InvalidPrompt
+from .errors import InvalidEnginePrompt
 from .protocol import GenerateRequest
 
 __all__ = ["MAX_TOP_LOGPROBS", "ModelLimits"]
@@ -37,30 +37,30 @@ class ModelLimits:
     def check(self, request: GenerateRequest) -> None:
         ids = request.input_ids
         if not ids:
-            raise InvalidPrompt("input_ids is empty")
+            raise InvalidEnginePrompt("input_ids is empty")
         if self.vocab_size is not None:
             outside = sorted({t for t in ids if not 0 <= t < self.vocab_size})
             if outside:
-                raise InvalidPrompt(f"input_ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
+                raise InvalidEnginePrompt(f"input_ids outside the vocabulary [0, {self.vocab_size}): {outside[:5]}")
         biased = [t for t, _ in request.sampling.logit_bias]
         if self.vocab_size is not None and any(t >= self.vocab_size for t in biased):
-            raise InvalidPrompt(
+            raise InvalidEnginePrompt(
                 f"logit_bias names token ids outside the vocabulary [0, {self.vocab_size})",
                 field="sampling_params.logit_bias",
             )
         start = request.logprob_start_len
         if not -1 <= start < len(ids):
-            raise InvalidPrompt(
+            raise InvalidEnginePrompt(
                 f"logprob_start_len must be -1 or a prompt position in [0, {len(ids)})", field="logprob_start_len"
             )
         if not 0 <= request.top_logprobs_num <= MAX_TOP_LOGPROBS:
-            raise InvalidPrompt(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs_num")
+            raise InvalidEnginePrompt(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]", field="top_logprobs_num")
         if self.max_context is not None:
             if len(ids) >= self.max_context:
-                raise InvalidPrompt(f"the prompt has {len(ids)} tokens; the context is {self.max_context}")
+                raise InvalidEnginePrompt(f"the prompt has {len(ids)} tokens; the context is {self.max_context}")
             wanted = len(ids) + request.sampling.max_new_tokens
             if wanted > self.max_context:
-                raise InvalidPrompt(
+                raise InvalidEnginePrompt(
                     f"the prompt ({len(ids)} tokens) plus max_new_tokens ({request.sampling.max_new_tokens}) "
                     f"exceed the context ({self.max_context})"
                 )

@@ -1,38 +1,27 @@
 """Media passed by cache key → `MediaInput`: features from the shared feature cache, or embeddings
 from the encoder role's cache (with the features' geometry, which the model's positions need).
 
-The engine role's ``weir_media`` references arrive here as plain `MediaRef` records, in prompt
-order. This module reads the caches; it never decodes media (the preprocess role did) nor runs
+The engine role's ``weir_media`` references arrive here as the wire's own records (`engines.api.MediaRef`),
+in prompt order. This module reads the caches; it never decodes media (the preprocess role did) nor runs
 the towers (the backend does, for references by feature key).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 
 import preprocess as pp
 from encoders.embeddings import embedding_from_arrow
+from preprocess.api import MediaKind
 
+from .api import MediaRef
 from .errors import InvalidMedia, MediaNotFound
 from .protocol import MediaInput
 
-__all__ = ["MediaKind", "MediaRef", "MediaResolver"]
-
-MediaKind = Literal["image", "video", "audio"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MediaRef:
-    """One media item of a prompt by key: exactly one of ``feature_key``, ``embedding_key``."""
-
-    kind: MediaKind
-    feature_key: str | None = None
-    embedding_key: str | None = None
+__all__ = ["MediaKind", "MediaResolver"]
 
 
 class MediaResolver:
@@ -67,8 +56,8 @@ class MediaResolver:
         features = self.features.get(str(feature_key))
         if features is None:
             raise MediaNotFound(f"{where}: no cached features {feature_key}", code="features_not_found", item=index)
-        if features.kind != ref.kind:
-            raise InvalidMedia(f"{where}: {feature_key} is {features.kind}, not {ref.kind}", item=index)
+        if features.kind != ref.type:
+            raise InvalidMedia(f"{where}: {feature_key} is {features.kind}, not {ref.type}", item=index)
         item = MediaInput.of(features)
         if embedding is None:
             return item

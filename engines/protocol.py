@@ -13,20 +13,23 @@ the sampling parameters. `SGLangEngine` passes on what SGLang reports, which is 
 SGLang's sampler may report log-probs after temperature scaling, and its penalties and grammar masks
 act on the logits it samples from.
 
-This module holds records and the `Engine` contract only: mapping SGLang's sampling dict is
-`engines.sampling`, resolving cache keys to media is `engines.media`, running a model is the backends'.
+This module holds records and the `Engine` contract only (with `with_rid`, how every backend names a
+request): mapping SGLang's sampling dict is `engines.sampling`, resolving cache keys to media is
+`engines.media`, running a model is the backends'.
 """
 
 from __future__ import annotations
 
 import math
+import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import (
     Literal,
     NotRequired,  # pydantic (the engine role's schemas) needs these on 3.11
     Protocol,
+    Unpack,
 )
 
 import torch
@@ -52,6 +55,8 @@ __all__ = [
     "TokenCallback",
     "TokenStep",
     "TopLogprobs",
+    "WeightsGroupArgs",
+    "with_rid",
 ]
 
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -304,10 +309,28 @@ class GenerateResult:
         return len(self.output_ids)
 
 
+def with_rid(request: GenerateRequest) -> GenerateRequest:
+    """``request`` with its rid, or with a fresh one when it has none: a backend names every request before it
+    runs it, so an abort can find it and its result says which it was."""
+    return request if request.rid else replace(request, rid=uuid.uuid4().hex)
+
+
+class WeightsGroupArgs(TypedDict):
+    """The arguments of `Engine.init_weights_update_group` (SGLang's ``/init_weights_update_group`` body): where
+    the trainer's broadcast group meets, this engine's first rank in it, and the group's name and backend."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
 class Engine(Protocol):
     """One generation engine. Implementations: `TransformersEngine`, `SGLangEngine` (`load_engine` picks).
 
-    ``submit`` checks the request at once (`InvalidPrompt`, `InvalidMedia` raised from the call);
+    ``submit`` checks the request at once (`InvalidEnginePrompt`, `InvalidMedia` raised from the call);
     errors found while generating come back through the future. Everything here is safe to call
     from any thread."""
 
@@ -346,16 +369,7 @@ class Engine(Protocol):
 
     def update_weights(self, path: str, version: str | None = None) -> str: ...
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
+    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
         """SGLang's ``/init_weights_update_group``: join a process group of its own (not the default one)
         rendezvoused at ``tcp://master_address:master_port``, the trainer rank 0 and this engine's ranks
         from ``rank_offset``. Blocks until every rank has joined (call it from a thread); `WeightsError`

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from .limits import ModelLimits
 from .protocol import (
     ABORT_BEFORE_PREFILL,
     ABORT_BY_REQUEST,
@@ -42,6 +43,7 @@ from .protocol import (
     TokenCallback,
     TokenStep,
     TopLogprobs,
+    with_rid,
 )
 
 __all__ = ["ENGINE_CLOSED", "PAUSE_ACK_TIMEOUT_S", "Req", "ScheduledEngine", "Scheduler", "Stepper", "new_future"]
@@ -97,6 +99,39 @@ class Req(Generic[S]):
                 )
             else:
                 self.on_token(self.output_ids[index], self.logprobs[index])
+
+    def result(
+        self,
+        reason: FinishReason,
+        *,
+        weight_version: str,
+        text: str = "",
+        top_p: tuple[list[int], list[int]] | None = None,
+        routed_experts: str | None = None,
+    ) -> GenerateResult:
+        """Its result, finished for ``reason``: what every backend reports, and what only some compute —
+        ``text``, ``routed_experts``, and ``top_p`` (each step's kept ids, flat, and their offsets; reported
+        only with ``return_top_p_token_ids``)."""
+        request = self.request
+        top = request.return_logprob and request.top_logprobs_num > 0
+        kept = top_p if request.sampling.return_top_p_token_ids else None
+        return GenerateResult(
+            rid=request.rid,
+            output_ids=self.output_ids,
+            output_logprobs=self.logprobs,
+            finish_reason=reason,
+            prompt_tokens=len(request.input_ids),
+            weight_version=weight_version,
+            text=text,
+            input_logprobs=self.input_logprobs,
+            input_logprob_start=self.input_start,
+            input_top_logprobs=self.input_top,
+            output_top_logprobs=self.output_top if top else None,
+            top_p_token_ids=kept[0] if kept is not None else None,
+            top_p_token_offsets=kept[1] if kept is not None else None,
+            num_retractions=self.num_retractions,
+            routed_experts=routed_experts,
+        )
 
 
 def new_future() -> Future[GenerateResult]:
@@ -313,7 +348,7 @@ class Scheduler(Generic[S]):
 
     def run_once(self) -> bool:
         """One decision on the caller's thread, for a driver of virtual time that never starts the thread
-        (`launcher.twin_model`); False when there was nothing to do (idle, paused, or the stepper not ready)."""
+        (`twin.model`); False when there was nothing to do (idle, paused, or the stepper not ready)."""
         with self.cond:
             self._idled = False
             self._iterate()
@@ -349,13 +384,41 @@ class Scheduler(Generic[S]):
 
 class ScheduledEngine:
     """The engine protocol's request controls, for an engine whose requests a `Scheduler` holds
-    (``self._scheduler``): the transformers engine and each simulated replica. Submitting, weights and
-    timing stay the engine's own."""
+    (``self._scheduler``) and whose prompts its ``limits`` bound: the transformers engine and each simulated
+    replica. Submitting (past `_accepted`), weights and timing stay the engine's own."""
 
     _scheduler: Scheduler[Any]
+    limits: ModelLimits
 
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
         raise NotImplementedError
+
+    def _accepted(self, request: GenerateRequest) -> GenerateRequest:
+        """The checks every scheduled engine makes first at submit: refused once closed (before any costlier
+        check of its own) or past the model's limits; returned with its rid (`with_rid`)."""
+        if self._scheduler.stopping:
+            raise RuntimeError("the engine is closed")
+        self.limits.check(request)
+        return with_rid(request)
+
+    @property
+    def max_running(self) -> int:
+        return self._scheduler.max_running
+
+    @max_running.setter
+    def max_running(self, value: int) -> None:
+        self._scheduler.max_running = value
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to be admitted."""
+        return self._scheduler.queued
+
+    def healthy(self) -> bool:
+        return self._scheduler.healthy()
+
+    def close(self) -> None:
+        self._scheduler.close()
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)

@@ -36,16 +36,14 @@ import asyncio
 import json
 import threading
 import time
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from .errors import InvalidPrompt, WeightsError
+from .errors import InvalidEnginePrompt, WeightsError
 from .limits import ModelLimits
 from .protocol import (
     ABORT_BEFORE_PREFILL,
@@ -55,6 +53,8 @@ from .protocol import (
     GenerateResult,
     PauseMode,
     TokenCallback,
+    WeightsGroupArgs,
+    with_rid,
 )
 from .sglang_args import check_server_args
 from .sglang_loop import EngineLoop
@@ -145,9 +145,7 @@ class SGLangEngine:
         """Check ``request`` and hand it to SGLang; cancelling the future aborts it there."""
         self.limits.check(request)
         refuse_video_tracks(request.input_ids, self._layout.video_tracks)
-        if not request.rid:
-            request = replace(request, rid=uuid.uuid4().hex)
-        return self._loop.submit(self._generate(request, on_token))
+        return self._loop.submit(self._generate(with_rid(request), on_token))
 
     def generate(self, request: GenerateRequest, timeout: float | None = None) -> GenerateResult:
         return self.submit(request).result(timeout)
@@ -165,7 +163,7 @@ class SGLangEngine:
             self._tokenizer_manager.abort_request(rid=rid)
             raise
         except ValueError as error:  # SGLang's own input checks (length, vocabulary, media)
-            raise InvalidPrompt(str(error)) from error
+            raise InvalidEnginePrompt(str(error)) from error
         finally:
             self._leave(rid)
         return result_from(self._with_cause(output, rid), request)
@@ -315,16 +313,7 @@ class SGLangEngine:
         self.weight_version = version or self.weight_version
         return self.weight_version
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
+    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
         """Join the trainer's broadcast group. Refused by name for an engine with pp_size or dp_size over 1:
         sglang 0.5.23 ranks each scheduler in the group as ``rank_offset + tp_rank`` (pipeline stages would
         share ranks) and asserts one data-parallel replica for the broadcast update."""
@@ -336,16 +325,7 @@ class SGLangEngine:
                 "group ranks are rank_offset + tp_rank); publish from disk instead (weir train --weights disk)",
                 code="weights_rejected",
             )
-        self._weights(
-            "init_weights_update_group",
-            "InitWeightsUpdateGroupReqInput",
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
+        self._weights("init_weights_update_group", "InitWeightsUpdateGroupReqInput", **group)
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None

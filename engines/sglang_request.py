@@ -30,7 +30,7 @@ import torch
 
 import preprocess as pp
 
-from .errors import InvalidPrompt
+from .errors import InvalidEnginePrompt
 from .protocol import FinishReason, GenerateRequest, GenerateResult, MediaInput, TokenStep
 from .sampling import SGLangSampling  # the same JSON whoever writes it
 
@@ -161,7 +161,7 @@ _OMNI_THINKERS = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 
 
 def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | None) -> None:
-    """`InvalidPrompt` when ``input_ids`` hold a video laid out with its own audio track (``marker``: a
+    """`InvalidEnginePrompt` when ``input_ids`` hold a video laid out with its own audio track (``marker``: a
     `ModelLayout`'s ``video_tracks``), which this SGLang would lay out at other positions (the module's
     docstring)."""
     if marker is None:
@@ -169,7 +169,7 @@ def refuse_video_tracks(input_ids: list[int], marker: tuple[int, int, int] | Non
     bos, audio_bos, video = marker
     for i in range(2, len(input_ids)):
         if input_ids[i] == video and input_ids[i - 2] == bos and input_ids[i - 1] == audio_bos:
-            raise InvalidPrompt(
+            raise InvalidEnginePrompt(
                 "a video with its own audio track (use_audio_in_video) is not served on SGLang 0.5.23: its Qwen-Omni "
                 "processor lays the track out as an audio item of its own, at other positions than the trainer's; "
                 "send the clip's audio as a separate item, or serve this model on the transformers backend",

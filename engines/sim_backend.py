@@ -59,11 +59,10 @@ Weights update groups are recorded by name, nothing is joined or received.
 from __future__ import annotations
 
 import threading
-import uuid
 from concurrent.futures import Future
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from .protocol import (
     ABORT_BEFORE_PREFILL,
@@ -73,6 +72,8 @@ from .protocol import (
     GenerateResult,
     PauseMode,
     TokenCallback,
+    WeightsGroupArgs,
+    with_rid,
 )
 from .sim_profile import SimProfile, SimStats, SimStep, digest
 from .sim_replica import SimReplica
@@ -181,8 +182,8 @@ class SimEngine:
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
         if len(self.replicas) == 1:
             return self.replicas[0].submit(request, on_token)
-        rid = request.rid or uuid.uuid4().hex
-        request = request if request.rid == rid else replace(request, rid=rid)
+        request = with_rid(request)
+        rid = request.rid
         seed = self.replicas[0].draw_seed(request, rid)  # one count of prompts for all replicas
         key = digest(b"prompt", *request.input_ids)
         with self._lock:
@@ -245,25 +246,9 @@ class SimEngine:
     def update_weights(self, path: str, version: str | None = None) -> str:
         return str(self._everywhere(lambda r: r.update_weights(path, version))[0])
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
+    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
         for r in self.replicas:
-            r.init_weights_update_group(
-                master_address=master_address,
-                master_port=master_port,
-                rank_offset=rank_offset,
-                world_size=world_size,
-                group_name=group_name,
-                backend=backend,
-            )
+            r.init_weights_update_group(**group)
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None

@@ -9,14 +9,14 @@ It does not spread requests over replicas (`engines.sim_backend.SimEngine` does)
 from __future__ import annotations
 
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
+from typing import Unpack
 
 from .errors import InvalidSampling, WeightsError
 from .limits import ModelLimits
-from .protocol import GenerateRequest, GenerateResult, TokenCallback
+from .protocol import GenerateRequest, GenerateResult, TokenCallback, WeightsGroupArgs
 from .scheduler import ScheduledEngine, Scheduler
 from .sim_profile import SimProfile, SimStats, digest
 from .sim_stepper import SimStepper
@@ -62,22 +62,9 @@ class SimReplica(ScheduledEngine):
         return self._stepper.weight_version
 
     @property
-    def max_running(self) -> int:
-        return self._scheduler.max_running
-
-    @max_running.setter
-    def max_running(self, value: int) -> None:
-        self._scheduler.max_running = value
-
-    @property
     def busy_s(self) -> float:
         """Wall seconds the simulated engine spent generating (simulated busy time / compression)."""
         return self.stats.busy_s / self.compression
-
-    @property
-    def queued(self) -> int:
-        """Requests waiting to be admitted."""
-        return self._scheduler.queued
 
     @property
     def released(self) -> bool:
@@ -91,18 +78,14 @@ class SimReplica(ScheduledEngine):
         self, request: GenerateRequest, on_token: TokenCallback | None = None, *, seed: int | None = None
     ) -> Future[GenerateResult]:
         """``seed``: the request's draw seed as the caller (`SimEngine`) already chose it."""
-        if self._scheduler.stopping:
-            raise RuntimeError("the engine is closed")
-        self.limits.check(request)
+        request = self._accepted(request)
         if request.sampling.grammar is not None:
             raise InvalidSampling(
                 f"{request.sampling.grammar[0]}: the sim backend does not do constrained decoding",
                 code="bad_sampling_params",
             )
-        rid = request.rid or uuid.uuid4().hex
-        request = request if request.rid == rid else replace(request, rid=rid)
         if seed is None:
-            seed = self.draw_seed(request, rid)
+            seed = self.draw_seed(request, request.rid)
         req = self._stepper.plan(request, seed, on_token)
         self._scheduler.submit(req)
         return req.future
@@ -121,17 +104,9 @@ class SimReplica(ScheduledEngine):
         """Take ``weight_update_s`` between two steps, then serve ``version`` (``path`` is not read)."""
         return self._scheduler.call(lambda: self._stepper.update_weights(self._scheduler, version)) or ""
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
+    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
         """Recorded by name only: nothing is joined."""
+        rank_offset, world_size, group_name = group["rank_offset"], group["world_size"], group["group_name"]
         if not 1 <= rank_offset < world_size:
             raise WeightsError(
                 f"rank_offset {rank_offset} is not in [1, world_size {world_size}): rank 0 is the trainer",
@@ -169,9 +144,3 @@ class SimReplica(ScheduledEngine):
     def resume_memory(self) -> None:
         """Colocate's wake: takes ``wake_s``, then generation goes on."""
         self._scheduler.call(lambda: self._stepper.memory(self._scheduler, release=False))
-
-    def healthy(self) -> bool:
-        return self._scheduler.healthy()
-
-    def close(self) -> None:
-        self._scheduler.close()

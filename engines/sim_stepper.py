@@ -17,7 +17,7 @@ log-probs as it is decoded, all seeded, so the same request gives the same resul
 
 Two clocks: `WallClock` (the engines of a stack and a twin: simulated seconds slept at ``compression`` per
 wall second) and `VirtualClock` (the twin's cost model: no sleep at all, a replica's simulated time kept as a
-number and moved on by each step, up to a ``horizon`` its driver sets — `launcher.twin_model`). The cost model
+number and moved on by each step, up to a ``horizon`` its driver sets — `twin.model`). The cost model
 is the same code on both.
 
 The queue, admission, pause modes and aborts are the `engines.scheduler.Scheduler`'s; the protocol and the
@@ -211,24 +211,10 @@ class SimStepper:
             self._decode(scheduler)
 
     def result(self, req: Req[SimState], reason: FinishReason) -> GenerateResult:
-        request = req.request
-        top = request.return_logprob and request.top_logprobs_num > 0
-        top_p = request.sampling.return_top_p_token_ids
-        return GenerateResult(
-            rid=request.rid,
-            output_ids=req.output_ids,
-            output_logprobs=req.logprobs,
-            finish_reason=reason,
-            prompt_tokens=len(request.input_ids),
-            weight_version=self.weight_version,
-            input_logprobs=req.input_logprobs,
-            input_logprob_start=req.input_start,
-            input_top_logprobs=req.input_top,
-            output_top_logprobs=req.output_top if top else None,
-            top_p_token_ids=list(req.output_ids) if top_p else None,  # greedy-like: each step keeps its token
-            top_p_token_offsets=list(range(len(req.output_ids) + 1)) if top_p else None,
-            num_retractions=req.num_retractions,
-        )
+        top_p = None
+        if req.request.sampling.return_top_p_token_ids:  # greedy-like: each step keeps its own token only
+            top_p = list(req.output_ids), list(range(len(req.output_ids) + 1))
+        return req.result(reason, weight_version=self.weight_version, top_p=top_p)
 
     # -- calls the scheduler runs between two steps ----------------------------------------------
     def update_weights(self, scheduler: Scheduler[SimState], version: str | None) -> str:

@@ -2,7 +2,7 @@
 
 The engine loads the model and checks a request when it is submitted (`ModelLimits`: vocabulary and
 context; placeholders against the media's tokens; a grammar that does not compile is `InvalidSampling`), so
-a bad prompt is `InvalidPrompt` / `InvalidMedia` from `submit`, before any stream starts. Its requests run
+a bad prompt is `InvalidEnginePrompt` / `InvalidMedia` from `submit`, before any stream starts. Its requests run
 on an `engines.scheduler.Scheduler` (one thread: the queue, admission up to ``max_running``, the pause modes,
 aborts and their messages) driven by a `TransformersStepper` (one request's prefill or decode, its sampling
 and its stop: `engines.transformers_stepper`), so concurrent requests interleave token by token and an
@@ -27,8 +27,8 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from dataclasses import replace
 from pathlib import Path
+from typing import Unpack
 
 import torch
 from transformers import AutoTokenizer
@@ -44,7 +44,7 @@ from .limits import ModelLimits
 from .protocol import ABORT_BEFORE_PREFILL as ABORT_BEFORE_PREFILL  # the messages, as every backend's
 from .protocol import ABORT_BY_REQUEST as ABORT_BY_REQUEST
 from .protocol import ABORT_PAUSED as ABORT_PAUSED
-from .protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams, TokenCallback
+from .protocol import FinishReason, GenerateRequest, GenerateResult, SamplingParams, TokenCallback, WeightsGroupArgs
 from .scheduler import Req, ScheduledEngine, Scheduler, new_future
 from .transformers_stepper import TransformersState, TransformersStepper
 from .weights import WeightGroups, read_folder
@@ -116,7 +116,7 @@ class TransformersEngine(ScheduledEngine):
             for name in ("vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")
             if isinstance(getattr(config, name, None), int)
         }
-        self._banned = torch.tensor(sorted(structural), device=self.device)
+        self.banned_ids = torch.tensor(sorted(structural), device=self.device)
         # A grammar ends on the model's EOS ids; its width is the logits', which may exceed the tokenizer's.
         self.grammars = Grammars(self.tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_ids)
         self.weight_version = weight_version
@@ -132,15 +132,11 @@ class TransformersEngine(ScheduledEngine):
     def submit(self, request: GenerateRequest, on_token: TokenCallback | None = None) -> Future[GenerateResult]:
         """Check and queue a request; ``on_token(token_id, logprob)`` is called from the engine thread per token
         (a `StepCallback`'s ``step`` with the token's `TokenStep`)."""
-        if self._scheduler.stopping:
-            raise RuntimeError("the engine is closed")
-        self.limits.check(request)
+        request = self._accepted(request)
         self._check_media(request)
         grammar = self.grammars.constraint(request.sampling)
-        rid = request.rid or uuid.uuid4().hex
         seed = request.sampling.sampling_seed
         generator = torch.Generator().manual_seed(seed if seed is not None else int(uuid.uuid4().int % 2**63))
-        request = request if request.rid == rid else replace(request, rid=rid)
         state = TransformersState(generator=generator, grammar=grammar)
         req = Req(request=request, future=new_future(), state=state, on_token=on_token)
         self._scheduler.submit(req)
@@ -150,14 +146,6 @@ class TransformersEngine(ScheduledEngine):
     def busy_s(self) -> float:
         """Wall time spent in forward steps: the engine-idle share is 1 - busy / uptime."""
         return self._stepper.busy_s
-
-    @property
-    def max_running(self) -> int:
-        return self._scheduler.max_running
-
-    @max_running.setter
-    def max_running(self, value: int) -> None:
-        self._scheduler.max_running = value
 
     @property
     def _by_rid(self) -> dict[str, Req[TransformersState]]:
@@ -180,26 +168,10 @@ class TransformersEngine(ScheduledEngine):
             self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
 
-    def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str,
-    ) -> None:
+    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
         """Join ``group_name`` as rank ``rank_offset`` (one rank: no tensor parallelism here). ``gloo`` on a
         CPU engine, ``nccl`` on a CUDA one — NCCL cannot move CPU tensors, so it is refused on CPU."""
-        self._groups.join(
-            master_address=master_address,
-            master_port=master_port,
-            rank_offset=rank_offset,
-            world_size=world_size,
-            group_name=group_name,
-            backend=backend,
-        )
+        self._groups.join(**group)
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
@@ -212,11 +184,8 @@ class TransformersEngine(ScheduledEngine):
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._groups.leave(group_name)
 
-    def healthy(self) -> bool:
-        return self._scheduler.healthy()
-
     def close(self) -> None:
-        self._scheduler.close()
+        super().close()
         self._groups.close()
 
     def text_of(self, ids: list[int], params: SamplingParams, reason: FinishReason | None = None) -> str:

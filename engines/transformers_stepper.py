@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
 
 from encoders.architectures import rope_index
-from encoders.routing import encode_routed_experts
+from encoders.positions import OmniRope
+from encoders.routing import RoutingCapture, encode_routed_experts
+from encoders.towers import Towers
 from preprocess.errors import MediaError
 from preprocess.omni import OmniItem
 
@@ -34,10 +38,7 @@ from .logits import penalize, sample_token, top_logprobs
 from .protocol import FinishReason, GenerateResult, MediaInput, SamplingParams
 from .scheduler import Req, Scheduler
 
-if TYPE_CHECKING:
-    from .transformers_backend import TransformersEngine
-
-__all__ = ["TransformersState", "TransformersStepper"]
+__all__ = ["ModelHost", "TransformersState", "TransformersStepper"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,12 +58,35 @@ class TransformersState:
     top_p_offsets: list[int] = field(default_factory=lambda: [0])
 
 
+class ModelHost(Protocol):
+    """What a `TransformersStepper` reads of the engine that loaded the model and builds the stepper
+    (`engines.transformers_backend.TransformersEngine`); declared here so that imports run one way, from the
+    engine to its stepper."""
+
+    model: Any  # the transformers model (`encoders.architectures.load_thinker`)
+    tokenizer: Any
+    device: torch.device
+    model_lock: threading.Lock  # held per forward step: a weight update waits for it
+    weight_version: str  # read when a request finishes (an update may change it between two steps)
+    towers: Towers
+    routing: RoutingCapture | None  # a mixture-of-experts model's router hooks
+    omni: OmniRope | None  # an Omni model's positions, per media item
+    qwen3_vl: bool
+    deepstack: bool
+    placeholders: dict[str, int]  # media kind → its placeholder token id
+    hidden_size: int
+    visual_width: int  # a visual embedding's: the merged output, then (DeepStack) its maps side by side
+    eos_ids: set[int]
+    banned_ids: torch.Tensor  # never sampled: the media structure tokens
+    max_context: int
+
+
 class TransformersStepper:
     """The `engines.scheduler.Stepper` of ``engine``'s model (see the module)."""
 
     kv_capacity = math.inf  # each request its own cache: only max_running bounds admission
 
-    def __init__(self, engine: TransformersEngine) -> None:
+    def __init__(self, engine: ModelHost) -> None:
         self.engine = engine
         self.busy_s = 0.0  # wall time spent in forward steps: the engine-idle share is 1 - busy / uptime
 
@@ -122,14 +146,14 @@ class TransformersStepper:
                 output_ids=req.output_ids,
                 stop_ids={*params.stop_token_ids, *self.engine.eos_ids},
             )
-        allowed = scores.index_fill(0, self.engine._banned, float("-inf"))
+        allowed = scores.index_fill(0, self.engine.banned_ids, float("-inf"))
         if req.state.grammar is not None:  # after SGLang's logit processing, before temperature and the filters
             req.state.grammar.mask(allowed)
             if not bool(torch.isfinite(allowed).any()):
                 # The penalties / bias / min_new_tokens left no token the grammar allows (min_new_tokens
                 # masking the EOS a finished grammar needs): the grammar decides alone, so the output
                 # still parses.
-                allowed = req.state.grammar.mask(logits.float().index_fill(0, self.engine._banned, float("-inf")))
+                allowed = req.state.grammar.mask(logits.float().index_fill(0, self.engine.banned_ids, float("-inf")))
         token, kept = sample_token(allowed, params, req.state.generator)
         if req.state.grammar is not None:
             req.state.grammar.accept(token)
@@ -164,22 +188,11 @@ class TransformersStepper:
         return None
 
     def result(self, req: Req[TransformersState], reason: FinishReason) -> GenerateResult:
-        request = req.request
-        return GenerateResult(
-            rid=request.rid,
-            output_ids=req.output_ids,
-            output_logprobs=req.logprobs,
-            finish_reason=reason,
-            prompt_tokens=len(request.input_ids),
+        return req.result(
+            reason,
             weight_version=self.engine.weight_version,
-            text=self.text_of(req.output_ids, request.sampling, reason),
-            input_logprobs=req.input_logprobs,
-            input_logprob_start=req.input_start,
-            input_top_logprobs=req.input_top,
-            output_top_logprobs=req.output_top if request.return_logprob and request.top_logprobs_num else None,
-            top_p_token_ids=req.state.top_p_ids if request.sampling.return_top_p_token_ids else None,
-            top_p_token_offsets=req.state.top_p_offsets if request.sampling.return_top_p_token_ids else None,
-            num_retractions=req.num_retractions,
+            text=self.text_of(req.output_ids, req.request.sampling, reason),
+            top_p=(req.state.top_p_ids, req.state.top_p_offsets),
             routed_experts=self._routed_experts(req),
         )
 
@@ -267,44 +280,33 @@ class TransformersStepper:
         positions: torch.Tensor,
         cache: DynamicCache | None,
         deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None,
-        req: Req[TransformersState] | None = None,
+        req: Req[TransformersState],
     ) -> Any:
-        """One forward from input embeddings (the routing recorded into ``req`` when it asked for it)."""
-        if self.engine.routing is None or req is None or not req.request.return_routed_experts:
-            return self._forward_model(embeds, mask, positions, cache, deepstack)
-        with self.engine.routing.recording() as rows:
-            out = self._forward_model(embeds, mask, positions, cache, deepstack)
-        req.state.routes.extend(rows)
-        return out
-
-    def _forward_model(
-        self,
-        embeds: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        cache: DynamicCache | None,
-        deepstack: tuple[torch.Tensor, list[torch.Tensor]] | None,
-    ) -> Any:
-        """One forward from input embeddings; with DeepStack the language model is called with the prompt's
-        DeepStack maps (``(visual position mask, one (visual tokens, hidden) map per layer)``), as the
-        whole model calls it, then the LM head."""
-        if not self.engine.deepstack:
-            return self.engine.model(
-                inputs_embeds=embeds, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-            )
-        where, maps = deepstack if deepstack is not None else (None, None)
-        # Qwen3-VL nests its text model in ``model.language_model``; the Qwen3-Omni thinker's is ``model``.
-        text_model = self.engine.model.model.language_model if self.engine.qwen3_vl else self.engine.model.model
-        out = text_model(
-            inputs_embeds=embeds,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            visual_pos_masks=where,
-            deepstack_visual_embeds=maps,
+        """One forward of ``req`` from input embeddings, its routing recorded into it when it asked for it. With
+        DeepStack the language model is called with the prompt's DeepStack maps (``(visual position mask, one
+        (visual tokens, hidden) map per layer)``), as the whole model calls it, then the LM head."""
+        routing = self.engine.routing if req.request.return_routed_experts else None
+        recording: AbstractContextManager[list[torch.Tensor]] = (
+            routing.recording() if routing is not None else nullcontext([])
         )
-        out.logits = self.engine.model.lm_head(out.last_hidden_state)
+        inputs = {
+            "inputs_embeds": embeds,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "past_key_values": cache,
+            "use_cache": True,
+        }
+        with recording as rows:
+            if not self.engine.deepstack:
+                out = self.engine.model(**inputs)
+            else:
+                where, maps = deepstack if deepstack is not None else (None, None)
+                # Qwen3-VL nests its text model in ``model.language_model``; the Qwen3-Omni thinker's is ``model``.
+                model = self.engine.model
+                text_model = model.model.language_model if self.engine.qwen3_vl else model.model
+                out = text_model(**inputs, visual_pos_masks=where, deepstack_visual_embeds=maps)
+                out.logits = model.lm_head(out.last_hidden_state)
+        req.state.routes.extend(rows)
         return out
 
     def _positions(

@@ -1,4 +1,5 @@
-"""The experience library: typed rollout records and the durable store behind the data role (no HTTP).
+"""The experience library: typed rollout records and the durable store behind the data role; the data role's
+wire records and its client (`api`, `client`: imported by name, never from here).
 
 ::
 
@@ -12,6 +13,8 @@
     store.py        ExperienceStore, the facade over one index and the Arrow entries; DataConfig
     errors.py       the exception tree (ExperienceError and its codes)
     wire.py         JSON on the roles' hot paths through orjson
+    api.py          the data role's wire records (what its routes take and answer)
+    client.py       DataClient / AsyncDataClient: the data role's routes, one typed method each
 """
 
 from __future__ import annotations

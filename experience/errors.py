@@ -19,6 +19,8 @@ module knows nothing of HTTP.
 
 from __future__ import annotations
 
+from wire.errors import WeirError
+
 __all__ = [
     "ExperienceError",
     "FeatureMissing",
@@ -31,7 +33,7 @@ __all__ = [
 ]
 
 
-class ExperienceError(Exception):
+class ExperienceError(WeirError):
     """Base of the experience library's errors."""
 
     code = "experience_error"

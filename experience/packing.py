@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Candidate", "Cut", "Share", "cut"]
+__all__ = ["WaitingSample", "Cut", "Share", "cut"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Candidate:
+class WaitingSample:
     """A stored sample waiting for a consumer."""
 
     sample_id: str
@@ -32,7 +32,7 @@ class Share:
     """One rank's part of a cut."""
 
     rank: int
-    samples: list[Candidate]
+    samples: list[WaitingSample]
 
     @property
     def tokens(self) -> int:
@@ -46,10 +46,12 @@ class Share:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Cut:
     shares: list[Share]  # only ranks that got something, by rank
-    too_long: list[Candidate] = field(default_factory=list)  # longer than max_tokens: never servable
+    too_long: list[WaitingSample] = field(default_factory=list)  # longer than max_tokens: never servable
 
 
-def cut(candidates: Sequence[Candidate], *, world_size: int, max_tokens: int, max_samples: int | None = None) -> Cut:
+def cut(
+    candidates: Sequence[WaitingSample], *, world_size: int, max_tokens: int, max_samples: int | None = None
+) -> Cut:
     """Shares for every rank from the oldest ``candidates``.
 
     The oldest candidates are taken while the whole cut stays within ``world_size × max_tokens``
@@ -59,8 +61,8 @@ def cut(candidates: Sequence[Candidate], *, world_size: int, max_tokens: int, ma
     if world_size < 1 or max_tokens < 1 or (max_samples is not None and max_samples < 1):
         raise ValueError("world_size, max_tokens and max_samples must be positive")
     budget = world_size * max_tokens
-    chosen: list[Candidate] = []
-    too_long: list[Candidate] = []
+    chosen: list[WaitingSample] = []
+    too_long: list[WaitingSample] = []
     total = 0
     for candidate in candidates:
         if candidate.tokens > max_tokens:
@@ -70,7 +72,7 @@ def cut(candidates: Sequence[Candidate], *, world_size: int, max_tokens: int, ma
             break
         chosen.append(candidate)
         total += candidate.tokens
-    shares: list[list[Candidate]] = [[] for _ in range(world_size)]
+    shares: list[list[WaitingSample]] = [[] for _ in range(world_size)]
     loads = [0] * world_size
     for candidate in sorted(chosen, key=lambda c: -c.tokens):  # stable: ties keep queue order
         rank = min(

@@ -17,18 +17,19 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import Annotated, Any, Literal, NotRequired, TypedDict
+from typing import Annotated, Any, Literal, NotRequired
 
 import pyarrow as pa
 from pydantic import ConfigDict, Field, TypeAdapter, model_validator
 from pydantic.dataclasses import dataclass
+from typing_extensions import TypedDict  # pydantic reads typing_extensions TypedDicts on 3.11
 
 __all__ = [
     "GROUP_ADAPTER",
     "GROUP_ID_PATTERN",
     "MICROBATCH_SCHEMA",
     "BatchMeta",
-    "FinishReason",
+    "SampleFinishReason",
     "Group",
     "MicroBatchRow",
     "PolicyVersion",
@@ -78,7 +79,7 @@ class SampleStatus(enum.StrEnum):
     ABORTED = "aborted"  # the engine aborted it (a weight update in abort mode, a client abort)
 
 
-FinishReason = Literal["stop", "length", "abort", "max_turns", "tool_error"]
+SampleFinishReason = Literal["stop", "length", "abort", "max_turns", "tool_error"]
 """``stop`` / ``length`` / ``abort`` as the engine said; a multi-turn trajectory may also end at its
 ``max_turns``, or on a tool that failed (``tool_error``)."""
 
@@ -93,7 +94,7 @@ class Sample:
     logprobs: list[float] = Field(default_factory=list)  # one per response token, under the sampling policy
     text: str = ""
     reward: float | None = None
-    finish_reason: FinishReason | None = None
+    finish_reason: SampleFinishReason | None = None
     policy_version: PolicyVersion | None = None  # the weights that generated it; None if nothing was
     error: str | None = None  # why it failed
     # MoE routing as SGLang returns it, for replay (R3): base64 int32 [tokens - 1, layers, top_k] over the

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from .errors import InvalidRequest, PolicyRegression
 from .index import Counters, transaction
 from .ledger import Ledger
-from .packing import Candidate
+from .packing import WaitingSample
 
 __all__ = ["SCHEMA", "Staleness"]
 
@@ -86,7 +86,7 @@ class Staleness:
         self._policy = version  # once durable
 
     # -- the staleness filter ------------------------------------------------------------------
-    def fresh(self, candidates: Sequence[Candidate], consumer: str) -> list[Candidate]:
+    def fresh(self, candidates: Sequence[WaitingSample], consumer: str) -> list[WaitingSample]:
         """The candidates young enough to train; the others are retired for ``consumer`` (counted
         once) and, under the regenerate policy, their groups listed for regeneration."""
         if self.max_staleness is None:

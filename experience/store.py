@@ -44,7 +44,7 @@ from .index import Counters, GroupCommit, open_index, transaction
 from .ledger import RETIRED, Acked, Ledger
 from .ledger import SCHEMA as LEDGER_SCHEMA
 from .microbatch import MicroBatch, group_of, group_table, ipc_bytes, read_entry
-from .packing import Candidate, cut
+from .packing import WaitingSample, cut
 from .records import MICROBATCH_SCHEMA, Group
 from .staleness import SCHEMA as STALENESS_SCHEMA
 from .staleness import Staleness
@@ -314,7 +314,7 @@ class ExperienceStore:
         with self._locked():
             return self._ledger.known(batch_id)
 
-    def _available(self, consumer: str) -> list[Candidate]:
+    def _available(self, consumer: str) -> list[WaitingSample]:
         """The consumer's waiting samples, oldest first: stored, not done, not out on a live lease.
 
         The scan starts at the consumer's low-water mark, the first seq holding a sample not done for it,
@@ -333,7 +333,7 @@ class ExperienceStore:
             top = self._db.execute("SELECT MAX(seq) FROM samples").fetchone()[0]
             self._low_water[consumer] = low if top is None else max(low, int(top) + 1)
         return [
-            Candidate(sample_id=str(s), group_id=str(g), tokens=int(n), version=int(v))
+            WaitingSample(sample_id=str(s), group_id=str(g), tokens=int(n), version=int(v))
             for s, g, n, v, _ in rows
             if s not in leased
         ]

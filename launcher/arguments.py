@@ -14,7 +14,16 @@ from typing import NoReturn
 
 from .config import AGENT_DEMO_DEFAULTS, DEMO_DEFAULTS, GENERIC_DEFAULTS, VIDEO_DEMO_DEFAULTS, TrainDefaults
 
-__all__ = ["SPEC_NAMES", "Parser", "existing_file", "processor_spec", "profile_file", "role_url", "task_default"]
+__all__ = [
+    "SPEC_NAMES",
+    "Parser",
+    "existing_file",
+    "processor_spec",
+    "profile_file",
+    "role_url",
+    "shard_size",
+    "task_default",
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -82,6 +91,16 @@ def profile_file(text: str) -> Path:
 
     try:
         return resolve(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def shard_size(text: str) -> int:
+    """``weir export-hf --max-shard-size``: a size in bytes, or with a decimal unit (500MB, 2GB), as bytes."""
+    from trainer.hf_folder import parse_size  # here, not at the top: `weir --help` imports no torch
+
+    try:
+        return parse_size(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

@@ -2,8 +2,8 @@
 media set, the local or Ray stack (`weir up`, `weir engines`), training, the twin, a checkpoint as a Hugging
 Face folder, a tiny model, the token file. The parser is `launcher.cli`; the options (`argparse.Namespace`)
 reach no further than this module — each command hands the work on as a typed configuration
-(`launcher.config`, `launcher.twin.TwinConfig`) or plain values, to `launcher.stack`, `launcher.training`,
-`launcher.twin`, `trainer.export` and the roles in ``services/``.
+(`launcher.config`, `twin.config.TwinConfig`) or plain values, to `launcher.stack`, `launcher.training`,
+`launcher.twin_command`, `trainer.export` and the roles in ``services/``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import json
 import os
 from pathlib import Path
 
-import httpx
+from engines.client import EngineClient
 
 from .config import TrainConfig
 from .stack import stack_model
@@ -35,13 +35,11 @@ def run_model(config: TrainConfig) -> Path:
 def attach_refusal(urls: dict[str, str], token: str | None, folder: Path) -> str | None:
     """Why an attached stack cannot be trained against: an engine serving another model than ``folder``
     (one line), else None."""
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
     for name, url in urls.items():
         if not name.startswith("engine"):
             continue
-        info = httpx.get(f"{url}/model_info", headers=headers, timeout=10)
-        info.raise_for_status()
-        served = str(info.json().get("model_path") or "")
+        with EngineClient(url, token=token, timeout_s=10) as engine:
+            served = engine.model_info().model_path
         if Path(served).resolve() != folder.resolve():
             return (
                 f"--attach: the stack's {name} ({url}) serves {served}, but this run would train {folder}: "

@@ -45,7 +45,7 @@ from services.settings import SettingsError
 from trainer.data_parallel import DataParallel, restarted, run_ranks
 from trainer.evaluation import EvalSpec
 from trainer.loop import LoopConfig, evaluate, run_loop
-from trainer.policy_version import PolicyVersion, WeightRecipients
+from trainer.policy_version import PolicyOwner, WeightRecipients
 from trainer.protocol import Ranks
 from trainer.publish import PAUSE_MODE, data_policy_version
 from trainer.reference import ReferenceTrainer
@@ -148,7 +148,7 @@ def _warm_up(
         on_weights=record_weights if config.ray else None,  # joining engines load these weights
         weights=_weights(config),
     )
-    policy = PolicyVersion(trainer, weights=out / "weights", main=main, recipients=recipients)
+    policy = PolicyOwner(trainer, weights=out / "weights", main=main, recipients=recipients)
     policy.join(data_policy_version(urls["data"], token=token))
     try:
         policy.publish()  # collective (export or state dict) with several ranks; rank 0 tells the recipients
@@ -406,40 +406,34 @@ def _ranks(config: TrainConfig) -> Ranks | None:
 def _trainer(
     config: TrainConfig, features: pp.FeatureStore, parallel: Ranks | None
 ) -> ReferenceTrainer | MegatronTrainer:
+    model = run_model(config)
+    # The options both trainers take alike, read once (typed Any: each constructor checks them when called).
+    shared: dict[str, Any] = {
+        "features": features,
+        "lr": config.lr,
+        "loss": config.loss_config(),
+        "precision": config.precision,
+        "activation_checkpointing": config.activation_checkpointing,
+        "ppo_epochs": config.ppo_epochs,
+        "mini_batches": config.mini_batches,
+    }
+    trainer: ReferenceTrainer | MegatronTrainer
     if config.trainer == "megatron":
         from trainer.megatron.trainer import MegatronTrainer
 
-        megatron = MegatronTrainer(
-            run_model(config),
-            features=features,
-            lr=config.lr,
-            loss=config.loss_config(),
-            precision=config.precision,
-            activation_checkpointing=config.activation_checkpointing,
-            tp=config.tp,
-            ep=config.ep,
-            ppo_epochs=config.ppo_epochs,
-            mini_batches=config.mini_batches,
+        trainer = MegatronTrainer(model, tp=config.tp, ep=config.ep, **shared)
+    else:
+        assert parallel is None or isinstance(parallel, DataParallel)
+        trainer = ReferenceTrainer(
+            model,
+            parallel=parallel,
+            routing_replay=config.r3,
+            cpu_offload=config.cpu_offload,
+            device=single_rank_device(config) if parallel is None else None,
+            **shared,
         )
-        if megatron.parallel is None or megatron.parallel.is_main:  # before the first step: what a rank will hold
-            console.print(str(megatron.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)
-        return megatron
-    assert parallel is None or isinstance(parallel, DataParallel)
-    trainer = ReferenceTrainer(
-        run_model(config),
-        features=features,
-        lr=config.lr,
-        loss=config.loss_config(),
-        ppo_epochs=config.ppo_epochs,
-        mini_batches=config.mini_batches,
-        parallel=parallel,
-        routing_replay=config.r3,
-        precision=config.precision,
-        activation_checkpointing=config.activation_checkpointing,
-        cpu_offload=config.cpu_offload,
-        device=single_rank_device(config) if parallel is None else None,
-    )
-    if parallel is None or parallel.is_main:  # before the first step: what a rank will hold
+    # Megatron joins its own parallel state (`trainer.parallel`); the reference trainer keeps the one it was given.
+    if trainer.parallel is None or trainer.parallel.is_main:  # before the first step: what a rank will hold
         console.print(str(trainer.memory_estimate(config.max_tokens_per_batch)), markup=False, highlight=False)
     return trainer
 

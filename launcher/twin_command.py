@@ -1,7 +1,7 @@
-"""`weir twin`: its options and what each action does — ``run`` (the live twin, `launcher.twin`; or the cost model
-alone with ``--cost-model``; or earlier results merged with ``--merge``), ``plan`` (splits and staleness bounds
-searched with the cost model, `launcher.twin_plan`) and ``calibrate`` (the one knob fitted on the profile's
-published colocate step)."""
+"""`weir twin`: its options and what each action does — ``run`` (the live twin, `twin.live`, on local stacks; or
+the cost model alone with ``--cost-model``; or earlier results merged with ``--merge``), ``plan`` (splits and
+staleness bounds searched with the cost model, `twin.plan`) and ``calibrate`` (the one knob fitted on the
+profile's published colocate step). The twin itself is the `twin` package; this is its command line."""
 
 from __future__ import annotations
 
@@ -9,9 +9,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .arguments import existing_file, profile_file
+
+if TYPE_CHECKING:
+    from twin.config import TwinConfig
+    from twin.plan import Candidate, RunSize
 
 __all__ = ["run_twin_command", "twin_arguments"]
 
@@ -130,7 +134,7 @@ def _split(args: argparse.Namespace) -> tuple[int, int | None, int | None] | str
 
 
 def run_twin_command(args: argparse.Namespace) -> int:
-    from .twin import TwinConfig
+    from twin.config import TwinConfig
 
     split = _split(args)
     if isinstance(split, str):
@@ -153,7 +157,7 @@ def run_twin_command(args: argparse.Namespace) -> int:
         base_port=args.base_port,
     )
     if args.lengths is not None:
-        from .twin_plan import with_lengths
+        from twin.plan import with_lengths
 
         try:
             lengths = config.home / f"{config.profile.stem}-lengths.yaml"
@@ -170,17 +174,20 @@ def run_twin_command(args: argparse.Namespace) -> int:
     return _live(args, config)
 
 
-def _live(args: argparse.Namespace, config: Any) -> int:
-    from .twin import cost_model_step, run_twin
-    from .twin_report import plot_twin, print_twin, summary
+def _live(args: argparse.Namespace, config: TwinConfig) -> int:
+    from twin.live import cost_model_step, run_twin
+    from twin.report import plot_twin, print_twin, summary
+
+    from .console import console
+    from .stack import LocalStack
 
     if args.merge:
         runs = [row for path in args.merge for row in json.loads(path.read_text())["rows"]]
         config.compressions = tuple(sorted({r["compression"] for r in runs}))
         out = summary(runs, config)
     else:
-        out = run_twin(config)
-    print_twin(out, config)
+        out = run_twin(config, new_stack=LocalStack)
+    print_twin(out, config, console=console)
     model = None
     if args.merge and config.nodes:  # the colocate cost model at the same sizes, for the plot
         model = [cost_model_step(config.profile, g, n=config.n) for g in config.gpu_counts()]
@@ -188,9 +195,19 @@ def _live(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _candidate(config: Any, mode: str, gpus: int) -> Any:
-    from .twin import layout, parse_mode
-    from .twin_plan import Candidate
+def _size(args: argparse.Namespace, config: TwinConfig, gpus: int) -> RunSize:
+    """Each cost-model prediction's size at ``gpus`` GPUs, from the options."""
+    return {
+        "prompts": config.prompts_for_step(gpus),
+        "n": config.n,
+        "steps": args.model_steps,
+        "gpus_per_node": config.gpus_per_node,
+    }
+
+
+def _candidate(config: TwinConfig, mode: str, gpus: int) -> Candidate:
+    from twin.live import layout, parse_mode
+    from twin.plan import Candidate
 
     if mode == "hybrid":  # veRL's hybrid engine: the cost model's only (Weir does not run it)
         return Candidate("hybrid", gpus, 0)
@@ -203,8 +220,10 @@ def _candidate(config: Any, mode: str, gpus: int) -> Any:
     return Candidate(f"async-{staleness}", plan.engines, plan.trainer_gpus)
 
 
-def _cost_model(args: argparse.Namespace, config: Any) -> int:
-    from .twin_plan import print_predictions, sensitivity
+def _cost_model(args: argparse.Namespace, config: TwinConfig) -> int:
+    from twin.plan import print_predictions, sensitivity
+
+    from .console import console
 
     rows, found = [], {}
     for gpus in config.gpu_counts():
@@ -214,25 +233,20 @@ def _cost_model(args: argparse.Namespace, config: Any) -> int:
             except ValueError as error:
                 print(f"weir twin: {error}", file=sys.stderr)
                 return 2
-            result = sensitivity(
-                config.profile,
-                candidate,
-                prompts=config.prompts_for_step(gpus),
-                n=config.n,
-                steps=args.model_steps,
-                gpus_per_node=config.gpus_per_node,
-            )
+            result = sensitivity(config.profile, candidate, **_size(args, config, gpus))
             rows.append(result["base"])
             found[candidate.label] = result
             print(json.dumps({**result["base"], "sensitivity": {k: v for k, v in result.items() if k != "base"}}))
-    print_predictions(rows, title=f"Cost model: {config.profile.name}", sensitivities=found)
+    print_predictions(rows, title=f"Cost model: {config.profile.name}", console=console, sensitivities=found)
     return 0
 
 
-def _plan(args: argparse.Namespace, config: Any) -> int:
+def _plan(args: argparse.Namespace, config: TwinConfig) -> int:
     from rich.progress import Progress
 
-    from .twin_plan import candidates, plan, print_predictions, sensitivity
+    from twin.plan import Candidate, candidates, plan, print_predictions, sensitivity
+
+    from .console import console
 
     gpus = config.gpus
     count = len(candidates(gpus, tuple(args.staleness)))
@@ -241,26 +255,21 @@ def _plan(args: argparse.Namespace, config: Any) -> int:
         results = plan(
             config.profile,
             gpus,
-            prompts=config.prompts_for_step(gpus),
-            n=config.n,
-            steps=args.model_steps,
             staleness=tuple(args.staleness),
-            gpus_per_node=config.gpus_per_node,
             on_done=lambda _: progress.advance(task),
+            **_size(args, config, gpus),
         )
     best = results[0]
-    from .twin_plan import Candidate
-
     found = sensitivity(
         config.profile,
         Candidate(best["mode"], best.get("engine_gpus", gpus), best.get("trainer_gpus", 0)),
-        prompts=config.prompts_for_step(gpus),
-        n=config.n,
-        steps=args.model_steps,
-        gpus_per_node=config.gpus_per_node,
+        **_size(args, config, gpus),
     )
     print_predictions(
-        results[:8], title=f"weir twin plan: {gpus} GPUs, {config.profile.name}", sensitivities={best["label"]: found}
+        results[:8],
+        title=f"weir twin plan: {gpus} GPUs, {config.profile.name}",
+        console=console,
+        sensitivities={best["label"]: found},
     )
     ties = [r["label"] for r in results[1:] if r["overlaps_best"]]
     print(
@@ -273,9 +282,9 @@ def _plan(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
-def _calibrate(args: argparse.Namespace, config: Any) -> int:
-    from .twin_plan import calibrate, write_calibration
-    from .twin_report import reference_figures
+def _calibrate(args: argparse.Namespace, config: TwinConfig) -> int:
+    from twin.plan import calibrate, write_calibration
+    from twin.reference import reference_figures
 
     reference = reference_figures(config.profile)
     fit = calibrate(

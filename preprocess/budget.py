@@ -1,28 +1,17 @@
 """Token budgets: how many tokens an item or a sample may cost, and what to do when it costs more.
 
 `TokenBudget` is a value; the arithmetic that applies it lives in `plan.py`. `TokenBudget.to_wire` is
-the JSON a client (the rollout role) sends the preprocess role as a request's ``budget``.
+the `preprocess.api.BudgetIn` a client (the rollout role) sends the preprocess role as a request's ``budget``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict
+from typing import Any
 
-__all__ = ["BudgetJSON", "BudgetPolicy", "TokenBudget"]
+from .api import BudgetIn, BudgetPolicy
 
-BudgetPolicy = Literal["shrink", "refuse"]
-
-
-class BudgetJSON(TypedDict, total=False):
-    """A request's ``budget`` as the preprocess role reads it: each field given overrides the role's
-    default budget, each one left out keeps it."""
-
-    max_image_tokens: int
-    max_video_tokens: int
-    max_audio_tokens: int
-    max_sample_tokens: int
-    policy: BudgetPolicy
+__all__ = ["BudgetPolicy", "TokenBudget"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -57,22 +46,13 @@ class TokenBudget:
         if self.policy not in ("shrink", "refuse", None):
             raise ValueError(f"policy must be 'shrink' or 'refuse', got {self.policy!r}")
 
-    def to_wire(self) -> BudgetJSON:
-        """This budget as a preprocess request's ``budget``: the limits and the policy that are set (a budget
-        that names none keeps the preprocess role's own).
+    def to_wire(self) -> BudgetIn | None:
+        """This budget as a preprocess request's ``budget``: the limits and the policy that are set, and only
+        those (a field left out keeps the preprocess role's own); None when it sets none.
         ``max_decode_pixels`` is the preprocess role's setting, never a request's."""
-        wire = BudgetJSON()
-        if self.max_image_tokens is not None:
-            wire["max_image_tokens"] = self.max_image_tokens
-        if self.max_video_tokens is not None:
-            wire["max_video_tokens"] = self.max_video_tokens
-        if self.max_audio_tokens is not None:
-            wire["max_audio_tokens"] = self.max_audio_tokens
-        if self.max_sample_tokens is not None:
-            wire["max_sample_tokens"] = self.max_sample_tokens
-        if self.policy is not None:
-            wire["policy"] = self.policy
-        return wire
+        names = ("max_image_tokens", "max_video_tokens", "max_audio_tokens", "max_sample_tokens", "policy")
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return BudgetIn(**given) if given else None
 
     def limit_for(self, kind: str) -> int | None:
         return {

@@ -36,7 +36,7 @@ from .probe import MediaKind
 
 __all__ = [
     "MARKERS",
-    "MediaRef",
+    "RowMedia",
     "column_values",
     "dataset_base",
     "iter_rows",
@@ -67,7 +67,9 @@ MARKERS = re.compile(r"<(image|video|audio)>")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MediaRef:
+class RowMedia:
+    """One media item of a dataset row: its kind and where its bytes are (a file, or the row's own data)."""
+
     kind: MediaKind
     source: str  # a path, or "<inline>" for embedded data
     path: Path | None = None
@@ -148,17 +150,17 @@ def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
                     yield json.loads(line)
 
 
-def _ref(kind: MediaKind, value: str, base: Path) -> MediaRef:
+def _ref(kind: MediaKind, value: str, base: Path) -> RowMedia:
     if value.startswith("data:"):
         header, _, payload = value.partition(",")
         try:
-            return MediaRef(kind=kind, source="<inline>", data=base64.b64decode(payload, validate=True))
+            return RowMedia(kind=kind, source="<inline>", data=base64.b64decode(payload, validate=True))
         except (binascii.Error, ValueError):
-            return MediaRef(kind=kind, source="<inline>", data=b"")
+            return RowMedia(kind=kind, source="<inline>", data=b"")
     if value.startswith(("http://", "https://")):
         raise DatasetError(f"URLs are not fetched by the dataset job: {value[:80]}", code="url_not_supported")
     path = Path(value.removeprefix("file://"))
-    return MediaRef(kind=kind, source=value, path=path if path.is_absolute() else base / path)
+    return RowMedia(kind=kind, source=value, path=path if path.is_absolute() else base / path)
 
 
 def _wav(array: object, rate: object) -> bytes:
@@ -179,21 +181,21 @@ def _wav(array: object, rate: object) -> bytes:
     return out.getvalue()
 
 
-def media_ref(kind: MediaKind, value: object, base: Path) -> MediaRef:
+def media_ref(kind: MediaKind, value: object, base: Path) -> RowMedia:
     """One column value: a path / ``file://`` URL / data URI, raw bytes, a Hugging Face ``Image`` / ``Audio``
     struct (its bytes when present, else its path) or a decoded ``Audio`` (``array`` + ``sampling_rate``)."""
     if isinstance(value, str):
         return _ref(kind, value, base)
     if isinstance(value, bytes | bytearray | memoryview):
-        return MediaRef(kind=kind, source="<inline>", data=bytes(value))
+        return RowMedia(kind=kind, source="<inline>", data=bytes(value))
     if isinstance(value, Mapping):
         data, path = value.get("bytes"), value.get("path")
         if isinstance(data, bytes | bytearray | memoryview) and data:
-            return MediaRef(kind=kind, source=path if isinstance(path, str) and path else "<inline>", data=bytes(data))
+            return RowMedia(kind=kind, source=path if isinstance(path, str) and path else "<inline>", data=bytes(data))
         if isinstance(path, str) and path:
             return _ref(kind, path, base)
         if kind == "audio" and "array" in value:
-            return MediaRef(kind=kind, source="<array>", data=_wav(value["array"], value.get("sampling_rate")))
+            return RowMedia(kind=kind, source="<array>", data=_wav(value["array"], value.get("sampling_rate")))
         raise DatasetError(
             f"a {kind} value with neither bytes nor a path (keys: {sorted(map(str, value))})",
             code="unsupported_media_value",
@@ -240,8 +242,8 @@ def _part_value(part: Mapping[str, object], key: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _part_refs(messages: object, base: Path) -> list[MediaRef]:
-    refs: list[MediaRef] = []
+def _part_refs(messages: object, base: Path) -> list[RowMedia]:
+    refs: list[RowMedia] = []
     for message in messages if isinstance(messages, list | tuple) else []:
         content = message.get("content") if isinstance(message, Mapping) else None
         for part in content if isinstance(content, list) else []:
@@ -260,11 +262,11 @@ def _part_refs(messages: object, base: Path) -> list[MediaRef]:
                     data = base64.b64decode(payload if isinstance(payload, str) else "", validate=True)
                 except (binascii.Error, ValueError):
                     data = b""
-                refs.append(MediaRef(kind="audio", source="<inline>", data=data))
+                refs.append(RowMedia(kind="audio", source="<inline>", data=data))
     return refs
 
 
-def row_media(row: Mapping[str, object], base: Path) -> list[MediaRef]:
+def row_media(row: Mapping[str, object], base: Path) -> list[RowMedia]:
     """The media a row references, in order: columns first (images, videos, audios), then message parts.
 
     A verl / slime row (``prompt``, no ``messages``) must have as many items of each kind as its prompt has

@@ -19,6 +19,8 @@ Every bad-input error is a :class:`MediaError` with a stable ``code`` that servi
 
 from __future__ import annotations
 
+from wire.errors import WeirError
+
 __all__ = [
     "AspectRatioError",
     "BudgetExceededError",
@@ -33,19 +35,10 @@ __all__ = [
 ]
 
 
-class MediaError(ValueError):
+class MediaError(WeirError, ValueError):
     """Base of every bad-input error; ``code`` is stable and machine-readable."""
 
     code = "media_error"
-
-    def __init__(self, message: str, *, code: str | None = None) -> None:
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-    @property
-    def message(self) -> str:
-        return str(self)
 
 
 class EmptyMediaError(MediaError):

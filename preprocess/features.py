@@ -12,7 +12,7 @@ This module does not decode media and does not know where bytes are stored.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Literal, NotRequired, TypedDict, TypeVar
 
@@ -181,21 +181,6 @@ class _AudioMeta(TypedDict):
     truncated: bool
 
 
-class _VisualFields(TypedDict):
-    """The keyword arguments image and video features share (`_Visual`'s fields)."""
-
-    key: str
-    patches: np.ndarray
-    grid_thw: tuple[int, int, int]
-    num_tokens: int
-    temporal_patch_size: int
-    norm: Normalization
-    image_mean: tuple[float, float, float]
-    image_std: tuple[float, float, float]
-    source_size: tuple[int, int]
-    resized_size: tuple[int, int]
-
-
 def _fixed_rows(array: np.ndarray) -> pa.FixedSizeListArray:
     flat = np.ascontiguousarray(array).reshape(array.shape[0], -1)
     width = flat.shape[1]
@@ -273,22 +258,23 @@ def features_from_arrow(data: bytes | memoryview | pa.Buffer) -> Features:
         )
     if batch.schema.names[0] != "patches":
         raise ValueError("materialized pixel_values cannot be read back as compact features")
-    common: _VisualFields = {
-        "key": meta["key"],
-        "patches": flat.reshape(rows, *meta["patch_shape"]),
-        "grid_thw": _three(meta["grid_thw"]),
-        "num_tokens": meta["num_tokens"],
-        "temporal_patch_size": meta["temporal_patch_size"],
-        "norm": meta["norm"],
-        "image_mean": _three(meta["image_mean"]),
-        "image_std": _three(meta["image_std"]),
-        "source_size": _two(meta["source_size"]),
-        "resized_size": _two(meta["resized_size"]),
-    }
+    image = ImageFeatures(
+        key=meta["key"],
+        patches=flat.reshape(rows, *meta["patch_shape"]),
+        grid_thw=_three(meta["grid_thw"]),
+        num_tokens=meta["num_tokens"],
+        temporal_patch_size=meta["temporal_patch_size"],
+        norm=meta["norm"],
+        image_mean=_three(meta["image_mean"]),
+        image_std=_three(meta["image_std"]),
+        source_size=_two(meta["source_size"]),
+        resized_size=_two(meta["resized_size"]),
+    )
     if meta["kind"] == "image":
-        return ImageFeatures(**common)
+        return image
+    # A video's metadata starts as an image's: those fields are read once (above, type-checked there), then copied.
     return VideoFeatures(
-        **common,
+        **{field.name: getattr(image, field.name) for field in fields(_Visual)},
         frame_indices=tuple(meta["frame_indices"]),
         total_frames=meta["total_frames"],
         video_fps=meta["video_fps"],

@@ -48,6 +48,36 @@ def _check_aspect(height: int, width: int) -> None:
         )
 
 
+def _fit_pixels(
+    height: int,
+    width: int,
+    h_bar: int,
+    w_bar: int,
+    *,
+    factor: int,
+    min_pixels: float,
+    max_pixels: float,
+    frames: int = 1,
+    rounded_frames: int = 1,
+    floor_at_factor: bool = True,
+) -> tuple[int, int]:
+    """The rounded sides ``(h_bar, w_bar)``, rescaled when ``rounded_frames × h_bar × w_bar`` falls outside
+    [``min_pixels``, ``max_pixels``]: how each resize of this module ends. The original ``frames × height × width``
+    is scaled to the bound it crossed, each side floored (too large; at least ``factor`` when
+    ``floor_at_factor``) or ceiled (too small) to a multiple of ``factor``. Images are one frame."""
+    if rounded_frames * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((frames * height * width) / max_pixels)
+        h_bar = math.floor(height / beta / factor) * factor
+        w_bar = math.floor(width / beta / factor) * factor
+        if floor_at_factor:
+            h_bar, w_bar = max(factor, h_bar), max(factor, w_bar)
+    elif rounded_frames * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
 def smart_resize(
     height: int, width: int, factor: int = 28, min_pixels: int = 3136, max_pixels: int = 12845056
 ) -> tuple[int, int]:
@@ -55,15 +85,7 @@ def smart_resize(
     _check_aspect(height, width)
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return _fit_pixels(height, width, h_bar, w_bar, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def smart_resize_qwen_vl_utils(
@@ -73,15 +95,10 @@ def smart_resize_qwen_vl_utils(
     _check_aspect(height, width)
     h_bar = max(factor, round(height / factor) * factor)
     w_bar = max(factor, round(width / factor) * factor)
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = math.floor(height / beta / factor) * factor
-        w_bar = math.floor(width / beta / factor) * factor
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    # Here the shrunk sides are not floored at ``factor`` (the upstream difference, not a slip).
+    return _fit_pixels(
+        height, width, h_bar, w_bar, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels, floor_at_factor=False
+    )
 
 
 def smart_nframes(
@@ -169,15 +186,17 @@ def smart_resize_video(
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
     t_bar = round(num_frames / temporal_factor) * temporal_factor
-    if t_bar * h_bar * w_bar > max_pixels:
-        beta = math.sqrt((num_frames * height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
+    return _fit_pixels(
+        height,
+        width,
+        h_bar,
+        w_bar,
+        factor=factor,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        frames=num_frames,
+        rounded_frames=t_bar,
+    )
 
 
 def qwen3_vl_video_geometry(

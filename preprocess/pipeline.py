@@ -7,6 +7,7 @@ so a repeated item is served from the cache without decoding a pixel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .audio import audio_features, decode_audio
 from .budget import TokenBudget
@@ -71,24 +72,35 @@ def process_image(
     source: MediaSource, spec: ProcessorSpec, budget: TokenBudget | None = None, *, store: FeatureStore | None = None
 ) -> ImageFeatures:
     """``pixel_values`` (N, 1176) float32, ``grid_thw``, ``num_tokens`` of one image."""
-    result = process_bytes(read_source(source), "image", spec, budget, store=store).features
-    assert isinstance(result, ImageFeatures)
-    return result
+    return _process_source(source, "image", ImageFeatures, spec, budget, store)
 
 
 def process_video(
     source: MediaSource, spec: ProcessorSpec, budget: TokenBudget | None = None, *, store: FeatureStore | None = None
 ) -> VideoFeatures:
     """As `process_image`, plus ``frame_indices`` and ``second_per_grid_t``."""
-    result = process_bytes(read_source(source), "video", spec, budget, store=store).features
-    assert isinstance(result, VideoFeatures)
-    return result
+    return _process_source(source, "video", VideoFeatures, spec, budget, store)
 
 
 def process_audio(
     source: MediaSource, spec: ProcessorSpec, budget: TokenBudget | None = None, *, store: FeatureStore | None = None
 ) -> AudioFeatures:
     """``input_features`` (128, L) float32 of the valid frames, ``num_frames``, ``num_tokens``."""
-    result = process_bytes(read_source(source), "audio", spec, budget, store=store).features
-    assert isinstance(result, AudioFeatures)
+    return _process_source(source, "audio", AudioFeatures, spec, budget, store)
+
+
+_F = TypeVar("_F", ImageFeatures, VideoFeatures, AudioFeatures)
+
+
+def _process_source(
+    source: MediaSource,
+    kind: MediaKind,
+    features: type[_F],
+    spec: ProcessorSpec,
+    budget: TokenBudget | None,
+    store: FeatureStore | None,
+) -> _F:
+    """`process_bytes` of ``source`` read whole; its features, of the type ``kind`` makes."""
+    result = process_bytes(read_source(source), kind, spec, budget, store=store).features
+    assert isinstance(result, features)
     return result

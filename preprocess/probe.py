@@ -11,12 +11,12 @@ import io
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Literal
 
 import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from .api import MediaKind
 from .errors import (
     CorruptMediaError,
     DecompressionBombError,
@@ -26,7 +26,6 @@ from .errors import (
 
 __all__ = ["MediaHeader", "MediaKind", "detect_kind", "open_container", "open_image", "probe", "transposes"]
 
-MediaKind = Literal["image", "video", "audio"]
 
 # EXIF orientations that swap width and height once applied.
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}

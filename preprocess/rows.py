@@ -31,7 +31,7 @@ from pathlib import Path
 
 from .dataset import (
     MARKERS,
-    MediaRef,
+    RowMedia,
     column_values,
     dataset_base,
     iter_rows,
@@ -49,7 +49,7 @@ _KINDS: tuple[MediaKind, ...] = ("image", "video", "audio")
 _MARKED: dict[str, MediaKind] = {"image": "image", "video": "video", "audio": "audio"}
 
 
-def _url(ref: MediaRef) -> str:
+def _url(ref: RowMedia) -> str:
     if ref.data is not None:
         return "data:application/octet-stream;base64," + base64.b64encode(ref.data).decode("ascii")
     assert ref.path is not None
@@ -58,7 +58,7 @@ def _url(ref: MediaRef) -> str:
     return str(ref.path)
 
 
-def _parts(text: str, media: dict[MediaKind, list[MediaRef]]) -> str | list[dict[str, object]]:
+def _parts(text: str, media: dict[MediaKind, list[RowMedia]]) -> str | list[dict[str, object]]:
     """``text`` with each marker replaced by the next medium of its kind (the text as given when it has none)."""
     if MARKERS.search(text) is None:
         return text
@@ -75,7 +75,7 @@ def _parts(text: str, media: dict[MediaKind, list[MediaRef]]) -> str | list[dict
     return parts
 
 
-def _in_part(part: object, media: dict[MediaKind, list[MediaRef]]) -> list[object]:
+def _in_part(part: object, media: dict[MediaKind, list[RowMedia]]) -> list[object]:
     """A content part with the markers of its text replaced (`_parts`); any other part as given."""
     text = part.get("text") if isinstance(part, Mapping) and part.get("type") == "text" else None
     if not isinstance(text, str) or MARKERS.search(text) is None:

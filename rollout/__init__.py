@@ -59,7 +59,7 @@ from .preparation import Prepared, prepare
 from .prompts import PromptBuilder, parse_messages
 from .rewards import BUILTIN_REWARDS, ENTRY_POINT_GROUP, RewardContext, RewardFunction, RewardRegistry, RewardSpec
 from .scoring import reward_samples
-from .serving import ChatStream, Progress, chat_samples, chat_stream
+from .serving import ChatStream, ChoiceStep, chat_samples, chat_stream
 from .sink import HttpSink, JsonlSink, Sink
 from .tools import Observation, ToolContext, ToolError, ToolRegistry
 
@@ -91,7 +91,7 @@ __all__ = [
     "Overloaded",
     "PluginError",
     "Prepared",
-    "Progress",
+    "ChoiceStep",
     "PromptBuilder",
     "PromptSpec",
     "RewardContext",

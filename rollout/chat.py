@@ -2,7 +2,7 @@
 calls and SSE chunks.
 
 Pure functions over `Sample`s (the chat route gets them from `rollout.serving.chat_samples`) and, for
-true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.serving.Progress`) into
+true streaming, `ChoiceStream`, which turns one choice's engine steps (`rollout.serving.ChoiceStep`) into
 ``chat.completion.chunk`` deltas as the tokens come: one delta per engine step (a token, or the few
 an engine sends at once), with their log-probs (and, when asked, each token's most likely alternatives:
 `rollout.logprobs.ChoiceLogprobs`); text that may still turn out to be a stop string is
@@ -27,9 +27,9 @@ from .messages import (
     ChatChoice,
     ChatChunk,
     ChatCompletion,
+    ChoiceFinishReason,
     ChunkHead,
     Delta,
-    FinishReason,
     LegacyLogprobs,
     LogprobsContent,
     OpenAIToolCall,
@@ -62,7 +62,7 @@ __all__ = [
 TokenText = Callable[[int], str]
 
 
-def finish_reason(sample: Sample, *, tool_calls: bool = False) -> FinishReason:
+def finish_reason(sample: Sample, *, tool_calls: bool = False) -> ChoiceFinishReason:
     """OpenAI's finish reason: ``tool_calls`` when the answer calls tools, ``length`` when the token
     limit ended it, else ``stop`` (aborts too)."""
     if tool_calls:
@@ -195,7 +195,7 @@ def _delta(
     index: int,
     change: Delta,
     logprobs: LogprobsContent | None = None,
-    finish: FinishReason | None = None,
+    finish: ChoiceFinishReason | None = None,
 ) -> ChatChunk:
     return {**head, "choices": [{"index": index, "delta": change, "logprobs": logprobs, "finish_reason": finish}]}
 
@@ -371,7 +371,7 @@ class TextChoiceStream(_Choice[TextChunk]):
 
 
 def _text_choice(
-    head: ChunkHead, index: int, text: str, logprobs: LegacyLogprobs | None, finish: FinishReason | None
+    head: ChunkHead, index: int, text: str, logprobs: LegacyLogprobs | None, finish: ChoiceFinishReason | None
 ) -> TextChunk:
     return {**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 

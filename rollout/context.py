@@ -14,11 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import httpx
-
+from encoders.client import AsyncEncoderClient
 from engines.protocol import SamplingParams
 from experience.records import Group
 from preprocess.budget import TokenBudget
+from preprocess.client import AsyncPreprocessClient
 
 from .admission import Admission
 from .dispatch import Dispatcher
@@ -67,8 +67,8 @@ class RolloutContext:
 
     prompts: PromptBuilder
     dispatcher: Dispatcher
-    preprocess: httpx.AsyncClient  # base URL: the preprocess role
-    encoder: httpx.AsyncClient | None  # base URL: the encoder role; None: engines encode media
+    preprocess: AsyncPreprocessClient
+    encoder: AsyncEncoderClient | None  # None: engines encode media
     sink: Sink
     rewards: RewardRegistry
     admission: Admission

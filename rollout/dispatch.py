@@ -18,8 +18,12 @@ engine that refuses the token counts as refusing, not as up) then its ``GET /hea
 SGLang server its open ``GET /health``.
 
 The HTTP client comes from the caller (the rollout role builds it with the API token and the request
-id); this module owns it only when it made it. It does not build request bodies or read responses
-beyond their status, except `EngineStream`, which reads the engine's server-sent events.
+id); this module owns it only when it made it, and speaks to each engine through an
+`engines.client.AsyncEngineClient` sharing it. It does not build request bodies (`engines.api.GenerateBody`,
+the caller's); answers come back read into their records (`engines.api.GenerateResponse`), and the
+client's errors are mapped to this module's: `RoleUnavailable` (no answer, a 5xx) is the engine's failure,
+`RoleUnauthorized` is `UpstreamUnauthorized`, `RoleRefused` is `EngineRefused` with the engine's code, and an
+answer that is not a result (`AnswerMismatch`) is the engine's failure too.
 """
 
 from __future__ import annotations
@@ -30,17 +34,19 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any, Literal, NotRequired, TypedDict, TypeVar
+from typing import Any, Literal, TypeVar
 
 import httpx
 
-from engines.sampling import SGLangSampling
-from experience import wire
+from engines.api import AbortBody, GenerateBody, GenerateResponse
+from engines.client import AsyncEngineClient
+from wire.client import AnswerMismatch, RoleError, RoleRefused, RoleUnauthorized, RoleUnavailable
 
-from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized, refuses_token
+from .errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized
 
-__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineMediaRef", "EngineStream", "GenerateBody"]
+__all__ = ["BodyFor", "Dispatcher", "EngineEndpoint", "EngineHealth", "EngineStream"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,36 +57,10 @@ _KEY_NODES_KEPT = 100_000  # media keys remembered for cache-aware routing (the 
 _AFFINITY_KEPT = 65_536
 
 
-class EngineMediaRef(TypedDict):
-    """One medium as Weir's engine takes it (``weir_media``): by its feature key (the engine encodes it)
-    or by the encoder role's embedding key; exactly one of the two."""
-
-    type: Literal["image", "video", "audio"]
-    feature_key: NotRequired[str]
-    embedding_key: NotRequired[str]
-
-
-class GenerateBody(TypedDict):
-    """An engine's ``/generate`` request (SGLang's native API): Weir's engine takes the media by cache key
-    (``weir_media``) and may answer the output packed (``weir_packed``), a plain SGLang server inline
-    (``image_data`` / ``video_data`` / ``audio_data``)."""
-
-    input_ids: list[int]
-    sampling_params: SGLangSampling
-    return_logprob: bool
-    rid: str
-    return_routed_experts: bool
-    top_logprobs_num: NotRequired[int]
-    logprob_start_len: NotRequired[int]
-    stream: NotRequired[bool]
-    weir_media: NotRequired[list[EngineMediaRef]]
-    weir_packed: NotRequired[bool]
-    image_data: NotRequired[list[str]]
-    video_data: NotRequired[list[str]]
-    audio_data: NotRequired[list[str]]
-
-
 BodyFor = Callable[["EngineEndpoint"], GenerateBody]
+"""The ``/generate`` body for the engine a request lands on: Weir's engine takes the media by cache key
+(``weir_media``) and may answer the output packed (``weir_packed``), a plain SGLang server inline
+(``image_data`` / ``video_data`` / ``audio_data``)."""
 EngineHealth = Literal["up", "down", "unauthorized"]
 
 
@@ -146,8 +126,8 @@ class Dispatcher:
         weir = next((e for e in self.engines if e.kind == "weir" and e.node), None)
         if weir is None:
             return []
-        media = body(weir).get("weir_media") or []
-        return [k for m in media for k in (m.get("embedding_key"), m.get("feature_key")) if isinstance(k, str)]
+        media = body(weir).weir_media
+        return [k for m in media for k in (m.embedding_key, m.feature_key) if k is not None]
 
     def _used(self, engine: EngineEndpoint, keys: list[str]) -> None:
         if not engine.node:
@@ -181,7 +161,7 @@ class Dispatcher:
                 self._affinity.popitem(last=False)
         return chosen
 
-    async def generate(self, body: BodyFor, *, group: str | None = None) -> dict[str, Any]:
+    async def generate(self, body: BodyFor, *, group: str | None = None) -> GenerateResponse:
         """POST /generate on one engine, retried once on another if that engine fails."""
         return await self._on_one_then_another(
             lambda engine: self._call(engine, body(engine)), group, self._media_keys(body)
@@ -195,8 +175,11 @@ class Dispatcher:
 
         def streamed(engine: EngineEndpoint) -> GenerateBody:
             asked = body(engine)
-            asked.pop("weir_packed", None)
-            return GenerateBody(**asked, stream=True)
+            if "weir_packed" not in asked.model_fields_set:
+                return asked
+            kept = {**(asked.model_extra or {}), **{n: getattr(asked, n) for n in asked.model_fields_set}}
+            del kept["weir_packed"]
+            return GenerateBody.model_construct(**kept)
 
         return await self._on_one_then_another(
             lambda engine: self._open(engine, streamed(engine)), group, self._media_keys(body)
@@ -212,7 +195,7 @@ class Dispatcher:
             result = await attempt(engine)
             self._used(engine, keys)
             return result
-        except (httpx.RequestError, _EngineFailed) as error:
+        except _EngineFailed as error:
             logger.warning("engine %s failed (%s); retrying on another (group %s)", engine.url, error, group)
             engine.down_until = time.monotonic() + self.cooldown_s
             if group:
@@ -222,7 +205,7 @@ class Dispatcher:
                 result = await attempt(other)
                 self._used(other, keys)
                 return result
-            except (httpx.RequestError, _EngineFailed) as again:
+            except _EngineFailed as again:
                 other.down_until = time.monotonic() + self.cooldown_s
                 raise EnginesUnavailable(f"two engines failed: {again}") from None
 
@@ -241,81 +224,62 @@ class Dispatcher:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.cooldown_s)
             return self._pick(group, exclude=failed, keys=keys)
 
+    def _client_of(self, engine: EngineEndpoint) -> AsyncEngineClient:
+        return AsyncEngineClient(engine.url, http=self._client)  # the shared client: its token, pool and timeout
+
     async def _open(self, engine: EngineEndpoint, body: GenerateBody) -> EngineStream:
         engine.outstanding += 1
-        request = self._client.build_request(
-            "POST", f"{engine.url}/generate", content=wire.dumps(body), headers=wire.JSON_HEADERS
-        )
+        opened = self._client_of(engine).generate_stream(body)
         try:
-            response = await asyncio.wait_for(self._client.send(request, stream=True), self.timeout_s)
+            chunks = await asyncio.wait_for(opened.__aenter__(), self.timeout_s)
         except TimeoutError:
             engine.outstanding -= 1
-            asyncio.ensure_future(self._abort(engine, body.get("rid")))
+            asyncio.ensure_future(self._abort(engine, body.rid))
             raise _EngineFailed(f"timed out after {self.timeout_s} s") from None
+        except RoleError as error:
+            engine.outstanding -= 1
+            raise _mapped(engine, error) from None
         except BaseException:
             engine.outstanding -= 1
             raise
-        if response.status_code >= 400:
-            try:
-                await response.aread()
-            finally:
-                await response.aclose()
-                engine.outstanding -= 1
-            if response.status_code >= 500:
-                raise _EngineFailed(f"HTTP {response.status_code}")
-            if refuses_token(response):
-                raise UpstreamUnauthorized("engine", response.status_code, detail=engine.url)
-            code, message = _refusal(response)
-            raise EngineRefused(f"engine {engine.url}: {message}", code=code)
-        return EngineStream(engine, response, abort=lambda: self._abort(engine, body.get("rid")))
+        return EngineStream(engine, opened, chunks, abort=lambda: self._abort(engine, body.rid))
 
-    async def _call(self, engine: EngineEndpoint, body: GenerateBody) -> dict[str, Any]:
+    async def _call(self, engine: EngineEndpoint, body: GenerateBody) -> GenerateResponse:
         engine.outstanding += 1
         try:
-            post = self._client.post(f"{engine.url}/generate", content=wire.dumps(body), headers=wire.JSON_HEADERS)
-            response = await asyncio.wait_for(post, self.timeout_s)
+            return await asyncio.wait_for(self._client_of(engine).generate(body), self.timeout_s)
         except TimeoutError:
             # Free the engine's slot: an abandoned request would otherwise keep generating.
-            asyncio.ensure_future(self._abort(engine, body.get("rid")))
+            asyncio.ensure_future(self._abort(engine, body.rid))
             raise _EngineFailed(f"timed out after {self.timeout_s} s") from None
+        except RoleError as error:
+            raise _mapped(engine, error) from None
         finally:
             engine.outstanding -= 1
-        if response.status_code >= 500:
-            raise _EngineFailed(f"HTTP {response.status_code}")
-        if refuses_token(response):
-            raise UpstreamUnauthorized("engine", response.status_code, detail=engine.url)
-        if response.status_code >= 400:
-            code, message = _refusal(response)
-            raise EngineRefused(f"engine {engine.url}: {message}", code=code)
-        try:
-            result = wire.loads(response.content)
-        except ValueError:
-            raise _EngineFailed(f"HTTP {response.status_code} with a body that is not JSON") from None
-        if not isinstance(result, dict):
-            raise _EngineFailed(f"HTTP {response.status_code} with a body that is not a JSON object")
-        return result
 
     async def _abort(self, engine: EngineEndpoint, rid: object) -> None:
-        if rid:
-            with contextlib.suppress(httpx.HTTPError):
-                await self._client.post(f"{engine.url}/abort_request", json={"rid": rid}, timeout=5)
+        if rid and isinstance(rid, str):
+            with contextlib.suppress(RoleError):
+                await self._client_of(engine).abort_request(AbortBody(rid=rid), timeout_s=5)
 
     async def probe(self, timeout_s: float) -> list[tuple[EngineEndpoint, EngineHealth]]:
         """Each engine (in order) with its state now: ``up``, ``down`` (no answer within ``timeout_s``,
         or not healthy) or ``unauthorized`` (it refuses this role's token). All probed at once."""
 
         async def state(engine: EngineEndpoint) -> EngineHealth:
+            client = self._client_of(engine)
             try:
                 if engine.kind == "weir":  # needs the token: a refused token shows here, not on a sample
-                    info = await self._client.get(f"{engine.url}/server_info", timeout=timeout_s)
-                    if refuses_token(info):
+                    try:
+                        await client.server_info(timeout_s=timeout_s)
+                    except RoleUnauthorized:
                         return "unauthorized"
-                    if info.status_code != 200:
-                        return "down"
-                response = await self._client.get(f"{engine.url}/health", timeout=timeout_s)
-            except httpx.HTTPError:
+                    except AnswerMismatch:  # it answered 200: what it says is not what is probed
+                        pass
+                await client.health(timeout_s=timeout_s)
+            except RoleError:
                 return "down"
-            return "up" if response.status_code == 200 else "down"
+            return "up"
 
         states = await asyncio.gather(*(state(e) for e in self.engines))
         return list(zip(self.engines, states, strict=True))
@@ -331,36 +295,30 @@ class EngineStream:
     (`EngineRefused` for the request's own fault, else `EnginesUnavailable`). Closing it early (the
     client went away) aborts the request on its engine."""
 
-    def __init__(self, engine: EngineEndpoint, response: httpx.Response, *, abort: Callable[[], Any]) -> None:
-        self.engine, self._response, self._abort = engine, response, abort
+    def __init__(
+        self,
+        engine: EngineEndpoint,
+        opened: AbstractAsyncContextManager[AsyncIterator[GenerateResponse]],
+        events: AsyncIterator[GenerateResponse],
+        *,
+        abort: Callable[[], Any],
+    ) -> None:
+        self.engine, self._opened, self._events, self._abort = engine, opened, events, abort
         self._done = self._closed = False
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+    async def chunks(self) -> AsyncIterator[GenerateResponse]:
+        url = self.engine.url
         try:
-            async for line in self._response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line.removeprefix("data:").strip()
-                if data == "[DONE]":
-                    self._done = True
-                    return
-                try:
-                    event = wire.loads(data)
-                except ValueError:
-                    raise EnginesUnavailable(f"engine {self.engine.url} sent an event that is not JSON") from None
-                if not isinstance(event, dict):
-                    raise EnginesUnavailable(f"engine {self.engine.url} sent an event that is not a JSON object")
-                error = event.get("error")
-                if isinstance(error, dict):
-                    self._done = True
-                    code = error.get("code")
-                    message = f"engine {self.engine.url}: {error.get('message', 'failed')}"
-                    if code == "internal_error":
-                        raise EnginesUnavailable(message)
-                    raise EngineRefused(message, code=code if isinstance(code, str) else None)
+            async for event in self._events:
                 yield event
-        except httpx.HTTPError as error:
-            raise EnginesUnavailable(f"engine {self.engine.url} stopped streaming: {error}") from None
+        except RoleRefused as error:
+            self._done = True  # an error event: the request ended on the engine
+            raise EngineRefused(f"engine {url}: {error}", code=_engine_code(error)) from None
+        except AnswerMismatch as error:
+            raise EnginesUnavailable(f"engine {url} sent an event that is not a chunk: {error}") from None
+        except RoleUnavailable as error:
+            self._done = error.code == "internal_error"  # its error event; a broken stream's request may still run
+            raise EnginesUnavailable(f"engine {url}: {error}") from None
         self._done = True
 
     async def aclose(self) -> None:
@@ -368,23 +326,26 @@ class EngineStream:
             return
         self._closed = True
         self.engine.outstanding -= 1
-        await self._response.aclose()
+        await self._opened.__aexit__(None, None, None)
         if not self._done:  # abandoned: stop generating for nobody
             await self._abort()
 
 
-def _refusal(response: httpx.Response) -> tuple[str | None, str]:
-    """(code, message) of an engine's 4xx body: Weir's ``{"error": {...}}`` or SGLang's ``{"message"}``."""
-    try:
-        body = response.json()
-    except ValueError:
-        return None, f"HTTP {response.status_code}: {response.text[:200]}"
-    error = body.get("error") if isinstance(body, dict) else None
-    if isinstance(error, dict):
-        return error.get("code"), str(error.get("message", response.text[:200]))
-    message = body.get("message") if isinstance(body, dict) else None
-    return None, str(message or f"HTTP {response.status_code}: {response.text[:200]}")
+def _engine_code(error: RoleRefused) -> str | None:
+    """The engine's own code; None where its refusal named none (the client then says ``http_<status>``)."""
+    return None if error.code == f"http_{error.status}" else error.code
+
+
+def _mapped(engine: EngineEndpoint, error: RoleError) -> Exception:
+    """The client's error as this module's: the engine's failure (worth one retry elsewhere), a refused token,
+    or the request's own refusal."""
+    if isinstance(error, RoleUnauthorized):
+        return UpstreamUnauthorized("engine", error.status or 401, detail=engine.url)
+    if isinstance(error, RoleRefused):
+        return EngineRefused(f"engine {engine.url}: {error}", code=_engine_code(error))
+    return _EngineFailed(str(error))  # RoleUnavailable (no answer, a 5xx), AnswerMismatch (not a result)
 
 
 class _EngineFailed(Exception):
-    """The engine's own failure (5xx or timeout): worth one retry elsewhere."""
+    """The engine's own failure (no answer, 5xx, timeout, an answer that is not a result): worth one retry
+    elsewhere."""

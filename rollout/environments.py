@@ -37,7 +37,7 @@ from typing import Any, NotRequired, Protocol, TypedDict, cast, runtime_checkabl
 
 import httpx
 
-from .plugins import PluginError, check_name, installed, load_callable
+from .plugins import PluginError, check_name, load_callable, load_installed
 from .tools import DEFAULT_TIMEOUT_S, Observation, ToolCall, ToolError, UnknownTool, observation_of
 
 __all__ = [
@@ -296,13 +296,7 @@ class EnvironmentRegistry:
     ) -> EnvironmentRegistry:
         """The built-ins, installed entry points, ``specs`` (``name`` → ``package.module:Class``), then
         ``urls`` (``name`` → an `HttpEnvironment` URL)."""
-        classes: dict[str, Callable[..., Environment]] = {}
-        if entry_point_group:
-            for name, loader in installed(entry_point_group).items():
-                try:
-                    classes[name] = loader()
-                except Exception as error:  # noqa: BLE001 - any failure of an installed plugin is reported by name
-                    raise PluginError(f"entry point {name!r} of {entry_point_group!r} does not load: {error}") from None
+        classes: dict[str, Callable[..., Environment]] = load_installed(entry_point_group)
         for name, spec in (specs or {}).items():
             classes[name] = load_callable(spec)
         registry = cls(classes, urls, timeout_s=timeout_s)

@@ -22,7 +22,7 @@ carried as data, a `experience.Sample` with status ``failed``.
 A 401/403 from a role this one calls (preprocess, encoder, engine, data) is never passed on as it
 came: the caller's own credentials were fine, this role's token was not; it is `UpstreamUnauthorized`
 (naming the role), not a ``media_refused``, an ``engine_refused`` or a failed sample
-(`refuses_token`: a 403 that names a reason of the request's own, as the preprocess role's
+(`wire.client` tells them apart: a 403 that names a reason of the request's own, as the preprocess role's
 ``path_not_allowed`` does, stays the request's refusal).
 
 Errors that are this library's own fault are never ``RolloutError``.
@@ -30,10 +30,7 @@ Errors that are this library's own fault are never ``RolloutError``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import httpx
+from wire.errors import WeirError
 
 __all__ = [
     "EngineRefused",
@@ -47,40 +44,13 @@ __all__ = [
     "UpstreamUnauthorized",
     "UpstreamUnavailable",
     "WorkTooLarge",
-    "refuses_token",
 ]
 
-_TOKEN_CODES = (None, "unauthorized", "forbidden", "invalid_token")
 
-
-def refuses_token(response: httpx.Response) -> bool:
-    """Whether ``response`` refuses the caller's API token: any 401; a 403 unless its body is Weir's
-    error shape naming a reason of the request's own (``path_not_allowed``, ``url_disabled``, …)."""
-    if response.status_code == 401:
-        return True
-    if response.status_code != 403:
-        return False
-    try:
-        body = response.json()
-    except ValueError:
-        return True
-    error = body.get("error") if isinstance(body, dict) else None
-    return not isinstance(error, dict) or error.get("code") in _TOKEN_CODES
-
-
-class RolloutError(Exception):
+class RolloutError(WeirError):
     """Base of the tree; ``code`` is stable and machine-readable."""
 
     code = "rollout_error"
-
-    def __init__(self, message: str, *, code: str | None = None) -> None:
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-
-    @property
-    def message(self) -> str:
-        return str(self)
 
 
 class InvalidPrompt(RolloutError):

@@ -25,13 +25,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engines.api import GenerateBody
 from engines.protocol import SamplingParams
 from engines.sampling import sampling_json
 from experience import wire
-from experience.records import FinishReason, Sample, SampleStatus, policy_version_of, sample_id
+from experience.records import Sample, SampleFinishReason, SampleStatus, policy_version_of, sample_id
 
 from .context import RolloutContext
-from .dispatch import EngineEndpoint, GenerateBody
+from .dispatch import EngineEndpoint
 from .errors import EngineRefused, EnginesUnavailable
 from .logprobs import SAMPLED_ONLY, ChoiceLogprobs, LogprobAsk, Top, choice_logprobs
 from .partial import MAX_CONTINUATIONS, continuable, continuation_sampling, join_segments, pause_abort
@@ -49,7 +50,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_FINISH_REASONS: dict[object, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_FINISH_REASONS: dict[object, SampleFinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
 def engine_body(
@@ -64,32 +65,30 @@ def engine_body(
     """The /generate body for this engine: media by cache key for Weir's engine; for a plain SGLang
     server the same expanded ``input_ids`` with the media inline (data URIs, URLs, or ``file://``
     paths the server can read), which SGLang's own processor turns into the same token counts.
-    ``ask``: the top log-probs and prompt log-probs an OpenAI answer shows (both SGLang keys)."""
-    body = GenerateBody(
-        input_ids=prepared.prompt_ids,
-        sampling_params=sampling_json(sampling),
-        return_logprob=True,
-        rid=rid,
-        return_routed_experts=routed_experts,
-    )
+    ``ask``: the top log-probs and prompt log-probs an OpenAI answer shows (both SGLang keys).
+
+    Built unchecked (``model_construct``): every value is this role's own, typed, and the engine checks the
+    body; checking a long prompt's ids here again cost more than the rest of a sample's dispatch."""
+    fields: dict[str, Any] = {
+        "input_ids": prepared.prompt_ids,
+        "sampling_params": sampling_json(sampling),
+        "return_logprob": True,
+        "rid": rid,
+        "return_routed_experts": routed_experts,
+    }
     if ask.top:
-        body["top_logprobs_num"] = ask.top
+        fields["top_logprobs_num"] = ask.top
     if ask.prompt:
-        body["logprob_start_len"] = 0
+        fields["logprob_start_len"] = 0
     if engine.kind == "weir":
-        body["weir_media"] = prepared.media
+        fields["weir_media"] = prepared.media
         if not ask.extra:  # ids and log-probs packed: reading them as JSON lists was most of this role's CPU
-            body["weir_packed"] = True
-        return body
+            fields["weir_packed"] = True
+        return GenerateBody.model_construct(**fields)
     for item in prepared.inline:
-        source = item.get("data") or item.get("url") or f"file://{item['path']}"
-        if item["type"] == "image":
-            body.setdefault("image_data", []).append(source)
-        elif item["type"] == "video":
-            body.setdefault("video_data", []).append(source)
-        else:
-            body.setdefault("audio_data", []).append(source)
-    return body
+        source = item.data or item.url or f"file://{item.path}"
+        fields.setdefault(f"{item.type}_data", []).append(source)  # image_data, video_data, audio_data
+    return GenerateBody.model_construct(**fields)
 
 
 def sample_from_engine(out: Mapping[str, Any], *, index: int, generate_s: float) -> Sample:

@@ -14,7 +14,6 @@ wire schemas) and keeps no metrics.
 
 from __future__ import annotations
 
-import time
 import uuid
 
 from engines.protocol import SamplingParams
@@ -25,7 +24,7 @@ from .context import PromptSpec, RolloutContext, RolloutFunction
 from .generation import generate_n
 from .multiturn import rollout_multiturn
 from .preparation import prepare, with_max_new_tokens
-from .scoring import assemble_group, reward_samples
+from .scoring import GroupTimer, assemble_group, reward_samples
 
 __all__ = ["DEFAULT_ROLLOUT_FUNCTION", "rollout_group", "run_prompt"]
 
@@ -45,26 +44,16 @@ async def rollout_group(
     with tools, an environment or ``max_turns`` is rolled out turn by turn (`rollout.multiturn`)."""
     if prompt.multiturn:
         return await rollout_multiturn(ctx, prompt, index=index, sampling=sampling, budget=budget)
-    start = time.perf_counter()
+    timer = GroupTimer()
     where = f"prompts[{index}]"
     prepared = await prepare(ctx, prompt.messages, where=f"{where}.messages", budget=budget)
     sampling = with_max_new_tokens(ctx, prepared, sampling, where)
     group_id = prompt.group_id or uuid.uuid4().hex
-    with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n):
-        generate_start = time.perf_counter()
+    with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n), timer.generating():
         samples = await generate_n(ctx, prepared, sampling, group_id=group_id, n=prompt.n)
-        generate_s = time.perf_counter() - generate_start
-    reward_start = time.perf_counter()
+    timer.rewarding()
     samples = await reward_samples(ctx, prompt.reward, samples, group_id=group_id, prompt_index=index)
-    return assemble_group(
-        prepared,
-        samples,
-        group_id=group_id,
-        index=index,
-        started=start,
-        generate_s=generate_s,
-        reward_start=reward_start,
-    )
+    return assemble_group(prepared, samples, group_id=group_id, index=index, timer=timer)
 
 
 async def run_prompt(

@@ -1,8 +1,8 @@
 """What an OpenAI message is here: the shapes the rollout library reads and writes in OpenAI's format, as
 `TypedDict`s (plain dicts at run time, so they go to JSON as they are, and mypy checks every key).
 
-* A request's side: a chat `Message` (its content a string or `ContentPart`s; an assistant turn's
-  `OpenAIToolCall`s), and the `FunctionTool`s offered to the model (`function_tool`).
+* A request's side: a chat message's `ContentPart`s and an assistant turn's `OpenAIToolCall`s (the message itself
+  is `rollout.api.Message`), and the `FunctionTool`s offered to the model (`function_tool`).
 * What a chat template takes: `TemplateMessage`s (media parts reduced to placeholders, a call's
   arguments parsed into an object), made by `rollout.prompts.parse_messages` and the multi-turn rollout.
 * An answer's side: ``chat.completion`` (`ChatCompletion`), its chunks (`ChatChunk`), ``text_completion``
@@ -10,13 +10,23 @@
 
 Only genuinely free-form JSON stays an untyped object: a tool's JSON-Schema ``parameters`` and a call's
 arguments. This module does not validate a client's messages (`rollout.prompts.parse_messages` does) nor
-shape answers (`rollout.chat`); the rollout role's pydantic wire models are converted to these by the
-service, never imported here.
+shape answers (`rollout.chat`). The rollout role's request records (`rollout.api`) use these where a part
+of a request is one of them (a request's ``tools``); its OpenAI answers are these.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    NotRequired,  # pydantic reads typing_extensions TypedDicts on 3.11
+)
+
+from pydantic import Field
+from typing_extensions import TypedDict
+
+from wire.media import MediaKind
 
 __all__ = [
     "AssistantMessage",
@@ -24,11 +34,11 @@ __all__ = [
     "ChatChoice",
     "ChatChunk",
     "ChatCompletion",
+    "ChoiceFinishReason",
     "ChunkChoice",
     "ChunkHead",
     "ContentPart",
     "Delta",
-    "FinishReason",
     "FunctionCall",
     "FunctionSpec",
     "FunctionTool",
@@ -39,9 +49,7 @@ __all__ = [
     "LogprobsContent",
     "MediaKind",
     "MediaURL",
-    "Message",
     "OpenAIToolCall",
-    "Role",
     "TemplateFunction",
     "TemplateMessage",
     "TemplatePart",
@@ -60,10 +68,8 @@ __all__ = [
     "function_tool",
 ]
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
 TemplateRole = Literal["system", "user", "assistant", "tool"]
-MediaKind = Literal["image", "video", "audio"]
-FinishReason = Literal["stop", "length", "tool_calls"]
+ChoiceFinishReason = Literal["stop", "length", "tool_calls"]  # an OpenAI choice's (a sample's: experience.records)
 
 
 # -- a request's messages ----------------------------------------------------------------------------
@@ -123,25 +129,18 @@ class OpenAIToolCall(TypedDict):
     function: FunctionCall
 
 
-class Message(TypedDict):
-    """One OpenAI chat message."""
-
-    role: Role
-    content: NotRequired[str | list[ContentPart] | None]
-    tool_calls: NotRequired[list[OpenAIToolCall]]
-    tool_call_id: NotRequired[str]
-    name: NotRequired[str]
-
-
 class FunctionSpec(TypedDict):
-    name: str
-    description: NotRequired[str]
-    parameters: NotRequired[dict[str, Any]]  # a JSON Schema object: free-form
-    strict: NotRequired[bool]
+    """An OpenAI function: what a chat request's ``tools`` name (read through this record, bounds included) and
+    what the chat template renders."""
+
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")]
+    description: NotRequired[Annotated[str | None, Field(max_length=65_536)]]
+    parameters: NotRequired[dict[str, Any] | None]  # a JSON Schema object: free-form
+    strict: NotRequired[bool | None]
 
 
 class FunctionTool(TypedDict):
-    """An OpenAI function tool, as the chat template renders it."""
+    """An OpenAI function tool, as a request gives it and the chat template renders it."""
 
     type: Literal["function"]
     function: FunctionSpec
@@ -234,7 +233,7 @@ class ChatChoice(TypedDict):
     index: int
     message: AssistantMessage
     logprobs: LogprobsContent | None
-    finish_reason: FinishReason
+    finish_reason: ChoiceFinishReason
     token_ids: NotRequired[list[int]]  # with return_token_ids (SGLang's, vLLM's): the completion's ids
 
 
@@ -271,7 +270,7 @@ class ChunkChoice(TypedDict):
     index: int
     delta: Delta
     logprobs: LogprobsContent | None
-    finish_reason: FinishReason | None
+    finish_reason: ChoiceFinishReason | None
     token_ids: NotRequired[list[int]]  # with return_token_ids: the ids of this chunk's tokens
 
 
@@ -284,7 +283,7 @@ class TextChoice(TypedDict):
     index: int
     text: str
     logprobs: LegacyLogprobs | None
-    finish_reason: FinishReason | None
+    finish_reason: ChoiceFinishReason | None
     prompt_token_ids: NotRequired[list[int]]  # with return_token_ids: whole, or on a streamed choice's first chunk
     token_ids: NotRequired[list[int]]  # with return_token_ids: the completion's ids (a chunk's: its tokens')
 

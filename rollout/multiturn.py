@@ -38,8 +38,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engines.api import MediaRef
 from engines.protocol import SamplingParams
-from experience.records import FinishReason, Group, Sample, SampleStatus
+from experience.records import Group, Sample, SampleFinishReason, SampleStatus
+from preprocess.api import MediaItem
 from preprocess.budget import TokenBudget
 
 from .context import PromptSpec, RolloutContext
@@ -48,9 +50,9 @@ from .errors import InvalidPrompt, Overloaded, UpstreamUnavailable, WorkTooLarge
 from .generation import generate, sample_sampling, sample_seed
 from .messages import FunctionTool, TemplateMessage
 from .observations import render_observations, user_turn
-from .preparation import EngineMediaRef, Prepared, prepare, with_max_new_tokens
-from .prompts import MediaItem, parse_messages
-from .scoring import assemble_group, reward_samples
+from .preparation import Prepared, prepare, with_max_new_tokens
+from .prompts import parse_messages
+from .scoring import GroupTimer, assemble_group, reward_samples
 from .toolcalls import parse_calls
 from .tools import (
     DEFAULT_TIMEOUT_S,
@@ -78,7 +80,7 @@ class _Trajectory:
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
-    media: list[EngineMediaRef] = field(default_factory=list)
+    media: list[MediaRef] = field(default_factory=list)
     inline: list[MediaItem] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)  # the observations' media tokens, per kind
@@ -99,7 +101,7 @@ class _Trajectory:
 
 
 class _Ended(Exception):
-    def __init__(self, reason: FinishReason, error: str | None = None) -> None:
+    def __init__(self, reason: SampleFinishReason, error: str | None = None) -> None:
         super().__init__(error or reason)
         self.reason, self.error = reason, error
 
@@ -127,7 +129,7 @@ async def rollout_multiturn(
 ) -> Group:
     """A `RolloutFunction` for prompts with ``tools``, an ``environment`` or ``max_turns`` (`rollout_group`
     hands those here): ``n`` trajectories, rewarded, as one `Group`."""
-    start = time.perf_counter()
+    timer = GroupTimer()
     where = f"prompts[{index}]"
     group_id = prompt.group_id or uuid.uuid4().hex
     max_turns = prompt.max_turns or DEFAULT_MAX_TURNS
@@ -165,8 +167,7 @@ async def rollout_multiturn(
     prepared = await prepare(ctx, messages, where=f"{where}.messages", budget=budget, tools=tools or None)
     template, _ = parse_messages(messages, f"{where}.messages")
     sampling = with_max_new_tokens(ctx, prepared, sampling, where)
-    with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n):
-        generate_start = time.perf_counter()
+    with ctx.admission.admit(media_tokens=prepared.media_tokens * prompt.n), timer.generating():
         runs = await asyncio.gather(
             *(
                 _trajectory(
@@ -184,23 +185,13 @@ async def rollout_multiturn(
                 for i in range(prompt.n)
             )
         )
-        generate_s = time.perf_counter() - generate_start
-    reward_start = time.perf_counter()
+    timer.rewarding()
     samples = await _reward(ctx, prompt, runs, group_id=group_id, index=index)
     counts = dict(prepared.token_counts)
     for _, run in runs:  # the observations' media count too, for every sample
         for kind, n in run.counts.items():
             counts[kind] = counts.get(kind, 0) + n
-    return assemble_group(
-        prepared,
-        samples,
-        group_id=group_id,
-        index=index,
-        started=start,
-        generate_s=generate_s,
-        reward_start=reward_start,
-        token_counts=counts,
-    )
+    return assemble_group(prepared, samples, group_id=group_id, index=index, timer=timer, token_counts=counts)
 
 
 async def _reward(
@@ -247,7 +238,7 @@ async def _trajectory(
     timeout_s = prompt.environment.timeout_s if prompt.environment is not None else DEFAULT_TIMEOUT_S
     state = env.state if env is not None and isinstance(getattr(env, "state", None), dict) else {}
     schemas = [t.schema for t in prompt.tools] or None
-    reason: FinishReason = "stop"
+    reason: SampleFinishReason = "stop"
     error: str | None = None
     held = contextlib.ExitStack()  # the observations' media, admitted as they come, released at the end
     try:

@@ -19,13 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engines.api import MediaRef
+from preprocess.api import MediaItem
 from preprocess.budget import TokenBudget
 
 from .context import RolloutContext
 from .errors import MediaRefused
-from .messages import ContentPart, FunctionTool, Message, TemplateMessage, TemplatePart
-from .preparation import EngineMediaRef, prepare
-from .prompts import MediaItem
+from .messages import ContentPart, FunctionTool, TemplateMessage, TemplatePart
+from .preparation import prepare
 from .tools import Observation, ToolFailed, image_bytes
 
 __all__ = ["RenderedObservations", "data_uri", "render_observations", "user_turn"]
@@ -40,7 +41,7 @@ class RenderedObservations:
     messages: list[TemplateMessage]
     ids: list[int]
     media: list[tuple[str, int]]
-    refs: list[EngineMediaRef]
+    refs: list[MediaRef]
     inline: list[MediaItem]
     keys: list[str]
 
@@ -50,8 +51,9 @@ def data_uri(image: Any) -> str:
     return "data:image/png;base64," + base64.b64encode(image_bytes(image)).decode()
 
 
-def user_turn(observation: Observation) -> Message:
-    """An observation as an OpenAI ``user`` message (images first, then the text)."""
+def user_turn(observation: Observation) -> dict[str, object]:
+    """An observation as an OpenAI ``user`` message, as a request's messages are given to the rollout function
+    (`rollout.api.Message` as JSON; images first, then the text)."""
     parts: list[ContentPart] = [{"type": "image_url", "image_url": {"url": data_uri(i)}} for i in observation.images]
     if observation.text or not parts:
         parts.append({"type": "text", "text": observation.text})
@@ -84,7 +86,7 @@ async def render_observations(
     else:
         text = ctx.prompts.continuation(conversation, added, tools=tools, ended=ended)
     media: list[tuple[str, int]] = []
-    refs: list[EngineMediaRef] = []
+    refs: list[MediaRef] = []
     inline: list[MediaItem] = []
     keys: list[str] = []
     for k, image in enumerate(images):

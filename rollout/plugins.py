@@ -22,6 +22,7 @@ __all__ = [
     "check_name",
     "installed",
     "load_callable",
+    "load_installed",
     "load_coroutine_function",
     "parse_named_specs",
 ]
@@ -87,3 +88,16 @@ def check_name(name: str) -> str:
 def installed(group: str) -> dict[str, Callable[[], Any]]:
     """The entry points of ``group`` in the installed distributions: name → loader (not yet loaded)."""
     return {point.name: point.load for point in entry_points(group=group)}
+
+
+def load_installed(group: str | None) -> dict[str, Callable[..., Any]]:
+    """The entry points of ``group`` (None: none), each loaded: name → what it names. `PluginError` names
+    the first that does not load (a registry starting without it would refuse requests naming it)."""
+    loaded: dict[str, Callable[..., Any]] = {}  # a function or a class: whatever the entry point names
+    if group:
+        for name, loader in installed(group).items():
+            try:
+                loaded[name] = loader()
+            except Exception as error:  # noqa: BLE001 - any failure of an installed plugin is reported by name
+                raise PluginError(f"entry point {name!r} of {group!r} does not load: {error}") from None
+    return loaded

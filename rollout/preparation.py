@@ -6,9 +6,10 @@ routed around, the engines then encode); applies the chat template and expands e
 its exact token count (`rollout.prompts`). `prepared_ids` takes a text-only prompt given as token ids.
 `check_context` / `with_max_new_tokens` check that prompt + new tokens fit the model. A role that
 refuses this role's API token is `UpstreamUnauthorized`, never passed on as the caller's own 401.
-This module does not talk to engines (`rollout.generation`) or shape answers. The preprocess role's answer
-is read as `rollout.prompts.PreprocessedItem`s, the encoder role's as `EncodedItem`s; what the engines are
-sent of the media is `EngineMediaRef`s (Weir's engine) or the `rollout.prompts.MediaItem`s as given.
+This module does not talk to engines (`rollout.generation`) or shape answers. The two roles are called
+through their clients (`preprocess.client`, `encoders.client`) and speak their records (`preprocess.api`,
+`encoders.api`); what the engines are sent of the media is `engines.api.MediaRef`s (Weir's engine) or the
+`preprocess.api.MediaItem`s as given.
 """
 
 from __future__ import annotations
@@ -17,23 +18,24 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 import httpx
 from pydantic import JsonValue
 
+from encoders.api import EncodeRequest
+from engines.api import MediaRef
 from engines.protocol import SamplingParams
-from preprocess.budget import BudgetJSON, TokenBudget
+from preprocess.api import ItemResult, MediaItem, PreprocessRequest, PreprocessResponse
+from preprocess.budget import TokenBudget
+from wire.client import AnswerMismatch, RoleError, RoleRefused, RoleUnauthorized, RoleUnavailable
 
 from .context import RolloutContext
-from .dispatch import EngineMediaRef
-from .errors import InvalidPrompt, MediaRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
+from .errors import InvalidPrompt, MediaRefused, UpstreamUnauthorized, UpstreamUnavailable
 from .messages import FunctionTool
-from .prompts import Expansion, MediaItem, PreprocessedItem, parse_messages, with_tracks
+from .prompts import Expansion, parse_messages, with_tracks
 
 __all__ = [
-    "EncodedItem",
-    "EngineMediaRef",
     "Prepared",
     "check_context",
     "prepare",
@@ -44,23 +46,12 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 
-class EncodedItem(TypedDict):
-    """What this module reads of one item of the encoder role's ``/v1/encode`` answer."""
-
-    embedding_key: str
-
-
-class _PreprocessRequest(TypedDict):
-    items: list[MediaItem]
-    budget: NotRequired[BudgetJSON]
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Prepared:
     """A prompt ready for the engines."""
 
     prompt_ids: list[int]
-    media: list[EngineMediaRef]  # engine `weir_media` refs, in prompt order
+    media: list[MediaRef]  # engine `weir_media` refs, in prompt order
     inline: list[MediaItem]  # the same media as given (for a plain SGLang engine)
     feature_keys: list[str]
     token_counts: dict[str, int]  # per modality, and "text"
@@ -88,33 +79,26 @@ async def prepare(
     none of `rollout.prompts.RESERVED_TEMPLATE_VARIABLES`)."""
     template, items = parse_messages(list(messages), where)
     start = time.perf_counter()
-    results: list[PreprocessedItem] = []
+    results: list[ItemResult] = []
+    keys: list[str] = []
     if items:
-        payload = _PreprocessRequest(items=items)
-        wire_budget = budget.to_wire() if budget is not None else None
-        if wire_budget:
-            payload["budget"] = wire_budget
+        request = PreprocessRequest(items=items)
+        if budget is not None and (wire_budget := budget.to_wire()) is not None:
+            request.budget = wire_budget  # only then sent: no budget keeps the role's own
+        answered = (await _preprocess(ctx, request, where)).items
         try:
-            response = await ctx.preprocess.post("/v1/preprocess", json=payload)
-        except httpx.HTTPError as error:
-            raise UpstreamUnavailable(
-                f"the preprocess role did not answer: {error}", code="preprocess_unavailable"
-            ) from None
-        if refuses_token(response):  # this role's token, not the caller's: never the caller's 401
-            raise UpstreamUnauthorized("preprocess", response.status_code)
-        if response.status_code >= 400:
-            raise _media_refused(response, where)
-        try:
-            answered: list[PreprocessedItem] = response.json()["items"]
             expansions = ctx.prompts.expansions(answered)
             results = with_tracks(answered)  # a video's own audio track is an engine media item of its own
-            media = [(str(r["type"]), int(r["num_tokens"])) for r in results]
-        except (ValueError, KeyError, TypeError) as error:
+            keys = [_key_of(r) for r in results]
+        except InvalidPrompt:  # the prompt's fault (a `WeirError`, so a ValueError too): passed on as it is
+            raise
+        except (ValueError, KeyError, TypeError) as error:  # e.g. an item without a field its kind needs
             raise MediaRefused(
                 f"{where}: the preprocess role's answer is unreadable ({type(error).__name__}: {error})",
                 status=502,
                 code="preprocess_failed",
             ) from None
+        media = [(r.type, r.num_tokens) for r in results]
     else:
         media, expansions = [], list[Expansion]()
     ids = ctx.prompts.build(template, expansions, tools=tools, prefill=prefill, variables=template_variables)
@@ -123,48 +107,68 @@ async def prepare(
         counts[kind] = counts.get(kind, 0) + n
     return Prepared(
         prompt_ids=ids,
-        media=await _media_refs(ctx, results),
+        media=await _media_refs(ctx, results, keys),
         inline=items,
-        feature_keys=[str(r["key"]) for r in results],
+        feature_keys=keys,
         token_counts=counts,
         preprocess_s=time.perf_counter() - start,
     )
 
 
-def _media_refused(response: httpx.Response, where: str) -> MediaRefused:
+async def _preprocess(ctx: RolloutContext, request: PreprocessRequest, where: str) -> PreprocessResponse:
+    """The preprocess role's answer, its failures as this role's errors: no answer is 503
+    ``preprocess_unavailable``; a refused token `UpstreamUnauthorized` (this role's token, never the caller's
+    401); a refusal `MediaRefused` with the role's status, code and item; its own failure (5xx) or an answer
+    that is not its record 502."""
     try:
-        body = response.json()
-    except ValueError:
-        body = {}
-    refusal = body.get("error") if isinstance(body, dict) else None
-    refusal = refusal if isinstance(refusal, dict) else {}
-    item = refusal.get("item") if isinstance(refusal.get("item"), int) else None
-    at = f"{where} media item {item}" if item is not None else where
-    status = response.status_code if response.status_code < 500 else 502
-    code = refusal.get("code") if isinstance(refusal.get("code"), str) else None
-    message = refusal.get("message") or f"HTTP {response.status_code}"
-    return MediaRefused(f"{at}: {message}", status=status, code=code, item=item)
+        return await ctx.preprocess.preprocess(request)
+    except RoleUnauthorized as refused:
+        raise UpstreamUnauthorized("preprocess", refused.status or 401) from None
+    except RoleRefused as refused:
+        at = f"{where} media item {refused.item}" if refused.item is not None else where
+        raise MediaRefused(
+            f"{at}: {refused.message}", status=refused.status or 400, code=refused.code, item=refused.item
+        ) from None
+    except RoleUnavailable as error:
+        if error.status is None:  # no answer at all
+            raise UpstreamUnavailable(
+                f"the preprocess role did not answer: {error}", code="preprocess_unavailable"
+            ) from None
+        raise MediaRefused(f"{where}: {error}", status=502, code="preprocess_failed") from None
+    except AnswerMismatch as error:
+        raise MediaRefused(
+            f"{where}: the preprocess role's answer is unreadable ({error})", status=502, code="preprocess_failed"
+        ) from None
+    except httpx.HTTPError as error:  # what the client does not map (an undecodable body, too many redirects)
+        raise UpstreamUnavailable(
+            f"the preprocess role did not answer: {error}", code="preprocess_unavailable"
+        ) from None
 
 
-async def _media_refs(ctx: RolloutContext, results: list[PreprocessedItem]) -> list[EngineMediaRef]:
+def _key_of(item: ItemResult) -> str:
+    """A processed item's feature key (a plan's items have none: an answer without one is unreadable)."""
+    if item.key is None:
+        raise TypeError("the preprocess role's item has no key")
+    return item.key
+
+
+async def _media_refs(ctx: RolloutContext, results: list[ItemResult], keys: list[str]) -> list[MediaRef]:
     """Engine refs for the media: embedding keys from the encoder role when there is one (each
     unique item encoded once per weights version), else feature keys (the engine encodes). An encoder
-    that does not answer is routed around; one that refuses this role's token is `UpstreamUnauthorized`."""
-    refs = [EngineMediaRef(type=r["type"], feature_key=str(r["key"])) for r in results]
+    that does not answer, fails or refuses the keys is routed around; one that refuses this role's token is
+    `UpstreamUnauthorized`."""
+    refs = [MediaRef(type=r.type, feature_key=key) for r, key in zip(results, keys, strict=True)]
     if not results or ctx.encoder is None:
         return refs
     try:
-        response = await ctx.encoder.post("/v1/encode", json={"feature_keys": [r["key"] for r in results]})
-        if refuses_token(response):
-            raise UpstreamUnauthorized("encoder", response.status_code)
-        response.raise_for_status()
-        items: list[EncodedItem] = response.json()["items"]
-    except (httpx.HTTPError, ValueError, KeyError) as error:
+        encoded = await ctx.encoder.encode(EncodeRequest(feature_keys=keys))
+    except RoleUnauthorized as refused:
+        raise UpstreamUnauthorized("encoder", refused.status or 401) from None
+    except (RoleError, httpx.HTTPError, ValueError) as error:  # ValueError: keys its record refuses (as it would)
         logger.warning("encoder role unavailable (%s): engines will encode", error)
         return refs
     return [
-        EngineMediaRef(type=r["type"], embedding_key=str(item["embedding_key"]))
-        for r, item in zip(results, items, strict=True)
+        MediaRef(type=r.type, embedding_key=item.embedding_key) for r, item in zip(results, encoded.items, strict=True)
     ]
 
 

@@ -8,8 +8,8 @@ URLs; a ``video_url`` may add ``"use_audio_in_video": true`` for Omni models: th
 is then taken and interleaved with its frames); ``input_audio`` (``{"data": base64, "format": ...}``); Qwen-style
 ``{"type": "image" | "video" | "audio", <type>: url}``, read as the OpenAI part of its kind.
 Errors are `InvalidPrompt`s that name the offending field. What comes out is typed: the chat template's
-`rollout.messages.TemplateMessage`s and the preprocess role's `MediaItem`s; its answer is read as
-`PreprocessedItem`s.
+`rollout.messages.TemplateMessage`s and the preprocess role's own records (`preprocess.api.MediaItem`); its
+answer is read as `preprocess.api.ItemResult`s.
 
 Each placeholder expands to exactly what the model's processor puts there (`PromptBuilder.expansions`,
 from the preprocess role's answer): its token count, or for a Qwen3-VL video the ``<t seconds>``
@@ -25,24 +25,23 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict, TypeVar
+from typing import Any, TypeVar
 
 from pydantic import JsonValue
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from preprocess.api import ItemResult, MediaItem, MediaKind
 from preprocess.errors import MediaError
 from preprocess.omni import OmniTokens, audio_in_video_ids, audio_in_video_layout
 from preprocess.placeholders import expand_placeholders, timestamped_video_ids
 from preprocess.spec import ProcessorSpec
 
 from .errors import InvalidPrompt
-from .messages import FunctionTool, MediaKind, TemplateMessage, TemplatePart, TemplateRole, TemplateToolCall
+from .messages import FunctionTool, TemplateMessage, TemplatePart, TemplateRole, TemplateToolCall
 
 __all__ = [
     "RESERVED_TEMPLATE_VARIABLES",
     "Expansion",
-    "MediaItem",
-    "PreprocessedItem",
     "PromptBuilder",
     "parse_messages",
     "with_tracks",
@@ -75,31 +74,6 @@ _ROLES: dict[str, TemplateRole] = {
 }
 
 
-class MediaItem(TypedDict):
-    """One medium of a prompt as the preprocess role takes it: its kind and one source."""
-
-    type: MediaKind
-    data: NotRequired[str]  # base64 or a data URI
-    url: NotRequired[str]
-    path: NotRequired[str]
-    use_audio_in_video: NotRequired[bool]
-
-
-class PreprocessedItem(TypedDict):
-    """What this library reads of one item of the preprocess role's answer (its JSON as sent; the other
-    fields are kept but not read): its kind, feature key and token count; for a video the frames and
-    grid its placeholder expansion needs, and with ``use_audio_in_video`` its own track (``audio``)."""
-
-    type: MediaKind
-    key: str
-    num_tokens: int
-    grid_thw: NotRequired[list[int] | None]
-    frame_indices: NotRequired[list[int] | None]
-    video_fps: NotRequired[float | None]
-    second_per_grid_t: NotRequired[float | None]
-    audio: NotRequired[PreprocessedItem | None]
-
-
 def _given(value: _T | None, name: str) -> _T:
     """A field the preprocess role sends with this kind of item; missing, the answer is unreadable (`TypeError`)."""
     if value is None:
@@ -107,12 +81,15 @@ def _given(value: _T | None, name: str) -> _T:
     return value
 
 
-def _media_item(kind: MediaKind, url: str) -> MediaItem:
+def _media_item(kind: MediaKind, url: str, *, with_audio: bool = False) -> MediaItem:
+    """The preprocess role's item for a part's URL; ``use_audio_in_video`` is set (and so sent) only when true,
+    as a client that leaves it out sends it."""
+    extra = {"use_audio_in_video": True} if with_audio else {}
     if url.startswith("data:"):
-        return {"type": kind, "data": url}
+        return MediaItem(type=kind, data=url, **extra)
     if url.startswith(("http://", "https://")):
-        return {"type": kind, "url": url}
-    return {"type": kind, "path": url.removeprefix("file://")}
+        return MediaItem(type=kind, url=url, **extra)
+    return MediaItem(type=kind, path=url.removeprefix("file://"), **extra)
 
 
 def _openai_part(part: Any) -> Any:
@@ -162,17 +139,13 @@ def parse_messages(messages: object, where: str = "messages") -> tuple[list[Temp
                 url = value.get("url") if isinstance(value, dict) else value
                 if not isinstance(url, str) or not url:
                     raise InvalidPrompt(f"{part_path}.{kind}.url: a URL is required", code="invalid_messages")
-                item = _media_item(_MEDIA_PARTS[kind], url)
                 with_audio = value.get("use_audio_in_video") if isinstance(value, dict) else None
-                if with_audio is not None:
-                    if kind != "video_url" or not isinstance(with_audio, bool):
-                        raise InvalidPrompt(
-                            f"{part_path}.{kind}.use_audio_in_video: true or false, on a video_url only",
-                            code="invalid_messages",
-                        )
-                    if with_audio:
-                        item["use_audio_in_video"] = True
-                items.append(item)
+                if with_audio is not None and (kind != "video_url" or not isinstance(with_audio, bool)):
+                    raise InvalidPrompt(
+                        f"{part_path}.{kind}.use_audio_in_video: true or false, on a video_url only",
+                        code="invalid_messages",
+                    )
+                items.append(_media_item(_MEDIA_PARTS[kind], url, with_audio=with_audio is True))
                 parts.append({"type": _MEDIA_PARTS[kind]})
             elif kind == "input_audio":
                 audio = part.get("input_audio")
@@ -180,7 +153,7 @@ def parse_messages(messages: object, where: str = "messages") -> tuple[list[Temp
                     raise InvalidPrompt(
                         f"{part_path}.input_audio.data: base64 audio is required", code="invalid_messages"
                     )
-                items.append({"type": "audio", "data": audio["data"]})
+                items.append(MediaItem(type="audio", data=audio["data"]))
                 parts.append({"type": "audio"})
             else:
                 shown = kind if isinstance(kind, str | None) else type(kind).__name__
@@ -262,23 +235,23 @@ class PromptBuilder:
     def _token_id(self, attribute: str) -> int:
         return int(self.tokenizer.convert_tokens_to_ids(getattr(self.tokenizer, attribute)))  # type: ignore[arg-type]
 
-    def expansions(self, results: Sequence[PreprocessedItem]) -> list[Expansion]:
+    def expansions(self, results: Sequence[ItemResult]) -> list[Expansion]:
         """Each placeholder's expansion, from the preprocess role's items (prompt order): the item's
         token count; a Qwen3-VL video's timestamped blocks (its frame indices and source fps); an Omni
         video with its own audio (``audio``: its track) the interleaved video and audio placeholders."""
         out: list[Expansion] = []
         for r in results:
-            kind, count = str(r["type"]), int(r["num_tokens"])
+            kind, count = r.type, r.num_tokens
             spec = self.spec
-            if kind == "video" and spec is not None and spec.video_timestamps and r.get("video_fps"):
+            if kind == "video" and spec is not None and spec.video_timestamps and r.video_fps:
                 out.append(
                     (
                         kind,
                         timestamped_video_ids(
                             self._encode_text,
-                            frame_indices=_given(r.get("frame_indices"), "frame_indices"),
-                            video_fps=float(_given(r.get("video_fps"), "video_fps")),
-                            grid_thw=_given(r.get("grid_thw"), "grid_thw"),
+                            frame_indices=_given(r.frame_indices, "frame_indices"),
+                            video_fps=_given(r.video_fps, "video_fps"),
+                            grid_thw=_given(r.grid_thw, "grid_thw"),
                             merge_size=spec.merge_size,
                             temporal_patch_size=spec.temporal_patch_size,
                             video_id=self.placeholders["video"],
@@ -287,17 +260,17 @@ class PromptBuilder:
                         ),
                     )
                 )
-            elif kind == "video" and (track := r.get("audio")):
+            elif kind == "video" and (track := r.audio):
                 if spec is None or self._omni is None:
                     raise InvalidPrompt(
                         "use_audio_in_video: this model's tokenizer has no Omni audio tokens",
                         code="audio_in_video_unsupported",
                     )
                 layout = audio_in_video_layout(
-                    grid_thw=_given(r.get("grid_thw"), "grid_thw"),
+                    grid_thw=_given(r.grid_thw, "grid_thw"),
                     merge_size=spec.merge_size,
-                    second_per_grid=float(_given(r.get("second_per_grid_t"), "second_per_grid_t")),
-                    audio_tokens=int(track["num_tokens"]),
+                    second_per_grid=_given(r.second_per_grid_t, "second_per_grid_t"),
+                    audio_tokens=track.num_tokens,
                     position_id_per_seconds=spec.position_id_per_seconds,
                     family=spec.audio_family,
                 )
@@ -420,13 +393,12 @@ class PromptBuilder:
         return str(self.tokenizer.convert_ids_to_tokens(self.placeholders[kind]))
 
 
-def with_tracks(results: Sequence[PreprocessedItem]) -> list[PreprocessedItem]:
+def with_tracks(results: Sequence[ItemResult]) -> list[ItemResult]:
     """The preprocess role's items with each video's own audio track (``use_audio_in_video``) as an
     audio item right after it: the media an engine consumes, in prompt order per kind."""
-    out: list[PreprocessedItem] = []
+    out: list[ItemResult] = []
     for r in results:
         out.append(r)
-        track = r.get("audio")
-        if track:
-            out.append(track)
+        if r.audio is not None:
+            out.append(r.audio)
     return out

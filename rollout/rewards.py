@@ -23,13 +23,13 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Literal, TypedDict
+from typing import TypedDict
 
-from experience.records import FinishReason
+from experience.records import SampleFinishReason
 
+from .api import RewardSpec, RewardType
 from .errors import UnknownReward
-from .plugins import PluginError, check_name, installed, load_callable
+from .plugins import PluginError, check_name, load_callable, load_installed
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -50,31 +50,14 @@ class RewardContext(TypedDict):
     group_id: str
     prompt_index: int
     sample_index: int
-    finish_reason: FinishReason | None
+    finish_reason: SampleFinishReason | None
     response_ids: list[int]
 
 
 RewardFunction = Callable[[str, "str | None", RewardContext], float]
-RewardType = Literal["none", "exact_match", "math", "multiple_choice", "custom"]
 
 BUILTIN_REWARDS: tuple[str, ...] = ("none", "exact_match", "math", "multiple_choice")
 ENTRY_POINT_GROUP = "weir.rewards"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RewardSpec:
-    """How one prompt's samples are rewarded: a built-in ``type`` (with its ``answer``), or ``custom``
-    with ``function`` = the name of a registered reward function (``answer`` is then its reference)."""
-
-    type: RewardType = "none"
-    answer: str | None = None
-    function: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.type in ("exact_match", "math", "multiple_choice") and self.answer is None:
-            raise ValueError(f"reward type {self.type!r} needs an answer")
-        if self.type == "custom" and not self.function:
-            raise ValueError("a custom reward needs 'function': the name of a registered reward function")
 
 
 def _normalize(text: str) -> str:
@@ -125,14 +108,7 @@ class RewardRegistry:
     ) -> RewardRegistry:
         """The installed entry points of ``entry_point_group`` (None: none), then ``specs``
         (``name`` → ``package.module:function``), which win over an entry point of the same name."""
-        functions: dict[str, RewardFunction] = {}
-        if entry_point_group:
-            for name, loader in installed(entry_point_group).items():
-                try:
-                    function = loader()
-                except Exception as error:  # noqa: BLE001 - any failure of an installed plugin is reported by name
-                    raise PluginError(f"entry point {name!r} of {entry_point_group!r} does not load: {error}") from None
-                functions[name] = function
+        functions: dict[str, RewardFunction] = load_installed(entry_point_group)
         for name, spec in (specs or {}).items():
             if name in functions:
                 logger.info("reward function %r: %s replaces the installed entry point", name, spec)

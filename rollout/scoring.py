@@ -4,18 +4,21 @@
 `reward_samples` rewards each ok sample with the prompt's `RewardSpec` (a built-in or a function
 registered at start-up, `rollout.rewards`), one by one in a worker thread under the context's deadline; a
 reward that raises, times out or is not finite marks its sample ``failed`` — as data, never an error of
-the group. `assemble_group` gathers a prepared prompt's samples into the `Group` with its timings.
+the group. `assemble_group` gathers a prepared prompt's samples into the `Group` with its timings, which a
+`GroupTimer` reads as the rollout goes.
 Recording the group (the sink) is `rollout.group.run_prompt`'s job, not this module's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from experience.records import Group, Sample, SampleStatus, sample_id
 
@@ -23,7 +26,7 @@ from .context import RolloutContext
 from .preparation import Prepared
 from .rewards import RewardContext, RewardSpec
 
-__all__ = ["assemble_group", "reward_samples"]
+__all__ = ["GroupTimer", "assemble_group", "reward_samples"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,19 +67,36 @@ async def reward_samples(
     return out
 
 
+@dataclass(slots=True)
+class GroupTimer:
+    """A group's timings (`time.perf_counter` readings), taken as its rollout goes: made when it starts,
+    around the generation (`generating`), as the rewards start (`rewarding`)."""
+
+    started: float = field(default_factory=time.perf_counter)
+    generate_s: float = 0.0
+    reward_start: float = 0.0
+
+    @contextlib.contextmanager
+    def generating(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.generate_s = time.perf_counter() - start
+
+    def rewarding(self) -> None:
+        self.reward_start = time.perf_counter()
+
+
 def assemble_group(
     prepared: Prepared,
     samples: list[Sample],
     *,
     group_id: str,
     index: int,
-    started: float,
-    generate_s: float,
-    reward_start: float,
+    timer: GroupTimer,
     token_counts: Mapping[str, int] | None = None,
 ) -> Group:
-    """The `Group` of a prepared prompt's rewarded samples, with its timings (``started`` and
-    ``reward_start`` are `time.perf_counter` readings); ``token_counts`` default to the prompt's."""
+    """The `Group` of a prepared prompt's rewarded samples, with the timings ``timer`` took (the reward's
+    and the total up to now); ``token_counts`` default to the prompt's."""
     return Group(
         group_id=group_id,
         prompt_index=index,
@@ -86,8 +106,8 @@ def assemble_group(
         samples=samples,
         timings={
             "preprocess_s": prepared.preprocess_s,
-            "generate_s": generate_s,
-            "reward_s": time.perf_counter() - reward_start,
-            "total_s": time.perf_counter() - started,
+            "generate_s": timer.generate_s,
+            "reward_s": time.perf_counter() - timer.reward_start,
+            "total_s": time.perf_counter() - timer.started,
         },
     )

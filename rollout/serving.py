@@ -1,13 +1,14 @@
 """Samples for OpenAI requests (chat and text completions): whole answers, or the engines' token streams.
 
-`chat_samples` / `complete_samples` return a request's ``n`` samples whole; `chat_stream` / `open_streams`
-open the ``n`` engine streams before any byte is sent (so a refused prompt is an error, not a broken
-stream) and return them as a `ChatStream`, whose `Progress` steps come as the engines produce them. Each
-choice of a seeded request gets its own seed (`rollout.generation.sample_seed`). What such an answer
-shows beyond its samples — each token's most likely alternatives, the prompt's own log-probs (``echo``) —
-comes with them as `rollout.logprobs.ChoiceLogprobs`, never in a `Sample`. Nothing here is rewarded or
-recorded, and a failed sample is `EnginesUnavailable` (a client cannot use a partial answer). The OpenAI
-objects and chunks themselves are shaped by `rollout.chat`; this module speaks to no client.
+`chat_samples` / `complete_samples` return a request's ``n`` samples whole (a chat request given as a
+`ChatSpec`); `chat_stream` / `open_streams` open the ``n`` engine streams before any byte is sent (so a
+refused prompt is an error, not a broken stream) and return them as a `ChatStream`, whose `ChoiceStep`
+steps come as the engines produce them. Each choice of a seeded request gets its own seed
+(`rollout.generation.sample_seed`). What such an answer shows beyond its samples — each token's most
+likely alternatives, the prompt's own log-probs (``echo``) — comes with them as
+`rollout.logprobs.ChoiceLogprobs`, never in a `Sample`. Nothing here is rewarded or recorded, and a failed
+sample is `EnginesUnavailable` (a client cannot use a partial answer). The OpenAI objects and chunks
+themselves are shaped by `rollout.chat`; this module speaks to no client.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from .messages import FunctionTool
 from .preparation import Prepared, check_context, prepare
 
 __all__ = [
+    "ChatSpec",
     "ChatStream",
-    "Progress",
+    "ChoiceStep",
     "chat_max_tokens",
     "chat_samples",
     "chat_stream",
@@ -54,31 +56,45 @@ def chat_max_tokens(ctx: RolloutContext, prepared: Prepared, max_tokens: int | N
     return max_new
 
 
-async def chat_samples(
-    ctx: RolloutContext,
-    messages: Sequence[object],
-    *,
-    n: int,
-    sampling: SamplingParams,
-    max_tokens: int | None,
-    tools: Sequence[FunctionTool] | None = None,
-    prefill: str = "",
-    ask: LogprobAsk = SAMPLED_ONLY,
-    template_variables: Mapping[str, JsonValue] | None = None,
-) -> tuple[str, Prepared, list[Sample], list[ChoiceLogprobs]]:
-    """(completion group id, prepared prompt, ``n`` samples, what ``ask`` asked for of each) for an
-    OpenAI chat request; no reward, nothing recorded. ``max_tokens`` None: what the context leaves
-    (`chat_max_tokens`). ``tools`` are rendered by the chat template (with ``template_variables``,
-    ``chat_template_kwargs``); ``prefill`` starts the assistant's answer. A ``sampling_seed`` gives
-    each choice its own seed (`sample_seed`). A failed sample is `EnginesUnavailable` (a chat client
-    cannot use a partial answer)."""
-    variables = template_variables
+@dataclass(frozen=True, slots=True)
+class ChatSpec:
+    """What an OpenAI chat request asks, as `chat_samples` and `chat_stream` take it: ``n`` answers to
+    ``messages`` sampled with ``sampling``; ``max_tokens`` None: what the context leaves (`chat_max_tokens`).
+    ``tools`` are rendered by the chat template (with ``template_variables``, ``chat_template_kwargs``);
+    ``prefill`` starts the assistant's answer; ``ask``: the log-probs wanted beyond the sampled tokens'."""
+
+    messages: Sequence[object]
+    n: int
+    sampling: SamplingParams
+    max_tokens: int | None
+    tools: Sequence[FunctionTool] | None = None
+    prefill: str = ""
+    ask: LogprobAsk = SAMPLED_ONLY
+    template_variables: Mapping[str, JsonValue] | None = None
+
+
+async def _prepared_chat(ctx: RolloutContext, spec: ChatSpec) -> tuple[Prepared, int]:
+    """The chat request's prompt, prepared, and its new-token limit (`chat_max_tokens`)."""
     prepared = await prepare(
-        ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill, template_variables=variables
+        ctx,
+        spec.messages,
+        where="messages",
+        budget=None,
+        tools=spec.tools,
+        prefill=spec.prefill,
+        template_variables=spec.template_variables,
     )
-    max_new = chat_max_tokens(ctx, prepared, max_tokens)
+    return prepared, chat_max_tokens(ctx, prepared, spec.max_tokens)
+
+
+async def chat_samples(ctx: RolloutContext, spec: ChatSpec) -> tuple[str, Prepared, list[Sample], list[ChoiceLogprobs]]:
+    """(completion group id, prepared prompt, ``spec.n`` samples, what ``spec.ask`` asked for of each) for
+    an OpenAI chat request; no reward, nothing recorded. A ``sampling_seed`` gives each choice its own
+    seed (`sample_seed`). A failed sample is `EnginesUnavailable` (a chat client cannot use a partial
+    answer)."""
+    prepared, max_new = await _prepared_chat(ctx, spec)
     group_id, samples, details = await complete_samples(
-        ctx, prepared, n=n, sampling=sampling, max_new_tokens=max_new, ask=ask
+        ctx, prepared, n=spec.n, sampling=spec.sampling, max_new_tokens=max_new, ask=spec.ask
     )
     return group_id, prepared, samples, details
 
@@ -111,7 +127,7 @@ async def complete_samples(
 
 
 @dataclass(frozen=True, slots=True)
-class Progress:
+class ChoiceStep:
     """One step of one streamed choice: the tokens new in this step (with their log-probs) and the
     text so far; a choice's last step carries its finished `Sample` (the engine's final answer).
     ``details``: what the stream's `LogprobAsk` asked for, the tokens' `Top` (``details.top``) those
@@ -143,8 +159,8 @@ class ChatStream:
         self._start = time.perf_counter()
         self._tasks: list[asyncio.Future[None]] = []
 
-    async def progress(self) -> AsyncIterator[Progress]:
-        queue: asyncio.Queue[Progress | BaseException] = asyncio.Queue()
+    async def progress(self) -> AsyncIterator[ChoiceStep]:
+        queue: asyncio.Queue[ChoiceStep | BaseException] = asyncio.Queue()
 
         async def pump(index: int, stream: EngineStream) -> None:
             seen = 0
@@ -170,7 +186,7 @@ class ChatStream:
                         if details.top is not None:
                             details = dataclasses.replace(details, top=details.top[seen:])
                         prompt_sent = True
-                    step = Progress(index, ids[seen:], lps[seen:], text, details=details)
+                    step = ChoiceStep(index, ids[seen:], lps[seen:], text, details=details)
                     seen = max(seen, len(ids))
                     if final:
                         sample = sample_from_engine(chunk, index=index, generate_s=time.perf_counter() - self._start)
@@ -224,27 +240,11 @@ def _chunk_parts(chunk: Mapping[str, Any]) -> tuple[list[int], list[float], str,
     return ids, lps, text, final
 
 
-async def chat_stream(
-    ctx: RolloutContext,
-    messages: Sequence[object],
-    *,
-    n: int,
-    sampling: SamplingParams,
-    max_tokens: int | None,
-    tools: Sequence[FunctionTool] | None = None,
-    prefill: str = "",
-    ask: LogprobAsk = SAMPLED_ONLY,
-    template_variables: Mapping[str, JsonValue] | None = None,
-) -> ChatStream:
-    """`chat_samples`, streamed: the prompt prepared and the ``n`` engine streams opened (each
+async def chat_stream(ctx: RolloutContext, spec: ChatSpec) -> ChatStream:
+    """`chat_samples`, streamed: the prompt prepared and the ``spec.n`` engine streams opened (each
     choice's own seed, as there); the caller reads `ChatStream.progress` and closes it."""
-    variables = template_variables
-    prepared = await prepare(
-        ctx, messages, where="messages", budget=None, tools=tools, prefill=prefill, template_variables=variables
-    )
-    return await open_streams(
-        ctx, prepared, n=n, sampling=sampling, max_new_tokens=chat_max_tokens(ctx, prepared, max_tokens), ask=ask
-    )
+    prepared, max_new = await _prepared_chat(ctx, spec)
+    return await open_streams(ctx, prepared, n=spec.n, sampling=spec.sampling, max_new_tokens=max_new, ask=spec.ask)
 
 
 async def open_streams(
@@ -257,7 +257,7 @@ async def open_streams(
     ask: LogprobAsk = SAMPLED_ONLY,
 ) -> ChatStream:
     """The ``n`` engine streams of a prepared prompt, open (each choice its own seed when seeded);
-    with ``ask``, each step's `Progress.details`. An engine that sends those only with its final chunk
+    with ``ask``, each step's `ChoiceStep.details`. An engine that sends those only with its final chunk
     streams such a choice in one step."""
     group_id = uuid.uuid4().hex
     held = contextlib.ExitStack()

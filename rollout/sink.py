@@ -8,23 +8,19 @@ group is recorded (an evaluation request is not experience: the caller skips the
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Protocol
 
-import httpx
-
 from experience import wire
+from experience.client import AsyncDataClient
 from experience.records import Group
+from wire.client import RoleRefused, RoleUnauthorized, RoleUnavailable
 
-from .errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable, refuses_token
+from .errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable
 
 __all__ = ["HttpSink", "JsonlSink", "Sink"]
-
-logger = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
@@ -58,45 +54,32 @@ class JsonlSink:
 class HttpSink:
     """The data role's ``POST /v1/experience`` (idempotent by group id, so a retry is safe).
 
-    Timeouts, connection errors and 5xx are retried with backoff for up to ``retry_s``: a data role
+    Timeouts, connection errors and 502/503/504 are retried with backoff for up to ``retry_s``: a data role
     restarting after a crash (its state is durable) costs a pause, not the group. A 4xx is the
     group's fault and is not retried (`ExperienceRefused`), but a 401/403 is this role's token, not
-    the group (`UpstreamUnauthorized`). The client — its base URL the data role,
-    with the API token — comes from the caller, who closes it.
+    the group (`UpstreamUnauthorized`). The client — the data role's, with the API token — comes from the
+    caller, who closes it.
     """
 
-    def __init__(self, client: httpx.AsyncClient, *, retry_s: float = 60.0) -> None:
+    def __init__(self, client: AsyncDataClient, *, retry_s: float = 60.0) -> None:
         self._client = client
         self.retry_s = retry_s
 
     async def append(self, group: Group) -> None:
         body = wire.dumps(group.to_json())  # once, whatever the retries
-        deadline = time.monotonic() + self.retry_s
-        delay = 0.2
-        while True:
-            try:
-                response = await self._client.post("/v1/experience", content=body, headers=wire.JSON_HEADERS)
-            except httpx.TransportError as error:
-                problem = f"{type(error).__name__}: {error}"
-            else:
-                if response.status_code < 400:
-                    return
-                if refuses_token(response):
-                    raise UpstreamUnauthorized("data", response.status_code)
-                if response.status_code < 500:
-                    raise ExperienceRefused(
-                        f"the data role refused group {group.group_id}: HTTP {response.status_code} "
-                        f"{response.text[:500]}"
-                    )
-                problem = f"HTTP {response.status_code}"
-            if time.monotonic() + delay > deadline:
-                raise UpstreamUnavailable(
-                    f"the data role did not take group {group.group_id} within {self.retry_s} s ({problem})",
-                    code="data_unavailable",
-                )
-            logger.warning("the data role did not take group %s (%s); retrying", group.group_id, problem)
-            await asyncio.sleep(delay)
-            delay = min(2.0, delay * 2)
+        try:
+            await self._client.store(body, retry_s=self.retry_s)
+        except RoleUnauthorized as error:
+            raise UpstreamUnauthorized("data", error.status or 401) from None
+        except RoleRefused as error:
+            raise ExperienceRefused(
+                f"the data role refused group {group.group_id}: HTTP {error.status} {error.code}: {error.message}"
+            ) from None
+        except RoleUnavailable as error:
+            raise UpstreamUnavailable(
+                f"the data role did not take group {group.group_id} within {self.retry_s} s ({error})",
+                code="data_unavailable",
+            ) from None
 
     async def close(self) -> None:
         return None

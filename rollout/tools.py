@@ -48,7 +48,7 @@ from typing import Any
 
 from .errors import InvalidPrompt
 from .messages import FunctionTool, function_tool
-from .plugins import PluginError, check_name, installed, load_callable
+from .plugins import PluginError, check_name, load_callable, load_installed
 from .sandbox import Limits, Sandbox
 from .tool_types import Observation, ToolContext, ToolError, ToolFailed, observation_of
 
@@ -306,13 +306,7 @@ class ToolRegistry:
     ) -> ToolRegistry:
         """The built-ins, the installed entry points of ``entry_point_group``, then ``specs`` (``name`` →
         ``package.module:function``); a later one of the same name wins."""
-        functions: dict[str, Callable[..., Any]] = {}
-        if entry_point_group:
-            for name, loader in installed(entry_point_group).items():
-                try:
-                    functions[name] = loader()
-                except Exception as error:  # noqa: BLE001 - any failure of an installed plugin is reported by name
-                    raise PluginError(f"entry point {name!r} of {entry_point_group!r} does not load: {error}") from None
+        functions: dict[str, Callable[..., Any]] = load_installed(entry_point_group)
         for name, spec in (specs or {}).items():
             functions[name] = load_callable(spec)
         registry = cls(functions, timeout_s=timeout_s, workers=workers, cpu_s=cpu_s, memory_mib=memory_mib)

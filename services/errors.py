@@ -23,18 +23,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NotRequired, TypedDict
+from typing import Any, NotRequired
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
+from typing_extensions import TypedDict  # pydantic reads typing_extensions TypedDicts on 3.11
 
 from preprocess.errors import MediaError
 
 __all__ = [
     "ApiError",
+    "ErrorBody",
     "ErrorDetail",
     "ErrorResponse",
     "ErrorShaper",
@@ -68,6 +70,12 @@ class ErrorDetail(TypedDict):
     message: str
     item: NotRequired[int]
     field: NotRequired[str]
+
+
+class ErrorBody(TypedDict):
+    """Every refusal's body in Weir's shape: what a route documents as its error responses (OpenAPI)."""
+
+    error: ErrorDetail
 
 
 ErrorShaper = Callable[[ErrorDetail, int], object]

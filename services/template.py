@@ -24,6 +24,8 @@ from typing import Any
 from fastapi import FastAPI, Response
 from fastapi.responses import JSONResponse
 
+from preprocess.api import FEATURE_KEY_PATTERN
+
 from . import __version__
 from .auth import BearerAuth, BodyLimit
 from .errors import ErrorShaper, ErrorShapes, error_body, install_error_handlers
@@ -37,7 +39,6 @@ __all__ = ["ARROW_STREAM", "DIGEST_HEADER", "FEATURE_KEY_PATTERN", "Readiness", 
 logger = logging.getLogger(__name__)
 
 ARROW_STREAM = "application/vnd.apache.arrow.stream"  # features, embeddings and micro-batches
-FEATURE_KEY_PATTERN = r"^[0-9a-f]{40}$"  # feature and embedding cache keys (sha256 prefixes)
 DIGEST_HEADER = "X-Weir-Sha256"  # the SHA-256 of a cache entry's bytes: a copy is taken only when whole
 
 

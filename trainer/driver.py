@@ -11,7 +11,8 @@ A row is a rollout prompt: ``messages``, ``reward`` (default none) and, when it 
 
 Prompts whose samples went stale under the data role's ``regenerate`` policy are sent again
 first: group ids carry their dataset row (``r{row}-{random}``) for that. Requests carry the
-stack's API token (``token``; None sends none); responses are read as `experience.records.Group`.
+stack's API token (``token``; None sends none); requests and answers are `rollout.api` records, sent by
+`rollout.client.RolloutClient`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from typing import Any
 
 import httpx
 
-from experience import wire
-from experience.records import Group
+from experience.client import DataClient
+from rollout.api import RolloutPrompt, RolloutRequest
+from rollout.client import RolloutClient
+from wire.client import RoleError, RoleUnavailable
 
 __all__ = ["RolloutDriver", "group_id", "row_of"]
 
@@ -49,9 +52,7 @@ def row_of(group: str) -> int | None:
 
 def _transient(error: BaseException | None) -> bool:
     """A role restarting or an engine lost mid-request: that request's prompt is dropped, not the run."""
-    return isinstance(error, httpx.TransportError) or (
-        isinstance(error, httpx.HTTPStatusError) and error.response.status_code >= 500
-    )
+    return isinstance(error, RoleUnavailable)
 
 
 class RolloutDriver:
@@ -81,41 +82,43 @@ class RolloutDriver:
                 retries=7, limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, in_flight))
             ),
         )
+        self._rollout = RolloutClient(rollout_url, token=token, timeout_s=600, http=self._client)
+        self._data = DataClient(data_url, token=token, timeout_s=600, http=self._client)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def prompts(self, k: int) -> list[dict[str, Any]]:
+    def prompts(self, k: int) -> list[RolloutPrompt]:
         """The next ``k`` prompts: first those whose samples went stale, then the dataset in order."""
         picked: list[int] = []
-        response = self._client.post(f"{self.data_url}/v1/regenerations")
-        if response.status_code == 200:
-            again = [r for g in response.json()["groups"] if (r := row_of(g)) is not None and r < len(self.rows)]
-            self.regenerated += len(again)
-            picked += again
+        try:
+            stale = self._data.regenerations().groups
+        except RoleError as error:
+            if isinstance(error, RoleUnavailable) and error.status is None:
+                raise  # no answer: the data role restarting (`_run` waits for it)
+            stale = []  # an answer, but no regenerations (a refusal, a failure): the dataset goes on
+        again = [r for g in stale if (r := row_of(g)) is not None and r < len(self.rows)]
+        self.regenerated += len(again)
+        picked += again
         while len(picked) < k:
             picked.append(next(self._order))
         out = []
         for i in picked:
             row = self.rows[i]
-            prompt = {"messages": row["messages"], "reward": row.get("reward", {"type": "none"}), "id": group_id(i)}
-            for key in _PASSED:  # per-prompt sampling and multi-turn fields, when the row has them
-                if key in row:
-                    prompt[key] = row[key]
-            out.append(prompt)
+            fields = {"messages": row["messages"], "reward": row.get("reward", {"type": "none"}), "id": group_id(i)}
+            # per-prompt sampling and multi-turn fields, when the row has them
+            fields.update({key: row[key] for key in _PASSED if key in row})
+            out.append(RolloutPrompt.model_validate(fields))
         return out
 
     def generate(self, groups: int) -> int:
         """One request for ``groups`` groups; returns when all have finished (the colocate barrier)."""
         return self._request(self.prompts(groups))
 
-    def _request(self, prompts: list[dict[str, Any]]) -> int:
-        body = {"prompts": [{**p, "n": self.n} for p in prompts], "sampling_params": self.sampling_params}
-        url = f"{self.rollout_url}/v1/rollouts"
-        response = self._client.post(url, content=wire.dumps(body), headers=wire.JSON_HEADERS)
-        response.raise_for_status()
-        # the rollout role's contract, checked
-        groups = [Group.from_json(g) for g in wire.loads(response.content)["groups"]]
-        return len(groups)
+    def _request(self, prompts: list[RolloutPrompt]) -> int:
+        request = RolloutRequest(
+            prompts=[p.model_copy(update={"n": self.n}) for p in prompts], sampling_params=self.sampling_params
+        )
+        return len(self._rollout.rollouts(request).groups)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="rollout-driver", daemon=True)
@@ -138,15 +141,18 @@ class RolloutDriver:
                             logger.warning("a rollout request failed (%s); its prompt is dropped", error)
                         elif error is not None:
                             raise error
-                    allowed = self._client.get(f"{self.data_url}/v1/admission").json()["groups"] - len(pending)
+                    allowed = self._data.admission().groups - len(pending)
                     room = min(allowed, self.in_flight - len(pending))
                     if room <= 0:
                         time.sleep(0.05)
                         continue
                     for prompt in self.prompts(room):
                         pending.add(pool.submit(self._request, [prompt]))
-                except httpx.TransportError:  # the data role restarting (its state is durable): wait
-                    time.sleep(0.5)
+                except RoleUnavailable as error:  # from the data role (admission, regenerations)
+                    if error.status is not None:  # it answered, failing: as any other failure
+                        self.failures.append(error)
+                        return
+                    time.sleep(0.5)  # no answer: the data role restarting (its state is durable): wait
                 except BaseException as error:  # noqa: BLE001 - reported to the training loop by check()
                     self.failures.append(error)
                     return

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from rollout.api import RolloutRequest
+from rollout.client import RolloutClient
 
 __all__ = ["EvalSpec", "Evaluator", "modalities_of", "source_of"]
 
@@ -83,18 +84,18 @@ class Evaluator:
 
     def __init__(self, rollout_url: str, spec: EvalSpec, *, out: Path, token: str | None = None) -> None:
         self.url, self.spec, self.path = rollout_url, spec, out / "eval.jsonl"
-        self.client = httpx.Client(timeout=1800, headers={"Authorization": f"Bearer {token}"} if token else None)
+        self.client = RolloutClient(rollout_url, token=token, timeout_s=1800)
 
     def _rewards(self, n: int, temperature: float) -> list[list[float]]:
         """Each row's rewards over ``n`` answers (a failed sample: 0)."""
-        body = {
-            "prompts": [{**{k: row[k] for k in _PASSED if k in row}, "n": n} for row in self.spec.rows],
-            "sampling_params": {"max_new_tokens": self.spec.max_new_tokens, "temperature": temperature},
-            "record": False,
-        }
-        response = self.client.post(f"{self.url}/v1/rollouts", json=body)
-        response.raise_for_status()
-        return [[s.get("reward") or 0.0 for s in group["samples"]] for group in response.json()["groups"]]
+        request = RolloutRequest.model_validate(
+            {
+                "prompts": [{**{k: row[k] for k in _PASSED if k in row}, "n": n} for row in self.spec.rows],
+                "sampling_params": {"max_new_tokens": self.spec.max_new_tokens, "temperature": temperature},
+                "record": False,
+            }
+        )
+        return [[s.reward or 0.0 for s in group.samples] for group in self.client.rollouts(request).groups]
 
     def run(self, step: int) -> dict[str, object]:
         """Evaluate now: ``{"step", "rows", "pass@1", "pass@k", "reward", "by_modality": {m: {...}},

@@ -15,22 +15,21 @@ With ``inline_media=True`` each sequence's features come with the batch (``FeedB
 
 from __future__ import annotations
 
-import json
 import queue
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from torch.utils.data import IterableDataset
 
 import preprocess as pp
+from experience.client import DataClient
 from experience.records import BatchMeta
+from wire.client import RoleRefused, RoleUnauthorized, RoleUnavailable
 
 __all__ = ["AckRefused", "FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
 
@@ -137,19 +136,11 @@ class MicroBatchFeed:
         token: str | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        self.params: dict[str, str | int | float] = {
-            "consumer": consumer,
-            "rank": rank,
-            "world_size": world_size,
-            "max_tokens": max_tokens,
-            "wait_s": wait_s,
-        }
-        if inline_media:  # the features travel with the batch: no feature cache needed on this host
-            self.params["inline_media"] = "true"
+        self.consumer, self.rank, self.world_size, self.max_tokens = consumer, rank, world_size, max_tokens
+        self.wait_s = wait_s
+        self.inline_media = inline_media  # the features travel with the batch: no feature cache needed on this host
         self.max_batches = max_batches
-        self._client = httpx.Client(
-            timeout=wait_s + 30, headers={"Authorization": f"Bearer {token}"} if token else None
-        )
+        self._data = DataClient(self.url, token=token, timeout_s=wait_s + 30)
         self._queue: queue.Queue[FeedBatch | BaseException | None] = queue.Queue(maxsize=max(1, prefetch))
         self._stop = threading.Event()
         # prefetch=0: fetched on demand, so a batch is leased (and its staleness checked) just before
@@ -160,26 +151,33 @@ class MicroBatchFeed:
             self._thread.start()
 
     def _fetch_one(self, wait_s: float, max_samples: int | None = None) -> FeedBatch | None:
-        """One long-poll; None when nothing was ready (or the data role is restarting)."""
-        params = {**self.params, "wait_s": wait_s}
-        if max_samples is not None:
-            params["max_samples"] = max_samples
+        """One long-poll; None when nothing was ready (or the data role is restarting). A refusal or a 5xx is
+        raised (`wire.client.RoleError`)."""
         try:
-            response = self._client.get(f"{self.url}/v1/microbatches", params=params)
-        except httpx.TransportError:  # the data role restarting: its state is durable, wait for it
-            self._stop.wait(min(wait_s, 1.0))
+            delivery = self._data.microbatch(
+                consumer=self.consumer,
+                rank=self.rank,
+                world_size=self.world_size,
+                max_tokens=self.max_tokens,
+                max_samples=max_samples,
+                wait_s=wait_s,
+                inline_media=self.inline_media,
+            )
+        except RoleUnavailable as error:
+            if error.status is not None:  # it answered, with a 5xx
+                raise
+            self._stop.wait(min(wait_s, 1.0))  # the data role restarting: its state is durable, wait for it
             return None
-        if response.status_code == 204:
+        if delivery is None:
             return None
-        response.raise_for_status()
-        table = pa.ipc.open_stream(response.content).read_all()
+        table = delivery.table
         self._fetched += 1
         return FeedBatch(
-            batch_id=response.headers["X-Weir-Batch-Id"],
+            batch_id=delivery.batch_id,
             tensors=pack(table),
             sample_ids=table.column("sample_id").to_pylist(),
             feature_keys=table.column("feature_keys").to_pylist(),
-            meta=json.loads(table.schema.metadata[b"weir"]),
+            meta=delivery.meta,
             media=(
                 [[pp.features_from_arrow(entry) for entry in row] for row in table.column("media").to_pylist()]
                 if "media" in table.column_names
@@ -193,7 +191,7 @@ class MicroBatchFeed:
     def _fetch(self) -> None:
         try:
             while not self._stop.is_set() and not self._exhausted():
-                batch = self._fetch_one(float(self.params["wait_s"]))
+                batch = self._fetch_one(self.wait_s)
                 if batch is not None:
                     self._queue.put(batch)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer thread
@@ -206,7 +204,7 @@ class MicroBatchFeed:
             if self._thread is None:
                 if self._exhausted():
                     return
-                batch = self._fetch_one(float(self.params["wait_s"]))
+                batch = self._fetch_one(self.wait_s)
                 if batch is not None:
                     yield batch
                 continue
@@ -237,18 +235,20 @@ class MicroBatchFeed:
         ``lease_expired`` (the lease ran out and the samples were delivered again: they may be
         trained twice, and nothing can undo that now).
 
-        Retried while the data role is unreachable or answers 5xx (acks are idempotent), up to
-        ``retry_s``; then the last transport error or `httpx.HTTPStatusError` is raised. Any other
-        answer (401, 404, 422, …) raises `AckRefused`, naming the status and the data role's code.
+        Retried while the data role is unreachable or answers 502/503/504 (acks are idempotent), up to
+        ``retry_s``; then `wire.client.RoleUnavailable` is raised. Any other answer (401, 404, 422, …) raises
+        `AckRefused`, naming the status and the data role's code.
         """
         batch_id = batch if isinstance(batch, str) else batch.batch_id
-        response = self._acknowledge(f"/v1/microbatches/{batch_id}/ack", None, retry_s)
-        if response.status_code == 200:
-            return True
-        code, message = _refusal(response)
-        if response.status_code == 409 and code == "lease_expired":
-            return False
-        raise AckRefused(batch_id, response.status_code, code, message)
+        try:
+            self._data.ack(batch_id, retry_s=retry_s)
+        except RoleRefused as error:
+            if error.status == 409 and error.code == "lease_expired":
+                return False
+            raise _refused(batch_id, error) from None
+        except RoleUnauthorized as error:
+            raise _refused(batch_id, error) from None
+        return True
 
     def ack_all(self, batch_ids: Sequence[str], *, retry_s: float = 120.0) -> list[str]:
         """`ack` for a step's batches in one request (the data role records them in one transaction and one
@@ -256,53 +256,24 @@ class MicroBatchFeed:
         Retried and refused as `ack` (a refusal acknowledges none of them)."""
         if not batch_ids:
             return []
-        response = self._acknowledge("/v1/microbatches/ack", {"batch_ids": list(batch_ids)}, retry_s)
-        if response.status_code == 200:
-            return list(response.json()["lease_expired"])
-        code, message = _refusal(response)
-        raise AckRefused(", ".join(batch_ids), response.status_code, code, message)
-
-    def _acknowledge(self, path: str, body: dict[str, Any] | None, retry_s: float) -> httpx.Response:
-        """POST an acknowledgement, retried through transport errors and 5xx (acks are idempotent) for up to
-        ``retry_s``; the first answer below 500."""
-        deadline = time.monotonic() + retry_s
-        while True:
-            try:
-                response = self._client.post(f"{self.url}{path}", json=body)
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-            else:
-                if response.status_code < 500:
-                    return response
-                if time.monotonic() > deadline:
-                    response.raise_for_status()
-            time.sleep(0.5)
+        try:
+            return self._data.ack_all(batch_ids, retry_s=retry_s).lease_expired
+        except (RoleRefused, RoleUnauthorized) as error:
+            raise _refused(", ".join(batch_ids), error) from None
 
     def release(self) -> int:
         """Return this rank's unacknowledged leases now (a restarted trainer reclaims its own batches
         instead of waiting for their leases to run out); the number released."""
-        params = {"consumer": self.params["consumer"], "rank": self.params["rank"]}
-        response = self._client.post(f"{self.url}/v1/microbatches/release", params=params)
-        response.raise_for_status()
-        return int(response.json()["released"])
+        return self._data.release(consumer=self.consumer, rank=self.rank).released
 
     def close(self) -> None:
         self._stop.set()
-        self._client.close()
+        self._data.close()
 
 
-def _refusal(response: httpx.Response) -> tuple[str | None, str]:
-    """(code, message) of a data-role refusal (``{"error": {"code", "message"}}``), whatever the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return None, response.text[:200]
-    error = body.get("error") if isinstance(body, dict) else None
-    if not isinstance(error, dict):
-        return None, response.text[:200]
-    code = error.get("code")
-    return (code if isinstance(code, str) else None), str(error.get("message", ""))
+def _refused(batch_id: str, error: RoleRefused | RoleUnauthorized) -> AckRefused:
+    """The data role's refusal of an ack, with its status and code (``unauthorized`` for a refused token)."""
+    return AckRefused(batch_id, error.status or 401, error.code, error.message)
 
 
 class MicroBatchDataset(IterableDataset):  # type: ignore[type-arg]

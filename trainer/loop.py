@@ -52,16 +52,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import httpx
-
-from experience.records import Group
+from rollout.api import RolloutRequest
+from rollout.client import RolloutClient
 
 from .commit import Committer
 from .driver import RolloutDriver
 from .evaluation import EvalSpec, Evaluator
 from .feed import MicroBatchFeed
 from .lockstep import Lockstep
-from .policy_version import PolicyVersion, WeightRecipients, WeightsPath
+from .policy_version import PolicyOwner, WeightRecipients, WeightsPath
 from .protocol import LoopTrainer
 from .readings import EngineClock, Readings
 from .step_record import Progress, StepTally, straddling
@@ -114,15 +113,15 @@ def evaluate(
 ) -> float:
     """Mean reward of greedy answers to ``rows`` (not recorded as experience); a sample without a
     reward (it failed) counts as 0."""
-    body = {
-        "prompts": [{"messages": r["messages"], "reward": r["reward"], "n": 1} for r in rows],
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
-        "record": False,
-    }
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
-    response.raise_for_status()
-    groups = [Group.from_json(g) for g in response.json()["groups"]]
+    request = RolloutRequest.model_validate(
+        {
+            "prompts": [{"messages": r["messages"], "reward": r["reward"], "n": 1} for r in rows],
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
+            "record": False,
+        }
+    )
+    with RolloutClient(rollout_url, token=token, timeout_s=600) as rollout:
+        groups = rollout.rollouts(request).groups
     rewards = [s.reward if s.reward is not None else 0.0 for g in groups for s in g.samples]
     return sum(rewards) / max(1, len(rewards))
 
@@ -192,13 +191,13 @@ def run_loop(
     leases = feed if ranks.feeds else None  # a tensor-parallel rank fed by its group's first never acknowledges
     committer = Committer(trainer, leases, config.out / "checkpoint", every=config.checkpoint_every)
     recipients = _recipients(config, engines)
-    policy = PolicyVersion(trainer, weights=config.out / "weights", main=ranks.main, recipients=recipients)
+    policy = PolicyOwner(trainer, weights=config.out / "weights", main=ranks.main, recipients=recipients)
 
     resumed = committer.restore() if config.resume else None
     if resumed is not None:
         policy.restore(committer.checkpoint)
     # Versions only go up from the data role's (a data role may already hold a policy: `weir train --attach`).
-    policy.join(int(ranks.from_main(readings.stats()["policy_version"] if ranks.main else 0)))
+    policy.join(int(ranks.from_main(readings.stats().policy_version if ranks.main else 0)))
     if resumed is not None:
         policy.publish()  # the engines may hold weights from steps that were lost: bring them back to this one
         logger.info("resumed from %s at step %d", committer.checkpoint, resumed + 1)

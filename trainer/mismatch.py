@@ -34,7 +34,7 @@ list to all-reduce with SUM and one to all-reduce with MAX, in a fixed order.
 
 A sample's modality is read from the batch (`sequence_modalities`); `check` turns metrics into warnings;
 `plot_mismatch` draws them from step records. This module does not compute log-probs, route tokens,
-all-reduce or log a step: the trainers (`trainer.reference`, `trainer.megatron.loss`) call it with what
+all-reduce or log a step: the trainers (`trainer.reference`, `trainer.megatron.trainer`) call it with what
 they have, and the loop (`trainer.loop`) records what they return.
 """
 
@@ -434,11 +434,30 @@ class MismatchMonitor:
         fresh = on_policy_sequences(batch, version)
         return [(*label, ON_POLICY) if on else label for label, on in zip(labels, fresh, strict=True)]
 
-    def watch(self, batch: FeedBatch, logprobs: torch.Tensor, version: int | None = None) -> None:
-        t = batch.tensors
+    def watch(
+        self,
+        batch: FeedBatch,
+        logprobs: torch.Tensor,
+        version: int | None = None,
+        *,
+        layout: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Count one micro-batch: the trainer's ``logprobs`` (at the step's start: weights ``version``) against
+        the engine's on its loss tokens, per scope of each sequence (`labels`). ``logprobs`` are laid out as
+        ``batch``'s tokens, or as ``layout``: a trainer's own layout of the batch (megatron's: one per label,
+        shifted one token left, a padding sequence at the end) with its ``rollout_logprobs``, ``loss_mask`` and
+        ``cu_seqlens``; its sequences past the batch's are padding, without loss tokens."""
+        t = batch.tensors if layout is None else layout
         labels = self.labels(batch, version)
+        labels += [("text",)] * (int(t["cu_seqlens"].numel()) - 1 - len(labels))
         self.sums.add(
-            token_mismatch(logprobs.detach().cpu(), t["rollout_logprobs"], t["loss_mask"], t["cu_seqlens"], labels)
+            token_mismatch(
+                logprobs.detach().cpu(),
+                t["rollout_logprobs"].cpu(),
+                t["loss_mask"].cpu(),
+                t["cu_seqlens"].cpu(),
+                labels,
+            )
         )
 
     def take(self, ranks: Ranks | None, *, replay: RoutingReplay | None = None) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""`PolicyVersion`: the RL loop's one owner of the policy version. The version moves only with the
+"""`PolicyOwner`: the RL loop's one owner of the policy version. The version moves only with the
 weights: at the start it comes up to the data role's (versions only go up: the data role refuses a lower
 one), and each publish raises it by one, exports the weights as that version and tells
 `WeightRecipients` of them — as a folder (``disk``: every engine loads it), or by broadcast (``broadcast``:
@@ -16,8 +16,8 @@ FSDP reference trainer trains them; the Megatron trainer's state is its language
 encoder role is told nothing — its towers never change).
 
 The number itself lives on the trainer (``trainer.policy_version``), because the trainer's checkpoints
-store it (`ReferenceTrainer.save`); a resumed run gets it back through `PolicyVersion.restore`, and the
-warm-up of `weir train` (`launcher.training`) publishes through a `PolicyVersion` too, so nothing else
+store it (`ReferenceTrainer.save`); a resumed run gets it back through `PolicyOwner.restore`, and the
+warm-up of `weir train` (`launcher.training`) publishes through a `PolicyOwner` too, so nothing else
 writes it. How weights reach an engine (pause, load, continue) is `trainer.publish`'s; this module only
 decides when and as which version.
 """
@@ -36,11 +36,13 @@ import torch
 from safetensors.torch import save_file
 
 from encoders.file_modes import as_umask_allows
+from engines.client import EngineClient
+from wire.client import RoleError
 
 from .protocol import LoopTrainer
 from .publish import BroadcastWeightSync, PauseMode, publish_weights
 
-__all__ = ["PolicyVersion", "WeightRecipients", "WeightsPath"]
+__all__ = ["PolicyOwner", "WeightRecipients", "WeightsPath"]
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +139,8 @@ class WeightRecipients:
                     self.sync = self._connect()
                 self.sync.publish(state.items(), version, pause_mode=self.pause_mode, towers=towers)
                 return True
-            except (RuntimeError, ValueError, OSError, httpx.HTTPError) as error:  # DistError is a RuntimeError
+            # DistError is a RuntimeError; a role client's failure (an engine's, the encoder role's) a RoleError
+            except (RuntimeError, ValueError, OSError, httpx.HTTPError, RoleError) as error:
                 why = f"{type(error).__name__}: {error}"
             self.close()
             dead = [url for url in self.engines if not self._healthy(url)]
@@ -173,11 +176,12 @@ class WeightRecipients:
         return sync
 
     def _healthy(self, url: str) -> bool:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else None
         try:
-            return httpx.get(f"{url}/health", headers=headers, timeout=10).status_code == 200
-        except httpx.TransportError:
+            with EngineClient(url, token=self.token, timeout_s=10) as engine:
+                engine.health()
+        except RoleError:  # no answer, or not healthy (503)
             return False
+        return True
 
     def close(self) -> None:
         """Leave the broadcast group (the engines too); the next broadcast joins a new one."""
@@ -189,7 +193,7 @@ class WeightRecipients:
                 logger.warning("could not leave the weights update group cleanly", exc_info=True)
 
 
-class PolicyVersion:
+class PolicyOwner:
     """The version of the weights the trainer holds, and the only thing in the loop that changes it.
 
     ``publish`` exports (disk) or gathers the whole state dict (broadcast) on every rank — both are

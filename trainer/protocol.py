@@ -1,8 +1,9 @@
-"""What the RL loop asks of a trainer and of its ranks: `LoopTrainer` and `Ranks`.
+"""What the RL loop asks of a trainer and of its ranks: `LoopTrainer` and `Ranks`, and what a trainer's step
+returns: `StepResult`.
 
 `trainer.reference.ReferenceTrainer` (PyTorch, FSDP2), `trainer.megatron.trainer.MegatronTrainer`
 (megatron-core) and `trainer.sim_trainer.SimTrainer` (the capacity twin's) are loop trainers; `run_loop`,
-`Committer` and `PolicyVersion` are written against these protocols, never against one of them. A
+`Committer` and `PolicyOwner` are written against these protocols, never against one of them. A
 trainer's ranks are `trainer.data_parallel.DataParallel` or `trainer.megatron.ranks.MegatronParallel`
 (its data-parallel group), or None alone.
 """
@@ -10,15 +11,26 @@ trainer's ranks are `trainer.data_parallel.DataParallel` or `trainer.megatron.ra
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from .feed import FeedBatch
-from .reference import StepResult
 
-__all__ = ["LoopTrainer", "Ranks"]
+__all__ = ["LoopTrainer", "Ranks", "StepResult"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepResult:
+    """One optimizer step's (or, under decoupled PPO, the mean of a step's optimizer steps'): the loss, the
+    gradient norm before clipping, and the metrics — the loss's readings (`trainer.losses.policy_loss`), the
+    train–inference mismatch (`trainer.mismatch`), ``optimizer_steps`` under decoupled PPO."""
+
+    loss: float
+    grad_norm: float
+    metrics: dict[str, float]
 
 
 class Ranks(Protocol):
@@ -52,7 +64,7 @@ class Ranks(Protocol):
 class LoopTrainer(Protocol):
     """What `trainer.loop.run_loop` drives: micro-batches accumulated into a step, checkpoints, exports."""
 
-    policy_version: int  # written only by `trainer.policy_version.PolicyVersion`
+    policy_version: int  # written only by `trainer.policy_version.PolicyOwner`
 
     @property
     def parallel(self) -> Ranks | None: ...

@@ -16,27 +16,40 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import Any, TypedDict, TypeGuard, TypeVar
 
 import httpx
 import torch
 
+from encoders.api import WeightsRequest
+from encoders.client import EncoderClient
+from engines.api import (
+    ControlResponse,
+    DestroyWeightsGroupBody,
+    InitWeightsGroupBody,
+    PauseBody,
+    UpdateWeightsBody,
+    UpdateWeightsFromDistributedBody,
+)
+from engines.client import EngineClient
+from engines.protocol import PauseMode
 from engines.weights_group import join_weights_group
+from experience.client import DataClient
+from wire.client import RoleError, RoleUnavailable
 
 __all__ = [
     "BroadcastWeightSync",
-    "GroupJoin",
     "NcclWeightSync",
     "PublishResult",
-    "TensorBucket",
     "data_policy_version",
     "fan_out_client",
     "group_layout",
     "post_each",
     "publish_weights",
+    "unreachable_engine",
 ]
 
 # Requests in flight keep their tokens across a publish: "retract" puts them back in the queue and they go on
@@ -45,11 +58,13 @@ __all__ = [
 # nothing tags them: with partial rollouts (the rollout role's WEIR_PARTIAL_ROLLOUTS=keep) publish with
 # ``pause_mode="abort"`` instead — each request then ends aborted with what it generated, and the rollout role
 # continues it under the new weights, every token tagged with the version that generated it.
-PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODE: PauseMode = "retract"
 PAUSE = {"mode": PAUSE_MODE}
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+B = TypeVar("B", InitWeightsGroupBody, UpdateWeightsFromDistributedBody)
+Posted = tuple[str, "ControlResponse | RoleError"]  # a call (url/path) and the engine's answer or refusal
 
 
 class PublishResult(TypedDict):
@@ -57,28 +72,6 @@ class PublishResult(TypedDict):
 
     unreachable: list[str]
     engines_s: float
-
-
-class GroupJoin(TypedDict):
-    """SGLang's ``/init_weights_update_group`` body: where one engine joins the broadcast group."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-
-
-class TensorBucket(TypedDict):
-    """SGLang's ``/update_weights_from_distributed`` body: the tensors of one broadcast bucket."""
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str
-    flush_cache: bool
-    weight_version: str | None
 
 
 def group_layout(tp_sizes: Sequence[int]) -> tuple[int, list[int]]:
@@ -111,28 +104,29 @@ def publish_weights(
     """
     with fan_out_client(len(engine_urls), timeout_s=timeout_s, token=token) as client:
         start = time.perf_counter()
-        paused = post_each(client, engine_urls, "pause_generation", {"mode": pause_mode})
-        live = [url for url, answer in zip(engine_urls, paused, strict=True) if isinstance(answer, httpx.Response)]
+        paused = post_each(client, engine_urls, lambda engine: engine.pause_generation(PauseBody(mode=pause_mode)))
+        live = [url for url, answer in zip(engine_urls, paused, strict=True) if not unreachable_engine(answer)]
         unreachable = [url for url in engine_urls if url not in live]
         for url in unreachable:
             logger.warning("engine %s is unreachable; publishing to the others", url)
         try:
             for answer in paused:
-                if isinstance(answer, httpx.Response):
-                    answer.raise_for_status()
+                if isinstance(answer, RoleError) and not unreachable_engine(answer):
+                    raise answer  # it answered, refusing or failing
             if encoder_url:  # while the engines are paused, so no new generation mixes old towers with new weights
-                client.post(f"{encoder_url}/v1/weights", json={"model_path": str(folder)}).raise_for_status()
-            body = {"model_path": str(folder), "weight_version": str(version)}
-            for url, answer in zip(live, post_each(client, live, "update_weights_from_disk", body), strict=True):
-                if isinstance(answer, httpx.TransportError):
-                    raise answer
-                if answer.status_code != 200 or not answer.json().get("success"):
-                    raise RuntimeError(f"{url} refused the weights: {answer.text}")
+                EncoderClient(encoder_url, http=client).update_weights(WeightsRequest(model_path=str(folder)))
+            body = UpdateWeightsBody(model_path=str(folder), weight_version=str(version))
+            loaded = post_each(client, live, lambda engine: engine.update_weights_from_disk(body))
+            for url, outcome in zip(live, loaded, strict=True):
+                if unreachable_engine(outcome):
+                    raise outcome
+                if isinstance(outcome, RoleError) or not outcome.success:  # SGLang's success: false is a 400
+                    raise RuntimeError(f"{url} refused the weights: {outcome.message}")
         finally:
-            post_each(client, live, "continue_generation", {})
+            post_each(client, live, lambda engine: engine.continue_generation())
         out = PublishResult(unreachable=unreachable, engines_s=time.perf_counter() - start)
         if data_url:
-            client.post(f"{data_url}/v1/policy", json={"version": version}).raise_for_status()
+            DataClient(data_url, http=client).announce_policy(version)
     return out
 
 
@@ -147,33 +141,36 @@ def fan_out_client(width: int, *, timeout_s: float, token: str | None) -> httpx.
     )
 
 
-def post_each(
-    client: httpx.Client, urls: list[str], path: str, body: Mapping[str, Any]
-) -> list[httpx.Response | httpx.TransportError]:
-    """``POST {url}/{path}`` with ``body`` on every url at once (a thread each), in order: each answer, or the
-    transport error that stopped it (an engine that died). Engines are paused, updated and continued together:
-    one after another, a publish took the sum of every engine's update time (minutes at 128 engines)."""
+def post_each(client: httpx.Client, urls: list[str], call: Callable[[EngineClient], T]) -> list[T | RoleError]:
+    """``call`` on every engine at once (a thread each; each engine's `EngineClient` shares ``client``, its
+    token and its limits), in order: each answer, or the `RoleError` that stopped it (`unreachable_engine`: one
+    that died). Engines are paused, updated and continued together: one after another, a publish took the sum
+    of every engine's update time (minutes at 128 engines)."""
 
-    def post(url: str) -> httpx.Response | httpx.TransportError:
+    def post(url: str) -> T | RoleError:
         try:
-            return client.post(f"{url}/{path}", json=body)
-        except httpx.TransportError as error:
+            return call(EngineClient(url, http=client))
+        except RoleError as error:
             return error
 
     if not urls:
         return []
     # A pool of its own, not the broadcast's: after a failed broadcast that one's threads may still sit in bucket
     # requests, and the engines must be continued without waiting for them.
-    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix=path) as pool:
+    with ThreadPoolExecutor(max_workers=len(urls), thread_name_prefix="engines") as pool:
         return list(pool.map(post, urls))
+
+
+def unreachable_engine(answer: object) -> TypeGuard[RoleUnavailable]:
+    """Whether ``answer`` (of `post_each`) is an engine that did not answer at all (a transport error: it died),
+    rather than one that answered with a failure."""
+    return isinstance(answer, RoleUnavailable) and answer.status is None
 
 
 def data_policy_version(data_url: str, *, token: str | None = None, timeout_s: float = 30.0) -> int:
     """The policy version the data role holds now (0 for a fresh one): where a new run's numbering starts."""
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    response = httpx.get(f"{data_url}/v1/admission", headers=headers, timeout=timeout_s)
-    response.raise_for_status()
-    return int(response.json()["policy_version"])
+    with DataClient(data_url, token=token, timeout_s=timeout_s) as data:
+        return data.admission().policy_version
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -247,39 +244,50 @@ class BroadcastWeightSync:
         self.group: Any = None
 
     def _tp_size_of(self, url: str) -> int:
-        answer = self.client.get(f"{url}/get_server_info")
-        answer.raise_for_status()
-        return int(answer.json().get("tp_size") or 1)
+        return EngineClient(url, http=self.client).get_server_info().tp_size
 
-    def _post_all(self, path: str, bodies: list[GroupJoin] | list[TensorBucket]) -> list[Future[httpx.Response]]:
-        return [
-            self.pool.submit(self.client.post, f"{url}/{path}", json=body)
-            for url, body in zip(self.engine_urls, bodies, strict=True)
-        ]
+    def _post_all(
+        self, path: str, send: Callable[[EngineClient, B], ControlResponse], bodies: Sequence[B]
+    ) -> list[Future[Posted]]:
+        """``send`` to every engine at once, in the pool: each future is the call (``url/path``) and the engine's
+        answer or refusal; an engine that does not answer at all raises there (`RoleUnavailable`)."""
+
+        def post(url: str, body: B) -> Posted:
+            try:
+                return f"{url}/{path}", send(EngineClient(url, http=self.client), body)
+            except RoleError as error:
+                if unreachable_engine(error):
+                    raise
+                return f"{url}/{path}", error
+
+        return [self.pool.submit(post, url, body) for url, body in zip(self.engine_urls, bodies, strict=True)]
 
     @staticmethod
-    def _check(futures: list[Future[httpx.Response]]) -> None:
+    def _check(futures: list[Future[Posted]]) -> None:
         failed = []
         for future in futures:  # every answer awaited, so no call is left running behind the error
-            response = future.result()
-            if response.status_code != 200 or not response.json().get("success", False):
-                failed.append(f"{response.request.url} failed: {response.text}")
+            where, answer = future.result()
+            if isinstance(answer, RoleError) or not answer.success:
+                failed.append(f"{where} failed: {answer.message}")
         if failed:
             raise RuntimeError("; ".join(failed))
 
     def connect(self) -> None:
         bodies = [
-            GroupJoin(
-                master_address=self.master_address,
-                master_port=self.master_port,
-                rank_offset=offset,
-                world_size=self.world_size,
-                group_name=self.group_name,
-                backend=self.backend,
+            InitWeightsGroupBody.model_validate(  # validated: ``backend`` is the caller's string
+                {
+                    "master_address": self.master_address,
+                    "master_port": self.master_port,
+                    "rank_offset": offset,
+                    "world_size": self.world_size,
+                    "group_name": self.group_name,
+                    "backend": self.backend,
+                }
             )
             for offset in self.rank_offsets
         ]
-        pending = self._post_all("init_weights_update_group", bodies)  # they block until rank 0 joins
+        # They block until rank 0 joins.
+        pending = self._post_all("init_weights_update_group", EngineClient.init_weights_update_group, bodies)
         # Rank 0 joins in a thread of its own, so an engine that refuses at once (NCCL on a CPU engine, a
         # group name it already holds) or cannot be reached fails the connect at once instead of after the
         # rendezvous timeout; the abandoned rendezvous ends on that timeout, in a daemon thread. Should rank 0
@@ -327,23 +335,23 @@ class BroadcastWeightSync:
         ``towers``: a folder of new tower weights for the encoder role (``encoder_url``), told while the
         engines are paused, as `publish_weights` tells it; None tells the encoder role nothing (its towers
         did not change). An engine that cannot be reached fails the publish before anything is broadcast
-        (``httpx.TransportError`` from its pause), the others continued."""
+        (`wire.client.RoleUnavailable` from its pause), the others continued."""
         if self.group is None:
             raise RuntimeError("connect() first")
         import torch.distributed as dist
 
         start = time.perf_counter()
         try:  # an engine that cannot be paused (it died) fails the publish, the others continued
-            for answer in post_each(self.client, self.engine_urls, "pause_generation", {"mode": pause_mode}):
-                if isinstance(answer, httpx.TransportError):
+            pause = PauseBody(mode=pause_mode)
+            for answer in post_each(self.client, self.engine_urls, lambda engine: engine.pause_generation(pause)):
+                if isinstance(answer, RoleError):
                     raise answer
-                answer.raise_for_status()
             if towers is not None and self.encoder_url:  # while the engines are paused, as publish_weights
-                self.client.post(f"{self.encoder_url}/v1/weights", json={"model_path": str(towers)}).raise_for_status()
+                EncoderClient(self.encoder_url, http=self.client).update_weights(WeightsRequest(model_path=str(towers)))
             buckets = list(_buckets(named_tensors, self.bucket_bytes))
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
-                body = TensorBucket(
+                body = UpdateWeightsFromDistributedBody(
                     names=[name for name, _ in bucket],
                     dtypes=[_dtype_name(t.dtype) for _, t in bucket],
                     shapes=[list(t.shape) for _, t in bucket],
@@ -351,7 +359,11 @@ class BroadcastWeightSync:
                     flush_cache=last,
                     weight_version=str(version) if last else None,
                 )
-                pending = self._post_all("update_weights_from_distributed", [body] * len(self.engine_urls))
+                pending = self._post_all(
+                    "update_weights_from_distributed",
+                    EngineClient.update_weights_from_distributed,
+                    [body] * len(self.engine_urls),
+                )
                 works = [
                     dist.broadcast(self._device_tensor(tensor), group=self.group, group_src=0, async_op=True)
                     for _, tensor in bucket
@@ -361,14 +373,15 @@ class BroadcastWeightSync:
                         work.wait()
                 self._check(pending)
         finally:
-            post_each(self.client, self.engine_urls, "continue_generation", {})
+            post_each(self.client, self.engine_urls, lambda engine: engine.continue_generation())
         out = PublishResult(unreachable=[], engines_s=time.perf_counter() - start)
         if self.data_url:
-            self.client.post(f"{self.data_url}/v1/policy", json={"version": version}).raise_for_status()
+            DataClient(self.data_url, http=self.client).announce_policy(version)
         return out
 
     def close(self) -> None:
-        post_each(self.client, self.engine_urls, "destroy_weights_update_group", {"group_name": self.group_name})
+        leave = DestroyWeightsGroupBody(group_name=self.group_name)
+        post_each(self.client, self.engine_urls, lambda engine: engine.destroy_weights_update_group(leave))
         if self.group is not None:
             import torch.distributed as dist
 

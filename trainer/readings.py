@@ -8,25 +8,16 @@ Reads only: nothing here trains, acknowledges or publishes. Requests carry the s
 
 from __future__ import annotations
 
-import time
-from typing import TypedDict
-
 import httpx
 
-__all__ = ["DataStats", "EngineClock", "Readings"]
+from engines.client import EngineClient
+from experience.api import StatsOut
+from experience.client import DataClient
+from wire.client import RoleError, RoleUnavailable
 
+__all__ = ["EngineClock", "Readings"]
 
-class DataStats(TypedDict):
-    """The data role's ``/v1/stats`` (its ``StatsOut``), as the loop reads it."""
-
-    groups: int
-    samples: int
-    queue_samples: int
-    consumed: int
-    bytes: int
-    policy_version: int
-    staleness_histogram: dict[str, int]  # stored samples by versions behind the policy
-    drops: dict[str, int]  # groups and samples dropped, by counter name
+_STATS_RETRY_S = 120.0  # the data role restarting (its state is durable): waited for, this long
 
 
 class Readings:
@@ -35,16 +26,16 @@ class Readings:
     def __init__(self, urls: dict[str, str], *, token: str | None) -> None:
         self.urls = urls
         self.client = httpx.Client(timeout=600, headers={"Authorization": f"Bearer {token}"} if token else None)
+        self.data = DataClient(urls["data"], token=token, timeout_s=600, retry_s=_STATS_RETRY_S, http=self.client)
 
-    def stats(self) -> DataStats:
+    def stats(self) -> StatsOut:
         """The data role's ``/v1/stats``, waited for up to 2 minutes while it is unreachable (restarting)."""
-        for _ in range(240):
-            try:
-                stats: DataStats = self.client.get(f"{self.urls['data']}/v1/stats").json()
-                return stats
-            except httpx.TransportError:
-                time.sleep(0.5)
-        raise RuntimeError("the data role stayed unreachable for 2 minutes")
+        try:
+            return self.data.stats()
+        except RoleUnavailable as error:
+            if error.status is not None:  # it answered, failing
+                raise
+            raise RuntimeError("the data role stayed unreachable for 2 minutes") from error
 
     def rollout_counter(self, name: str) -> float | None:
         """A counter of the rollout role's /metrics (None when it cannot be read)."""
@@ -75,11 +66,11 @@ class EngineClock:
         out = {}
         for url in self.urls:
             try:
-                info = self.client.get(f"{url}/server_info", timeout=5).json()
-            except httpx.HTTPError:
+                info = EngineClient(url, http=self.client).server_info(timeout_s=5)
+            except RoleError:  # gone, failing, or not an engine's answer: not read this time
                 continue
-            if info.get("busy_seconds") is not None:
-                out[url] = (float(info["busy_seconds"]), float(info["uptime_seconds"]))
+            if info.busy_seconds is not None and info.uptime_seconds is not None:  # Weir's engines tell them
+                out[url] = (info.busy_seconds, info.uptime_seconds)
         return out
 
     def idle_share(self) -> float | None:

@@ -1,8 +1,9 @@
 """A plain PyTorch trainer (one rank on ``device``: the first GPU when there is one, else the CPU).
 
 `ReferenceTrainer.step(batch)` recomputes the policy's log-probs for every sequence of a fed micro-batch (media
-from the feature cache by key, through the model's own towers), applies `trainer.losses.policy_loss` with the
-rollout log-probs as the importance reference, clips the gradient norm and takes an AdamW step. Checkpoints hold
+from the feature cache by key, through the model's own towers), applies `trainer.ppo_passes.pass_loss` with the
+rollout log-probs as the importance reference, clips the gradient norm and takes an AdamW step (decoupled PPO's
+passes and the step's sums: `trainer.ppo_passes`, as the megatron trainer's). Checkpoints hold
 the model, the optimizer, the policy version and whatever feed state the caller passes (the acknowledged batch
 ids), written to a temporary folder and renamed into place so a crash never leaves half a checkpoint.
 
@@ -40,8 +41,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,12 +58,14 @@ from encoders.routing import RoutingReplay, is_moe
 
 from .data_parallel import DataParallel, default_device
 from .feed import FeedBatch
-from .losses import LossConfig, policy_loss
+from .losses import LossConfig
 from .memory import MemoryEstimate, Precision, estimate_memory
 from .mismatch import MismatchMonitor, placeholder_ids
 from .model_loading import load_onto
+from .ppo_passes import DecoupledPasses, Held, StepSums, frozen, loss_units, pass_loss
+from .protocol import StepResult
 
-__all__ = ["ReferenceTrainer", "StepResult", "SupervisedPairs", "media_inputs", "write_synced"]
+__all__ = ["ReferenceTrainer", "SupervisedPairs", "media_inputs", "sequence_features", "write_synced"]
 
 
 def media_inputs(features: list[pp.Features]) -> dict[str, torch.Tensor]:
@@ -91,11 +93,20 @@ def media_inputs(features: list[pp.Features]) -> dict[str, torch.Tensor]:
     return out
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepResult:
-    loss: float
-    grad_norm: float
-    metrics: dict[str, float]
+def sequence_features(
+    feature_keys: Sequence[str], inline: Sequence[pp.Features] | None, features: pp.FeatureStore | None
+) -> list[pp.Features]:
+    """One sequence's media items, in prompt order: ``inline`` when the batch carries them (fetched with
+    inline media), else read by key from the feature cache ``features``."""
+    if inline is not None:
+        return list(inline)
+    found = []
+    for key in feature_keys:
+        item = features.get(key) if features is not None else None
+        if item is None:
+            raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
+        found.append(item)
+    return found
 
 
 class SupervisedPairs:
@@ -134,8 +145,10 @@ class ReferenceTrainer(SupervisedPairs):
         mini_batches: int = 1,
         device: str | torch.device | None = None,
     ) -> None:
-        if ppo_epochs < 1 or mini_batches < 1:
-            raise ValueError(f"ppo_epochs and mini_batches are 1 or more, not {ppo_epochs} and {mini_batches}")
+        # Decoupled PPO: several optimizer steps per step's samples, each ratio against the proximal policy (the
+        # weights the step started with); the behaviour policy (the engine's log-probs) stays the IS correction's.
+        # Built first: it refuses fewer than one pass before the model is read.
+        self.passes: DecoupledPasses[FeedBatch] = DecoupledPasses(ppo_epochs, mini_batches)
         if precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be 'fp32' or 'bf16', not {precision!r}")
         if cpu_offload and parallel is None:
@@ -165,17 +178,12 @@ class ReferenceTrainer(SupervisedPairs):
         # every rank, so its forwards are no collectives).
         self.reference: torch.nn.Module | None = None
         if self.loss_config.kl_coef:
-            self.reference = load_onto(model_dir, self.device).requires_grad_(False).eval()
-        # Decoupled PPO: several optimizer steps per step's samples, each ratio against the proximal policy (the
-        # weights the step started with); the behaviour policy (the engine's log-probs) stays the IS correction's.
-        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
+            self.reference = frozen(lambda: load_onto(model_dir, self.device))
         # The train–inference mismatch monitor (`trainer.mismatch`): the engine's log-probs against the trainer's
         # at the step's start, per modality; reported with each step's metrics.
         self.mismatch = MismatchMonitor(placeholder_ids(self.model.config))
-        self._held: list[tuple[FeedBatch, torch.Tensor, torch.Tensor | None]] = []  # batch, proximal, reference
         self.policy_version = 0
-        self._units, self._loss = 0.0, 0.0
-        self._metrics: dict[str, float] = {}  # what `accumulate` gathered for `apply`
+        self._sums = StepSums(self.loss_config.aggregation)  # what `accumulate` gathered for `apply`
 
     def _prepare(self, model: PreTrainedModel, routing_replay: bool, model_dir: str | Path) -> None:
         """What goes on the model before its weights are read (on the meta device): the routers' hooks (they stay
@@ -219,19 +227,6 @@ class ReferenceTrainer(SupervisedPairs):
             # its keys to it a second time.
             return self.model(**inputs, use_cache=False).logits  # type: ignore[no-any-return]
 
-    def _media(self, feature_keys: list[str], media: list[pp.Features] | None) -> list[pp.Features]:
-        """One sequence's features: ``media`` when given (fetched inline with the batch), else read
-        by key from the feature cache."""
-        if media is not None:
-            return list(media)
-        found = []
-        for key in feature_keys:
-            item = self.features.get(key) if self.features is not None else None
-            if item is None:
-                raise KeyError(f"no cached features {key} (give the trainer the feature cache)")
-            found.append(item)
-        return found
-
     def _inputs(self, media: list[list[pp.Features]], ids: torch.Tensor, lengths: list[int]) -> dict[str, torch.Tensor]:
         """A forward's media inputs for right-padded rows (``media``: each row's items, ``lengths``: each
         row's tokens); an Omni model's 3-D positions per item (`encoders.positions`)."""
@@ -259,7 +254,7 @@ class ReferenceTrainer(SupervisedPairs):
 
         One forward per sequence: the exactness reference for `batch_logprobs`."""
         ids = input_ids.to(self.device)[None]
-        inputs = self._inputs([self._media(feature_keys, media)], ids, [ids.shape[1]])
+        inputs = self._inputs([sequence_features(feature_keys, media, self.features)], ids, [ids.shape[1]])
         replayed = self._routes(routes)
         with self._replaying(replayed):
             logits = self._logits(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs)[0]
@@ -278,7 +273,8 @@ class ReferenceTrainer(SupervisedPairs):
         media: list[list[pp.Features]] = []
         for i, length in enumerate(lengths):
             ids[i, :length], mask[i, :length] = t["input_ids"][cu[i] : cu[i + 1]], 1
-            media.append(self._media(batch.feature_keys[i], None if batch.media is None else batch.media[i]))
+            inline = None if batch.media is None else batch.media[i]
+            media.append(sequence_features(batch.feature_keys[i], inline, self.features))
         ids, mask = ids.to(self.device), mask.to(self.device)
         routes = self._routes(t.get("routed_experts"))
         padded = None
@@ -334,38 +330,29 @@ class ReferenceTrainer(SupervisedPairs):
     def _backward(
         self, batch: FeedBatch, *, proximal: torch.Tensor | None = None, reference: torch.Tensor | None = None
     ) -> dict[str, float]:
-        """One micro-batch's loss, backward, weighted by its share of the step's normalisation units (loss tokens
-        for ``token_mean``, sequences for ``sequence_mean``), so a step over micro-batches streamed in any split
-        equals one loss over all of them (`_step` divides by the total). ``proximal``: the ratio's denominator
-        (None: this forward's own log-probs, detached — a ratio of 1, the first pass of a step)."""
+        """One micro-batch's loss (`pass_loss`), backward, weighted by its share of the step's normalisation units
+        (`StepSums.weight`), so a step over micro-batches streamed in any split equals one loss over all of them
+        (`_step` divides by the total). ``proximal``: the ratio's denominator (None: this forward's own log-probs,
+        detached — a ratio of 1, the first pass of a step)."""
         t = {name: value.to(self.device) for name, value in batch.tensors.items()}
         logprobs = self._logprobs(batch)
         if proximal is None:  # the weights the step started with: what the monitor compares with the engine
             self.mismatch.watch(batch, logprobs, self.policy_version)
-        out = policy_loss(
+        out = pass_loss(
             logprobs,
-            logprobs.detach() if proximal is None else proximal,
-            t["advantages"],
-            t["loss_mask"],
-            self.loss_config,
+            advantages=t["advantages"],
+            loss_mask=t["loss_mask"],
             rollout_logprobs=t["rollout_logprobs"],
-            ref_logprobs=reference if reference is not None else self._reference_logprobs(batch),
             sequence_ids=t["sequence_ids"],
+            config=self.loss_config,
+            proximal=proximal,
+            reference=reference if reference is not None else self._reference_logprobs(batch),
         )
-        # A mean over the step is a weighted mean of the micro-batches' means; a sum is a plain sum.
-        units = {"token_mean": float(t["loss_mask"].sum()), "sequence_mean": float(len(t["cu_seqlens"]) - 1)}
-        weight = units.get(self.loss_config.aggregation, 1.0)
+        units = loss_units(t["loss_mask"], t["sequence_ids"], self.loss_config.aggregation)
+        weight = self._sums.weight(float(units))
         (out.loss * weight).backward()
-        self._units += weight
-        self._loss += float(out.loss.detach()) * weight
-        for name, value in out.metrics.items():
-            self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
+        self._sums.add(float(out.loss.detach()) * weight, weight, out.metrics)
         return out.metrics
-
-    @property
-    def _passes(self) -> bool:
-        """Whether a step makes several optimizer steps (decoupled PPO): micro-batches are held until `apply`."""
-        return self.ppo_epochs * self.mini_batches > 1
 
     def accumulate(self, batch: FeedBatch | None) -> dict[str, float]:
         """Forward and backward one micro-batch, adding to the gradients of the current step (`_backward`).
@@ -375,7 +362,7 @@ class ReferenceTrainer(SupervisedPairs):
         With several passes (``ppo_epochs`` × ``mini_batches`` > 1) the micro-batch is held for `apply`, with
         its proximal log-probs (the weights the step started with: no optimizer step has run yet) and its
         reference log-probs; nothing is back-propagated yet."""
-        if not self._passes:
+        if not self.passes.several:
             if batch is None:
                 self._lockstep_filler()
                 return {}
@@ -386,58 +373,34 @@ class ReferenceTrainer(SupervisedPairs):
                 return {}
             proximal = self._logprobs(batch).detach()
             self.mismatch.watch(batch, proximal, self.policy_version)
-            self._held.append((batch, proximal, self._reference_logprobs(batch)))
+            self.passes.hold(batch, proximal, self._reference_logprobs(batch))
         return {}
 
     def apply(self) -> StepResult:
         """The step's optimizer step over everything accumulated; with several passes, ``ppo_epochs`` passes
         over the held micro-batches, each split into ``mini_batches`` consecutive parts with an optimizer
-        step each (data-parallel: each rank splits its own; ranks with a shorter part run lockstep fillers).
-        The result is the mean of the passes' losses, gradient norms and metrics."""
-        if not self._passes:
-            result = self._step()
-            result.metrics.update(self.mismatch.take(self.parallel, replay=self.replay))
-            return result
-        held, self._held = self._held, []
-        size = -(-len(held) // self.mini_batches) if held else 0
-        parts = [held[i * size : (i + 1) * size] for i in range(self.mini_batches)]
-        results = []
-        for _ in range(self.ppo_epochs):
-            for part in parts:
-                rounds = len(part) if self.parallel is None else self.parallel.most(len(part))
-                for index in range(rounds):
-                    if index < len(part):
-                        batch, proximal, reference = part[index]
-                        self._backward(batch, proximal=proximal, reference=reference)
-                    else:
-                        self._lockstep_filler()
-                results.append(self._step())
-        names = sorted({name for r in results for name in r.metrics})
-        return StepResult(
-            loss=sum(r.loss for r in results) / len(results),
-            grad_norm=sum(r.grad_norm for r in results) / len(results),
-            metrics={n: sum(r.metrics.get(n, 0.0) for r in results) / len(results) for n in names}
-            | {"optimizer_steps": float(len(results))}
-            | self.mismatch.take(self.parallel, replay=self.replay),
-        )
+        step each (`DecoupledPasses.apply`; data-parallel: each rank splits its own, `_train_part`). The
+        result is the mean of the passes' losses, gradient norms and metrics."""
+        result = self.passes.apply(self._train_part, self._step)
+        result.metrics.update(self.mismatch.take(self.parallel, replay=self.replay))
+        return result
+
+    def _train_part(self, part: list[Held[FeedBatch]]) -> None:
+        """A mini-batch's forwards and backwards; data-parallel, ranks with a shorter part run lockstep fillers
+        (every forward and backward is a collective under FSDP2)."""
+        rounds = len(part) if self.parallel is None else self.parallel.most(len(part))
+        for index in range(rounds):
+            if index < len(part):
+                held = part[index]
+                self._backward(held.inputs, proximal=held.proximal, reference=held.reference)
+            else:
+                self._lockstep_filler()
 
     def _step(self) -> StepResult:
         """The optimizer step over everything back-propagated since the last one (on every rank: the
         units, loss and metrics are summed over ranks first, as the gradients are)."""
-        names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
-        sums = [self._units, self._loss, *(self._metrics.get(name, 0.0) for name in names)]
-        if self.parallel is not None:
-            sums = self.parallel.total(sums)
-        units = max(sums[0], 1e-9)
-        divisor = 1.0 if self.loss_config.aggregation == "sum" else units
-        norm = self._optimizer_step(grad_scale=1.0 / divisor)
-        result = StepResult(
-            loss=sums[1] / divisor,
-            grad_norm=norm,
-            metrics={name: value / units for name, value in zip(names, sums[2:], strict=True)},  # per-unit means
-        )
-        self._units, self._loss, self._metrics = 0.0, 0.0, {}
-        return result
+        sums, self._sums = self._sums.over(self.parallel), StepSums(self.loss_config.aggregation)
+        return sums.result(self._optimizer_step(grad_scale=1.0 / sums.divisor))
 
     def _optimizer_step(self, grad_scale: float = 1.0, lr: float | None = None) -> float:
         """Scale the gradients, clip their norm, step (at ``lr`` if given, just this once), clear them."""
@@ -539,13 +502,13 @@ class ReferenceTrainer(SupervisedPairs):
 
     @staticmethod
     def saved_policy_version(folder: str | Path) -> int:
-        """The policy version a checkpoint written by `save` holds; `trainer.policy_version.PolicyVersion`
+        """The policy version a checkpoint written by `save` holds; `trainer.policy_version.PolicyOwner`
         (its one owner) restores it."""
         return int(json.loads((Path(folder) / "trainer.json").read_text())["policy_version"])
 
     def load(self, folder: str | Path) -> dict[str, Any]:
         """Restore a checkpoint written by `save` (model, optimizer; not the policy version, which
-        `PolicyVersion.restore` sets); returns the feed state stored with it (this rank's)."""
+        `PolicyOwner.restore` sets); returns the feed state stored with it (this rank's)."""
         root = Path(folder)
         meta = json.loads((root / "trainer.json").read_text())
         if self.parallel is not None:

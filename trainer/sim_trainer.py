@@ -1,6 +1,6 @@
 """`SimTrainer`: the trainer interface `trainer.loop.run_loop` uses, with GPU time slept from a profile.
 
-A capacity twin (`launcher.twin`) runs Weir's real control plane — the rollout driver, the data role's
+A capacity twin (`twin.live`) runs Weir's real control plane — the rollout driver, the data role's
 admission, staleness, leases and acknowledgements, checkpoints-then-ack, publishing — against simulated
 engines (`engines.sim_backend`). This is the trainer half: it consumes the **real** feed (every micro-batch
 is leased, counted and acknowledged by the loop as with `ReferenceTrainer`), but computes nothing; the time
@@ -51,7 +51,7 @@ from engines.sim_backend import SimProfile
 
 from . import sim_comm
 from .feed import FeedBatch
-from .reference import StepResult
+from .protocol import StepResult
 
 __all__ = ["SimTrainer", "SimTrainerProfile"]
 

@@ -18,8 +18,8 @@ import torch
 
 from .feed import FeedBatch
 from .lockstep import Lockstep
+from .protocol import StepResult
 from .readings import EngineClock, Readings
-from .reference import StepResult
 
 __all__ = ["Progress", "StepRecord", "StepTally", "StepTotals", "straddling"]
 
@@ -179,8 +179,8 @@ class Progress:
             straddled_samples=int(totals.straddled),
             straddled_share=totals.straddled / max(1, totals.samples),
             kept_tokens_total=self.readings.rollout_counter("weir_rollout_kept_tokens_total"),
-            queue_samples=current["queue_samples"],
-            dropped_stale=int(current["drops"].get("dropped_stale", 0)),
+            queue_samples=current.queue_samples,
+            dropped_stale=int(current.drops.get("dropped_stale", 0)),
             regenerated=regenerated,
             first_forward_s=self.first_forward_at - self.started_at,
             first_forward_at=self.first_forward_at,

@@ -66,13 +66,13 @@ class Colocate:
     def target(self) -> int:
         queued = 0
         if self.ranks.main:
-            queued = self.readings.stats()["queue_samples"]
+            queued = self.readings.stats().queue_samples
             for _ in range(_GENERATE_TRIES):
                 if queued > 0:
                     break
                 # The barrier: the whole batch is generated before anything trains on it.
                 self.driver.generate(self.groups)
-                queued = self.readings.stats()["queue_samples"]
+                queued = self.readings.stats().queue_samples
         queued = int(self.ranks.from_main(queued))
         if queued == 0:
             raise RuntimeError("five generated batches in a row held no trainable sample")

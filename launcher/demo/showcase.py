@@ -6,53 +6,18 @@ from __future__ import annotations
 import base64
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypedDict
 
 from rich.table import Table
 
 from experience.records import Group
 from preprocess import samples
-from services.http import sync_client
+from rollout.api import Message, RewardSpec, RolloutPrompt, RolloutRequest
+from rollout.client import RolloutClient
+from rollout.messages import ContentPart, TextPart
 
 from ..console import console
 
 __all__ = ["Showcase", "run_showcase"]
-
-
-class _Url(TypedDict):
-    url: str
-
-
-class _MediaPart(TypedDict, total=False):
-    """One media part of a message's content (an OpenAI-style ``image_url``, ``video_url`` or ``audio_url``)."""
-
-    type: str
-    image_url: _Url
-    video_url: _Url
-    audio_url: _Url
-
-
-class _TextPart(TypedDict):
-    type: str
-    text: str
-
-
-class _Message(TypedDict):
-    role: str
-    content: list[_MediaPart | _TextPart]
-
-
-class _Reward(TypedDict):
-    type: str
-    answer: str
-
-
-class _Prompt(TypedDict):
-    """One prompt of the showcase's ``POST /v1/rollouts`` body."""
-
-    messages: list[_Message]
-    n: int
-    reward: _Reward
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,23 +40,22 @@ def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None)
     (media / "clip.mp4").write_bytes(samples.make_video(320, 180, 25, 75))
     (media / "tone.wav").write_bytes(samples.make_audio(2.0, 44100, 2))
 
-    def ask(part: _MediaPart, question: str, answer: str) -> _Prompt:
-        return {
-            "messages": [{"role": "user", "content": [part, {"type": "text", "text": question}]}],
-            "n": 4,
-            "reward": {"type": "exact_match", "answer": answer},
-        }
+    def ask(part: ContentPart, question: str, answer: str) -> RolloutPrompt:
+        text: TextPart = {"type": "text", "text": question}
+        return RolloutPrompt(
+            messages=[Message(role="user", content=[dict(part), dict(text)])],
+            n=4,
+            reward=RewardSpec(type="exact_match", answer=answer),
+        )
 
     prompts = [
         ask({"type": "image_url", "image_url": {"url": "shapes.png"}}, "Which colour is the square?", "white"),
         ask({"type": "video_url", "video_url": {"url": "clip.mp4"}}, "Which way does it move?", "left"),
         ask({"type": "audio_url", "audio_url": {"url": "tone.wav"}}, "Is the tone high or low?", "low"),
     ]
-    body = {"prompts": prompts, "sampling_params": {"max_new_tokens": 16, "temperature": 1.0}}
-    with sync_client(urls["rollout"], token=token, timeout=300) as client:
-        response = client.post("/v1/rollouts", json=body)
-    response.raise_for_status()
-    groups = [Group.from_json(g) for g in response.json()["groups"]]
+    request = RolloutRequest(prompts=prompts, sampling_params={"max_new_tokens": 16, "temperature": 1.0})
+    with RolloutClient(urls["rollout"], token=token, timeout_s=300) as client:
+        groups = client.rollouts(request).groups
     table = Table(title="POST /v1/rollouts: 3 prompts x n=4 (the tiny model is untrained: expect noise)")
     columns = ("prompt", "media tokens", "ids", "n", "status", "reward", "new", "logprob")
     for column in columns:

@@ -28,14 +28,17 @@ import functools
 import io
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Required, TypedDict
 
-import httpx
 import numpy as np
 from PIL import Image, ImageDraw
+
+from experience.records import Group
+from rollout.api import RolloutRequest
+from rollout.client import RolloutClient
 
 __all__ = [
     "AGENT_QUESTION",
@@ -142,7 +145,7 @@ def colour_picture(colour: str, seed: int) -> bytes:
     return out.getvalue()
 
 
-def _row(path: Path, colour: str) -> PromptRow:
+def _picture_row(path: Path, colour: str) -> PromptRow:
     return {
         "messages": [
             {
@@ -157,24 +160,37 @@ def _row(path: Path, colour: str) -> PromptRow:
     }
 
 
-def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4) -> tuple[list[dict], list[dict]]:
-    """Write the pictures under ``media_root/colours``; returns (training rows, held-out rows).
-
-    Rows are rollout prompts (``messages`` with the picture's absolute path, and the reward).
-    """
-    folder = (media_root / "colours").resolve()
+def _write_colour_task(
+    folder: Path,
+    suffix: str,
+    media: Callable[[str, int], bytes],
+    row: Callable[[Path, str], PromptRow],
+    per_colour: int,
+    held_out: int,
+) -> tuple[list[dict], list[dict]]:
+    """Each colour's ``per_colour + held_out`` media files (``media(colour, seed)``, written under ``folder`` when
+    missing); returns (training rows, held-out rows), ``row(path, colour)`` each."""
+    folder = folder.resolve()
     folder.mkdir(parents=True, exist_ok=True)
     train: list[PromptRow] = []
     evaluation: list[PromptRow] = []
     for c, colour in enumerate(COLOURS):
         for i in range(per_colour + held_out):
-            path = folder / f"{colour}-{i:03d}.png"
+            path = folder / f"{colour}-{i:03d}.{suffix}"
             if not path.is_file():
-                path.write_bytes(colour_picture(colour, seed=1000 * c + i))
-            (train if i < per_colour else evaluation).append(_row(path, colour))
+                path.write_bytes(media(colour, 1000 * c + i))
+            (train if i < per_colour else evaluation).append(row(path, colour))
     # Interleave colours so any prefix of the rows is balanced.
     order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
     return [dict(train[k]) for k in order], [dict(row) for row in evaluation]
+
+
+def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4) -> tuple[list[dict], list[dict]]:
+    """Write the pictures under ``media_root/colours``; returns (training rows, held-out rows).
+
+    Rows are rollout prompts (``messages`` with the picture's absolute path, and the reward).
+    """
+    return _write_colour_task(media_root / "colours", "png", colour_picture, _picture_row, per_colour, held_out)
 
 
 # -- the video-with-its-audio task (`weir train --demo --demo-task video-audio`) -------------------------
@@ -222,30 +238,22 @@ def write_video_audio_task(
     media_root: Path, *, per_colour: int = 8, held_out: int = 2
 ) -> tuple[list[dict], list[dict]]:
     """Write the clips under ``media_root/clips``; returns (training rows, held-out rows), as `write_demo_task`."""
-    folder = (media_root / "clips").resolve()
-    folder.mkdir(parents=True, exist_ok=True)
-    train: list[PromptRow] = []
-    evaluation: list[PromptRow] = []
-    for c, colour in enumerate(COLOURS):
-        for i in range(per_colour + held_out):
-            path = folder / f"{colour}-{i:03d}.mp4"
-            if not path.is_file():
-                path.write_bytes(colour_clip(colour, seed=1000 * c + i))
-            row: PromptRow = {
-                "messages": [
-                    {
-                        "role": "user",
-                        "content": [
-                            {"type": "video_url", "video_url": {"url": str(path), "use_audio_in_video": True}},
-                            {"type": "text", "text": VIDEO_QUESTION},
-                        ],
-                    }
+    return _write_colour_task(media_root / "clips", "mp4", colour_clip, _clip_row, per_colour, held_out)
+
+
+def _clip_row(path: Path, colour: str) -> PromptRow:
+    return {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": str(path), "use_audio_in_video": True}},
+                    {"type": "text", "text": VIDEO_QUESTION},
                 ],
-                "reward": {"type": "exact_match", "answer": colour},
             }
-            (train if i < per_colour else evaluation).append(row)
-    order = sorted(range(len(train)), key=lambda k: (k % per_colour, k // per_colour))
-    return [dict(train[k]) for k in order], [dict(row) for row in evaluation]
+        ],
+        "reward": {"type": "exact_match", "answer": colour},
+    }
 
 
 def warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
@@ -286,14 +294,16 @@ def clip_warmup_pairs(
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
         "record": False,
     }
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
-    response.raise_for_status()
+    groups = rollouts(rollout_url, body, token=token)
     return [
-        (list(group["prompt_ids"]), answer_ids(colour), list(group["feature_keys"]))
-        for group in response.json()["groups"]
-        for colour in COLOURS
+        (list(group.prompt_ids), answer_ids(colour), list(group.feature_keys)) for group in groups for colour in COLOURS
     ]
+
+
+def rollouts(rollout_url: str, body: Mapping[str, object], *, token: str | None = None) -> list[Group]:
+    """The groups of one ``POST /v1/rollouts`` (``body``: its JSON, read through `rollout.api.RolloutRequest`)."""
+    with RolloutClient(rollout_url, token=token, timeout_s=600) as client:
+        return client.rollouts(RolloutRequest.model_validate(body)).groups
 
 
 # -- the visual tool task (`weir train --demo --demo-task visual-search`) ------------------------------
@@ -426,22 +436,20 @@ def agent_warmup_pairs(
         "sampling_params": {"max_new_tokens": 400},
         "record": False,
     }
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
-    response.raise_for_status()
+    groups = rollouts(rollout_url, body, token=token)
     warmup = AgentWarmup(calls=[], contexts=[], names=[answer_ids(c) for c in sorted(SQUARE_COLOURS)])
-    for group, seed, call in zip(response.json()["groups"], seeds, calls, strict=True):
-        (sample,) = group["samples"]
-        mask: list[int] = sample["loss_mask"]
+    for group, seed, call in zip(groups, seeds, calls, strict=True):
+        (sample,) = group.samples
+        mask = list(sample.loss_mask or [])
         if 0 not in mask:
-            raise RuntimeError(f"seed {seed}: the scripted crop call got no observation ({sample['finish_reason']})")
+            raise RuntimeError(f"seed {seed}: the scripted crop call got no observation ({sample.finish_reason})")
         start = mask.index(0)
         end = start + (mask[start:].index(1) if 1 in mask[start:] else len(mask) - start)
-        observation = sample["response_ids"][start:end]
-        prompt, keys = list(group["prompt_ids"]), list(group["feature_keys"])
+        observation = list(sample.response_ids[start:end])
+        prompt, keys = list(group.prompt_ids), list(group.feature_keys)
         call_ids = answer_ids(call)
         warmup.calls.append((prompt, call_ids, keys))
-        warmup.contexts.append((prompt + call_ids + observation, keys + list(sample["feature_keys"])))
+        warmup.contexts.append((prompt + call_ids + observation, keys + list(sample.feature_keys)))
     return warmup
 
 
@@ -463,14 +471,11 @@ def evaluate_agent(
         "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0},
         "record": False,
     }
-    headers = {"Authorization": f"Bearer {token}"} if token else None
-    response = httpx.post(f"{rollout_url}/v1/rollouts", json=body, timeout=600, headers=headers)
-    response.raise_for_status()
-    groups = response.json()["groups"]
-    rewards = [s.get("reward") or 0.0 for g in groups for s in g["samples"]]
+    groups = rollouts(rollout_url, body, token=token)
+    rewards = [s.reward or 0.0 for g in groups for s in g.samples]
     if decode is not None and report is not None:
         seeds = [int(r["environment"]["options"]["seed"]) for r in rows]
-        report.update(crop_diagnosis([decode(g["samples"][0]["response_ids"]) for g in groups], seeds, rewards))
+        report.update(crop_diagnosis([decode(list(g.samples[0].response_ids)) for g in groups], seeds, rewards))
     return sum(rewards) / max(1, len(rewards))
 
 

@@ -17,27 +17,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, NotRequired, Required, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from ..roles import ROLES
 from .autoscaling import EngineAutoscaling
-from .placement import Placement
+from .placement import AppArgs, Placement
 
 __all__ = ["HEALTH_CHECK_PERIOD_S", "AppArgs", "ServeApplication", "ServeConfig", "role_app", "serve_config"]
 
 HEALTH_CHECK_PERIOD_S = 2.0  # Serve's default is 10 s: a dead engine would take requests for longer
-
-
-class AppArgs(TypedDict, total=False):
-    """`role_app`'s arguments (a Serve config file's ``args``: only ``role`` is required there)."""
-
-    role: Required[str]
-    env: dict[str, str]
-    replicas: int
-    resources: dict[str, float]
-    num_gpus: float
-    max_replicas_per_node: int
-    autoscaling: EngineAutoscaling
 
 
 class _ActorOptions(TypedDict):

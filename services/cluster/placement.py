@@ -1,6 +1,7 @@
-"""Where each role's Serve replicas go on a Ray cluster: the custom resources that mark nodes, and
-`default_placement`. Read by the Serve applications (`services.cluster.apps`), the registry
-(`services.cluster.registry`: it sits on the data node) and the launcher that plans a stack.
+"""Where each role's Serve replicas go on a Ray cluster: the custom resources that mark nodes,
+`default_placement`, and `AppArgs` (a role's application arguments: its placement, with the role and its
+settings). Read by the Serve applications (`services.cluster.apps`), the registry (`services.cluster.registry`:
+it sits on the data node, and keeps each role's `AppArgs`) and the launcher that plans a stack.
 
 Placement, per role (`default_placement`):
 
@@ -21,13 +22,14 @@ Not here: building the Serve application of a role (`services.cluster.apps`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NotRequired, TypedDict
+from typing import TYPE_CHECKING, NotRequired, Required, TypedDict
 
 if TYPE_CHECKING:
     from .autoscaling import EngineAutoscaling
 
 __all__ = [
     "DATA_RESOURCE",
+    "AppArgs",
     "ENGINE_NODE_RESOURCE",
     "ENGINE_RESOURCE",
     "Placement",
@@ -42,8 +44,23 @@ _NODE_SHARE = 0.001  # what a per-node replica asks of the marker: "a node with 
 _DATA_SHARE = 0.99  # the data role's share of its node's marker: one fits, two never do; the rollout role's sliver too
 
 
+class AppArgs(TypedDict, total=False):
+    """`services.cluster.apps.role_app`'s arguments (a Serve config file's ``args``: only ``role`` is required
+    there): a role, its settings and its placement. Here, not beside `role_app`, because the registry keeps
+    each role's (`services.cluster.registry.Registry.set_app`) and must not import what builds the replicas
+    that announce themselves to it."""
+
+    role: Required[str]
+    env: dict[str, str]
+    replicas: int
+    resources: dict[str, float]
+    num_gpus: float
+    max_replicas_per_node: int
+    autoscaling: EngineAutoscaling
+
+
 class PlacementArgs(TypedDict):
-    """A placement as a Serve application's arguments (`services.cluster.apps.AppArgs` less role and env)."""
+    """A placement as a Serve application's arguments (`AppArgs` less role and env)."""
 
     replicas: int
     resources: dict[str, float]

@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import Any, NotRequired, TypedDict
 
-from .placement import DATA_RESOURCE
-
-if TYPE_CHECKING:
-    from .apps import AppArgs
+from .placement import DATA_RESOURCE, AppArgs
 
 __all__ = [
     "NAME",

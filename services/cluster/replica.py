@@ -125,18 +125,26 @@ class RoleReplica:
 
         registry = registry_handle()
         await registry.announce.remote(self.replica_id, self.role, self.node, self.url, False)
+        from engines.api import UpdateWeightsBody  # an engine replica's own: other roles never load engines
+        from engines.client import AsyncEngineClient
+        from wire.client import RoleError
+
         async with httpx.AsyncClient(base_url=self.url, headers=self._headers(), timeout=600) as client:
+            engine = AsyncEngineClient(self.url, http=client)
             for _ in range(10):
                 weights = await registry.weights.remote()
                 if weights is None:
                     return
-                served = (await client.get("/get_weight_version")).json()["weight_version"]
+                served = (await engine.get_weight_version()).weight_version
                 if served == str(weights["version"]):
                     return
-                body = {"model_path": weights["folder"], "weight_version": str(weights["version"])}
-                response = await client.post("/update_weights_from_disk", json=body)
-                if response.status_code != 200 or not response.json().get("success"):
-                    raise RuntimeError(f"the new engine could not load the current weights: {response.text}")
+                body = UpdateWeightsBody(model_path=weights["folder"], weight_version=str(weights["version"]))
+                try:
+                    loaded = await engine.update_weights_from_disk(body)
+                except RoleError as error:  # SGLang's success: false is a 400
+                    raise RuntimeError(f"the new engine could not load the current weights: {error}") from None
+                if not loaded.success:
+                    raise RuntimeError(f"the new engine could not load the current weights: {loaded.message}")
                 logger.info("joined with weights version %s from %s", weights["version"], weights["folder"])
         raise RuntimeError("the weights kept changing while this engine joined")
 

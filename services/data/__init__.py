@@ -1,6 +1,6 @@
 """The data role: `experience.ExperienceStore` over HTTP (`app.py` assembles; routes in `experience.py`,
-`microbatches.py` and `policy.py`, reading `state.py`'s `DataState` through `deps.py`; wire models in
-`schemas.py`, settings in `settings.py`)."""
+`microbatches.py` and `policy.py`, reading `state.py`'s `DataState` through `deps.py`; settings in `settings.py`;
+its wire records are `experience.api`'s, its callers' client `experience.client`)."""
 
 from __future__ import annotations
 

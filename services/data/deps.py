@@ -1,7 +1,7 @@
 """The data role's state as FastAPI dependencies, the query and path parameters its routes share, and
 their error documentation.
 
-Routes take `Store` (the `experience.ExperienceStore`), `Features` (the feature cache, or None) or
+Routes take `Store` (the `experience.ExperienceStore`), `FeatureCache` (the feature cache, or None) or
 `Settings` as a parameter — read from the `state.DataState` that `create_app` put on
 ``app.state.weir`` —; nothing here builds state or answers a request.
 """
@@ -14,12 +14,13 @@ from fastapi import Depends, Path, Query, Request
 
 import preprocess as pp
 from experience import ExperienceStore
+from experience.api import BATCH_ID_PATTERN, CONSUMER_PATTERN
 
-from .schemas import BATCH_ID_PATTERN, CONSUMER_PATTERN, ErrorOut
+from ..errors import ErrorBody
 from .settings import DataSettings
 from .state import DataState
 
-__all__ = ["BatchId", "Consumer", "Features", "Rank", "Settings", "Store", "refusals"]
+__all__ = ["BatchId", "Consumer", "FeatureCache", "Rank", "Settings", "Store", "refusals"]
 
 
 # `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
@@ -42,7 +43,7 @@ async def _settings(state: Annotated[DataState, Depends(_state)]) -> DataSetting
 
 
 Store = Annotated[ExperienceStore, Depends(_store)]
-Features = Annotated[pp.FeatureStore | None, Depends(_features)]
+FeatureCache = Annotated[pp.FeatureStore | None, Depends(_features)]
 Settings = Annotated[DataSettings, Depends(_settings)]
 
 Consumer = Annotated[
@@ -63,5 +64,5 @@ _REFUSALS = {
 
 
 def refusals(*statuses: int) -> dict[int | str, dict[str, object]]:
-    """The error responses a route declares (all with the `ErrorOut` body; 401 always)."""
-    return {status: {"model": ErrorOut, "description": _REFUSALS[status]} for status in (401, *statuses)}
+    """The error responses a route declares (all with the `ErrorBody` body; 401 always)."""
+    return {status: {"model": ErrorBody, "description": _REFUSALS[status]} for status in (401, *statuses)}

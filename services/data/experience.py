@@ -11,10 +11,10 @@ from typing import Annotated
 from fastapi import APIRouter, Body
 
 from experience import Group
+from experience.api import ExperienceIn, ExperienceOut, StatsOut
 
 from ..wire_route import WireRoute
 from .deps import Consumer, Store, refusals
-from .schemas import ExperienceIn, ExperienceOut, StatsOut
 
 __all__ = ["router"]
 

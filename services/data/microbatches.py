@@ -13,12 +13,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query, Response
 
 from experience import microbatch_to_arrow, with_media
+from experience.api import BATCH_ID_HEADER, AckOut, AcksIn, AcksOut, ReleaseOut
 
 from ..errors import ApiError
 from ..template import ARROW_STREAM
 from ..wire_route import WireRoute
-from .deps import BatchId, Consumer, Features, Rank, Settings, Store, refusals
-from .schemas import AckOut, AcksIn, AcksOut, ReleaseOut
+from .deps import BatchId, Consumer, FeatureCache, Rank, Settings, Store, refusals
 
 __all__ = ["router"]
 
@@ -32,7 +32,7 @@ router = APIRouter(tags=["microbatches"], route_class=WireRoute)
         200: {
             "description": "one micro-batch: an Arrow IPC stream, a row per sequence (experience.records)",
             "content": {ARROW_STREAM: {"schema": {"type": "string", "format": "binary"}}},
-            "headers": {"X-Weir-Batch-Id": {"description": "the id to acknowledge", "schema": {"type": "string"}}},
+            "headers": {BATCH_ID_HEADER: {"description": "the id to acknowledge", "schema": {"type": "string"}}},
         },
         204: {"description": "no micro-batch was ready within wait_s"},
         **refusals(400, 409, 422),
@@ -40,7 +40,7 @@ router = APIRouter(tags=["microbatches"], route_class=WireRoute)
 )
 async def microbatches(
     store: Store,
-    features: Features,
+    features: FeatureCache,
     settings: Settings,
     consumer: Consumer = "trainer",
     rank: Rank = 0,
@@ -62,7 +62,7 @@ async def microbatches(
             if features is not None and inline_media:
                 batch = await asyncio.to_thread(with_media, batch, features)
             body = microbatch_to_arrow(batch, {"consumer": consumer, "policy_version": store.policy})
-            return Response(body, media_type=ARROW_STREAM, headers={"X-Weir-Batch-Id": batch.batch_id})
+            return Response(body, media_type=ARROW_STREAM, headers={BATCH_ID_HEADER: batch.batch_id})
         if time.monotonic() >= deadline:
             return Response(status_code=204)
         await asyncio.sleep(0.05)

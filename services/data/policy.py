@@ -9,9 +9,10 @@ import asyncio
 
 from fastapi import APIRouter
 
+from experience.api import AdmissionOut, PolicyIn, PolicyOut, RegenerationsOut
+
 from ..wire_route import WireRoute
 from .deps import Consumer, Store, refusals
-from .schemas import AdmissionOut, PolicyIn, PolicyOut, RegenerationsOut
 
 __all__ = ["router"]
 

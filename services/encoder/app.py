@@ -14,15 +14,15 @@ from typing import Annotated
 from fastapi import FastAPI, Path, Response
 
 import preprocess as pp
+from encoders.api import EncodeRequest, EncodeResponse, WeightsRequest, WeightsResponse
 from encoders.embeddings import Encoder
-from encoders.errors import EncoderError, FeaturesNotFound, WeightsError
+from encoders.errors import EncoderError, FeaturesNotFound, TowerWeightsError
 from encoders.towers import Towers
 
 from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..settings import load_settings
 from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, arrow_response, build_app
-from .schemas import EncodedItem, EncodeRequest, EncodeResponse, WeightsRequest, WeightsResponse
 from .settings import EncoderSettings
 
 __all__ = ["create_app"]
@@ -64,19 +64,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
             items = await asyncio.to_thread(encoder.encode, body.feature_keys)
         for item in items:
             encoded.labels("hit" if item.cache_hit else "miss").inc()
-        return EncodeResponse(
-            version=towers.version,
-            items=[
-                EncodedItem(
-                    feature_key=i.feature_key,
-                    embedding_key=i.embedding_key,
-                    type=i.kind,
-                    shape=list(i.shape),
-                    cache_hit=i.cache_hit,
-                )
-                for i in items
-            ],
-        )
+        return EncodeResponse(version=towers.version, items=items)
 
     @app.get("/v1/embeddings/{key}", response_class=Response, responses={200: {"content": {ARROW_STREAM: {}}}})
     def embeddings(key: Annotated[str, Path(max_length=64)]) -> Response:
@@ -95,7 +83,7 @@ def create_app(settings: EncoderSettings | None = None) -> FastAPI:
             try:
                 towers.version = await asyncio.to_thread(towers.load_weights, body.model_path)
             except OSError as error:  # an unreadable folder or file
-                raise WeightsError(str(error)) from None
+                raise TowerWeightsError(str(error)) from None
         return WeightsResponse(success=True, version=towers.version)
 
     return app

@@ -8,7 +8,7 @@ Weights come from a folder (``/update_weights_from_disk``) or by broadcast from 
 (``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``:
 gloo on CPU, NCCL on CUDA); ``/update_weights_from_tensor`` is refused by its field (pickled tensors).
 One documented extension: ``weir_media`` on `/generate` passes the prompt's media by key
-(`schemas.MediaRef`). SGLang endpoints RL clients call but this role does not serve
+(`engines.api.MediaRef`). SGLang endpoints RL clients call but this role does not serve
 (`UNSUPPORTED_ENDPOINTS`: memory release, IPC weight updates, ``/classify``) answer 400
 ``unsupported_endpoint`` naming themselves. Routes only: the engine, sampling, media and their errors are the
 `engines` library's; the shared middle (auth, errors, ``/healthz``, ``/readyz``, ``/metrics``)
@@ -29,6 +29,7 @@ from transformers import AutoTokenizer
 import engines
 import preprocess as pp
 from engines import MediaResolver
+from engines.api import ModelCard
 from engines.limits import ModelLimits
 
 from ..model_ref import model_name
@@ -42,7 +43,7 @@ from .settings import EngineSettings
 __all__ = ["UNSUPPORTED_ENDPOINTS", "create_app"]
 
 LIBRARY_ERRORS: Mapping[type[Exception], int] = {
-    engines.EngineError: 400,  # InvalidSampling, InvalidPrompt, InvalidMedia, WeightsError
+    engines.EngineError: 400,  # InvalidSampling, InvalidEnginePrompt, InvalidMedia, WeightsError
     engines.MediaNotFound: 404,
 }
 
@@ -70,14 +71,12 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         engine=engine,
         probe=probe,
         counted=counted,
-        model_card={
-            "id": model_name(settings.model),  # owner/name for a hub snapshot
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "weir",
-            "root": str(settings.model),
-            "max_model_len": ModelLimits.read(settings.model).max_context,
-        },
+        model_card=ModelCard(
+            id=model_name(settings.model),  # owner/name for a hub snapshot
+            created=int(time.time()),
+            root=str(settings.model),
+            max_model_len=ModelLimits.read(settings.model).max_context,
+        ),
         tokenizer=AutoTokenizer.from_pretrained(settings.model),
         config=json.loads((settings.model / "config.json").read_text()),
         media=MediaResolver.open(settings.cache_dir, settings.embedding_cache_dir, settings.cache_max_bytes),

@@ -12,9 +12,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from engines.api import AbortBody, AbortResponse, ContinueBody, ControlResponse, PauseBody
+
 from ..errors import error_body
-from .deps import BODY_ERRORS, Engine
-from .schemas import AbortBody, AbortResponse, ContinueBody, ControlResponse, PauseBody
+from .deps import BODY_ERRORS, EngineDep
 
 __all__ = ["UNSUPPORTED_ENDPOINTS", "router"]
 
@@ -37,7 +38,7 @@ router = APIRouter(tags=["sglang"])
 
 
 @router.post("/pause_generation", response_model=ControlResponse, responses=BODY_ERRORS)
-async def pause(engine: Engine, body: Annotated[PauseBody | None, Body()] = None) -> Any:
+async def pause(engine: EngineDep, body: Annotated[PauseBody | None, Body()] = None) -> Any:
     """Stop generating between two decode steps (SGLang's modes; ``abort`` by default, as SGLang's):
     ``abort`` finishes running and queued requests as aborted, ``retract`` puts running requests back
     in the queue with their tokens, ``in_place`` freezes them. Answers once the mode is applied."""
@@ -47,14 +48,14 @@ async def pause(engine: Engine, body: Annotated[PauseBody | None, Body()] = None
 
 
 @router.post("/continue_generation", response_model=ControlResponse, responses=BODY_ERRORS)
-async def resume(engine: Engine, body: Annotated[ContinueBody | None, Body()] = None) -> Any:
+async def resume(engine: EngineDep, body: Annotated[ContinueBody | None, Body()] = None) -> Any:
     """Continue after `/pause_generation`."""
     await asyncio.to_thread(engine.resume)
     return {"success": True, "message": "continued"}
 
 
 @router.post("/abort_request", response_model=AbortResponse, responses=BODY_ERRORS)
-async def abort(engine: Engine, body: Annotated[AbortBody | None, Body()] = None) -> Any:
+async def abort(engine: EngineDep, body: Annotated[AbortBody | None, Body()] = None) -> Any:
     """Abort one request by ``rid``, or all; an unknown rid is not an error (it may have finished)."""
     if body is not None and body.abort_all:
         engine.abort_all()
@@ -71,7 +72,7 @@ _FLUSH_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 @router.get("/flush_cache", response_class=PlainTextResponse, responses=_FLUSH_RESPONSES)
 @router.post("/flush_cache", response_class=PlainTextResponse, responses=_FLUSH_RESPONSES)
-async def flush_cache(engine: Engine) -> PlainTextResponse:
+async def flush_cache(engine: EngineDep) -> PlainTextResponse:
     """SGLang's: 200 ``Cache flushed.`` when no request holds KV, else 400. The transformers backend
     keeps no prefix cache across requests, so a flush drops nothing; it refuses as SGLang does while
     requests are running or frozen in place."""

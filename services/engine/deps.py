@@ -12,10 +12,10 @@ from fastapi import Depends, Request
 
 import engines
 
-from .schemas import ErrorResponse
+from ..errors import ErrorBody
 from .service import EngineRole
 
-__all__ = ["BODY_ERRORS", "ERRORS", "WEIGHTS_ERRORS", "Engine", "Role"]
+__all__ = ["BODY_ERRORS", "ERRORS", "WEIGHTS_ERRORS", "EngineDep", "EngineRoleDep"]
 
 
 def _role(request: Request) -> EngineRole:
@@ -27,16 +27,16 @@ def _engine(role: Annotated[EngineRole, Depends(_role)]) -> engines.Engine:
     return role.engine
 
 
-Role = Annotated[EngineRole, Depends(_role)]
-Engine = Annotated[engines.Engine, Depends(_engine)]
+EngineRoleDep = Annotated[EngineRole, Depends(_role)]
+EngineDep = Annotated[engines.Engine, Depends(_engine)]
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "malformed JSON; bad sampling params, prompt or media"},
-    404: {"model": ErrorResponse, "description": "a weir_media key is not in its cache"},
-    422: {"model": ErrorResponse, "description": "the body does not match its schema"},
+    400: {"model": ErrorBody, "description": "malformed JSON; bad sampling params, prompt or media"},
+    404: {"model": ErrorBody, "description": "a weir_media key is not in its cache"},
+    422: {"model": ErrorBody, "description": "the body does not match its schema"},
 }
 BODY_ERRORS: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "malformed JSON"},
+    400: {"model": ErrorBody, "description": "malformed JSON"},
     422: ERRORS[422],
 }
 WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,7 +48,7 @@ WEIGHTS_ERRORS: dict[int | str, dict[str, Any]] = {
                 "schema": {
                     "anyOf": [
                         {"$ref": "#/components/schemas/UpdateWeightsResponse"},
-                        {"$ref": "#/components/schemas/ErrorResponse"},
+                        {"$ref": "#/components/schemas/ErrorBody"},
                     ]
                 }
             }

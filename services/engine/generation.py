@@ -16,12 +16,12 @@ from fastapi.responses import StreamingResponse
 
 import engines
 from engines import GenerateRequest, GenerateResult
+from engines.api import GenerateBody, GenerateResponse
 from experience import wire
 
-from ..errors import ApiError
-from .deps import ERRORS, Role
-from .schemas import ErrorResponse, GenerateBody, GenerateResponse
-from .service import GenerateAnswer, plan_generate, refuse, result_json
+from ..errors import ApiError, ErrorBody
+from .deps import ERRORS, EngineRoleDep
+from .service import plan_generate, refuse, result_json
 from .streaming import GenerateStream
 
 __all__ = ["router"]
@@ -36,13 +36,13 @@ router = APIRouter(tags=["sglang"])
     responses={
         **ERRORS,
         200: {"content": {"text/event-stream": {}}, "description": "JSON, or events when stream is true"},
-        403: {"model": ErrorResponse, "description": "a media path outside WEIR_MEDIA_ROOTS"},
-        413: {"model": ErrorResponse, "description": "a media item over WEIR_MAX_MEDIA_BYTES"},
-        502: {"model": ErrorResponse, "description": "a media URL's host failed, timed out or refused"},
-        504: {"model": ErrorResponse, "description": "not finished within WEIR_REQUEST_TIMEOUT_S"},
+        403: {"model": ErrorBody, "description": "a media path outside WEIR_MEDIA_ROOTS"},
+        413: {"model": ErrorBody, "description": "a media item over WEIR_MAX_MEDIA_BYTES"},
+        502: {"model": ErrorBody, "description": "a media URL's host failed, timed out or refused"},
+        504: {"model": ErrorBody, "description": "not finished within WEIR_REQUEST_TIMEOUT_S"},
     },
 )
-async def generate(body: GenerateBody, http: Request, role: Role) -> Any:
+async def generate(body: GenerateBody, http: Request, role: EngineRoleDep) -> Any:
     """Generate for one prompt or a batch (SGLang's ``GenerateReqInput``); a JSON list for a batch or n > 1."""
     engine, timeout_s = role.engine, role.settings.request_timeout_s
     plan = await asyncio.to_thread(plan_generate, body, role)
@@ -50,7 +50,7 @@ async def generate(body: GenerateBody, http: Request, role: Role) -> Any:
     token_text = (lambda token: str(role.tokenizer.decode([token]))) if body.return_text_in_logprobs else None
     start = time.perf_counter()
 
-    def shaped(request: GenerateRequest, result: GenerateResult, latency: float) -> GenerateAnswer:
+    def shaped(request: GenerateRequest, result: GenerateResult, latency: float) -> GenerateResponse:
         return result_json(
             result,
             logprobs=request.return_logprob,

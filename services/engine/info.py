@@ -12,11 +12,11 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 import engines
+from engines.api import ModelInfo, ModelList, ServerInfo, WeightVersion
 
 from .. import __version__
 from ..model_ref import model_name
-from .deps import Engine, Role
-from .schemas import ModelInfo, ModelList, ServerInfo, WeightVersion
+from .deps import EngineDep, EngineRoleDep
 from .service import HEALTH_GENERATE_TIMEOUT_S
 
 __all__ = ["router"]
@@ -25,13 +25,13 @@ router = APIRouter(tags=["sglang"])
 
 
 @router.get("/health", responses={503: {"description": "the engine's scheduler stopped"}})
-async def health(engine: Engine) -> JSONResponse:
+async def health(engine: EngineDep) -> JSONResponse:
     """SGLang's liveness probe (open without the token, as SGLang clients probe it)."""
     return JSONResponse({}, status_code=200 if engine.healthy() else 503)
 
 
 @router.get("/health_generate", responses={503: {"description": "the model does not answer"}})
-async def health_generate(role: Role) -> JSONResponse:
+async def health_generate(role: EngineRoleDep) -> JSONResponse:
     """A 1-token generation now (a paused engine is healthy: it answers once continued)."""
     engine = role.engine
     if engine.paused:
@@ -44,14 +44,14 @@ async def health_generate(role: Role) -> JSONResponse:
 
 
 @router.get("/get_weight_version", response_model=WeightVersion)
-async def get_weight_version(engine: Engine) -> Any:
+async def get_weight_version(engine: EngineDep) -> Any:
     """SGLang's: the weight version now served."""
     return {"weight_version": engine.weight_version}
 
 
 @router.get("/model_info", response_model=ModelInfo)
 @router.get("/get_model_info", response_model=ModelInfo, description="SGLang's older name")
-async def model_info(role: Role) -> Any:
+async def model_info(role: EngineRoleDep) -> Any:
     config, model = role.config, role.settings.model
     return {
         "model_path": str(model),
@@ -68,14 +68,14 @@ async def model_info(role: Role) -> Any:
 
 
 @router.get("/v1/models", response_model=ModelList)
-async def models(role: Role) -> Any:
+async def models(role: EngineRoleDep) -> Any:
     """SGLang's OpenAI-compatible model list (bench_serving reads ``data[0].id`` when no model is given)."""
     return {"object": "list", "data": [role.model_card]}
 
 
 @router.get("/server_info", response_model=ServerInfo)
 @router.get("/get_server_info", response_model=ServerInfo, description="SGLang's older name")
-async def server_info(role: Role) -> Any:
+async def server_info(role: EngineRoleDep) -> Any:
     settings, engine = role.settings, role.engine
     transformers = settings.backend == "transformers"
     return {

@@ -33,10 +33,10 @@ from ..errors import ApiError
 from ..media_roots import locate
 from ..media_urls import MediaUrls, fetch_url
 
-__all__ = ["MEDIA_FIELDS", "MediaItem", "MediaSources", "items_for", "read_media", "expand_prompt"]
+__all__ = ["MEDIA_FIELDS", "BodyMedia", "MediaSources", "items_for", "read_media", "expand_prompt"]
 
 MEDIA_FIELDS: Mapping[str, pp.MediaKind] = {"image_data": "image", "video_data": "video", "audio_data": "audio"}
-MediaItem = tuple[pp.MediaKind, str, str]  # (kind, source, field)
+BodyMedia = tuple[pp.MediaKind, str, str]  # (kind, source, field)
 # A source with one of these suffixes is a path (base64 has no '.'), as SGLang's loaders read them.
 _SUFFIXES = frozenset(
     {
@@ -59,10 +59,10 @@ _SUFFIXES = frozenset(
 )
 
 
-def items_for(body_fields: Mapping[str, Any], size: int, batch: bool) -> list[list[MediaItem]]:
+def items_for(body_fields: Mapping[str, Any], size: int, batch: bool) -> list[list[BodyMedia]]:
     """Each batch item's media sources, by kind: a single item, a list (one request's items), or, for a
     batch, a list of one entry (None, an item or a list) per prompt."""
-    per_prompt: list[list[MediaItem]] = [[] for _ in range(size)]
+    per_prompt: list[list[BodyMedia]] = [[] for _ in range(size)]
     for name, kind in MEDIA_FIELDS.items():
         value = body_fields.get(name)
         if value is None or value == []:

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any
 
 import preprocess as pp
 from engines import (
@@ -25,7 +25,16 @@ from engines import (
     sample_seed,
     sampling_from,
 )
-from engines import MediaRef as MediaKey
+from engines.api import (
+    REFUSED_FIELDS,
+    GenerateBody,
+    GenerateResponse,
+    MediaRef,
+    MetaInfo,
+    ModelCard,
+    PackedOutput,
+    StreamError,
+)
 from experience import wire
 from experience.records import policy_version_of
 
@@ -33,17 +42,13 @@ from ..errors import ApiError
 from ..metrics import Figure, RoleMetrics
 from ..template import Readiness
 from .media import MediaSources, expand_prompt, items_for, read_media
-from .schemas import REFUSED_FIELDS, GenerateBody, MetaInfo, PackedOutput
 from .settings import EngineSettings
 
 __all__ = [
     "HEALTH_GENERATE_TIMEOUT_S",
     "EngineRole",
-    "GenerateAnswer",
     "GeneratePlan",
-    "ModelCard",
     "Probe",
-    "StreamError",
     "engine_metrics",
     "plan_generate",
     "refuse",
@@ -56,43 +61,9 @@ PROBE_TTL_S = 5.0  # /readyz: a probe's answer is reused this long, so probing d
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 
 
-class ModelCard(TypedDict):
-    """This model's entry in ``GET /v1/models`` (`schemas.ListedModel`)."""
-
-    id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    max_model_len: int | None
-
-
-class GenerateAnswer(TypedDict):
-    """SGLang's answer to one generate request (`schemas.GenerateResponse`), and a stream's chunk."""
-
-    text: str
-    output_ids: NotRequired[list[int]]  # not with weir_packed
-    meta_info: MetaInfo
-    weir_packed: NotRequired[PackedOutput]  # with weir_packed: output_ids and output log-probs packed
-    prompt_token_ids: NotRequired[list[int]]  # with return_prompt_token_ids
-    index: NotRequired[int]  # a stream's chunk of a batch or n > 1: its place in the JSON list
-
-
-class StreamErrorDetail(TypedDict):
-    code: str
-    message: str
-
-
-class StreamError(TypedDict):
-    """A request that failed while streaming: SGLang's error event, with Weir's ``code``."""
-
-    error: StreamErrorDetail
-    index: NotRequired[int]
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineRole:
-    """What the routes share (``app.state.weir``; routes take it through `deps.Role`)."""
+    """What the routes share (``app.state.weir``; routes take it through `deps.EngineRoleDep`)."""
 
     settings: EngineSettings
     engine: Engine
@@ -118,7 +89,7 @@ def result_json(
     token_text: Callable[[int], str] | None = None,
     prompt_token_ids: bool = False,
     packed: bool = False,
-) -> GenerateAnswer:
+) -> GenerateResponse:
     """SGLang's response to one generate request. Log-prob entries are ``[logprob, token_id, text]``, the
     text filled by ``token_text`` (``return_text_in_logprobs``), else null; top log-probs are lists of such
     entries per position (null where SGLang pads the first prompt position). ``packed`` (Weir's
@@ -158,7 +129,7 @@ def result_json(
             meta["output_top_logprobs"] = [tops(p) for p in result.output_top_logprobs]
         if result.input_top_logprobs is not None:
             meta["input_top_logprobs"] = [tops(p) for p in result.input_top_logprobs]
-    out: GenerateAnswer
+    out: GenerateResponse
     if packed:
         output: PackedOutput = {"output_ids": wire.pack(result.output_ids, "<i4")}
         if logprobs:
@@ -171,7 +142,7 @@ def result_json(
     return out
 
 
-def sse(payload: GenerateAnswer | StreamError) -> bytes:
+def sse(payload: GenerateResponse | StreamError) -> bytes:
     """One server-sent event, written as the non-streaming answer is (`experience.wire`: a non-finite log-prob as
     null, numpy values as numbers), so a stream and an answer read the same."""
     return b"data: " + wire.dumps(payload) + b"\n\n"
@@ -331,9 +302,7 @@ def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
                     error.item = index  # which prompt's media failed (a URL's, a path's)
                 raise
         else:
-            refs = [
-                MediaKey(kind=r.type, feature_key=r.feature_key, embedding_key=r.embedding_key) for r in body.weir_media
-            ]
+            refs = body.weir_media
         try:
             per_prompt.append(media.resolve(refs) if refs else ())
         except EngineError as error:
@@ -367,7 +336,7 @@ def plan_generate(body: GenerateBody, role: EngineRole) -> GeneratePlan:
     return GeneratePlan(requests=requests, listed=batch or total > 1)
 
 
-def _raw_media(ids: list[int], items: list[tuple[Any, str, str]], role: EngineRole) -> tuple[list[int], list[MediaKey]]:
+def _raw_media(ids: list[int], items: list[tuple[Any, str, str]], role: EngineRole) -> tuple[list[int], list[MediaRef]]:
     """SGLang's raw media of one prompt → the feature cache (as the preprocess role would put them), the
     prompt's placeholders expanded, and references by feature key in prompt order (Weir's own path)."""
     settings = role.settings
@@ -387,7 +356,7 @@ def _raw_media(ids: list[int], items: list[tuple[Any, str, str]], role: EngineRo
     order: list[int] = []
     sizes = [(p.features.kind, int(p.features.num_tokens)) for p in processed]
     expanded = expand_prompt(ids, role.placeholders, sizes, order)
-    return expanded, [MediaKey(kind=processed[i].features.kind, feature_key=processed[i].key) for i in order]
+    return expanded, [MediaRef(type=processed[i].features.kind, feature_key=processed[i].key) for i in order]
 
 
 def _per_item(value: Any, size: int, field: str, *, default: Any) -> list[Any]:

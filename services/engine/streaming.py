@@ -15,15 +15,16 @@ from concurrent.futures import Future
 
 import engines
 from engines import GenerateRequest, GenerateResult
+from engines.api import GenerateResponse, StreamError
 from engines.protocol import StepCallback, TokenStep
 
-from .service import EngineRole, GenerateAnswer, StreamError, refuse, sse
+from .service import EngineRole, refuse, sse
 
 __all__ = ["GenerateStream", "Shaper"]
 
 logger = logging.getLogger(__name__)
 
-Shaper = Callable[[GenerateRequest, GenerateResult, float], GenerateAnswer]
+Shaper = Callable[[GenerateRequest, GenerateResult, float], GenerateResponse]
 
 
 class GenerateStream:
@@ -76,12 +77,12 @@ class GenerateStream:
 
         return finish
 
-    def _tagged(self, index: int, chunk: GenerateAnswer | StreamError) -> bytes:
+    def _tagged(self, index: int, chunk: GenerateResponse | StreamError) -> bytes:
         if self.listed:  # every chunk is a fresh dict: tagging it in place is safe
             chunk["index"] = index
         return sse(chunk)
 
-    def _partial(self, request: GenerateRequest, so_far: GenerateResult) -> GenerateAnswer:
+    def _partial(self, request: GenerateRequest, so_far: GenerateResult) -> GenerateResponse:
         params = request.sampling
         so_far.weight_version = self.engine.weight_version
         so_far.text = str(
@@ -95,7 +96,7 @@ class GenerateStream:
         chunk["meta_info"]["finish_reason"] = None
         return chunk
 
-    def _finished(self, index: int) -> GenerateAnswer | StreamError:
+    def _finished(self, index: int) -> GenerateResponse | StreamError:
         request = self.requests[index]
         try:
             result = self.role.counted(self.futures[index].result())

@@ -17,10 +17,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 import engines
-
-from ..errors import error_body
-from .deps import WEIGHTS_ERRORS, Engine, Role
-from .schemas import (
+from engines.api import (
     WEIGHT_VERSION_PATTERN,
     ControlResponse,
     DestroyWeightsGroupBody,
@@ -31,13 +28,16 @@ from .schemas import (
     UpdateWeightsResponse,
 )
 
+from ..errors import error_body
+from .deps import WEIGHTS_ERRORS, EngineDep, EngineRoleDep
+
 __all__ = ["router"]
 
 router = APIRouter(tags=["sglang"], responses=WEIGHTS_ERRORS)
 
 
 @router.post("/update_weights_from_disk", response_model=UpdateWeightsResponse)
-async def update_weights(body: UpdateWeightsBody, role: Role) -> Any:
+async def update_weights(body: UpdateWeightsBody, role: EngineRoleDep) -> Any:
     """Load new weights from a folder between two decode steps; SGLang's ``success: false`` on failure.
 
     ``weight_version`` must be a policy version (a decimal integer) or ``default``: every sample the
@@ -56,7 +56,7 @@ async def update_weights(body: UpdateWeightsBody, role: Role) -> Any:
 
 
 @router.post("/init_weights_update_group", response_model=ControlResponse)
-async def init_weights_update_group(body: InitWeightsGroupBody, engine: Engine) -> Any:
+async def init_weights_update_group(body: InitWeightsGroupBody, engine: EngineDep) -> Any:
     """Join a process group with the trainer (rank 0) as rank ``rank_offset``, for
     `/update_weights_from_distributed`. Answers once every rank has joined: the trainer joins
     while this call waits (gloo on a CPU engine, NCCL on a CUDA one)."""
@@ -75,7 +75,7 @@ async def init_weights_update_group(body: InitWeightsGroupBody, engine: Engine) 
 
 
 @router.post("/update_weights_from_distributed", response_model=ControlResponse)
-async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody, engine: Engine) -> Any:
+async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody, engine: EngineDep) -> Any:
     """Receive ``names`` (of ``dtypes`` and ``shapes``) as rank 0 broadcasts them, in order, then load
     them all between two decode steps, as `/update_weights_from_disk` loads a folder (pausing first is
     the caller's: Weir's publisher pauses with ``retract``). Answers once they are loaded; SGLang's
@@ -103,7 +103,7 @@ async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody
 
 
 @router.post("/destroy_weights_update_group", response_model=ControlResponse)
-async def destroy_weights_update_group(body: DestroyWeightsGroupBody, engine: Engine) -> Any:
+async def destroy_weights_update_group(body: DestroyWeightsGroupBody, engine: EngineDep) -> Any:
     """Leave a group joined by `/init_weights_update_group`; ``success: false`` for one not joined."""
     refused = await _weights_work(engine.destroy_weights_update_group, body.group_name)
     if isinstance(refused, JSONResponse):

@@ -13,12 +13,12 @@ from fastapi import FastAPI, Path, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
 import preprocess as pp
+from preprocess.api import PlanResponse, PreprocessResponse
 
 from ..errors import ApiError
 from ..metrics import RoleMetrics
 from ..settings import load_settings
 from ..template import ARROW_STREAM, FEATURE_KEY_PATTERN, Readiness, arrow_response, build_app
-from .schemas import PlanResponse, PreprocessResponse
 from .service import REQUEST_DOC, PreprocessState, item_result, parse_request, total_tokens
 from .settings import PreprocessSettings
 

@@ -15,12 +15,12 @@ from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 import preprocess as pp
+from preprocess.api import BudgetIn, ItemResult, PreprocessRequest, PreprocessResponse
 
 from ..errors import ApiError, media_error_status, validation_error
 from ..media_urls import fetch_url
 from ..metrics import RoleMetrics
 from .metrics import PreprocessMetrics
-from .schemas import BudgetIn, ItemResult, PreprocessRequest, PreprocessResponse
 from .settings import PreprocessSettings
 from .sources import decode_inline, read_path
 

@@ -16,20 +16,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from engines.errors import InvalidSampling
+from rollout import errors as rollout_errors
 from rollout.context import RolloutFunction
-from rollout.errors import (
-    EngineRefused,
-    EnginesUnavailable,
-    ExperienceRefused,
-    InvalidPrompt,
-    MediaRefused,
-    Overloaded,
-    RolloutError,
-    UnknownReward,
-    UpstreamUnauthorized,
-    UpstreamUnavailable,
-    WorkTooLarge,
-)
 from rollout.plugins import load_coroutine_function
 
 from ..errors import ErrorShapes
@@ -44,17 +32,17 @@ from .settings import RolloutSettings
 __all__ = ["create_app"]
 
 LIBRARY_ERRORS: dict[type[Exception], int] = {
-    RolloutError: 500,
-    InvalidPrompt: 400,
-    WorkTooLarge: 413,
-    UnknownReward: 400,
-    MediaRefused: 502,  # answered with the preprocess role's own status (see _media_refused)
-    EngineRefused: 400,
-    Overloaded: 429,
-    EnginesUnavailable: 503,
-    UpstreamUnavailable: 503,
-    UpstreamUnauthorized: 502,  # a role refused *this* role's token: never the caller's 401
-    ExperienceRefused: 502,
+    rollout_errors.RolloutError: 500,
+    rollout_errors.InvalidPrompt: 400,
+    rollout_errors.WorkTooLarge: 413,
+    rollout_errors.UnknownReward: 400,
+    rollout_errors.MediaRefused: 502,  # answered with the preprocess role's own status (see _media_refused)
+    rollout_errors.EngineRefused: 400,
+    rollout_errors.Overloaded: 429,
+    rollout_errors.EnginesUnavailable: 503,
+    rollout_errors.UpstreamUnavailable: 503,
+    rollout_errors.UpstreamUnauthorized: 502,  # a role refused *this* role's token: never the caller's 401
+    rollout_errors.ExperienceRefused: 502,
     InvalidSampling: 400,
 }
 
@@ -111,12 +99,12 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
 
     shapes = ErrorShapes(OPENAI_SHAPES)  # the app's own: these two answers take the path's shape too
 
-    @app.exception_handler(MediaRefused)
-    async def _media_refused(request: Request, exc: MediaRefused) -> JSONResponse:
+    @app.exception_handler(rollout_errors.MediaRefused)
+    async def _media_refused(request: Request, exc: rollout_errors.MediaRefused) -> JSONResponse:
         return shapes.response(request.scope, {"code": exc.code, "message": exc.message}, exc.status)
 
-    @app.exception_handler(Overloaded)
-    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+    @app.exception_handler(rollout_errors.Overloaded)
+    async def _overloaded(request: Request, exc: rollout_errors.Overloaded) -> JSONResponse:
         headers = {"Retry-After": str(exc.retry_after_s)}
         return shapes.response(request.scope, {"code": exc.code, "message": exc.message}, 429, headers)
 

@@ -16,22 +16,21 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from engines.errors import InvalidSampling
 from rollout import chat
+from rollout.api import ChatRequest
 from rollout.errors import RolloutError
-from rollout.serving import ChatStream, Progress, chat_samples, chat_stream
+from rollout.messages import ChatCompletion
+from rollout.serving import ChatSpec, ChatStream, ChoiceStep, chat_samples, chat_stream
 
-from ..errors import ApiError, error_body
-from .deps import Role, request_bytes
-from .models import check_model
+from ..errors import error_body
+from .deps import RolloutRoleDep, request_bytes
+from .models import check_request
 from .openai_errors import OpenAIRoute
-from .schemas import UNSUPPORTED_CHAT_PARAMETERS, ChatCompletion, ChatRequest
 from .service import (
     chat_logprobs,
     chat_sampling,
-    extension_refusal,
     response_format_sampling,
     template_variables,
     tool_prompt,
-    unsupported_parameter,
 )
 
 __all__ = ["router", "stream_events"]
@@ -44,20 +43,10 @@ router = APIRouter(route_class=OpenAIRoute)
 @router.post(
     "/v1/chat/completions", response_model=ChatCompletion, responses={200: {"content": {"text/event-stream": {}}}}
 )
-async def chat_completions(body: ChatRequest, request: Request, role: Role) -> Any:
+async def chat_completions(body: ChatRequest, request: Request, role: RolloutRoleDep) -> Any:
     """OpenAI-compatible chat completion; with ``stream``, server-sent events as the tokens come."""
-    settings, context = role.settings, role.context
-    model = check_model(role, body.model)
-    extension = extension_refusal(body)
-    if extension is not None:
-        raise extension
-    refused = unsupported_parameter(body)
-    if refused is not None:
-        raise ApiError(
-            400, "unsupported_parameter", f"{refused}: {UNSUPPORTED_CHAT_PARAMETERS[refused]}", field=refused
-        )
-    if body.n > settings.max_n:
-        raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
+    context = role.context
+    model = check_request(role, body)
     ask = chat_logprobs(body)
     tools, prefill = tool_prompt(body)
     variables = template_variables(body)
@@ -67,7 +56,16 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         max_new_tokens=limit if limit is not None else context.context_length,
         json_schema=response_format_sampling(body, prefill=prefill).get("json_schema"),
     )
-    messages = [m.model_dump(exclude_none=True) for m in body.messages]
+    spec = ChatSpec(
+        messages=[m.model_dump(exclude_none=True) for m in body.messages],
+        n=body.n,
+        sampling=sampling,
+        max_tokens=limit,
+        tools=tools,
+        prefill=prefill,
+        ask=ask,
+        template_variables=variables,
+    )
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     token_text = context.prompts.token_text if body.logprobs else None
     created = int(time.time())
@@ -75,17 +73,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         held = contextlib.ExitStack()
         held.enter_context(context.admission.admit(nbytes=await request_bytes(request)))
         try:
-            streams = await chat_stream(
-                context,
-                messages,
-                n=body.n,
-                sampling=sampling,
-                max_tokens=limit,
-                tools=tools,
-                prefill=prefill,
-                ask=ask,
-                template_variables=variables,
-            )
+            streams = await chat_stream(context, spec)
         except BaseException:
             held.close()
             raise
@@ -102,17 +90,7 @@ async def chat_completions(body: ChatRequest, request: Request, role: Role) -> A
         )
         return StreamingResponse(events, media_type="text/event-stream")
     with context.admission.admit(nbytes=await request_bytes(request)):
-        group_id, prepared, samples, details = await chat_samples(
-            context,
-            messages,
-            n=body.n,
-            sampling=sampling,
-            max_tokens=limit,
-            tools=tools,
-            prefill=prefill,
-            ask=ask,
-            template_variables=variables,
-        )
+        group_id, prepared, samples, details = await chat_samples(context, spec)
     whole = chat.completion(
         samples,
         completion_id=f"chatcmpl-{group_id}",
@@ -136,7 +114,7 @@ async def stream_events(
     held: contextlib.ExitStack,
     *,
     what: str,
-    first: Callable[[Progress], list[dict[str, Any]]] = lambda _: [],
+    first: Callable[[ChoiceStep], list[dict[str, Any]]] = lambda _: [],
 ) -> AsyncIterator[bytes]:
     """The chunks of a streamed chat or text completion as the engines produce them: per choice, what
     ``first`` makes of its first step (the echoed prompt), then what its shaper makes of each engine step

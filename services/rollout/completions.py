@@ -13,17 +13,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout import chat
+from rollout.api import CompletionRequest
 from rollout.context import RolloutContext
 from rollout.preparation import check_context, prepared_ids
-from rollout.serving import Progress, complete_samples, open_streams
+from rollout.serving import ChoiceStep, complete_samples, open_streams
 
-from ..errors import ApiError
 from .chat import stream_events
-from .deps import Role, request_bytes
-from .models import check_model
+from .deps import RolloutRoleDep, request_bytes
+from .models import check_request
 from .openai_errors import OpenAIRoute
-from .schemas import CompletionRequest
-from .service import chat_sampling, completion_logprobs, completion_refusal, extension_refusal
+from .service import chat_sampling, completion_logprobs
 
 __all__ = ["router"]
 
@@ -31,18 +30,10 @@ router = APIRouter(route_class=OpenAIRoute)
 
 
 @router.post("/v1/completions", responses={200: {"content": {"text/event-stream": {}}}})
-async def completions(body: CompletionRequest, request: Request, role: Role) -> Any:
+async def completions(body: CompletionRequest, request: Request, role: RolloutRoleDep) -> Any:
     """OpenAI-compatible text completion: the prompt as given (text or token ids, no chat template)."""
-    settings, context = role.settings, role.context
-    model = check_model(role, body.model)
-    extension = extension_refusal(body)
-    if extension is not None:
-        raise extension
-    refused = completion_refusal(body)
-    if refused is not None:
-        raise ApiError(400, "unsupported_parameter", f"{refused[0]}: {refused[1]}", field=refused[0])
-    if body.n > settings.max_n:
-        raise ApiError(400, "n_out_of_range", f"n: at most {settings.max_n}", field="n")
+    context = role.context
+    model = check_request(role, body)
     sampling = chat_sampling(body, max_new_tokens=body.max_tokens)
     tokenizer = context.prompts.tokenizer
     if isinstance(body.prompt, str) or (body.prompt and isinstance(body.prompt[0], int)):
@@ -83,7 +74,7 @@ async def completions(body: CompletionRequest, request: Request, role: Role) -> 
         echo = _decode(context, prepared[0].prompt_ids) if body.echo else ""
         stop = sampling.stop
 
-        def echoed(step: Progress) -> list[dict[str, Any]]:
+        def echoed(step: ChoiceStep) -> list[dict[str, Any]]:
             if not echo:
                 return []
             logprobs = None

@@ -1,4 +1,4 @@
-"""The rollout role's state as FastAPI dependencies: routes take `Role` (the `service.RolloutRole` that
+"""The rollout role's state as FastAPI dependencies: routes take `RolloutRoleDep` (the `service.RolloutRole` that
 `create_app` put on ``app.state.rollout``) or `Context` (its `rollout.RolloutContext`) as a parameter,
 and `request_bytes` for what admission counts. Nothing here builds state or answers a request.
 """
@@ -13,7 +13,7 @@ from rollout.context import RolloutContext
 
 from .service import RolloutRole
 
-__all__ = ["Context", "Role", "request_bytes"]
+__all__ = ["Context", "RolloutRoleDep", "request_bytes"]
 
 
 # `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
@@ -27,7 +27,7 @@ async def _context(role: Annotated[RolloutRole, Depends(_role)]) -> RolloutConte
     return role.context
 
 
-Role = Annotated[RolloutRole, Depends(_role)]
+RolloutRoleDep = Annotated[RolloutRole, Depends(_role)]
 Context = Annotated[RolloutContext, Depends(_context)]
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter
 
 from rollout.rewards import BUILTIN_REWARDS
 
-from .deps import Role
+from .deps import RolloutRoleDep
 
 __all__ = ["router"]
 
@@ -16,12 +16,12 @@ router = APIRouter()
 
 
 @router.get("/v1/rewards")
-async def rewards(role: Role) -> dict[str, list[str]]:
+async def rewards(role: RolloutRoleDep) -> dict[str, list[str]]:
     """The reward types a request may use, and the custom functions registered at start-up."""
     return {"builtin": [*BUILTIN_REWARDS, "custom"], "registered": role.context.rewards.names}
 
 
 @router.get("/v1/tools")
-async def tool_list(role: Role) -> dict[str, list[str]]:
+async def tool_list(role: RolloutRoleDep) -> dict[str, list[str]]:
     """The tools and environments a multi-turn rollout prompt may name (registered at start-up)."""
     return {"tools": role.tools.names, "environments": role.environments.names}

@@ -19,15 +19,15 @@ from engines.protocol import SamplingParams
 from experience import wire
 from experience.records import Group
 from preprocess.budget import TokenBudget
+from rollout.api import RolloutRequest, RolloutResponse
 from rollout.context import PromptSpec
 from rollout.errors import InvalidPrompt, RolloutError
 from rollout.group import run_prompt
 
 from ..errors import ApiError, error_body
 from ..wire_route import WireRoute
-from .deps import Role, request_bytes
-from .schemas import RolloutRequest, RolloutResponse
-from .service import RolloutRole, budget_of, library_reward, multiturn_fields, prompt_sampling
+from .deps import RolloutRoleDep, request_bytes
+from .service import RolloutRole, budget_of, multiturn_fields, prompt_sampling
 
 __all__ = ["NDJSON", "router"]
 
@@ -48,7 +48,7 @@ router = APIRouter(route_class=WireRoute)
         }
     },
 )
-async def rollouts(body: RolloutRequest, request: Request, role: Role) -> Any:
+async def rollouts(body: RolloutRequest, request: Request, role: RolloutRoleDep) -> Any:
     """Roll out every prompt: ``n`` samples each, rewarded; each group recorded unless ``record`` is false."""
     checked = _check(role, body)
     budget = budget_of(body)
@@ -78,7 +78,7 @@ def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, Sa
     for i, prompt in enumerate(body.prompts):
         if prompt.n > settings.max_n:
             raise InvalidPrompt(f"prompts[{i}].n: at most {settings.max_n}", code="n_out_of_range")
-        reward = library_reward(prompt.reward)
+        reward = prompt.reward
         role.context.rewards.check(reward)
         sampling = prompt_sampling(body, prompt, settings.default_max_tokens)
         spec = PromptSpec(

@@ -12,12 +12,24 @@ from typing import Any, TypedDict
 
 from pydantic import JsonValue
 
+from encoders.client import AsyncEncoderClient
 from engines.errors import InvalidSampling
 from engines.protocol import SamplingParams
 from engines.sampling import SUPPORTED_SAMPLING, sampling_from
+from experience.client import AsyncDataClient
 from experience.records import Group, SampleStatus
 from preprocess.budget import TokenBudget
+from preprocess.client import AsyncPreprocessClient
 from rollout.admission import Admission
+from rollout.api import (
+    EXTENSION_REFUSALS,
+    UNSUPPORTED_CHAT_PARAMETERS,
+    ChatRequest,
+    CompletionRequest,
+    NamedToolChoice,
+    RolloutPrompt,
+    RolloutRequest,
+)
 from rollout.context import RolloutContext, RolloutFunction
 from rollout.dispatch import Dispatcher
 from rollout.environments import EnvironmentRef, EnvironmentRegistry
@@ -25,23 +37,12 @@ from rollout.logprobs import LogprobAsk
 from rollout.messages import FunctionTool, function_tool
 from rollout.prompts import RESERVED_TEMPLATE_VARIABLES, PromptBuilder
 from rollout.rewards import RewardRegistry
-from rollout.rewards import RewardSpec as LibraryRewardSpec
 from rollout.sink import HttpSink, JsonlSink, Sink
 from rollout.tools import Tool, ToolRegistry
 
 from ..errors import ApiError
 from ..http import async_client
 from ..metrics import RoleMetrics
-from .schemas import (
-    EXTENSION_REFUSALS,
-    UNSUPPORTED_CHAT_PARAMETERS,
-    ChatRequest,
-    CompletionRequest,
-    NamedToolChoice,
-    RewardSpec,
-    RolloutPrompt,
-    RolloutRequest,
-)
 from .settings import RolloutSettings
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "completion_logprobs",
     "completion_refusal",
     "extension_refusal",
-    "library_reward",
     "multiturn_fields",
     "prompt_sampling",
     "response_format_sampling",
@@ -113,7 +113,7 @@ class RolloutMetrics:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RolloutRole:
-    """What the routes share (``app.state.rollout``; routes take it through `deps.Role`). The context is
+    """What the routes share (``app.state.rollout``; routes take it through `deps.RolloutRoleDep`). The context is
     also ``app.state.weir``, as every role's library state is."""
 
     settings: RolloutSettings
@@ -133,14 +133,24 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
     # probes (`/readyz`) must see a dead engine as dead (a retry would hold each for ~30 s). With one engine, a
     # sample sent while it restarts fails (503 engines_unavailable) and `weir train` drops that prompt.
     engines = async_client(token=token, timeout=timeout, max_connections=None, connect_retries=0)
-    preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
-    encoder = async_client(settings.encoder_url, token=token, timeout=timeout) if settings.encoder_url else None
-    clients: list[Any] = [engines, preprocess, *([encoder] if encoder is not None else [])]
+    # The request-id hook and connection retries are `async_client`'s; each role's client shares its pool.
+    to_preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
+    preprocess = AsyncPreprocessClient(settings.preprocess_url, token=token, timeout_s=timeout, http=to_preprocess)
+    clients: list[Any] = [engines, to_preprocess]
+    encoder = None
+    if settings.encoder_url:
+        to_encoder = async_client(settings.encoder_url, token=token, timeout=timeout)
+        encoder = AsyncEncoderClient(settings.encoder_url, token=token, timeout_s=timeout, http=to_encoder)
+        clients.append(to_encoder)
     sink: Sink
     if settings.data_url:
         data = async_client(settings.data_url, token=token, timeout=timeout)
         clients.append(data)
-        sink = HttpSink(data, retry_s=settings.sink_retry_s)
+        # The request-id hook and connection retries are `async_client`'s; the data client shares its pool.
+        store = AsyncDataClient(
+            settings.data_url, token=token, timeout_s=timeout, retry_s=settings.sink_retry_s, http=data
+        )
+        sink = HttpSink(store, retry_s=settings.sink_retry_s)
     else:
         sink = JsonlSink(settings.experience_path)
     context = RolloutContext(
@@ -203,10 +213,6 @@ def multiturn_fields(
     return MultiturnFields(
         tools=tools.resolve(names, f"{where}.tools"), environment=environment, max_turns=prompt.max_turns
     )
-
-
-def library_reward(spec: RewardSpec) -> LibraryRewardSpec:
-    return LibraryRewardSpec(type=spec.type, answer=spec.answer, function=spec.function)
 
 
 def prompt_sampling(request: RolloutRequest, prompt: RolloutPrompt, default_max_tokens: int) -> SamplingParams:
@@ -415,13 +421,15 @@ def tool_prompt(body: ChatRequest) -> tuple[list[FunctionTool] | None, str]:
         return None, ""
     if body.tool_choice == "none":
         return None, ""
-    tools = [
-        function_tool(f.name, description=f.description, parameters=f.parameters, strict=f.strict)
-        for f in (t.function for t in body.tools)
+    tools = [  # what the client left null is left out, as if it had not sent it
+        function_tool(
+            f["name"], description=f.get("description"), parameters=f.get("parameters"), strict=f.get("strict")
+        )
+        for f in (t["function"] for t in body.tools)
     ]
     choice = body.tool_choice
     if isinstance(choice, NamedToolChoice):
-        names = [t.function.name for t in body.tools]
+        names = [t["function"]["name"] for t in body.tools]
         if choice.function.name not in names:
             raise ApiError(
                 400,

@@ -33,7 +33,7 @@ from launcher.demo.task import AGENT_QUESTION, AGENT_SIZE  # noqa: E402
 from launcher.stack import LocalStack  # noqa: E402
 from rollout.environments import COLOURS, PromptInfo, VisualSearch  # noqa: E402
 from trainer.loop import evaluate  # noqa: E402
-from trainer.policy_version import PolicyVersion, WeightRecipients  # noqa: E402
+from trainer.policy_version import PolicyOwner, WeightRecipients  # noqa: E402
 from trainer.publish import PAUSE_MODE  # noqa: E402
 from trainer.reference import ReferenceTrainer  # noqa: E402
 
@@ -97,7 +97,7 @@ def main() -> int:
             pause_mode=PAUSE_MODE,
             weights="disk",
         )
-        policy = PolicyVersion(trainer, weights=home / "weights", main=True, recipients=recipients)
+        policy = PolicyOwner(trainer, weights=home / "weights", main=True, recipients=recipients)
         start = time.time()
         for step in range(1, args.steps + 1):
             loss = trainer.supervised_step(pairs, lr=1e-3)

@@ -74,17 +74,17 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         }
     ]
     template, items = parse_messages(messages)
-    assert [i.get("use_audio_in_video", False) for i in items] == [False, True]
+    assert [i.use_audio_in_video for i in items] == [False, True]
     image = pp.process_bytes(picture, "image", spec)
     video, track = pp.process_bytes(clip, "video", spec), pp.process_bytes(clip, "audio", spec)
     answered = [
-        item_result(0, image.plan, pp.PooledItem.of(image)).model_dump(mode="json"),
+        item_result(0, image.plan, pp.PooledItem.of(image)),
         item_result(
             1, dataclasses.replace(video.plan, audio=track.plan), pp.PooledItem.of(video), pp.PooledItem.of(track)
-        ).model_dump(mode="json"),
+        ),
     ]
     ids = builder.build(template, builder.expansions(answered))
-    assert [r["type"] for r in with_tracks(answered)] == ["image", "video", "audio"]
+    assert [r.type for r in with_tracks(answered)] == ["image", "video", "audio"]
 
     processor = AutoProcessor.from_pretrained(model_dir)
     frames, fps = fetch_video(

@@ -11,7 +11,7 @@ from engines.errors import EngineError, InvalidSampling
 
 def test_the_errors_are_one_tree_of_value_errors() -> None:
     assert issubclass(InvalidSampling, EngineError) and issubclass(EngineError, ValueError)
-    for name in ("InvalidSampling", "InvalidPrompt", "InvalidMedia", "MediaNotFound", "WeightsError"):
+    for name in ("InvalidSampling", "InvalidEnginePrompt", "InvalidMedia", "MediaNotFound", "WeightsError"):
         assert issubclass(getattr(engines, name), engines.EngineError)
 
 
@@ -29,7 +29,7 @@ def test_public_api() -> None:
         "GenerateRequest",
         "GenerateResult",
         "InvalidMedia",
-        "InvalidPrompt",
+        "InvalidEnginePrompt",
         "InvalidSampling",
         "MediaInput",
         "MediaKind",

@@ -76,7 +76,7 @@ def test_media_structure_tokens_are_never_sampled_as_on_the_transformers_backend
         never = ModelLayout.of(json.loads((folder / "config.json").read_text())).structural_tokens
         reference = TransformersEngine(folder)
         try:
-            assert set(never) == set(reference._banned.tolist()), arch  # the same tokens as the transformers engine
+            assert set(never) == set(reference.banned_ids.tolist()), arch  # the same tokens as the transformers engine
         finally:
             reference.close()
     request = GenerateRequest(input_ids=[5], sampling=SamplingParams(logit_bias=((7, 1.5), (never[0], 3.0))))

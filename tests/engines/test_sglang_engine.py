@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines import InvalidPrompt, WeightsError, sglang_request
+from engines import InvalidEnginePrompt, WeightsError, sglang_request
 from engines.protocol import (
     ABORT_BEFORE_PREFILL,
     ABORT_BY_REQUEST,
@@ -305,17 +305,17 @@ def test_a_cancelled_future_aborts_the_request_in_sglang(engine: SGLangEngine) -
 
 
 def test_refusals_map_to_the_engine_protocol(engine: SGLangEngine, tmp_path: Path) -> None:
-    with pytest.raises(InvalidPrompt):  # Weir's own check, before SGLang sees it: out of the vocabulary
+    with pytest.raises(InvalidEnginePrompt):  # Weir's own check, before SGLang sees it: out of the vocabulary
         engine.submit(GenerateRequest(input_ids=[VOCAB + 1]))
     short = start(engine.model_dir, context_length=64)  # SGLang's context, shorter than the model's
     try:
-        with pytest.raises(InvalidPrompt, match="maximum context length"):  # SGLang's ValueError, via the future
+        with pytest.raises(InvalidEnginePrompt, match="maximum context length"):  # SGLang's ValueError, via the future
             short.generate(request(max_new_tokens=100), timeout=30)
     finally:
         short.close()
     rid = uuid.uuid4().hex
     slow = engine.submit(GenerateRequest(input_ids=[1], sampling=SamplingParams(max_new_tokens=500), rid=rid))
-    with pytest.raises(InvalidPrompt, match="Duplicate request ID"):
+    with pytest.raises(InvalidEnginePrompt, match="Duplicate request ID"):
         engine.generate(GenerateRequest(input_ids=[1], rid=rid), timeout=30)
     engine.abort(rid)
     slow.result(timeout=10)
@@ -437,7 +437,7 @@ def test_a_video_with_its_own_audio_track_is_refused_by_name(tmp_path: Path) -> 
     (tmp_path / "config.json").write_text(json.dumps(thinker))
     engine = start(tmp_path)
     try:
-        with pytest.raises(InvalidPrompt, match="use_audio_in_video") as refused:
+        with pytest.raises(InvalidEnginePrompt, match="use_audio_in_video") as refused:
             engine.submit(GenerateRequest(input_ids=[1, 10, 11, 12, 12, 13], sampling=SamplingParams(max_new_tokens=2)))
         assert refused.value.field == "use_audio_in_video" and refused.value.code == "invalid_prompt"
         two = SamplingParams(max_new_tokens=2)

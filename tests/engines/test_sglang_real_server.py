@@ -206,3 +206,45 @@ def test_the_benchmark_harness_runs_sglangs_server_and_weirs_role_on_the_real_en
         ("weir", 1, 32),
         ("weir", 8, 32),
     ]
+
+
+def test_the_engine_client_drives_sglangs_own_server_as_it_drives_weirs_role(role: str, model: Path) -> None:
+    """`engines.client.EngineClient` against SGLang's own ``launch_server`` (a process of its own, under the CPU
+    scaffolding) and against Weir's role on the same engine: every route Weir's callers use is answered in a shape
+    its record reads (SGLang's pause answers ``{"message", "status"}``, its ``/server_info`` is its server
+    arguments), and greedy tokens are the same from both."""
+    from engines.api import AbortBody, GenerateBody, PauseBody, UpdateWeightsBody
+    from engines.client import EngineClient
+    from tests.ports import free_port
+
+    sys.path.insert(0, str(ROOT / "tests" / "benchmarks"))
+    try:
+        import bench_sglang
+    finally:
+        sys.path.remove(str(ROOT / "tests" / "benchmarks"))
+    sampling = {"max_new_tokens": 4, "ignore_eos": True, "temperature": 0.0}
+    ids = _prompt(model, "Count to ten.")
+    tokens = {}
+    with bench_sglang.sglang_servers(model, "peer", free_port(), sglang_cpu.SERVER_ARGS, cpu=True) as peer:
+        for name, url in (("sglang", peer), ("weir", role)):
+            with EngineClient(url, timeout_s=300) as client:
+                client.health()
+                assert client.server_info().tp_size == 1 and client.get_server_info().tp_size == 1
+                assert Path(client.model_info().model_path) == model and client.models().data[0].id
+                body = GenerateBody(input_ids=ids, sampling_params=sampling, return_logprob=True, rid=f"{name}-1")
+                answer = client.generate(body)
+                assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 4}, name
+                assert len(answer["meta_info"]["output_token_logprobs"]) == 4, name
+                tokens[name] = answer["output_ids"]
+                with client.generate_stream(body.model_copy(update={"rid": f"{name}-2"})) as chunks:
+                    assert list(chunks)[-1]["output_ids"] == answer["output_ids"], name
+                assert client.pause_generation(PauseBody(mode="retract")).success, name
+                assert client.continue_generation().success, name
+                client.abort_request(AbortBody(rid="nobody"))
+                client.flush_cache()
+                loaded = client.update_weights_from_disk(UpdateWeightsBody(model_path=str(model), weight_version="3"))
+                assert loaded.success and client.model_info().weight_version == "3", name
+                assert (
+                    client.generate(body.model_copy(update={"rid": f"{name}-3"}))["meta_info"]["weight_version"] == "3"
+                )
+    assert tokens["sglang"] == tokens["weir"]

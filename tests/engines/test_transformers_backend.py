@@ -15,7 +15,7 @@ from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGenerati
 import preprocess as pp
 from encoders.embedded_model import MEDIA_TOKENS, init_model
 from encoders.towers import Towers
-from engines import InvalidMedia, InvalidPrompt, WeightsError, load_engine
+from engines import InvalidEnginePrompt, InvalidMedia, WeightsError, load_engine
 from engines.logits import sample_token
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
 from engines.transformers_backend import TransformersEngine
@@ -182,7 +182,7 @@ def test_media_structure_tokens_are_never_generated(engine: TransformersEngine) 
     """A placeholder or media bos/eos in a response would break the trainer's recompute (the
     model's 3-D positions count them); near-uniform sampling would otherwise hit them."""
     structural = {engine.tokenizer.convert_tokens_to_ids(t) for t in MEDIA_TOKENS.values()}
-    assert set(engine._banned.tolist()) == structural
+    assert set(engine.banned_ids.tolist()) == structural
     ids = engine.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     wild = SamplingParams(max_new_tokens=400, temperature=50.0, ignore_eos=True, sampling_seed=0)
     out = engine.generate(GenerateRequest(input_ids=ids, sampling=wild), timeout=120)
@@ -194,11 +194,11 @@ def test_bad_prompts_are_refused_when_submitted(engine: TransformersEngine, prom
     vocab, context = engine.limits.vocab_size, engine.max_context
     assert vocab is not None
     for bad, error in (
-        (GenerateRequest(input_ids=[]), InvalidPrompt),
-        (GenerateRequest(input_ids=[1, vocab]), InvalidPrompt),
-        (GenerateRequest(input_ids=[1, -1]), InvalidPrompt),
-        (GenerateRequest(input_ids=[1] * context), InvalidPrompt),
-        (GenerateRequest(input_ids=[1], sampling=SamplingParams(max_new_tokens=context)), InvalidPrompt),
+        (GenerateRequest(input_ids=[]), InvalidEnginePrompt),
+        (GenerateRequest(input_ids=[1, vocab]), InvalidEnginePrompt),
+        (GenerateRequest(input_ids=[1, -1]), InvalidEnginePrompt),
+        (GenerateRequest(input_ids=[1] * context), InvalidEnginePrompt),
+        (GenerateRequest(input_ids=[1], sampling=SamplingParams(max_new_tokens=context)), InvalidEnginePrompt),
         (GenerateRequest(input_ids=ids), InvalidMedia),  # placeholders without their media
         (GenerateRequest(input_ids=ids, media=media[:2]), InvalidMedia),
     ):

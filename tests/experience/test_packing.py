@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from experience.packing import Candidate, cut
+from experience.packing import WaitingSample, cut
 
 
-def candidates(*tokens: int) -> list[Candidate]:
-    return [Candidate(sample_id=f"g{i}/0", group_id=f"g{i}", tokens=n, version=0) for i, n in enumerate(tokens)]
+def candidates(*tokens: int) -> list[WaitingSample]:
+    return [WaitingSample(sample_id=f"g{i}/0", group_id=f"g{i}", tokens=n, version=0) for i, n in enumerate(tokens)]
 
 
 def test_one_rank_takes_the_oldest_within_its_budget() -> None:

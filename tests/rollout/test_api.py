@@ -39,7 +39,7 @@ def test_public_api() -> None:
             "Overloaded",
             "PluginError",
             "Prepared",
-            "Progress",
+            "ChoiceStep",
             "PromptBuilder",
             "PromptSpec",
             "RewardContext",

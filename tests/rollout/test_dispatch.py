@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from engines.api import GenerateBody
 from rollout.dispatch import Dispatcher
 from rollout.errors import EngineRefused, EnginesUnavailable, UpstreamUnauthorized
 from services.engine.app import create_app as engine_app
@@ -29,8 +30,8 @@ def engine(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[st
         yield server.url
 
 
-def body(max_new_tokens: int = 3) -> Callable[..., dict[str, object]]:
-    return lambda _: {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": max_new_tokens}, "rid": "g/0"}
+def body(max_new_tokens: int = 3) -> Callable[..., GenerateBody]:
+    return lambda _: GenerateBody(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": max_new_tokens}, rid="g/0")
 
 
 def test_a_real_engine_generates_and_answers_its_health(engine: str) -> None:
@@ -50,7 +51,7 @@ def test_a_real_engine_generates_and_answers_its_health(engine: str) -> None:
 def test_a_real_engine_refusal_is_not_retried(engine: str) -> None:
     async def run() -> None:
         dispatcher = Dispatcher([engine], timeout_s=30)
-        bad = lambda _: {"input_ids": [1], "sampling_params": {"temprature": 1}}  # noqa: E731 - a typo
+        bad = lambda _: GenerateBody(input_ids=[1], sampling_params={"temprature": 1})  # noqa: E731 - a typo
         with pytest.raises(EngineRefused) as refused:
             await dispatcher.generate(bad)
         assert refused.value.code == "unknown_sampling_param" and dispatcher.engines[0].available

@@ -13,13 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
+from encoders.client import AsyncEncoderClient
+from engines.api import MediaRef
 from engines.protocol import SamplingParams
 from experience import wire
 from experience.records import Group, SampleStatus
+from preprocess.api import MediaItem
+from preprocess.client import AsyncPreprocessClient
 from rollout.admission import Admission
 from rollout.context import PromptSpec, RolloutContext
 from rollout.dispatch import Dispatcher, EngineEndpoint
-from rollout.errors import MediaRefused, UpstreamUnauthorized
+from rollout.errors import MediaRefused, UpstreamUnauthorized, UpstreamUnavailable
 from rollout.generation import engine_body, sample_from_engine
 from rollout.group import run_prompt
 from rollout.preparation import Prepared, prepare
@@ -134,8 +138,8 @@ def test_a_missing_meta_info_is_a_failed_sample() -> None:
 
 PREPARED = Prepared(
     prompt_ids=[1, 2, 9, 9, 3],
-    media=[{"type": "image", "embedding_key": "e" * 40}],
-    inline=[{"type": "image", "data": "data:image/png;base64,AA"}, {"type": "audio", "path": "/m/a.wav"}],
+    media=[MediaRef(type="image", embedding_key="e" * 40)],
+    inline=[MediaItem(type="image", data="data:image/png;base64,AA"), MediaItem(type="audio", path="/m/a.wav")],
     feature_keys=["f" * 40],
     token_counts={"text": 3, "image": 2},
     preprocess_s=0.0,
@@ -145,11 +149,12 @@ PREPARED = Prepared(
 def test_engine_bodies() -> None:
     sampling = SamplingParams(max_new_tokens=4)
     weir = engine_body(EngineEndpoint.parse("http://e:1/"), PREPARED, sampling, "g/0", routed_experts=False)
-    assert weir["weir_media"] == PREPARED.media and weir["rid"] == "g/0" and weir["input_ids"] == [1, 2, 9, 9, 3]
+    assert weir.weir_media == PREPARED.media and weir.rid == "g/0" and weir.input_ids == [1, 2, 9, 9, 3]
     plain = engine_body(EngineEndpoint.parse("sglang+http://e:1"), PREPARED, sampling, "g/0", routed_experts=True)
-    assert weir["weir_packed"] is True  # ids and log-probs packed: only Weir's engine, only without top log-probs
-    assert "weir_media" not in plain and "weir_packed" not in plain and plain["return_routed_experts"] is True
-    assert plain["image_data"] == ["data:image/png;base64,AA"] and plain["audio_data"] == ["file:///m/a.wav"]
+    assert weir.weir_packed is True  # ids and log-probs packed: only Weir's engine, only without top log-probs
+    sent = plain.model_fields_set
+    assert "weir_media" not in sent and "weir_packed" not in sent and plain.return_routed_experts is True
+    assert plain.image_data == ["data:image/png;base64,AA"] and plain.audio_data == ["file:///m/a.wav"]
     assert PREPARED.media_tokens == 2
 
 
@@ -166,7 +171,7 @@ def context(model: Path, tmp_path: Path) -> Iterator[RolloutContext]:
     yield RolloutContext(
         prompts=PromptBuilder(model),
         dispatcher=Dispatcher(["http://127.0.0.1:9"], timeout_s=1, client=client),
-        preprocess=client,
+        preprocess=AsyncPreprocessClient("http://127.0.0.1:9", http=client),
         encoder=None,
         sink=JsonlSink(tmp_path / "experience.jsonl"),
         rewards=RewardRegistry({"flaky": flaky}),
@@ -233,7 +238,8 @@ def test_a_role_refusing_this_roles_token_is_upstream_unauthorized(
     """A 401/403 from the preprocess or encoder role is not the caller's 401 (nor a media refusal,
     nor an encoder to route around): it is `UpstreamUnauthorized`, naming the role."""
     refusal = {"error": {"code": "unauthorized", "message": "missing or wrong bearer token"}}
-    items = {"items": [{"type": "image", "num_tokens": 4, "key": "f" * 40}]}
+    item = {"index": 0, "type": "image", "num_tokens": 4, "tokens_unbudgeted": 4, "key": "f" * 40}
+    items = {"items": [item], "num_tokens": 4}
 
     def preprocess(request: httpx.Request) -> httpx.Response:
         return httpx.Response(status, json=refusal) if refuser == "preprocess" else httpx.Response(200, json=items)
@@ -246,7 +252,8 @@ def test_a_role_refusing_this_roles_token_is_upstream_unauthorized(
             httpx.AsyncClient(base_url="http://p", transport=httpx.MockTransport(preprocess)) as p,
             httpx.AsyncClient(base_url="http://e", transport=httpx.MockTransport(encoder)) as e,
         ):
-            context.preprocess, context.encoder = p, e
+            context.preprocess = AsyncPreprocessClient("http://p", http=p)
+            context.encoder = AsyncEncoderClient("http://e", http=e)
             await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
 
     with pytest.raises(UpstreamUnauthorized) as refused:
@@ -263,9 +270,101 @@ def test_a_403_naming_the_requests_own_fault_stays_a_media_refusal(context: Roll
     async def run() -> None:
         transport = httpx.MockTransport(lambda _: httpx.Response(403, json=refusal))
         async with httpx.AsyncClient(base_url="http://p", transport=transport) as p:
-            context.preprocess = p
+            context.preprocess = AsyncPreprocessClient("http://p", http=p)
             await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
 
     with pytest.raises(MediaRefused) as refused:
         asyncio.run(run())
     assert (refused.value.status, refused.value.code, refused.value.item) == (403, "path_not_allowed", 0)
+
+
+ITEM = {"index": 0, "type": "image", "num_tokens": 4, "tokens_unbudgeted": 4, "key": "f" * 40}
+
+
+def _no_answer(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def _preprocessed(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"items": [ITEM], "num_tokens": 4})
+
+
+async def _prepare_with(context: RolloutContext, preprocess: Any, encoder: Any = None) -> Prepared:
+    """`prepare` of an image prompt, the two roles answering through these `httpx.MockTransport` handlers
+    (``encoder`` None: no encoder role)."""
+    async with (
+        httpx.AsyncClient(transport=httpx.MockTransport(preprocess)) as p,
+        httpx.AsyncClient(transport=httpx.MockTransport(encoder or _no_answer)) as e,
+    ):
+        context.preprocess = AsyncPreprocessClient("http://p", http=p)
+        context.encoder = AsyncEncoderClient("http://e", http=e) if encoder is not None else None
+        return await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "code", "item"),
+    [
+        (_no_answer, None, "preprocess_unavailable", None),
+        (
+            lambda _: httpx.Response(415, json={"error": {"code": "unsupported_media", "message": "?", "item": 0}}),
+            415,
+            "unsupported_media",
+            0,
+        ),
+        (
+            lambda _: httpx.Response(500, json={"error": {"code": "internal_error", "message": "see its log"}}),
+            502,
+            "preprocess_failed",
+            None,
+        ),
+        (
+            lambda _: httpx.Response(200, json={"items": [{**ITEM, "num_tokens": "four"}], "num_tokens": 4}),
+            502,
+            "preprocess_failed",
+            None,
+        ),
+        (
+            lambda _: httpx.Response(200, json={"items": [{**ITEM, "key": None}], "num_tokens": 4}),
+            502,
+            "preprocess_failed",
+            None,
+        ),
+    ],
+    ids=["no-answer", "refused", "failed", "mutated", "no-key"],
+)
+def test_the_preprocess_roles_failures_are_this_roles_errors(
+    context: RolloutContext, answer: Any, status: int | None, code: str, item: int | None
+) -> None:
+    """No answer: 503 ``preprocess_unavailable``; a refusal: its status, code and item; the role failing or
+    answering what is not its record (through `preprocess.client`): 502 ``preprocess_failed``."""
+    with pytest.raises((MediaRefused, UpstreamUnavailable)) as failed:
+        asyncio.run(_prepare_with(context, answer))
+    assert failed.value.code == code
+    if status is None:
+        assert isinstance(failed.value, UpstreamUnavailable)
+    else:
+        assert isinstance(failed.value, MediaRefused) and (failed.value.status, failed.value.item) == (status, item)
+
+
+@pytest.mark.parametrize(
+    "encoder",
+    [
+        _no_answer,
+        lambda _: httpx.Response(500, json={"error": {"code": "internal_error", "message": "see its log"}}),
+        lambda _: httpx.Response(404, json={"error": {"code": "features_not_found", "message": "?", "item": 0}}),
+        lambda _: httpx.Response(200, json={"version": "v", "items": [{"embedding_key": "e" * 40}]}),
+    ],
+    ids=["no-answer", "failed", "refused", "mutated"],
+)
+def test_an_encoder_that_does_not_give_embeddings_is_routed_around(context: RolloutContext, encoder: Any) -> None:
+    """The engines then encode: the media go by feature key."""
+    prepared = asyncio.run(_prepare_with(context, _preprocessed, encoder))
+    assert prepared.media == [MediaRef(type="image", feature_key="f" * 40)] and prepared.feature_keys == ["f" * 40]
+
+
+def test_an_encoder_gives_embedding_keys(context: RolloutContext) -> None:
+    encoded = {"feature_key": "f" * 40, "embedding_key": "e" * 40, "type": "image", "shape": [4, 8], "cache_hit": False}
+    prepared = asyncio.run(
+        _prepare_with(context, _preprocessed, lambda _: httpx.Response(200, json={"version": "v", "items": [encoded]}))
+    )
+    assert prepared.media == [MediaRef(type="image", embedding_key="e" * 40)] and prepared.token_counts["image"] == 4

@@ -17,6 +17,8 @@ import torch
 from engines.protocol import SamplingParams
 from experience.microbatch import group_table
 from experience.records import Group, SampleStatus
+from preprocess.api import ItemResult, PreprocessRequest, PreprocessResponse
+from preprocess.client import AsyncPreprocessClient
 from rollout.admission import Admission
 from rollout.context import PromptSpec, RolloutContext
 from rollout.dispatch import Dispatcher
@@ -62,8 +64,11 @@ class Scripted:
 
 
 def preprocess(request: httpx.Request) -> httpx.Response:
-    items = json.loads(request.content)["items"]
-    return httpx.Response(200, json={"items": [{"type": i["type"], "num_tokens": 4, "key": KEY} for i in items]})
+    items = PreprocessRequest.model_validate_json(request.content).items
+    answered = [
+        ItemResult(index=k, type=i.type, num_tokens=4, tokens_unbudgeted=4, key=KEY) for k, i in enumerate(items)
+    ]
+    return httpx.Response(200, content=PreprocessResponse(items=answered, num_tokens=4 * len(items)).model_dump_json())
 
 
 @pytest.fixture()
@@ -77,7 +82,9 @@ def context(builder: PromptBuilder, engine: Scripted, tmp_path: Path) -> Rollout
         dispatcher=Dispatcher(
             ["http://engine:1"], timeout_s=5, client=httpx.AsyncClient(transport=httpx.MockTransport(engine))
         ),
-        preprocess=httpx.AsyncClient(base_url="http://pre", transport=httpx.MockTransport(preprocess)),
+        preprocess=AsyncPreprocessClient(
+            "http://pre", http=httpx.AsyncClient(base_url="http://pre", transport=httpx.MockTransport(preprocess))
+        ),
         encoder=None,
         sink=JsonlSink(tmp_path / "x.jsonl"),
         rewards=RewardRegistry(),

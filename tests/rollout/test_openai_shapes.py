@@ -310,7 +310,7 @@ def test_the_engine_body_asks_for_what_the_request_shows() -> None:
     prepared = Prepared(prompt_ids=[1, 2], media=[], inline=[], feature_keys=[], token_counts={}, preprocess_s=0)
     for url in ("http://e:1", "sglang+http://e:1"):
         body = engine_body(EngineEndpoint.parse(url), prepared, SamplingParams(), "g/0", routed_experts=False)
-        assert "top_logprobs_num" not in body and "logprob_start_len" not in body
+        assert "top_logprobs_num" not in body.model_fields_set and "logprob_start_len" not in body.model_fields_set
         asked = engine_body(
             EngineEndpoint.parse(url),
             prepared,
@@ -319,7 +319,7 @@ def test_the_engine_body_asks_for_what_the_request_shows() -> None:
             routed_experts=False,
             ask=LogprobAsk(top=3, prompt=True),
         )
-        assert asked["top_logprobs_num"] == 3 and asked["logprob_start_len"] == 0 and asked["return_logprob"]
+        assert asked.top_logprobs_num == 3 and asked.logprob_start_len == 0 and asked.return_logprob
 
 
 class _FakeStream:
@@ -368,8 +368,8 @@ def test_a_stream_step_waits_for_its_tokens_top_logprobs() -> None:
 
 
 def test_response_format_and_top_logprobs_of_a_request() -> None:
+    from rollout.api import ChatRequest, CompletionRequest
     from services.errors import ApiError
-    from services.rollout.schemas import ChatRequest, CompletionRequest
     from services.rollout.service import (
         chat_logprobs,
         completion_logprobs,

@@ -17,7 +17,9 @@ import torch
 
 from encoders.embedded_model import init_model
 from engines.protocol import SamplingParams
+from experience.client import AsyncDataClient
 from experience.records import Group, Sample, SampleStatus
+from preprocess.client import AsyncPreprocessClient
 from rollout.admission import Admission
 from rollout.context import RolloutContext
 from rollout.dispatch import Dispatcher
@@ -92,11 +94,11 @@ def fresh_engine(roles: Roles) -> Iterator[Roles]:
     reset()
 
 
-def _context(roles: Roles, client: httpx.AsyncClient, data: httpx.AsyncClient, mode: str = "keep") -> RolloutContext:
+def _context(roles: Roles, client: httpx.AsyncClient, data: AsyncDataClient, mode: str = "keep") -> RolloutContext:
     return RolloutContext(
         prompts=PromptBuilder(roles.model),
         dispatcher=Dispatcher([roles.engine.url], timeout_s=120, client=client),
-        preprocess=client,  # text-only prompts: never called
+        preprocess=AsyncPreprocessClient("http://127.0.0.1:9", http=client),  # text-only prompts: never called
         encoder=None,
         sink=HttpSink(data),
         rewards=RewardRegistry({}),
@@ -141,7 +143,7 @@ def _logprobs(trainer: ReferenceTrainer, ids: list[int]) -> torch.Tensor:
 
 async def _rollout_across_a_publish(roles: Roles, mode: str) -> tuple[Prepared, Sample, RolloutContext]:
     client = httpx.AsyncClient(timeout=120)
-    data = httpx.AsyncClient(base_url=roles.data.url, timeout=60)
+    data = AsyncDataClient(roles.data.url, timeout_s=60)
     ctx = _context(roles, client, data, mode)
     prepared = await prepare(ctx, MESSAGES, where="prompt", budget=None)
     group_id = f"partial-{mode}"
@@ -212,7 +214,7 @@ def test_a_client_abort_is_never_continued(fresh_engine: Roles) -> None:
 
     async def run() -> Sample:
         client = httpx.AsyncClient(timeout=120)
-        data = httpx.AsyncClient(base_url=roles.data.url, timeout=60)
+        data = AsyncDataClient(roles.data.url, timeout_s=60)
         ctx = _context(roles, client, data, "keep")
         prepared = await prepare(ctx, MESSAGES, where="prompt", budget=None)
         task = asyncio.ensure_future(generate(ctx, prepared, GREEDY_LONG, group_id="client-abort", index=0))

@@ -27,7 +27,7 @@ def test_text_and_media_parts() -> None:
         },
     ]
     template, items = parse_messages(messages)
-    assert items == [
+    assert [i.model_dump(exclude_unset=True) for i in items] == [  # what the preprocess role is sent
         {"type": "image", "data": "data:image/png;base64,AAAA"},
         {"type": "video", "path": "clips/a.mp4"},
         {"type": "audio", "url": "https://example.com/a.wav"},

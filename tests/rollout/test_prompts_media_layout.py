@@ -23,6 +23,7 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 import preprocess as pp
 from preprocess import samples
+from preprocess.api import ItemResult
 from preprocess.audio import decode_audio
 from rollout.errors import InvalidPrompt
 from rollout.prompts import PromptBuilder, parse_messages, with_tracks
@@ -31,15 +32,15 @@ from services.preprocess.service import item_result
 pytestmark = pytest.mark.filterwarnings("ignore:__array__ implementation:DeprecationWarning")
 
 
-def _answer(data: bytes, kind: pp.MediaKind, spec: pp.ProcessorSpec, *, with_audio: bool = False) -> dict[str, Any]:
-    """The preprocess role's item for these bytes (JSON form)."""
+def _answer(data: bytes, kind: pp.MediaKind, spec: pp.ProcessorSpec, *, with_audio: bool = False) -> ItemResult:
+    """The preprocess role's item for these bytes, as its client reads it (through its JSON)."""
     done = pp.process_bytes(data, kind, spec)
     plan, track = done.plan, None
     if with_audio:
         track = pp.process_bytes(data, "audio", spec)
         plan = dataclasses.replace(plan, audio=track.plan)
     pooled = None if track is None else pp.PooledItem.of(track)
-    return item_result(0, plan, pp.PooledItem.of(done), pooled).model_dump(mode="json")
+    return ItemResult.model_validate_json(item_result(0, plan, pp.PooledItem.of(done), pooled).model_dump_json())
 
 
 def _user(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -74,7 +75,7 @@ def test_qwen3_vl_video_prompt_equals_the_processor(clip: tuple, qwen3_vl: Path,
         ]
     )
     template, items = parse_messages(messages)
-    assert [i["type"] for i in items] == ["image", "video"]
+    assert [i.type for i in items] == ["image", "video"]
     answered = [_answer(image, "image", spec), _answer(data, "video", spec)]
     ids = builder.build(template, builder.expansions(answered))
 
@@ -95,7 +96,7 @@ def test_qwen3_vl_video_prompt_equals_the_processor(clip: tuple, qwen3_vl: Path,
         return_tensors="np",
     )
     assert ids == ref["input_ids"][0].tolist()
-    assert builder.decode(ids).count(" seconds>") == answered[1]["grid_thw"][0]  # one timestamp per temporal patch
+    assert builder.decode(ids).count(" seconds>") == (answered[1].grid_thw or [])[0]  # one timestamp per temporal patch
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +117,12 @@ def test_omni_video_with_its_audio_prompt_equals_the_processor(clip: tuple, qwen
     path.write_bytes(data)
     part = {"type": "video_url", "video_url": {"url": str(path), "use_audio_in_video": True}}
     template, items = parse_messages(_user([part]))
-    assert items == [{"type": "video", "path": str(path), "use_audio_in_video": True}]
+    assert [i.model_dump(exclude_unset=True) for i in items] == [
+        {"type": "video", "path": str(path), "use_audio_in_video": True}
+    ]
     answered = [_answer(data, "video", spec, with_audio=True)]
     ids = builder.build(template, builder.expansions(answered))
-    assert [r["type"] for r in with_tracks(answered)] == ["video", "audio"]
+    assert [r.type for r in with_tracks(answered)] == ["video", "audio"]
 
     kw: dict[str, Any] = dict(patch_size=16, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3)
     kw.update(image_std=[0.5] * 3, min_pixels=3136, max_pixels=12845056)
@@ -141,9 +144,10 @@ def test_omni_video_with_its_audio_prompt_equals_the_processor(clip: tuple, qwen
     )
     assert ids == ref["input_ids"][0].tolist()
     audio_id = builder.placeholders["audio"]
-    assert ids.count(audio_id) == answered[0]["audio"]["num_tokens"]
+    track = answered[0].audio
+    assert track is not None and ids.count(audio_id) == track.num_tokens
     np.testing.assert_array_equal(
-        pp.process_audio(data, spec).input_features, ref["input_features"][0][:, : answered[0]["audio"]["num_frames"]]
+        pp.process_audio(data, spec).input_features, ref["input_features"][0][:, : track.num_frames]
     )
 
 
@@ -153,11 +157,13 @@ def test_use_audio_in_video_is_a_video_option(qwen3_vl: Path) -> None:
         parse_messages(bad)
     assert "use_audio_in_video" in str(refused.value)
     off = _user([{"type": "video_url", "video_url": {"url": "a.mp4", "use_audio_in_video": False}}])
-    assert parse_messages(off)[1] == [{"type": "video", "path": "a.mp4"}]
+    assert [i.model_dump(exclude_unset=True) for i in parse_messages(off)[1]] == [{"type": "video", "path": "a.mp4"}]
     # A model whose tokenizer has no audio tokens cannot lay a track out.
     builder = PromptBuilder(qwen3_vl)
-    answer = {"type": "video", "num_tokens": 4, "grid_thw": [2, 4, 4], "second_per_grid_t": 1.0}
-    answer["audio"] = {"type": "audio", "num_tokens": 3}
+    track = ItemResult(index=0, type="audio", num_tokens=3, tokens_unbudgeted=3)
+    answer = ItemResult(
+        index=0, type="video", num_tokens=4, tokens_unbudgeted=4, grid_thw=[2, 4, 4], second_per_grid_t=1.0, audio=track
+    )
     with pytest.raises(InvalidPrompt) as refused:
         builder.expansions([answer])
     assert refused.value.code == "audio_in_video_unsupported"

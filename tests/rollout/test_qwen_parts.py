@@ -26,7 +26,7 @@ def test_qwen_parts_read_as_the_openai_parts_of_their_kind() -> None:
     qwen = parse_messages([{"role": "user", "content": QWEN}])
     assert qwen == parse_messages([{"role": "user", "content": OPENAI}])
     template, items = qwen
-    assert items == [
+    assert [i.model_dump(exclude_unset=True) for i in items] == [
         {"type": "image", "data": "data:image/png;base64,AAAA"},
         {"type": "video", "path": "clips/a.mp4"},
         {"type": "audio", "url": "https://example.com/a.wav"},

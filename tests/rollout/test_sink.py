@@ -7,9 +7,9 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
+from experience.client import AsyncDataClient
 from experience.records import Group, Sample, SampleStatus
 from rollout.errors import ExperienceRefused, UpstreamUnauthorized, UpstreamUnavailable
 from rollout.sink import HttpSink, JsonlSink
@@ -53,19 +53,19 @@ def test_jsonl_lines_are_group_wire_forms(tmp_path: Path) -> None:
 
 def test_the_data_role_takes_groups_once(data_role: str) -> None:
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=data_role, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
             sink = HttpSink(client, retry_s=1)
             await sink.append(group("g1"))
             await sink.append(group("g1"))  # a retry of a stored group is harmless
-            stats = (await client.get("/v1/stats")).json()
-        assert stats["groups"] == 1, stats
+            stats = await client.stats()
+        assert stats.groups == 1, stats
 
     asyncio.run(run())
 
 
 def test_a_refusal_is_not_retried(data_role: str) -> None:
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=data_role, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
             with pytest.raises(ExperienceRefused, match="HTTP 422") as refused:  # a token id over int32
                 await HttpSink(client, retry_s=30).append(group("g2", token_id=2**31))
         assert refused.value.code == "experience_refused"
@@ -73,10 +73,10 @@ def test_a_refusal_is_not_retried(data_role: str) -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer not-the-token"}])
-def test_a_refused_token_is_upstream_unauthorized_not_the_groups_fault(data_role: str, headers: dict[str, str]) -> None:
+@pytest.mark.parametrize("token", [None, "not-the-token"])
+def test_a_refused_token_is_upstream_unauthorized_not_the_groups_fault(data_role: str, token: str | None) -> None:
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=data_role, headers=headers) as client:
+        async with AsyncDataClient(data_role, token=token) as client:
             with pytest.raises(UpstreamUnauthorized) as refused:
                 await HttpSink(client, retry_s=30).append(group("g4"))
         assert refused.value.code == "upstream_unauthorized" and refused.value.role == "data"
@@ -87,7 +87,7 @@ def test_a_refused_token_is_upstream_unauthorized_not_the_groups_fault(data_role
 
 def test_a_data_role_that_never_answers_is_unavailable_after_the_retries() -> None:
     async def run() -> None:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{free_port()}") as client:
+        async with AsyncDataClient(f"http://127.0.0.1:{free_port()}") as client:
             with pytest.raises(UpstreamUnavailable) as failed:
                 await HttpSink(client, retry_s=0.5).append(group("g3"))
         assert failed.value.code == "data_unavailable" and "g3" in str(failed.value)

@@ -14,7 +14,10 @@ import torch
 
 import launcher.demo.task as demo_task
 from launcher.cli import main
+from services.data.app import create_app as data_app
+from services.data.settings import DataSettings
 from tests.ports import free_stack_base
+from tests.services.conftest import RunningServer
 from trainer.driver import RolloutDriver
 from trainer.reference import ReferenceTrainer
 
@@ -53,19 +56,20 @@ def test_the_warm_up_teaches_the_crop_and_the_answers_format_never_a_pictures_co
     assert all(sorted(colours) == [10, 11, 12, 13, 14, 15] for colours in seen.values())
 
 
-def test_the_driver_sends_the_multiturn_fields_on() -> None:
+def test_the_driver_sends_the_multiturn_fields_on(tmp_path: Path) -> None:
     rows = [{"messages": [], **demo_task.agent_row(3), "sampling_params": {"temperature": 0.5}}]
-    driver = RolloutDriver(
-        rows, rollout_url="http://x", data_url="http://127.0.0.1:9", n=2, sampling_params={}, in_flight=1
-    )
-    try:
-        driver._client.post = lambda *a, **k: type("R", (), {"status_code": 404})()  # type: ignore[method-assign]
-        (prompt,) = driver.prompts(1)
-    finally:
-        driver.close()
-    assert prompt["environment"] == rows[0]["environment"] and prompt["max_turns"] == demo_task.AGENT_MAX_TURNS
-    assert prompt["sampling_params"] == {"temperature": 0.5} and prompt["reward"] == {"type": "none"}
-    assert "tools" not in prompt
+    with RunningServer(data_app(DataSettings(data_dir=tmp_path / "data"))) as data:  # no regenerations yet
+        driver = RolloutDriver(
+            rows, rollout_url="http://127.0.0.1:9", data_url=data.url, n=2, sampling_params={}, in_flight=1
+        )
+        try:
+            (prompt,) = driver.prompts(1)
+        finally:
+            driver.close()
+    sent = prompt.model_dump(mode="json", exclude_unset=True)  # what goes on the wire
+    assert sent["environment"] == rows[0]["environment"] and sent["max_turns"] == demo_task.AGENT_MAX_TURNS
+    assert sent["sampling_params"] == {"temperature": 0.5} and sent["reward"] == {"type": "none"}
+    assert "tools" not in sent
 
 
 @pytest.mark.integration

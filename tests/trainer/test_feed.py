@@ -10,11 +10,13 @@ import pyarrow as pa
 import pytest
 import torch
 
+from experience.client import DataClient
 from services.data.app import DataSettings, create_app
 from tests.experience.test_store import group
 from tests.services.conftest import RunningServer
 from trainer.feed import AckRefused, MicroBatchFeed, pack
 from trainer.losses import policy_loss
+from wire.client import RoleUnavailable
 
 
 def test_feed_end_to_end(tmp_path: Path) -> None:
@@ -146,17 +148,17 @@ def test_an_ack_answered_5xx_is_retried_then_raised() -> None:
     def data_role(request: httpx.Request) -> httpx.Response:
         seen.append(request.url.path)
         status = answers.pop(0) if answers else 500
-        return httpx.Response(
-            status, json={"lease_expired": []} if status == 200 else {"error": {"code": "internal_error"}}
-        )
+        acked = {"acked": "b1"} if request.url.path.endswith("b1/ack") else {"acked": [], "lease_expired": []}
+        return httpx.Response(status, json=acked if status == 200 else {"error": {"code": "internal_error"}})
 
     feed = MicroBatchFeed("http://data", prefetch=0)
-    feed._client = httpx.Client(transport=httpx.MockTransport(data_role))
+    feed._data = DataClient("http://data", http=httpx.Client(transport=httpx.MockTransport(data_role)))
     assert feed.ack("b1", retry_s=10) is True and seen == ["/v1/microbatches/b1/ack"] * 3
     answers[:] = [503, 200]
     assert feed.ack_all(["b1", "b3"], retry_s=10) == [] and seen[3:] == ["/v1/microbatches/ack"] * 2
-    with pytest.raises(httpx.HTTPStatusError, match="500"):  # a data role that stays broken: raised in the end
+    with pytest.raises(RoleUnavailable, match="HTTP 500") as broken:  # a data role that stays broken: raised
         feed.ack("b2", retry_s=0.2)
+    assert broken.value.status == 500 and broken.value.role == "data"
     feed.close()
 
 

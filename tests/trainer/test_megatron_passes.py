@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from encoders.embedded_model import init_model
-from tests.trainer.test_megatron_cpu import batches
+from tests.trainer.test_megatron_cpu import batches, fed, table
 from tests.trainer.weights import assert_weights_close
 from trainer.feed import FeedBatch
 from trainer.losses import LossConfig
 from trainer.megatron.passes import label_logprobs
 from trainer.megatron.trainer import MegatronTrainer
-from trainer.reference import ReferenceTrainer, StepResult
+from trainer.protocol import StepResult
+from trainer.reference import ReferenceTrainer
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_decoupled_ppo_steps_as_the_reference_trainer(model_dir: Path, make: Any
     for name in ("mismatch/all/kl", "mismatch/all/k1", "mismatch/all/tokens"):  # watched once, at the step's start
         assert got[1].metrics[name] == pytest.approx(want[1].metrics[name], rel=1e-4), name
     assert_same_weights(trainer, reference)
-    assert not trainer._held  # noqa: SLF001 - a step holds nothing past its apply
+    assert not trainer.passes.held  # a step holds nothing past its apply
 
 
 def test_the_kl_penalty_to_the_frozen_reference_matches_the_reference_trainer(model_dir: Path, make: Any) -> None:
@@ -125,12 +126,27 @@ def test_one_pass_steps_as_before(model_dir: Path, make: Any) -> None:
     trainer = make(ppo_epochs=1, mini_batches=1)
     assert trainer.reference is None
     trainer.accumulate(a)
-    assert not trainer._held  # noqa: SLF001 - trained as it came
+    assert not trainer.passes.held  # trained as it came
     trainer.accumulate(b)
     got = [trainer.apply(), *steps(trainer, plan[1:])]
     assert all("optimizer_steps" not in r.metrics and r.metrics["ratio_mean"] == 1.0 for r in got)
     assert_same_steps(got, want, PPO_METRICS)
     assert_same_weights(trainer, reference)
+
+
+@pytest.mark.parametrize("aggregation", ["sequence_mean", "sum"])
+def test_the_step_units_are_the_reference_trainers_at_the_edges(model_dir: Path, make: Any, aggregation: str) -> None:
+    """One micro-batch holds a sequence without loss tokens (in no sequence mean: not in the units either), and
+    ``sum``, which nothing normalises (the metrics are the micro-batches' mean, not divided by zero units): the
+    units rule of `trainer.ppo_passes` is one for both trainers, so the steps agree here too."""
+    a, b, _ = batches()
+    empty = fed("E", table([[1, 2, 3], [4, 5]], [[6, 7], []], [0.5, 1.0]))
+    loss = LossConfig(aggregation=aggregation)  # type: ignore[arg-type]
+    plan = [[a, empty], [empty, b]]
+    want = steps(ReferenceTrainer(model_dir, lr=1e-3, seed=0, loss=loss), plan)
+    got = steps(make(loss=loss), plan)
+    assert_same_steps(got, want, PPO_METRICS)
+    assert all(r.metrics["ratio_mean"] == pytest.approx(1.0) for r in got)  # a mean, not a sum over 0 units
 
 
 def test_proximal_logprobs_are_the_training_forwards(make: Any) -> None:

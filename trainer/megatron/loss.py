@@ -1,6 +1,7 @@
 """The loss contract with megatron-core 0.16: `forward_step` (one micro-batch through the GPTModel, its
 routes replayed) and `loss_func` (``(loss_sum, num_tokens, metrics)``, exact under any split of a step's
-tokens). The loss itself is `trainer.losses.policy_loss`; the batches are `trainer.megatron.batch`.
+tokens). The loss itself is `trainer.ppo_passes.pass_loss` (the reference trainer's); the batches are
+`trainer.megatron.batch`.
 """
 
 from __future__ import annotations
@@ -13,24 +14,13 @@ from typing import Any
 
 import torch
 
-from ..losses import LossConfig, policy_loss
+from ..losses import LossConfig
+from ..ppo_passes import loss_units, pass_loss
 from .batch import MegatronBatch, packed_seq_params
 from .deepstack import deepstack
 from .media import decoder_input
 
 __all__ = ["forward_step", "loss_func", "replay_routes"]
-
-
-def _units(mask: torch.Tensor, sequence_ids: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """What a micro-batch's loss sum is normalised by: its loss tokens, its sequences with at least one
-    loss token (padding sequences have none), or nothing (0) for ``sum``."""
-    if aggregation == "token_mean":
-        return mask.sum().round().to(torch.int)
-    if aggregation == "sequence_mean":
-        count = int(sequence_ids.max()) + 1 if sequence_ids.numel() else 0
-        per_sequence = torch.zeros(count, device=mask.device).index_add(0, sequence_ids, mask.float())
-        return (per_sequence > 0).sum().to(torch.int)
-    return torch.zeros((), dtype=torch.int, device=mask.device)
 
 
 def loss_func(
@@ -66,7 +56,7 @@ def loss_func(
     other metrics are this micro-batch's. All are fresh tensors: megatron divides the loss in place.
 
     ``proximal``: the ratio's denominator, one log-prob per label as the batch lays them out (decoupled PPO's
-    proximal policy: the weights the step started with, `trainer.megatron.passes`); None: this forward's own,
+    proximal policy: the weights the step started with, `trainer.ppo_passes`); None: this forward's own,
     detached (a ratio of 1). ``reference``: the frozen reference model's log-probs, laid out alike, for the
     KL penalty (``config.kl_coef``) and the ``kl_ref`` metric.
     """
@@ -80,18 +70,18 @@ def loss_func(
     else:
         cu = batch["cu_seqlens"].long()
         sequence_ids = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=mask.device), cu[1:] - cu[:-1])
-    units = _units(mask, sequence_ids, config.aggregation)
+    units = loss_units(mask, sequence_ids, config.aggregation)
     # token_mean's sum is summed directly rather than a mean times its count, to keep it exact.
     summed = replace(config, aggregation="sum") if config.aggregation == "token_mean" else config
-    out = policy_loss(
+    out = pass_loss(
         logprobs,
-        logprobs.detach() if proximal is None else proximal.float().reshape(-1),
-        batch["advantages"].reshape(-1),
-        mask,
-        summed,
+        advantages=batch["advantages"].reshape(-1),
+        loss_mask=mask,
         rollout_logprobs=batch["rollout_logprobs"].reshape(-1),
-        ref_logprobs=None if reference is None else reference.float().reshape(-1),
         sequence_ids=sequence_ids,
+        config=summed,
+        proximal=proximal,
+        reference=reference,
     )
     loss_sum = out.loss * units if config.aggregation == "sequence_mean" else out.loss
     metrics = {name: torch.tensor(value, device=logprobs.device) for name, value in out.metrics.items()}

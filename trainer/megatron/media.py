@@ -177,19 +177,12 @@ class QwenMedia:
 
     def sequence_media(self, batch: FeedBatch) -> list[list[Any]]:
         """Each sequence's media items, in prompt order (inline ``batch.media``, else the cache)."""
-        out = []
-        for i, keys in enumerate(batch.feature_keys):
-            if batch.media is not None and batch.media[i] is not None:
-                out.append(list(batch.media[i]))
-                continue
-            items = []
-            for key in keys:
-                item = self.features.get(key) if self.features is not None else None
-                if item is None:
-                    raise KeyError(f"no cached features {key} (give QwenMedia the feature cache)")
-                items.append(item)
-            out.append(items)
-        return out
+        from ..reference import sequence_features
+
+        return [
+            sequence_features(keys, None if batch.media is None else batch.media[i], self.features)
+            for i, keys in enumerate(batch.feature_keys)
+        ]
 
     def sequence_positions(self, input_ids: torch.Tensor, media: list[Any]) -> torch.Tensor:
         """(3, L) positions of one sequence. An Omni thinker's per media item (`encoders.positions`: a video

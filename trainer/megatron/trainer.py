@@ -22,12 +22,12 @@ batch with no loss tokens. Gradient clipping takes the norm over the whole model
 counted once, every rank's experts). Pipeline and context parallelism are refused by name
 (`check_model_parallel` says why).
 
-Decoupled PPO (``ppo_epochs`` × ``mini_batches`` > 1) and the KL penalty (``LossConfig.kl_coef``), as the
-reference trainer runs them (`trainer.megatron.passes`): ``accumulate`` then holds each micro-batch with its
-proximal log-probs (a no-grad forward at the step's start, which the mismatch monitor reads) and ``apply``
-makes ``ppo_epochs`` passes of ``mini_batches`` optimizer steps, each ratio against those; the penalty's
-reference is a second GPTModel with the starting weights, sharded as the policy and frozen, whose log-probs
-each micro-batch's loss takes.
+Decoupled PPO (``ppo_epochs`` × ``mini_batches`` > 1) and the KL penalty (``LossConfig.kl_coef``), written
+once for both trainers (`trainer.ppo_passes`; megatron's no-grad forward is `trainer.megatron.passes`'):
+``accumulate`` then holds each micro-batch with its proximal log-probs (a no-grad forward at the step's start,
+which the mismatch monitor reads) and ``apply`` makes ``ppo_epochs`` passes of ``mini_batches`` optimizer
+steps, each ratio against those; the penalty's reference is a second GPTModel with the starting weights,
+sharded as the policy and frozen, whose log-probs each micro-batch's loss takes.
 
 Precision: float32 on any device (``torch.optim.AdamW`` over ``main_grad``); ``bf16`` (bf16 parameters and
 compute, fp32 gradient reduction and master weights) uses megatron's mixed-precision optimizer, which
@@ -46,7 +46,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 import torch
@@ -58,17 +58,19 @@ from encoders.architectures import drop_language_model, thinker_config
 
 from ..feed import FeedBatch, pack
 from ..losses import LossConfig
-from ..memory import MemoryEstimate, estimate_megatron_memory
-from ..mismatch import MismatchMonitor, placeholder_ids, token_mismatch
+from ..memory import MemoryEstimate, Precision, estimate_megatron_memory
+from ..mismatch import MismatchMonitor, placeholder_ids
 from ..model_loading import CheckpointTensors, load_onto
-from ..reference import StepResult, SupervisedPairs, write_synced
+from ..ppo_passes import DecoupledPasses, Held, StepSums, frozen
+from ..protocol import StepResult
+from ..reference import SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
 from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
 from .loss import forward_step
 from .media import QwenMedia
 from .model import build_gpt
-from .passes import Held, check_passes, frozen, label_logprobs, mean_result, mini_batch_parts, on_device
+from .passes import label_logprobs, on_device
 from .ranks import close_megatron_ranks, megatron_ranks
 from .weights import QwenLayout, export_hf, gather_ep, gather_tp, hf_to_megatron, megatron_to_hf, shard_ep, shard_tp
 
@@ -76,7 +78,10 @@ __all__ = ["MegatronTrainer"]
 
 logger = logging.getLogger(__name__)
 
-Precision = Literal["fp32", "bf16"]
+# What a held micro-batch's training forward takes: the fed batch (None: an expert-parallel rank's padding
+# batch, held too so that every rank of the expert group runs the same rounds in each pass) and megatron's
+# batch of it (built once: the towers' outputs are not recomputed per pass).
+Fed = tuple[FeedBatch | None, MegatronBatch]
 
 
 class MegatronTrainer(SupervisedPairs):
@@ -100,7 +105,7 @@ class MegatronTrainer(SupervisedPairs):
         ppo_epochs: int = 1,
         mini_batches: int = 1,
     ) -> None:
-        check_passes(ppo_epochs, mini_batches)
+        self.passes: DecoupledPasses[Fed] = DecoupledPasses(ppo_epochs, mini_batches)  # refuses < 1 pass first
         cuda = torch.cuda.is_available()
         if precision == "bf16" and not cuda:
             raise ValueError(
@@ -167,9 +172,6 @@ class MegatronTrainer(SupervisedPairs):
         # leaves it: it is the model folder's, not a checkpoint's).
         self.reference = frozen(built) if self.loss_config.kl_coef else None
         self._reference_parameters = sum(p.numel() for p in self.reference.parameters()) if self.reference else 0
-        self.ppo_epochs, self.mini_batches = ppo_epochs, mini_batches
-        self._passes = ppo_epochs * mini_batches > 1  # several optimizer steps a step: micro-batches are held
-        self._held: list[Held] = []
         self.media = (
             QwenMedia.from_thinker(thinker, features=features, device=self.device, dtype=tower_dtype)
             if towers
@@ -184,8 +186,7 @@ class MegatronTrainer(SupervisedPairs):
         self.max_grad_norm = max_grad_norm
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.policy_version = 0
-        self._units, self._loss, self._trained = 0, 0.0, 0  # since the last optimizer step
-        self._metrics: dict[str, float] = {}
+        self._sums = StepSums(self.loss_config.aggregation)  # since the last optimizer step
 
     def memory_estimate(self, tokens_per_micro_batch: int) -> MemoryEstimate:
         """What this rank needs for micro-batches of ``tokens_per_micro_batch`` tokens (approximate:
@@ -310,12 +311,12 @@ class MegatronTrainer(SupervisedPairs):
             return {}
         data = self._megatron_batch(batch)
         reference = self._logprobs(self.reference, data) if self.reference is not None else None
-        if not self._passes:
+        if not self.passes.several:
             return self._train(batch, data, reference=reference)
         proximal = self._logprobs(self.model, data)
         if batch is not None:  # the weights the step started with: what the monitor compares with the engine
-            self._watch(batch, data, proximal)
-        self._held.append(Held(batch=batch, data=data, proximal=proximal, reference=reference))
+            self.mismatch.watch(batch, proximal, self.policy_version, layout=data)
+        self.passes.hold((batch, data), proximal, reference)
         return {}
 
     def _train(
@@ -342,53 +343,29 @@ class MegatronTrainer(SupervisedPairs):
         if batch is None:  # the expert group's padding batch: no loss tokens, nothing to report
             return {}
         if proximal is None:
-            self._watch(batch, data, -outputs[0].float())
+            self.mismatch.watch(batch, -outputs[0].float(), self.policy_version, layout=data)
         loss_sum, units = (float(x) for x in metrics.pop("policy loss"))
-        self._trained += 1
-        self._units += int(units)
-        self._loss += loss_sum
-        weight = max(units, 1.0)
         out = {name: float(value) for name, value in metrics.items()}
-        for name, value in out.items():
-            self._metrics[name] = self._metrics.get(name, 0.0) + value * weight
+        self._sums.add(loss_sum, self._sums.weight(units), out)  # `loss_func`'s sum: a mean times its units
         return out
-
-    def _watch(self, batch: FeedBatch, data: MegatronBatch, logprobs: torch.Tensor) -> None:
-        """The mismatch monitor on megatron's layout (labels shifted one token left, a padding sequence at the
-        end): the trainer's log-prob of each label against the engine's, per modality of its sequence."""
-        labels = self.mismatch.labels(batch, self.policy_version)
-        cu = data["cu_seqlens"]
-        labels += [("text",)] * (int(cu.numel()) - 1 - len(labels))  # the padding sequence: no loss tokens
-        self.mismatch.sums.add(
-            token_mismatch(
-                logprobs.float().reshape(-1).cpu(),
-                data["rollout_logprobs"].reshape(-1).cpu(),
-                data["loss_mask"].reshape(-1).cpu(),
-                cu.cpu(),
-                labels,
-            )
-        )
 
     def apply(self) -> StepResult:
         """The step's end as megatron's schedule ends one (`_step`); with several passes, ``ppo_epochs`` passes
-        over the held micro-batches, each cut into ``mini_batches`` consecutive parts with a `_step` each (every
-        rank cuts its own; an expert-parallel rank's padding batches are among its held ones). The result is
-        the mean of the passes' losses, gradient norms and metrics, with ``optimizer_steps``."""
-        if not self._passes:
-            result = self._step()
-            result.metrics.update(self.mismatch.take(self.parallel))
-            return result
-        held, self._held = self._held, []
-        parts = mini_batch_parts(held, self.mini_batches)
-        results = []
-        for _ in range(self.ppo_epochs):
-            for part in parts:
-                for entry in part:
-                    self._train(entry.batch, entry.data, proximal=entry.proximal, reference=entry.reference)
-                results.append(self._step())
-        result = mean_result(results)
+        over the held micro-batches, each cut into ``mini_batches`` consecutive parts with a `_step` each
+        (`DecoupledPasses.apply`: every rank cuts its own; an expert-parallel rank's padding batches are among
+        its held ones). The result is the mean of the passes' losses, gradient norms and metrics, with
+        ``optimizer_steps``."""
+        result = self.passes.apply(self._train_part, self._step)
         result.metrics.update(self.mismatch.take(self.parallel))
         return result
+
+    def _train_part(self, part: list[Held[Fed]]) -> None:
+        """A mini-batch's micro-batches through the schedule, each ratio against its proximal log-probs (no
+        lockstep fillers: nothing is a collective until `_step` but the expert group's, whose padding batches
+        are held)."""
+        for held in part:
+            batch, data = held.inputs
+            self._train(batch, data, proximal=held.proximal, reference=held.reference)
 
     def _step(self) -> StepResult:
         """Gradients reduced over data-parallel ranks and divided by the loss units since the last step (summed
@@ -397,28 +374,18 @@ class MegatronTrainer(SupervisedPairs):
         gradients, skips it too)."""
         from megatron.core.distributed import finalize_model_grads
 
-        names = sorted(self._metrics) if self.parallel is None else self.parallel.union(self._metrics)
-        sums = [float(self._units), self._loss, float(self._trained), *(self._metrics.get(n, 0.0) for n in names)]
-        if self.parallel is not None:
-            sums = self.parallel.total(sums)
-        aggregation = self.loss_config.aggregation
-        units = torch.tensor(self._units if aggregation != "sum" else 0, dtype=torch.int, device=self.device)
+        mine, self._sums = self._sums, StepSums(self.loss_config.aggregation)
+        sums = mine.over(self.parallel)
         norm = 0.0
-        if sums[2]:
+        if sums.trained:
+            # this rank's units: megatron sums them over ranks itself; ``sum`` asks it for no scaling
+            units = torch.tensor(int(mine.units), dtype=torch.int, device=self.device)
             with self._cuda_names():
-                finalize_model_grads([self.model], units if aggregation != "sum" else None)
+                finalize_model_grads([self.model], units if self.loss_config.aggregation != "sum" else None)
             norm = self._optimizer_step()
         else:
             self.model.zero_grad_buffer()  # an expert group's padding batches: zeros, left as they were
-        total_units = max(sums[0], 1e-9)
-        divisor = 1.0 if aggregation == "sum" else total_units
-        result = StepResult(
-            loss=sums[1] / divisor,
-            grad_norm=norm,
-            metrics={name: value / total_units for name, value in zip(names, sums[3:], strict=True)},
-        )
-        self._units, self._loss, self._trained, self._metrics = 0, 0.0, 0, {}
-        return result
+        return sums.result(norm)
 
     def _optimizer_step(self, lr: float | None = None) -> float:
         saved = [group["lr"] for group in self.optimizer.param_groups]
@@ -518,13 +485,13 @@ class MegatronTrainer(SupervisedPairs):
 
     @staticmethod
     def saved_policy_version(folder: str | Path) -> int:
-        """The policy version a checkpoint written by `save` holds (`trainer.policy_version.PolicyVersion`,
+        """The policy version a checkpoint written by `save` holds (`trainer.policy_version.PolicyOwner`,
         its one owner, restores it)."""
         return int(json.loads((Path(folder) / "trainer.json").read_text())["policy_version"])
 
     def load(self, folder: str | Path) -> dict[str, Any]:
         """Restore a checkpoint written by `save` by as many ranks (model, optimizer; not the policy version,
-        which `PolicyVersion.restore` sets); returns this rank's feed state."""
+        which `PolicyOwner.restore` sets); returns this rank's feed state."""
         from megatron.core import dist_checkpointing
 
         root = Path(folder)

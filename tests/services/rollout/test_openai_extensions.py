@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
+from rollout.api import EXTENSION_REFUSALS
 from rollout.prompts import PromptBuilder
-from services.rollout.schemas import EXTENSION_REFUSALS
 from tests.services.conftest import RunningServer
 from tests.services.rollout.test_e2e import IMAGE, Stack, data_uri
 
@@ -233,7 +233,7 @@ def test_every_request_field_is_documented_as_honoured_ignored_or_refused() -> N
     docs/api.md's OpenAI section names each one, so none is taken, or ignored, unannounced."""
     from pathlib import Path
 
-    from services.rollout.schemas import ChatRequest, CompletionRequest
+    from rollout.api import ChatRequest, CompletionRequest
 
     docs = Path(__file__).resolve().parents[3] / "docs" / "api.md"
     section = docs.read_text().split("## The rollout role against OpenAI's API", 1)[1]

@@ -1,7 +1,7 @@
 """The twin's cost model alone: no control plane, no HTTP, no sleeping — a discrete-event run of the same sim
 engines (`engines.sim_stepper.SimStepper` on a `VirtualClock`, each replica its own GPU and its own time) and
 the same sim trainer's formulas (`trainer.sim_trainer.SimTrainer`), under the rules Weir's loop keeps. It is the
-exact GPU-time reference the live twin (`launcher.twin`) is checked against — `colocate_cost_model` for
+exact GPU-time reference the live twin (`twin.live`) is checked against — `colocate_cost_model` for
 colocate, `async_cost_model` for ``async-S`` — and what `weir twin plan` searches with.
 
 Colocate: the step's groups are all sent at once, generation lasts as long as the busiest engine, then the
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from dataclasses import replace as with_values
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, Literal
 
 from engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from engines.scheduler import Req, Scheduler
@@ -52,11 +52,11 @@ from engines.sim_stepper import SimState, SimStepper, VirtualClock
 from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 
 from .intervals import interval
+from .records import Prediction
 
 __all__ = [
     "PROMPT_TOKENS",
     "AsyncModel",
-    "Prediction",
     "async_cost_model",
     "colocate_cost_model",
     "prompt_ids",
@@ -65,36 +65,6 @@ __all__ = [
 
 PROMPT_TOKENS = 180  # the twin's DAPO-like prompts tokenise to ~180 ids; the cost models use this length
 MAX_QUEUED_GROUPS = 256  # the data role's default admission cap (`services.data.settings`)
-
-
-class Prediction(TypedDict):
-    """A cost-model run's figures (simulated seconds): each step's time, their mean and 95 % interval (over the
-    steps after the first for async: it fills the pipeline), tokens, and what each mode adds."""
-
-    gpus: int
-    s_per_step: float
-    s_per_step_ci95: float
-    step_s: list[float]
-    tokens_per_step: float
-    tokens_per_s_per_gpu: float
-    engine_gpus: NotRequired[int]  # async: the split
-    trainer_gpus: NotRequired[int]
-    staleness: NotRequired[int]
-    engine_idle_share: NotRequired[float | None]
-    trainer_idle_share: NotRequired[float | None]
-    dropped_stale: NotRequired[int]
-    staleness_histogram: NotRequired[dict[str, int]]  # versions behind → trained samples
-    retractions: NotRequired[int]  # SGLang-style KV retractions over the run
-    peak_kv_share: NotRequired[float]  # the fullest engine's peak KV over its capacity
-    prompts: NotRequired[int]  # colocate: its step's decomposition
-    s_per_step_stdev: NotRequired[float]
-    generation_s: NotRequired[float]
-    fixed_s: NotRequired[float]
-    allreduce_s: NotRequired[float]
-    optimizer_s: NotRequired[float]
-    mode: NotRequired[str]  # set by `launcher.twin_plan.predict`
-    label: NotRequired[str]
-    overlaps_best: NotRequired[bool]
 
 
 def prompt_ids(index: int) -> list[int]:

@@ -1,5 +1,9 @@
-"""Wire types of the engine role (pydantic models, no logic): SGLang 0.5's native request and
-response shapes, plus Weir's one extension, ``weir_media``.
+"""The engine role's records: SGLang 0.5's native request and response shapes, plus Weir's two
+extensions (``weir_media``, ``weir_packed``), declared once (pydantic models and TypedDicts, no logic).
+
+The engine role (`services.engine`) validates bodies and documents answers with these classes; its callers
+(`engines.client`, the rollout role's dispatcher, the trainer's publisher) build bodies and read answers with
+the same ones — from Weir's engine and from a plain SGLang server alike.
 
 Bodies that mirror SGLang's request classes ignore fields they do not declare, as SGLang's own
 server drops fields across versions and clients written for a newer SGLang send them; Weir's own
@@ -7,19 +11,24 @@ server drops fields across versions and clients written for a newer SGLang send 
 Sampling keys are checked by `engines.sampling` (stable codes:
 ``unknown_sampling_param``, ``unsupported_sampling_param``, ``bad_sampling_params``), so the schema
 of ``sampling_params`` documents them without enforcing them.
+
+Answers are read by clients of both servers, so a field is required only where Weir's engine and SGLang
+0.5 both always send it (SGLang's pause answer has no ``success``, its ``/server_info`` is its server
+arguments, its aborted result has no ``prompt_tokens``); what only one of them sends is optional, and what
+SGLang adds beyond these fields is kept (``extra="allow"``). Weir's engine sends every field listed.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, NotRequired
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, JsonValue, SkipValidation, with_config
 from pydantic.json_schema import JsonDict
 from typing_extensions import TypedDict  # pydantic takes typing's TypedDict from Python 3.12 only
 
-from engines.protocol import FinishReason
+from preprocess.api import FEATURE_KEY_PATTERN, MediaKind
 
-from ..template import FEATURE_KEY_PATTERN
+from .protocol import FinishReason
 
 __all__ = [
     "REFUSED_FIELDS",
@@ -29,16 +38,19 @@ __all__ = [
     "ContinueBody",
     "ControlResponse",
     "DestroyWeightsGroupBody",
-    "ErrorDetail",
-    "ErrorResponse",
     "GenerateBody",
     "GenerateResponse",
     "InitWeightsGroupBody",
     "MediaRef",
     "MetaInfo",
+    "ModelCard",
     "ModelInfo",
+    "ModelList",
+    "PackedOutput",
     "PauseBody",
     "ServerInfo",
+    "StreamError",
+    "StreamErrorDetail",
     "UpdateWeightsBody",
     "UpdateWeightsFromDistributedBody",
     "UpdateWeightsFromTensorBody",
@@ -118,8 +130,9 @@ digits) or SGLang's ``default``. Checked by the route (SGLang's ``success: false
 
 
 class MediaRef(BaseModel):
-    """One media item of the prompt, by cache key: exactly one of ``feature_key`` (the preprocess
-    role's feature cache) or ``embedding_key`` (the encoder role's embedding cache)."""
+    """One media item of the prompt, by cache key (``weir_media``): exactly one of ``feature_key`` (the
+    preprocess role's feature cache; the engine runs the towers) or ``embedding_key`` (the encoder role's
+    embedding cache). Built by the rollout role, read by `engines.media.MediaResolver`."""
 
     model_config = ConfigDict(
         extra="forbid",
@@ -132,7 +145,7 @@ class MediaRef(BaseModel):
         },
     )
 
-    type: Literal["image", "video", "audio"]
+    type: MediaKind
     feature_key: str | None = Field(None, pattern=FEATURE_KEY_PATTERN)
     embedding_key: str | None = Field(None, pattern=FEATURE_KEY_PATTERN)
 
@@ -214,39 +227,67 @@ class PackedOutput(TypedDict):
     output_logprobs: NotRequired[str]  # float64, little-endian, base64; with return_logprob
 
 
+@with_config(ConfigDict(extra="allow"))  # SGLang's other keys (reasoning_tokens, spec_*, …) kept for its readers
 class MetaInfo(TypedDict):
     """SGLang's ``meta_info`` of one result. Log-prob entries are ``[logprob, token_id, text or null]``; top
-    log-probs are lists of such entries per position (null where SGLang pads the first prompt position)."""
+    log-probs are lists of such entries per position (null where SGLang pads the first prompt position).
+    Weir's engine sends id through e2e_latency always; SGLang's aborted results and stream chunks lack some."""
 
-    id: str
     finish_reason: FinishReason | None  # SGLang's {"type": ...} (`GenerateResult.finish_reason`); null mid-stream
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    weight_version: str
-    num_retractions: int
-    e2e_latency: float
+    id: NotRequired[str]
+    prompt_tokens: NotRequired[int]
+    completion_tokens: NotRequired[int]
+    cached_tokens: NotRequired[int]
+    weight_version: NotRequired[str]
+    num_retractions: NotRequired[int]
+    e2e_latency: NotRequired[float]
     routed_experts: NotRequired[str]  # with return_routed_experts, on a MoE model
-    top_p_token_ids: NotRequired[list[int]]  # slime's top-p replay: ids[offsets[i]:offsets[i + 1]] for token i
-    top_p_token_offsets: NotRequired[list[int] | None]
-    output_token_logprobs: NotRequired[list[list[Any]]]
-    input_token_logprobs: NotRequired[list[list[Any]]]
-    output_top_logprobs: NotRequired[list[list[list[Any]] | None]]
-    input_top_logprobs: NotRequired[list[list[list[Any]] | None]]
+    # The per-token lists below are typed, not checked, when read: their readers check each entry
+    # (`rollout.logprobs`: a bad one fails the sample, naming it), and walking a long answer's entries here
+    # too made reading it several times orjson's time.
+    top_p_token_ids: NotRequired[SkipValidation[list[int]]]  # slime's top-p replay: ids[offsets[i]:offsets[i + 1]]
+    top_p_token_offsets: NotRequired[SkipValidation[list[int] | None]]
+    output_token_logprobs: NotRequired[SkipValidation[list[list[Any]]]]
+    input_token_logprobs: NotRequired[SkipValidation[list[list[Any]]]]
+    output_top_logprobs: NotRequired[SkipValidation[list[list[list[Any]] | None]]]
+    input_top_logprobs: NotRequired[SkipValidation[list[list[list[Any]] | None]]]
 
 
-class GenerateResponse(BaseModel):
-    """One result; a batch or n > 1 is answered with a JSON list of these (item-major, as SGLang)."""
+@with_config(ConfigDict(extra="allow"))
+class GenerateResponse(TypedDict):
+    """One result of ``/generate`` (a batch or n > 1 is answered with a JSON list of these, item-major, as
+    SGLang), and one chunk of a stream (cumulative; ``index``: its place in that list, for a batch or n > 1).
+    A TypedDict: the engine role writes it with orjson (a long answer's per-token entries made a model's
+    validation a quarter of an engine's CPU) and its readers take it as the JSON object it is."""
 
     text: str
-    output_ids: list[int] | None = Field(None, description="absent with weir_packed")
-    prompt_token_ids: list[int] | None = Field(None, description="with return_prompt_token_ids")
-    weir_packed: PackedOutput | None = Field(None, description="with weir_packed: the output ids and log-probs")
-    meta_info: MetaInfo = Field(
-        description="id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, "
-        "num_retractions, e2e_latency; with return_logprob: output_token_logprobs and input_token_logprobs "
-        "([logprob, token_id, text or null]), with top_logprobs_num: output_top_logprobs and input_top_logprobs"
-    )
+    output_ids: NotRequired[Annotated[list[int], Field(description="absent with weir_packed")]]
+    prompt_token_ids: NotRequired[Annotated[list[int], Field(description="with return_prompt_token_ids")]]
+    weir_packed: NotRequired[
+        Annotated[PackedOutput, Field(description="with weir_packed: the output ids and log-probs")]
+    ]
+    meta_info: Annotated[
+        MetaInfo,
+        Field(
+            description="id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, weight_version, "
+            "num_retractions, e2e_latency; with return_logprob: output_token_logprobs and input_token_logprobs "
+            "([logprob, token_id, text or null]), with top_logprobs_num: output_top_logprobs and input_top_logprobs"
+        ),
+    ]
+    index: NotRequired[Annotated[int, Field(description="a stream's chunk of a batch or n > 1: its place in the list")]]
+
+
+class StreamErrorDetail(TypedDict):
+    code: NotRequired[str]  # Weir's stable code (SGLang's event has its message only)
+    message: str
+
+
+class StreamError(TypedDict):
+    """A request that failed while streaming: SGLang's error event (``data: {"error": {"message"}}``), with
+    Weir's ``code``; ``index`` as a chunk's."""
+
+    error: StreamErrorDetail
+    index: NotRequired[int]
 
 
 class UpdateWeightsBody(BaseModel):
@@ -322,8 +363,10 @@ class DestroyWeightsGroupBody(BaseModel):
 
 
 class UpdateWeightsResponse(BaseModel):
+    """SGLang's answer to a weight update: ``success: false`` with 400 when the weights do not load."""
+
     success: bool
-    message: str
+    message: str = ""
     num_paused_requests: int = 0
 
 
@@ -356,75 +399,73 @@ class ContinueBody(BaseModel):
 
 
 class ControlResponse(BaseModel):
-    success: bool
-    message: str
+    """Weir's ``{"success", "message"}`` (pause, continue, weight groups). SGLang answers a pause or a
+    continue with ``{"message", "status": "ok"}``: a 200 is its success."""
+
+    model_config = ConfigDict(extra="allow")
+
+    success: bool = True
+    message: str = ""
 
 
 class WeightVersion(BaseModel):
     weight_version: str
 
 
-class ListedModel(BaseModel):
+class ModelCard(BaseModel):
+    """One model of OpenAI's ``GET /v1/models`` (SGLang's ``ModelCard``): the engine role's entry names its
+    folder (``root``) and context (``max_model_len``); the rollout role's only what OpenAI's does (its route
+    leaves the unset ones out)."""
+
     id: str
-    object: Literal["model"]
-    created: int
-    owned_by: str
-    root: str
-    max_model_len: int | None
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "weir"
+    root: str | None = None
+    max_model_len: int | None = None
 
 
 class ModelList(BaseModel):
-    """SGLang's OpenAI-compatible ``GET /v1/models``."""
+    """OpenAI's ``GET /v1/models``: the models served."""
 
-    object: Literal["list"]
-    data: list[ListedModel]
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
 
 
 class ModelInfo(BaseModel):
+    """``GET /model_info`` (``/get_model_info``): what is served. SGLang 0.5.23 sends more (load_format,
+    parsers, disaggregation_mode), kept."""
+
+    model_config = ConfigDict(extra="allow")
+
     model_path: str
-    served_model_name: str
-    tokenizer_path: str
-    is_generation: bool
-    preferred_sampling_params: dict[str, JsonValue] | None  # SGLang's --preferred-sampling-params (Weir: none)
-    weight_version: str
-    has_image_understanding: bool
-    has_audio_understanding: bool
-    model_type: str | None
-    architectures: list[str]
+    served_model_name: str | None = None
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: dict[str, JsonValue] | None = None  # SGLang's --preferred-sampling-params (Weir: none)
+    weight_version: str | None = None
+    has_image_understanding: bool | None = None
+    has_audio_understanding: bool | None = None
+    model_type: str | None = None
+    architectures: list[str] | None = None
 
 
 class ServerInfo(BaseModel):
-    version: str
-    backend: str
-    model_path: str
-    device: str | None
-    max_running_requests: int | None
-    weight_version: str
-    busy_seconds: float | None = Field(description="seconds spent generating (Weir's addition)")
-    uptime_seconds: float | None
+    """``GET /server_info`` (``/get_server_info``): Weir's engine answers these fields; SGLang answers its
+    server arguments (``tp_size``, ``version``, ``model_path``, … kept) and its scheduler's state."""
+
+    model_config = ConfigDict(extra="allow")
+
+    version: str | None = None
+    backend: str | None = None
+    model_path: str | None = None
+    device: str | None = None
+    max_running_requests: int | None = None
+    weight_version: str | None = None
+    busy_seconds: float | None = Field(None, description="seconds spent generating (Weir's addition)")
+    uptime_seconds: float | None = None
     tp_size: int = Field(
+        1,
         description="tensor-parallel ranks (SGLang's field): the ranks this engine takes in a weight-broadcast "
-        "group, from rank_offset on"
+        "group, from rank_offset on",
     )
-
-
-class ErrorDetail(BaseModel):
-    code: str = Field(description="Weir's stable code (a string), e.g. url_not_allowed")
-    message: str = Field(description="what went wrong, for people (SGLang's one key)")
-    item: int | None = Field(None, description="the batch item (or the request of n > 1) at fault")
-    field: str | None = Field(None, description="the body field at fault, e.g. image_data, sampling_params.top_k")
-
-
-class ErrorResponse(BaseModel):
-    """Every refusal but ``/update_weights_from_disk``'s (SGLang's ``success: false`` shape there).
-
-    A superset of SGLang 0.5's own: its `/generate` answers a request it cannot take (a ``ValueError``)
-    with 400 ``{"error": {"message": ...}}`` (``_create_error_response`` in
-    ``sglang/srt/entrypoints/http_server.py``), and a failure while streaming as a ``data:`` event of the
-    same shape before ``[DONE]``; both have ``error.message`` here too, so a client that reads it works
-    unchanged. Weir adds ``code`` (a stable string, not SGLang's numeric status — the HTTP status says
-    that), ``item`` and ``field``. Not copied: SGLang answers a body its schema refuses with 400 and
-    OpenAI's flat ``{"object": "error", "message", "type", "param", "code": 400}``; Weir keeps this one
-    shape everywhere, with 422 ``invalid_request`` (400 ``malformed_json`` for JSON it cannot parse)."""
-
-    error: ErrorDetail

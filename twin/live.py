@@ -1,11 +1,12 @@
-"""`weir twin`: a capacity twin — Weir's real control plane with simulated GPUs, across modes and two clocks.
+"""The live twin (`weir twin`): Weir's real control plane with simulated GPUs, across modes and two clocks.
 
 For each mode (``colocate``; ``async`` with the data role's staleness bound 1, 2, …) and each compression
-factor, a fresh local stack (`launcher.stack.LocalStack`) is started whose engines are ``--backend sim``
-(`engines.sim_backend`: the profile's continuous-batching cost model, slept), and the real RL loop
-(`trainer.loop.run_loop`: the rollout driver, admission, the data role's staleness and leases, the feed,
-checkpoints-then-ack, publishing) runs against it with a `trainer.sim_trainer.SimTrainer` (the profile's
-``trainer`` section, slept under the same clock). Nothing is fitted here (`weir twin calibrate` fits one knob).
+factor, a fresh stack of roles is started (the caller's `StackFactory`: `launcher.stack.LocalStack` for
+`weir twin`) whose engines are ``--backend sim`` (`engines.sim_backend`: the profile's continuous-batching cost
+model, slept), and the real RL loop (`trainer.loop.run_loop`: the rollout driver, admission, the data role's
+staleness and leases, the feed, checkpoints-then-ack, publishing) runs against it with a
+`trainer.sim_trainer.SimTrainer` (the profile's ``trainer`` section, slept under the same clock). Nothing is
+fitted here (`weir twin calibrate` fits one knob).
 
 Scaling: ``gpus`` GPUs in all. Colocate: ``gpus`` engines generate, then the same ``gpus`` GPUs train
 (the sim trainer pays the engines' sleep / wake and its own off / onload each step). Async: half the GPUs
@@ -23,7 +24,8 @@ The prompts are DAPO-Math-17k-like text prompts (its instruction template around
 rewarded by exact match: the sim engines return token ids with no text, so every reward is 0 — the control
 plane and the times do not depend on it.
 
-This module runs the twin; its table, findings, calibration and plot are `launcher.twin_report`.
+This module runs the twin; its table, findings, calibration and plot are `twin.report`, its configuration
+`twin.config`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import json
 import math
 import shutil
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol, TypedDict
 
 import httpx
 import yaml
@@ -43,17 +45,17 @@ from engines.sim_backend import SimProfile
 from trainer.loop import LoopConfig, run_loop
 from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 
+from .config import TwinConfig, relax_prompts
 from .intervals import interval
-from .stack import LocalStack
-from .twin_model import Prediction, colocate_cost_model
-from .twin_report import RELAX, DataLoad, RunFigures, TwinRun, TwinSummary, summary
-
-if TYPE_CHECKING:
-    from .demo.task import PromptRow
+from .model import colocate_cost_model
+from .records import DataLoad, Prediction, RunFigures, TwinRun, TwinSummary
+from .report import summary
 
 __all__ = [
     "Layout",
-    "TwinConfig",
+    "DapoRow",
+    "Stack",
+    "StackFactory",
     "cost_model_step",
     "data_role_load",
     "dapo_like_rows",
@@ -71,9 +73,45 @@ _DAPO_TEMPLATE = (
 )
 
 
-def dapo_like_rows(count: int, seed: int = 0) -> list[PromptRow]:
+class _ExactMatch(TypedDict):
+    type: Literal["exact_match"]
+    answer: str
+
+
+class _UserMessage(TypedDict):
+    role: Literal["user"]
+    content: str
+
+
+class DapoRow(TypedDict):
+    """A prompt as the RL loop reads a row (a demo task's row has this shape): one user message, a reward."""
+
+    messages: list[_UserMessage]
+    reward: _ExactMatch
+
+
+class Stack(Protocol):
+    """What the live twin needs of a stack of roles (`launcher.stack.LocalStack` is one): start it (the roles'
+    URLs by name), its API token once started, and stop it."""
+
+    @property
+    def token(self) -> str | None: ...
+
+    def start(self) -> dict[str, str]: ...
+
+    def stop(self) -> None: ...
+
+
+class StackFactory(Protocol):
+    """A new, unstarted stack of ``engines`` engine processes serving ``model``, its files under ``home``, its
+    ports from ``base_port``, every role started with ``env``. Passed in: a library does not start roles itself."""
+
+    def __call__(self, *, home: Path, model: Path, engines: int, base_port: int, env: dict[str, str]) -> Stack: ...
+
+
+def dapo_like_rows(count: int, seed: int = 0) -> list[DapoRow]:
     """``count`` text prompts in DAPO-Math-17k's template (a generated problem each), exact-match rewarded."""
-    rows: list[PromptRow] = []
+    rows: list[DapoRow] = []
     for i in range(count):
         a, b, c = 3 + (seed + 7 * i) % 41, 5 + (seed + 13 * i) % 37, 2 + (seed + 5 * i) % 11
         problem = (
@@ -87,34 +125,6 @@ def dapo_like_rows(count: int, seed: int = 0) -> list[PromptRow]:
             }
         )
     return rows
-
-
-@dataclass(slots=True, kw_only=True)
-class TwinConfig:
-    profile: Path = Path("profiles/relax-qwen3-4b-h800.yaml")
-    gpus: int = 2  # in all, when ``nodes`` is empty: colocate gpus engines; async gpus//2 engines + the rest train
-    engine_gpus: int | None = None  # async: engines (one GPU each) of ``gpus``, the rest train; None: half
-    nodes: tuple[int, ...] = ()  # node counts to run (each node gpus_per_node GPUs); empty: one run of ``gpus``
-    gpus_per_node: int = 8
-    steps: int = 4
-    prompts_per_step: int | None = None  # default: Relax's 32 per 16 GPUs, scaled to the run's GPUs
-    n: int = 8
-    compressions: tuple[float, ...] = (50.0, 100.0)
-    # colocate; async-S: staleness bound S (async-0: on-policy); partial-S: async-S with partial rollouts
-    modes: tuple[str, ...] = ("colocate", "async-1", "async-2")
-    max_new_tokens: int | None = None  # default: the profile's max_response_tokens
-    home: Path = Path(".weir/twin")
-    base_port: int = 9500
-    prompts: int = 256  # distinct prompts cycled through
-    extra_env: dict[str, str] = field(default_factory=dict)
-
-    def gpu_counts(self) -> list[int]:
-        return [n * self.gpus_per_node for n in self.nodes] if self.nodes else [self.gpus]
-
-    def prompts_for_step(self, gpus: int | None = None) -> int:
-        if self.prompts_per_step is not None:
-            return self.prompts_per_step
-        return max(1, round(RELAX["prompts"] * (gpus or self.gpus) / RELAX["gpus"]))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -230,13 +240,13 @@ def cost_model_step(
     steps: int = 8,
     overrides: Mapping[str, Any] | None = None,
 ) -> Prediction:
-    """The colocate step of ``gpus`` GPUs from the cost model alone (`launcher.twin_model.colocate_cost_model`:
+    """The colocate step of ``gpus`` GPUs from the cost model alone (`twin.model.colocate_cost_model`:
     no control plane, no HTTP, virtual time), ``prompts`` defaulting to Relax's 32 per 16 GPUs scaled; async
-    modes are `launcher.twin_model.async_cost_model`'s. Mean, spread and interval over ``steps`` steps."""
+    modes are `twin.model.async_cost_model`'s. Mean, spread and interval over ``steps`` steps."""
 
     if mode != "colocate":
-        raise ValueError("cost_model_step gives the colocate step; async modes: launcher.twin_model.async_cost_model")
-    count = prompts or max(1, round(RELAX["prompts"] * gpus / RELAX["gpus"]))
+        raise ValueError("cost_model_step gives the colocate step; async modes: twin.model.async_cost_model")
+    count = prompts or relax_prompts(gpus)
     return colocate_cost_model(profile, gpus, prompts=count, n=n, steps=steps, overrides=overrides)
 
 
@@ -245,10 +255,12 @@ def run_mode(
     mode: str,
     compression: float,
     *,
+    new_stack: StackFactory,
     gpus: int | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TwinRun:
-    """One mode at one compression factor on ``gpus`` GPUs on a fresh stack; its results (simulated seconds)."""
+    """One mode at one compression factor on ``gpus`` GPUs on a fresh stack (``new_stack``); its results
+    (simulated seconds)."""
     from encoders.embedded_model import ensure_model
 
     gpus = gpus or config.gpus
@@ -270,7 +282,7 @@ def run_mode(
         **({"WEIR_MAX_STALENESS": str(staleness)} if staleness is not None else {}),
         **config.extra_env,
     }
-    stack = LocalStack(home=home, model=model, engines=plan.processes, base_port=config.base_port, env=env)
+    stack = new_stack(home=home, model=model, engines=plan.processes, base_port=config.base_port, env=env)
     trainer = SimTrainer(
         SimTrainerProfile.load(config.profile),
         engine=engine_profile,
@@ -373,11 +385,13 @@ def summarise(
 def run_twin(
     config: TwinConfig,
     *,
+    new_stack: StackFactory,
     on_result: Callable[[TwinRun], None] | None = None,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> TwinSummary:
-    """Every mode at every node count and compression factor; the table rows, control-plane findings and
-    calibration (each written to ``home/results.json`` as it comes, so a long run keeps what it measured)."""
+    """Every mode at every node count and compression factor, each on a fresh stack (``new_stack``); the table
+    rows, control-plane findings and calibration (each written to ``home/results.json`` as it comes, so a long
+    run keeps what it measured)."""
     results: list[TwinRun] = []
     config.home.mkdir(parents=True, exist_ok=True)
 
@@ -389,7 +403,7 @@ def run_twin(
     for gpus in config.gpu_counts():
         for compression in config.compressions:
             for mode in config.modes:
-                result = run_mode(config, mode, compression, gpus=gpus, on_step=on_step)
+                result = run_mode(config, mode, compression, new_stack=new_stack, gpus=gpus, on_step=on_step)
                 results.append(result)
                 write()
                 if on_result is not None:

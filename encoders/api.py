@@ -1,4 +1,8 @@
-"""Wire types of the encoder role (pydantic models, no logic)."""
+"""The encoder role's records: what crosses its wire, declared once (pydantic models, no logic).
+
+The role (`services.encoder`) validates requests and builds answers with these classes; its callers
+(`encoders.client`: the rollout role, the trainer's weight publisher) build and read with the same ones.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..template import FEATURE_KEY_PATTERN
+from preprocess.api import FEATURE_KEY_PATTERN, MediaKind
 
-__all__ = ["EncodeRequest", "EncodeResponse", "EncodedItem", "WeightsRequest", "WeightsResponse"]
+__all__ = ["EncodeRequest", "EncodeResponse", "EncodedItem", "EncoderReady", "WeightsRequest", "WeightsResponse"]
 
 Key = Annotated[str, Field(pattern=FEATURE_KEY_PATTERN)]
 
@@ -22,7 +26,7 @@ class EncodeRequest(BaseModel):
 class EncodedItem(BaseModel):
     feature_key: str
     embedding_key: str
-    type: Literal["image", "video", "audio"]
+    type: MediaKind
     shape: list[int]
     cache_hit: bool
 
@@ -40,4 +44,11 @@ class WeightsRequest(BaseModel):
 
 class WeightsResponse(BaseModel):
     success: bool
+    version: str
+
+
+class EncoderReady(BaseModel):
+    """``GET /readyz`` when the role is ready (not ready: a 503); ``version`` is its towers' weights version."""
+
+    status: Literal["ready"]
     version: str

@@ -1,6 +1,6 @@
-"""Wire models of the rollout role: every request and response body, bounded, so the OpenAPI document
-describes them exactly. No logic here beyond field constraints (the routes and the `rollout`
-library do the rest).
+"""The rollout role's wire records: every request body, bounded, so the OpenAPI document describes it exactly,
+and the answers (`RolloutResponse`; the OpenAI answers are `rollout.messages`' records). The role validates
+with these and every caller builds and reads them (`rollout.client`). No logic beyond field constraints.
 
 Messages are OpenAI-style; their content parts are checked by `rollout.prompts.parse_messages`,
 which answers with stable codes (``invalid_messages``, ``unknown_part_type``) rather than a schema
@@ -15,11 +15,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, JsonValue, Tag
 
 from experience.records import GROUP_ID_PATTERN, Group
 
+from .messages import FunctionTool
+
 __all__ = [
     "Budget",
-    "ChatChoice",
-    "ChatCompletion",
-    "ChatMessage",
     "ChatRequest",
     "CompletionRequest",
     "EXTENSION_REFUSALS",
@@ -27,18 +26,15 @@ __all__ = [
     "EnvironmentSpec",
     "JsonSchemaFormat",
     "Message",
-    "ModelCard",
-    "ModelList",
     "NamedToolChoice",
     "ResponseFormat",
     "RewardSpec",
+    "RewardType",
     "RolloutPrompt",
     "RolloutRequest",
     "RolloutResponse",
     "StreamOptions",
-    "Tool",
     "UNSUPPORTED_CHAT_PARAMETERS",
-    "Usage",
 ]
 
 _MAX_MESSAGES = 1024
@@ -100,13 +96,17 @@ class Budget(BaseModel):
     policy: Literal["shrink", "refuse"] | None = Field(None, description="over budget: shrink the media, or refuse")
 
 
+RewardType = Literal["none", "exact_match", "math", "multiple_choice", "custom"]
+
+
 class RewardSpec(BaseModel):
-    """How a prompt's samples are rewarded. Code is never named here: ``custom`` names a function the
-    operator registered when the role started."""
+    """How a prompt's samples are rewarded: a built-in ``type`` (with its ``answer``), or ``custom`` with
+    ``function`` = the name of a reward function the operator registered when the role started (``answer`` is then
+    its reference). Code is never named here. Frozen: one spec is shared by a group's samples."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
-    type: Literal["none", "exact_match", "math", "multiple_choice", "custom"] = "none"
+    type: RewardType = "none"
     answer: str | None = Field(
         None, max_length=65_536, description="the reference answer (required by exact_match, math, multiple_choice)"
     )
@@ -239,24 +239,6 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = Field(None, description="with type json_schema: {name, schema, strict}")
 
 
-class FunctionSpec(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
-    description: str | None = Field(None, max_length=65_536)
-    parameters: dict[str, Any] | None = Field(None, description="a JSON Schema object")
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    """An OpenAI function tool; rendered into the prompt by the model's chat template."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    type: Literal["function"]
-    function: FunctionSpec
-
-
 class NamedFunction(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -366,7 +348,9 @@ class ChatRequest(EngineExtensions):
     )
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = Field(None, max_length=128, description="function tools, rendered by the chat template")
+    tools: list[FunctionTool] | None = Field(
+        None, max_length=128, description="function tools, rendered by the chat template"
+    )
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
         None,
         description="auto (the default with tools), none (tools left out of the prompt), required or a named "
@@ -407,56 +391,6 @@ class ChatRequest(EngineExtensions):
     reasoning_effort: Any = Field(None, description=_REFUSED)
     verbosity: Any = Field(None, description=_REFUSED)
     moderation: Any = Field(None, description=_REFUSED)
-
-
-class ChatMessage(BaseModel):
-    role: Literal["assistant"]
-    content: str | None
-    tool_calls: list[dict[str, Any]] | None = Field(
-        None, description="[{id, type: function, function: {name, arguments: JSON string}}]"
-    )
-
-
-class ChatChoice(BaseModel):
-    index: int
-    message: ChatMessage
-    logprobs: dict[str, Any] | None = Field(
-        None,
-        description="{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]} when asked "
-        "(top_logprobs entries, most likely first, with top_logprobs k > 0)",
-    )
-    finish_reason: Literal["stop", "length", "tool_calls"]
-    token_ids: list[int] | None = Field(None, description="with return_token_ids: the completion's token ids")
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_token_ids: list[int] | None = Field(
-        None, description="with return_token_ids: the prompt's token ids (/v1/rollouts' prompt_ids)"
-    )
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "weir"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
 
 
 # -- OpenAI text completions ------------------------------------------------------------------------

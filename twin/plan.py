@@ -1,4 +1,4 @@
-"""Questions asked of the twin's cost model (`launcher.twin_model`): how to split ``N`` GPUs between engines and
+"""Questions asked of the twin's cost model (`twin.model`): how to split ``N`` GPUs between engines and
 trainer and which staleness bound to run (`plan`, ``weir twin plan``), how much a prediction moves when an
 estimated constant is off (`sensitivity`), and the one calibration knob fitted on a published colocate step
 (`calibrate`, ``weir twin calibrate``).
@@ -26,20 +26,25 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Required, TypedDict, Unpack, cast
 
 import yaml
 
 from engines.sim_profile import SimProfile
 from trainer.sim_trainer import SimTrainerProfile
 
-from .twin_model import Prediction, async_cost_model, colocate_cost_model
+from .model import async_cost_model, colocate_cost_model
+from .records import Prediction
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = [
     "KNOBS",
     "Candidate",
     "Fit",
     "Options",
+    "RunSize",
     "Sensitivity",
     "calibrate",
     "candidates",
@@ -54,13 +59,19 @@ _PREVIOUS_FIT = re.compile(r"^calibration:[^\n]*\n(?:(?:[ #][^\n]*)?\n)*", re.MU
 KNOBS = {"length": 0.15, "mfu": 0.10, "bandwidth": 0.10}  # each knob's ± share (the issue's bands)
 
 
-class Options(TypedDict, total=False):
-    """What every prediction of one question shares (`predict`'s keywords)."""
+class RunSize(TypedDict, total=False):
+    """How much each prediction of a question runs: prompts (groups) per step, samples per prompt, steps and GPUs
+    per node (left out: the cost model's defaults, 8 each)."""
 
-    prompts: int
+    prompts: Required[int]
     n: int
     steps: int
     gpus_per_node: int
+
+
+class Options(RunSize, total=False):
+    """What every prediction of one question shares (`predict`'s keywords): its size and the constants changed."""
+
     overrides: Mapping[str, Any]
     trainer_overrides: Mapping[str, Any]
 
@@ -153,30 +164,10 @@ def knob_overrides(
     raise ValueError(f"unknown knob {knob!r}: {', '.join(KNOBS)}")
 
 
-def predict(
-    profile: Path,
-    candidate: Candidate,
-    *,
-    prompts: int,
-    n: int = 8,
-    steps: int = 8,
-    gpus_per_node: int = 8,
-    overrides: Mapping[str, Any] | None = None,
-    trainer_overrides: Mapping[str, Any] | None = None,
-) -> Prediction:
-    """The cost model's figures for one candidate, labelled with it."""
+def predict(profile: Path, candidate: Candidate, **options: Unpack[Options]) -> Prediction:
+    """The cost model's figures for one candidate (``options``: passed on to the cost model), labelled with it."""
     if candidate.mode in ("colocate", "hybrid"):
-        out = colocate_cost_model(
-            profile,
-            candidate.gpus,
-            prompts=prompts,
-            n=n,
-            steps=steps,
-            gpus_per_node=gpus_per_node,
-            overrides=overrides,
-            trainer_overrides=trainer_overrides,
-            hybrid=candidate.mode == "hybrid",
-        )
+        out = colocate_cost_model(profile, candidate.gpus, hybrid=candidate.mode == "hybrid", **options)
     else:
         kind, _, bound = candidate.mode.partition("-")
         if kind != "async" or not bound.isdigit():
@@ -186,12 +177,7 @@ def predict(
             engine_gpus=candidate.engine_gpus,
             trainer_gpus=candidate.trainer_gpus,
             staleness=int(bound),
-            prompts=prompts,
-            n=n,
-            steps=steps,
-            gpus_per_node=gpus_per_node,
-            overrides=overrides,
-            trainer_overrides=trainer_overrides,
+            **options,
         )
     out["mode"], out["label"], out["gpus"] = candidate.mode, candidate.label, candidate.gpus
     return out
@@ -230,17 +216,15 @@ def plan(
     profile: Path,
     gpus: int,
     *,
-    prompts: int,
-    n: int = 8,
-    steps: int = 8,
     staleness: tuple[int, ...] = (0, 1, 2, 4),
-    gpus_per_node: int = 8,
     workers: int | None = None,
     on_done: Callable[[Prediction], None] | None = None,
+    **size: Unpack[RunSize],
 ) -> list[Prediction]:
-    """Every candidate of ``gpus`` GPUs (`candidates`), fastest first (by mean simulated s/step); each with
-    ``overlaps_best``: whether its interval overlaps the best one's (the two are then not told apart)."""
-    options: Options = {"prompts": prompts, "n": n, "steps": steps, "gpus_per_node": gpus_per_node}
+    """Every candidate of ``gpus`` GPUs (`candidates`), each prediction of ``size`` (`RunSize`), fastest first (by
+    mean simulated s/step); each with ``overlaps_best``: whether its interval overlaps the best one's (the two are
+    then not told apart)."""
+    options: Options = {**size}
     jobs: list[Job] = [(profile, c, options) for c in candidates(gpus, staleness)]
     results = sorted(run_all(jobs, workers=workers, on_done=on_done), key=lambda r: r["s_per_step"])
     best = results[0]
@@ -250,19 +234,12 @@ def plan(
 
 
 def sensitivity(
-    profile: Path,
-    candidate: Candidate,
-    *,
-    prompts: int,
-    n: int = 8,
-    steps: int = 8,
-    gpus_per_node: int = 8,
-    workers: int | None = None,
+    profile: Path, candidate: Candidate, *, workers: int | None = None, **size: Unpack[RunSize]
 ) -> Sensitivity:
-    """The candidate's prediction, and again with each knob at its low and high end (`KNOBS`): ``{"base": …,
-    "<knob>": {"low": s/step, "high": s/step, "share": ±share}}``."""
+    """The candidate's prediction of ``size`` (`RunSize`), and again with each knob at its low and high end
+    (`KNOBS`): ``{"base": …, "<knob>": {"low": s/step, "high": s/step, "share": ±share}}``."""
     engine, trainer = SimProfile.load(profile), SimTrainerProfile.load(profile)
-    options: Options = {"prompts": prompts, "n": n, "steps": steps, "gpus_per_node": gpus_per_node}
+    options: Options = {**size}
     jobs: list[Job] = [(profile, candidate, options)]
     for knob, share in KNOBS.items():
         for factor in (1 - share, 1 + share):
@@ -357,14 +334,17 @@ def _pm(figures: Mapping[str, Any]) -> str:
 
 
 def print_predictions(
-    rows: Sequence[Mapping[str, Any]], *, title: str, sensitivities: Mapping[str, Any] | None = None
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    title: str,
+    console: Console,
+    sensitivities: Mapping[str, Any] | None = None,
 ) -> None:
     """A table of cost-model predictions (s/step with its 95 % interval, tokens/s per GPU, idle shares, drops),
-    and per row the s/step at each knob's ends where ``sensitivities`` (by label) has them."""
+    and per row the s/step at each knob's ends where ``sensitivities`` (by label) has them; ``console``: the
+    caller's terminal (the table is printed at least 200 columns wide, whatever its width)."""
     from rich.console import Console
     from rich.table import Table
-
-    from .console import console
 
     table = Table(title=title, title_justify="left")
     columns = ["run", "s/step ± 95 %", "tok/s/GPU", "engine idle", "trainer idle", "dropped", "staleness (trained)"]

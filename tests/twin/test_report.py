@@ -1,5 +1,5 @@
 """The capacity twin's report is reproducible: docs/capacity.md's results tables and plot are regenerated from
-the committed runs (docs/capacity-twin.json) with `launcher.twin_report`, as
+the committed runs (docs/capacity-twin.json) with `twin.report`, as
 ``weir twin --merge docs/capacity-twin.json --nodes 1 2 4 8 --plot docs/capacity-twin.png`` does, and every
 figure the page prints is checked against what the functions compute. The published figures the twin is checked
 on come from the profile's ``reference`` section (`reference_figures`), not from code."""
@@ -16,9 +16,12 @@ import pytest
 import yaml
 
 from engines.sim_profile import SimProfile
-from launcher.twin import TwinConfig, cost_model_step
-from launcher.twin_report import RELAX, TwinRow, TwinSummary, plot_twin, reference_figures, summary
 from trainer.sim_trainer import SimTrainerProfile
+from twin.config import TwinConfig
+from twin.live import cost_model_step
+from twin.records import TwinRow, TwinSummary
+from twin.reference import RELAX, reference_figures
+from twin.report import plot_twin, summary
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILE = ROOT / "profiles" / "relax-qwen3-4b-h800.yaml"
@@ -201,7 +204,7 @@ def test_reference_figures_come_from_the_profile() -> None:
     assert figures["speedup"] == 1.76 and figures["verl_s_per_step"] == 150.5
     assert figures["stalesync_linearity"] == 0.91
     assert (figures["gpus"], figures["prompts"], figures["n"]) == (16, 32, 8)
-    assert all(isinstance(figures[k], int) for k in ("gpus", "prompts", "n"))  # `launcher.twin` scales by them
+    assert all(isinstance(figures[k], int) for k in ("gpus", "prompts", "n"))  # `twin.config` scales by them
     # the engine and the trainer read their own sections and are not disturbed by this one
     assert SimProfile.load(PROFILE).name == "relax-qwen3-4b-h800"
     assert SimTrainerProfile.load(PROFILE).gpus == 16

@@ -1,31 +1,41 @@
-"""The data role's wire models: what its routes take and answer. No logic.
+"""The data role's wire records: what its routes take and answer — declared once, here. No logic.
 
-A body of `POST /v1/experience` is one `Group` (its wire form, `Group.to_json()`: what the rollout
-role streams) or ``{"groups": [Group, ...]}``; every model refuses unknown fields.
+The role (`services.data`) validates with these and every caller builds and reads them (`experience.client`).
+A body of `POST /v1/experience` is one `Group` (its wire form, `Group.to_json()`: what the rollout role
+streams) or ``{"groups": [Group, ...]}``; every model refuses unknown fields. A micro-batch is not JSON: it is
+an Arrow IPC stream (`MicroBatchDelivery`, its rows in `experience.records.MICROBATCH_SCHEMA`). An error body
+is the server framework's (``{"error": {...}}``, `services.errors`), not a record of this role.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
+import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
-from experience import Group, PolicyVersion
+from .records import BatchMeta, Group, PolicyVersion
 
 __all__ = [
+    "BATCH_ID_HEADER",
     "BATCH_ID_PATTERN",
     "CONSUMER_PATTERN",
+    "MAX_ACKS",
     "MAX_GROUPS",
+    "MAX_POLICY_VERSION",
     "AckOut",
     "AcksIn",
     "AcksOut",
     "AdmissionOut",
-    "ErrorOut",
     "ExperienceIn",
     "ExperienceOut",
     "GroupsIn",
+    "HealthOut",
+    "MicroBatchDelivery",
     "PolicyIn",
     "PolicyOut",
+    "ReadyOut",
     "RegenerationsOut",
     "ReleaseOut",
     "StatsOut",
@@ -36,6 +46,7 @@ MAX_ACKS = 4096  # a step's micro-batches on one rank, with room to spare
 BATCH_ID_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 CONSUMER_PATTERN = r"^[A-Za-z0-9._-]{1,64}$"
 MAX_POLICY_VERSION = 2**53 - 1  # exact in every JSON reader (a double)
+BATCH_ID_HEADER = "X-Weir-Batch-Id"  # names a delivered micro-batch: the id to acknowledge
 
 
 class _Wire(BaseModel):
@@ -57,19 +68,6 @@ ExperienceIn = Annotated[
     Discriminator(_shape),
 ]
 """One group, or ``{"groups": [...]}``; a validation error's field starts with ``group.`` or ``batch.``."""
-
-
-class ErrorDetail(_Wire):
-    code: str = Field(description="stable: invalid_request, malformed_json, not_found, lease_expired, …")
-    message: str
-    item: int | None = Field(None, description="the index of the offending group in the body")
-    field: str | None = Field(None, description="the offending field, dotted (batch.groups.1.prompt_ids)")
-
-
-class ErrorOut(_Wire):
-    """Every refusal's body (services.errors)."""
-
-    error: ErrorDetail
 
 
 class ExperienceOut(_Wire):
@@ -127,3 +125,27 @@ class StatsOut(_Wire):
     staleness_histogram: dict[str, int] = Field(description="stored samples by versions behind the policy")
     drops: dict[str, int] = Field(description="groups and samples dropped, by counter name")
     microbatches_delivered: int = Field(description="micro-batches leased to any consumer (again after an expiry)")
+
+
+class HealthOut(BaseModel):
+    """``GET /healthz``: the process answers (the template's, every role alike)."""
+
+    status: Literal["ok"]
+
+
+class ReadyOut(BaseModel):
+    """``GET /readyz`` of a ready data role (503 while its store cannot write)."""
+
+    status: Literal["ready"]
+    policy_version: int
+
+
+@dataclass(frozen=True, slots=True)
+class MicroBatchDelivery:
+    """One answer of ``GET /v1/microbatches``: the batch id to acknowledge (the ``X-Weir-Batch-Id`` header), its
+    rows (an Arrow table in `MICROBATCH_SCHEMA`, plus ``media`` when inline) and its schema metadata ``weir``.
+    The envelope is checked when read (`experience.client`); the rows are Arrow's, read as they come."""
+
+    batch_id: str
+    table: pa.Table
+    meta: BatchMeta

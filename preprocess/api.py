@@ -1,4 +1,10 @@
-"""Wire types of the preprocess role (pydantic models, no logic)."""
+"""The preprocess role's records: what crosses its wire, declared once (pydantic models, no logic).
+
+The role (`services.preprocess`) validates requests and builds answers with these classes; its callers
+(`preprocess.client`, the rollout role) build requests and read answers with the same ones. Also here, as
+`MediaKind` (a media item's kind, spelled ``type`` on the wire; defined in `wire.media`)
+and `FEATURE_KEY_PATTERN` (the cache keys the feature and embedding caches are keyed by).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +12,23 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-__all__ = ["BudgetIn", "ItemResult", "MediaItem", "PlanResponse", "PreprocessRequest", "PreprocessResponse"]
+from wire.media import MediaKind
+
+__all__ = [
+    "FEATURE_KEY_PATTERN",
+    "BudgetIn",
+    "BudgetPolicy",
+    "ItemResult",
+    "MediaItem",
+    "MediaKind",
+    "PlanResponse",
+    "PreprocessReady",
+    "PreprocessRequest",
+    "PreprocessResponse",
+]
+
+BudgetPolicy = Literal["shrink", "refuse"]
+FEATURE_KEY_PATTERN = r"^[0-9a-f]{40}$"  # feature and embedding cache keys (sha256 prefixes: `MediaPlan.cache_key`)
 
 
 class MediaItem(BaseModel):
@@ -14,7 +36,7 @@ class MediaItem(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["image", "video", "audio"]
+    type: MediaKind
     data: str | None = None
     path: str | None = None
     url: str | None = None
@@ -33,13 +55,16 @@ class MediaItem(BaseModel):
 
 
 class BudgetIn(BaseModel):
+    """A request's ``budget``: each field given overrides the role's default budget, each one left out keeps
+    it (`preprocess.budget.TokenBudget.to_wire` sends only the fields it sets)."""
+
     model_config = ConfigDict(extra="forbid")
 
     max_image_tokens: int | None = Field(None, gt=0)
     max_video_tokens: int | None = Field(None, gt=0)
     max_audio_tokens: int | None = Field(None, gt=0)
     max_sample_tokens: int | None = Field(None, gt=0)
-    policy: Literal["shrink", "refuse"] | None = None
+    policy: BudgetPolicy | None = None
 
 
 class PreprocessRequest(BaseModel):
@@ -52,7 +77,7 @@ class PreprocessRequest(BaseModel):
 class ItemResult(BaseModel):
     index: int
     key: str | None = None  # absent in plans: nothing is cached by planning
-    type: Literal["image", "video", "audio"]
+    type: MediaKind
     num_tokens: int
     tokens_unbudgeted: int
     cache_hit: bool | None = None
@@ -79,3 +104,10 @@ class PreprocessResponse(BaseModel):
 class PlanResponse(BaseModel):
     items: list[ItemResult]
     num_tokens: int
+
+
+class PreprocessReady(BaseModel):
+    """``GET /readyz`` when the role is ready (not ready: a 503); ``spec`` is its processor spec's fingerprint."""
+
+    status: Literal["ready"]
+    spec: str

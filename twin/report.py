@@ -1,187 +1,32 @@
 """The capacity twin's report: its runs as the table's rows (speed-up, linearity), the control-plane
 finding (``w = S / c + P`` across compression factors), scaling across sizes, the calibration against Relax's
-published figures (`reference_figures`: the profile's ``reference`` section), and the table and plot of `weir twin`.
-Pure arithmetic over the runs' results; running them is `launcher.twin`.
+published figures (`twin.reference`: the profile's ``reference`` section), and the table and plot of `weir twin`.
+Pure arithmetic over the runs' results (their shapes: `twin.records`); running them is `twin.live`.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING
 
-import profiles
-
+from .config import TwinConfig
 from .intervals import welch
+from .records import Calibration, ControlPlane, Prediction, ScalingPoint, TwinRow, TwinRun, TwinSummary
+from .reference import RELAX
 
 if TYPE_CHECKING:
-    from .twin import TwinConfig
-    from .twin_model import Prediction
+    from rich.console import Console
 
 __all__ = [
-    "RELAX",
-    "Calibration",
-    "ControlPlane",
-    "DataLoad",
-    "RunFigures",
-    "ScalingPoint",
-    "TwinRow",
-    "TwinRun",
-    "TwinSummary",
     "bound_verdict",
     "control_plane",
     "plot_twin",
     "print_twin",
-    "reference_figures",
     "scaling",
     "summary",
     "twin_table",
 ]
-
-
-def reference_figures(profile: Path) -> dict[str, float]:
-    """The published figures in a profile's ``reference`` section (each ``{value, source}``), values only.
-
-    They live in the profile, beside the constants, so each keeps its citation; the engine and the trainer never
-    read the section, so no constant can be fitted to them by accident. ValueError names the file when the section
-    is missing or an entry is not a sourced number."""
-    text = Path(profile).read_text()
-    if Path(profile).suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    section = data.get("reference") if isinstance(data, Mapping) else None
-    if not isinstance(section, Mapping) or not section:
-        raise ValueError(f"{profile}: no 'reference' section of published figures")
-    figures: dict[str, float] = {}
-    for name, entry in section.items():
-        if not isinstance(entry, Mapping) or "value" not in entry:
-            raise ValueError(f"{profile}: reference {name} must be {{value: ..., source: ...}}")
-        source = entry.get("source")
-        if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"{profile}: reference {name} has no source")
-        figures[name] = _number(entry["value"], f"{profile}: reference {name}")
-    return figures
-
-
-def _number(value: Any, where: str) -> float:
-    """An int stays an int (GPUs, prompts: `launcher.twin` scales by them); YAML 1.1 reads ``1e3`` (no dot) as a
-    string, so a string that parses as a number is one."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        raise ValueError(f"{where} must be a number, not {value!r}")
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            raise ValueError(f"{where} must be a number, not {value!r}") from None
-    return value
-
-
-# Relax (arXiv 2604.11554), Qwen3-4B on DAPO-Math-17k, 16xH800, and StaleSync's linearity: the published figures
-# the twin is checked on, read from the shipped profile (its ``reference`` section holds their sources).
-RELAX: dict[str, float] = reference_figures(profiles.resolve("relax-qwen3-4b-h800"))
-
-
-# The shapes below are JSON: ``results.json`` holds a `TwinSummary`, and ``--merge`` reads its rows back.
-class DataLoad(TypedDict, total=False):
-    """The data role's load from its /metrics (`launcher.twin.data_role_load`); empty when it did not answer."""
-
-    groups: int
-    ingest_requests: int
-    ingest_p99_ms: float | None
-    fetch_requests: int
-    fetch_p99_ms: float | None
-    ack_requests: int
-    ack_p99_ms: float | None
-    microbatches: int  # delivered (leased), from weir_data_microbatches_delivered_total
-
-
-class RunFigures(TypedDict):
-    """One run's figures from its step records (`launcher.twin.summarise`); simulated seconds unless wall."""
-
-    mode: str
-    compression: float
-    gpus: int
-    engines: int
-    steps: int
-    wall_s_per_step: float
-    sim_s_per_step: float
-    sim_s_per_step_ci95: NotRequired[float]  # over the steady steps (runs recorded before it lack it)
-    sim_s_per_token_steps: NotRequired[list[float]]  # each steady step's simulated seconds per trained token
-    first_step_sim_s: float
-    samples_per_step: float
-    tokens_per_step: float
-    tokens_per_s_per_gpu: float
-    trainer_sim_s_per_step: float
-    trainer_allreduce_s_per_step: float  # of trainer_sim_s_per_step: the gradient all-reduce (`trainer.sim_comm`)
-    trainer_optimizer_s_per_step: float  # of trainer_sim_s_per_step: the Adam step
-    engine_idle_share: float | None
-    trainer_idle_share: float | None
-    dropped_stale: int
-    max_staleness_seen: int
-    staleness_histogram: dict[str, int]  # versions behind (a string: a JSON key) → trained samples
-
-
-class TwinRun(RunFigures):
-    """One run of `launcher.twin.run_mode`: its figures, its layout and the data role's load."""
-
-    nodes: float
-    processes: int
-    trainer_gpus: int
-    data: DataLoad
-    data_groups_per_wall_s: float | None
-    data_microbatches_per_wall_s: float | None
-
-
-class TwinRow(TwinRun):
-    """A row of the table (`twin_table`): the run, its speed-up over colocate and its linearity."""
-
-    speedup: float | None
-    linearity: float | None
-
-
-class ControlPlane(TypedDict):
-    """`control_plane`'s decomposition ``w = S / c + P`` of one mode at one size."""
-
-    gpu_sim_s: float
-    plane_wall_s: float
-    plane_share_low: float
-    plane_share_high: float
-    moved: float
-    moved_per_token: NotRequired[float]
-    # two-sided: the relative change of s/token from the lowest to the highest factor, its 95 % interval (Welch)
-    moved_ci95: NotRequired[list[float]]  # [low, high]
-    verdict: NotRequired[str]  # "GPU-bound", "control-plane-bound" or "undecided"
-
-
-class ScalingPoint(TypedDict):
-    """One size of a mode in `scaling`."""
-
-    gpus: int
-    gpu_sim_s: float
-    tokens_per_step: float
-    tokens_per_s_per_gpu: float
-    factors: list[float]
-    left_out: list[float]
-    linearity: NotRequired[float]
-
-
-# The calibration's keys are per mode ("gpus", "<mode>_basis", "<mode>_s_per_step", "colocate_error",
-# "<mode>_speedup"), so a mapping rather than a fixed set of keys: the bases are strings, the rest numbers.
-Calibration = dict[str, float | str]
-
-
-class TwinSummary(TypedDict):
-    """`summary`: what `weir twin` prints, plots and writes to ``results.json``."""
-
-    rows: list[TwinRow]
-    control_plane: dict[str, ControlPlane]  # by "<mode>@<gpus>"
-    scaling: dict[str, list[ScalingPoint]]  # by mode
-    calibration: Calibration
-    relax: dict[str, float]
 
 
 def control_plane(*runs: TwinRun) -> ControlPlane:
@@ -360,11 +205,10 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_twin(out: TwinSummary, config: TwinConfig) -> None:
-    """The table, the control-plane finding and the calibration against Relax, on the console."""
+def print_twin(out: TwinSummary, config: TwinConfig, *, console: Console) -> None:
+    """The table, the control-plane finding and the calibration against Relax, on ``console`` (the caller's
+    terminal; the table is printed at least 200 columns wide, whatever its width)."""
     from rich.table import Table
-
-    from .console import console
 
     table = Table(title=f"Capacity twin: {config.profile.name}", title_justify="left")
     columns = (

@@ -1,4 +1,4 @@
-"""The twin's cost model alone (`launcher.twin_model`) and what is asked of it (`launcher.twin_plan`): the virtual
+"""The twin's cost model alone (`twin.model`) and what is asked of it (`twin.plan`): the virtual
 clock gives the wall clock's exact sums, the KV cache is never exceeded, async obeys the staleness bound and
 its two limits (trainer-bound, engine-bound), and plan / sensitivity / calibration / the CLI do what they say."""
 
@@ -15,9 +15,10 @@ import yaml
 from engines import GenerateRequest, SamplingParams
 from engines.sim_backend import SimEngine, SimProfile
 from launcher.cli import main
-from launcher.intervals import interval, welch
-from launcher.twin_model import AsyncModel, async_cost_model, colocate_cost_model, prompt_ids
-from launcher.twin_plan import (
+from trainer.sim_trainer import SimTrainer, SimTrainerProfile
+from twin.intervals import interval, welch
+from twin.model import AsyncModel, async_cost_model, colocate_cost_model, prompt_ids
+from twin.plan import (
     Candidate,
     calibrate,
     candidates,
@@ -27,7 +28,6 @@ from launcher.twin_plan import (
     with_lengths,
     write_calibration,
 )
-from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 
 RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
 
@@ -191,7 +191,7 @@ def test_weir_twin_plan_and_the_cost_model_from_the_command_line(
 
 
 def test_the_gpu_bound_test_is_two_sided() -> None:
-    from launcher.twin_report import bound_verdict, control_plane
+    from twin.report import bound_verdict, control_plane
 
     assert bound_verdict(-0.03, 0.04) == "GPU-bound"
     assert bound_verdict(0.08, 0.2) == "control-plane-bound"

@@ -13,8 +13,10 @@ import yaml
 from engines import GenerateRequest, SamplingParams
 from engines.sim_backend import SimEngine, SimProfile
 from launcher.cli import build_parser
-from launcher.twin import (
-    TwinConfig,
+from launcher.stack import LocalStack
+from tests.ports import free_stack_base
+from twin.config import TwinConfig
+from twin.live import (
     cost_model_step,
     dapo_like_rows,
     data_role_load,
@@ -22,8 +24,7 @@ from launcher.twin import (
     parse_mode,
     run_twin,
 )
-from launcher.twin_report import control_plane, plot_twin, summary, twin_table
-from tests.ports import free_stack_base
+from twin.report import control_plane, plot_twin, summary, twin_table
 
 RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
 
@@ -52,7 +53,7 @@ def test_a_tiny_twin_runs_end_to_end(tmp_path: Path) -> None:
         base_port=free_stack_base(1),
         prompts=8,
     )
-    out = run_twin(config)
+    out = run_twin(config, new_stack=LocalStack)
     colocate, on_policy = out["rows"]
     assert colocate["mode"] == "colocate" and colocate["engines"] == 2 and colocate["processes"] == 1
     assert colocate["steps"] == 3 and colocate["samples_per_step"] == 8 and colocate["tokens_per_step"] > 0

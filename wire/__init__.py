@@ -1,0 +1,10 @@
+"""What every role's wire shares: the one error base, and the HTTP client base each role's client builds on.
+
+    errors   `WeirError`: a caller's mistake with a stable ``code`` (every library's error tree derives from it)
+    client   `RoleClient` / `AsyncRoleClient`: token, timeouts, retries with jitter, a refusal mapped to
+             `RoleRefused`, an answer read through its record (`AnswerMismatch` naming the field and the role)
+
+The records themselves live with the library behind each role (`preprocess.api`, `encoders.api`,
+`engines.api`, `experience.api`, `rollout.api`) and so do the clients (`<library>.client`): the server
+validates with the same classes its callers build and read.
+"""
