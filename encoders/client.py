@@ -16,38 +16,40 @@ code (``features_not_found`` naming the item, ``bad_weights``). Embeddings are s
 
 from __future__ import annotations
 
-from wire.client import AsyncRoleClient, RoleClient
+from wire.client import AsyncRoleClient, Get, Post, RoleClient
 
 from .api import EncodeRequest, EncodeResponse, EncoderReady, WeightsRequest, WeightsResponse
 
 __all__ = ["AsyncEncoderClient", "EncoderClient"]
 
 
-class EncoderClient(RoleClient):
+class _EncoderRoutes:
     role = "encoder"
 
-    def encode(self, request: EncodeRequest) -> EncodeResponse:
-        """An embedding key per feature key, in request order (each unique item computed once per version)."""
-        return self.call("POST", "/v1/encode", EncodeResponse, body=request)
+    encode = Post(
+        "/v1/encode",
+        EncodeRequest,
+        EncodeResponse,
+        doc="An embedding key per feature key, in request order (each unique item computed once per version).",
+    )
+    update_weights = Post(
+        "/v1/weights",
+        WeightsRequest,
+        WeightsResponse,
+        takes=("timeout_s",),
+        doc="""Load the towers' weights from ``request.model_path``; later encodes are cached under the new version.
+        ``timeout_s``: this call's own (loading a checkpoint may take longer than an encode).""",
+    )
+    ready = Get(
+        "/readyz",
+        EncoderReady,
+        doc="``/readyz``: the role can work now, with its weights version (a 503, not ready, is `RoleUnavailable`).",
+    )
 
-    def update_weights(self, request: WeightsRequest, *, timeout_s: float | None = None) -> WeightsResponse:
-        """Load the towers' weights from ``request.model_path``; later encodes are cached under the new version.
-        ``timeout_s``: this call's own (loading a checkpoint may take longer than an encode)."""
-        return self.call("POST", "/v1/weights", WeightsResponse, body=request, timeout_s=timeout_s)
 
-    def ready(self) -> EncoderReady:
-        """``/readyz``: the role can work now, with its weights version (a 503, not ready, is `RoleUnavailable`)."""
-        return self.call("GET", "/readyz", EncoderReady)
+class EncoderClient(_EncoderRoutes, RoleClient):
+    """The encoder role, synchronously."""
 
 
-class AsyncEncoderClient(AsyncRoleClient):
-    role = "encoder"
-
-    async def encode(self, request: EncodeRequest) -> EncodeResponse:
-        return await self.call("POST", "/v1/encode", EncodeResponse, body=request)
-
-    async def update_weights(self, request: WeightsRequest, *, timeout_s: float | None = None) -> WeightsResponse:
-        return await self.call("POST", "/v1/weights", WeightsResponse, body=request, timeout_s=timeout_s)
-
-    async def ready(self) -> EncoderReady:
-        return await self.call("GET", "/readyz", EncoderReady)
+class AsyncEncoderClient(_EncoderRoutes, AsyncRoleClient):
+    """The encoder role, asynchronously: the methods of `EncoderClient`, awaited."""

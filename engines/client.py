@@ -18,13 +18,24 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
+from types import NoneType
 from typing import Any, TypeVar
 
 import httpx
 import orjson
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from wire.client import Acknowledged, AnswerMismatch, AsyncRoleClient, RoleClient, RoleRefused, RoleUnavailable
+from wire.client import (
+    AnswerMismatch,
+    AsyncRoleClient,
+    CallOptions,
+    Get,
+    Post,
+    RoleClient,
+    RoleRefused,
+    RoleUnavailable,
+    RouteKeywords,
+)
 
 from .api import (
     AbortBody,
@@ -123,24 +134,116 @@ def _event(role: str, line: str) -> GenerateResponse | object | None:
     return _checked(role, f"the {role} role sent a stream chunk that", event, _RESULT, "GenerateResponse")
 
 
-def _stopped(role: str, error: httpx.HTTPError) -> RoleUnavailable:
-    return RoleUnavailable(role, f"the {role} role stopped streaming: {type(error).__name__}: {error}")
+def _generating(body: GenerateBody, timeout_s: float | None) -> CallOptions:
+    """A ``POST /generate``'s options: ``body`` written by `body_json`, never repeated."""
+    return CallOptions(content=body_json(body), timeout_s=timeout_s, retry_s=_ONCE)
 
 
-class EngineClient(RoleClient):
-    """Weir's engine role, or an SGLang server, at ``url`` (no ``/v1`` prefix: SGLang's native routes)."""
+@contextmanager
+def _streaming(role: str) -> Iterator[None]:
+    """A stream's reading: an ``httpx`` error mid-stream raised as `RoleUnavailable`."""
+    try:
+        yield
+    except httpx.HTTPError as error:
+        raise RoleUnavailable(role, f"the {role} role stopped streaming: {type(error).__name__}: {error}") from None
+
+
+_EACH = RouteKeywords(arg="body", takes=("timeout_s",))  # every route: its body named ``body``, a per-call timeout
+_WEIGHTS = RouteKeywords(**_EACH, retry_s=_ONCE)  # a weight update: never repeated
+
+
+class _EngineRoutes:
+    """SGLang's routes that are a body (or none) in and a record out."""
 
     role = "engine"
 
+    abort_request = Post(
+        "/abort_request",
+        AbortBody,
+        NoneType,
+        doc="Abort the request ``body.rid`` names, or all (an unknown rid is no error: it may have finished).",
+        **_EACH,
+    )
+    pause_generation = Post(
+        "/pause_generation",
+        PauseBody,
+        ControlResponse,
+        default=PauseBody,
+        doc="Pause generation (``body.mode``: what becomes of the running requests; `PauseBody`).",
+        **_EACH,
+    )
+    continue_generation = Post(
+        "/continue_generation", ContinueBody, ControlResponse, default=ContinueBody, doc="Resume generation.", **_EACH
+    )
+    flush_cache = Post(
+        "/flush_cache", None, NoneType, doc="Drop the prefix cache (a 400 while requests hold KV).", **_EACH
+    )
+    update_weights_from_disk = Post(
+        "/update_weights_from_disk",
+        UpdateWeightsBody,
+        UpdateWeightsResponse,
+        doc="Load the weights at ``body.model_path`` (``success: false``, a 400: they did not load).",
+        **_WEIGHTS,
+    )
+    init_weights_update_group = Post(
+        "/init_weights_update_group",
+        InitWeightsGroupBody,
+        ControlResponse,
+        doc="Join the trainer's weight broadcast group (answered once its rank 0 has joined too).",
+        **_WEIGHTS,
+    )
+    update_weights_from_distributed = Post(
+        "/update_weights_from_distributed",
+        UpdateWeightsFromDistributedBody,
+        ControlResponse,
+        doc="Receive the tensors ``body`` names from the weight broadcast group.",
+        **_WEIGHTS,
+    )
+    update_weights_from_tensor = Post(
+        "/update_weights_from_tensor",
+        UpdateWeightsFromTensorBody,
+        ControlResponse,
+        doc="Load the serialized tensors ``body`` carries.",
+        **_WEIGHTS,
+    )
+    destroy_weights_update_group = Post(
+        "/destroy_weights_update_group",
+        DestroyWeightsGroupBody,
+        ControlResponse,
+        default=DestroyWeightsGroupBody,
+        doc="Leave the weight broadcast group ``body.group_name`` names.",
+        **_WEIGHTS,
+    )
+    health = Get(
+        "/health",
+        NoneType,
+        doc="SGLang's liveness: returns when healthy (200), `RoleUnavailable` when not (503).",
+        **_EACH,
+    )
+    health_generate = Get(
+        "/health_generate",
+        NoneType,
+        doc="A one-token generation now: `RoleUnavailable` (503) when none comes.",
+        **_EACH,
+    )
+    get_weight_version = Get("/get_weight_version", WeightVersion, doc="The version of the weights served.", **_EACH)
+    model_info = Get("/model_info", ModelInfo, doc="What is served (`ModelInfo`).", **_EACH)
+    get_model_info = Get("/get_model_info", ModelInfo, doc="`model_info` under SGLang's older name.", **_EACH)
+    server_info = Get("/server_info", ServerInfo, doc="The server's settings and state (`ServerInfo`).", **_EACH)
+    get_server_info = Get("/get_server_info", ServerInfo, doc="`server_info` under SGLang's older name.", **_EACH)
+    models = Get("/v1/models", ModelList, doc="OpenAI's ``GET /v1/models``: the models served.", **_EACH)
+
+
+class EngineClient(_EngineRoutes, RoleClient):
+    """Weir's engine role, or an SGLang server, at ``url`` (no ``/v1`` prefix: SGLang's native routes)."""
+
     def generate(self, body: GenerateBody, *, timeout_s: float | None = None) -> GenerateResponse:
         """One prompt, one sample (a batch or n > 1: `generate_batch`; events: `generate_stream`)."""
-        sent = self.send("POST", "/generate", content=body_json(body), timeout_s=timeout_s, retry_s=_ONCE)
-        return _results(self.role, sent, _RESULT)
+        return _results(self.role, self.send("POST", "/generate", **_generating(body, timeout_s)), _RESULT)
 
     def generate_batch(self, body: GenerateBody, *, timeout_s: float | None = None) -> list[GenerateResponse]:
         """A batch or n > 1: every result, item-major (SGLang's order)."""
-        sent = self.send("POST", "/generate", content=body_json(body), timeout_s=timeout_s, retry_s=_ONCE)
-        return _results(self.role, sent, _RESULTS)
+        return _results(self.role, self.send("POST", "/generate", **_generating(body, timeout_s)), _RESULTS)
 
     @contextmanager
     def generate_stream(
@@ -152,211 +255,37 @@ class EngineClient(RoleClient):
             yield self._chunks(lines)
 
     def _chunks(self, lines: Iterator[str]) -> Iterator[GenerateResponse]:
-        try:
+        with _streaming(self.role):
             for line in lines:
-                chunk = _event(self.role, line)
-                if chunk is _DONE:
+                if (chunk := _event(self.role, line)) is _DONE:
                     return
                 if chunk is not None:
                     yield chunk  # type: ignore[misc]
-        except httpx.HTTPError as error:
-            raise _stopped(self.role, error) from None
-
-    def abort_request(self, body: AbortBody, *, timeout_s: float | None = None) -> None:
-        self.call("POST", "/abort_request", Acknowledged, body=body, timeout_s=timeout_s)
-
-    def pause_generation(self, body: PauseBody | None = None, *, timeout_s: float | None = None) -> ControlResponse:
-        return self.call("POST", "/pause_generation", ControlResponse, body=body or PauseBody(), timeout_s=timeout_s)
-
-    def continue_generation(
-        self, body: ContinueBody | None = None, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return self.call(
-            "POST", "/continue_generation", ControlResponse, body=body or ContinueBody(), timeout_s=timeout_s
-        )
-
-    def flush_cache(self, *, timeout_s: float | None = None) -> None:
-        self.call("POST", "/flush_cache", Acknowledged, timeout_s=timeout_s)
-
-    def update_weights_from_disk(
-        self, body: UpdateWeightsBody, *, timeout_s: float | None = None
-    ) -> UpdateWeightsResponse:
-        return self.call(
-            "POST", "/update_weights_from_disk", UpdateWeightsResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    def init_weights_update_group(
-        self, body: InitWeightsGroupBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return self.call(
-            "POST", "/init_weights_update_group", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    def update_weights_from_distributed(
-        self, body: UpdateWeightsFromDistributedBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return self.call(
-            "POST", "/update_weights_from_distributed", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    def update_weights_from_tensor(
-        self, body: UpdateWeightsFromTensorBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return self.call(
-            "POST", "/update_weights_from_tensor", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    def destroy_weights_update_group(
-        self, body: DestroyWeightsGroupBody | None = None, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return self.call(
-            "POST",
-            "/destroy_weights_update_group",
-            ControlResponse,
-            body=body or DestroyWeightsGroupBody(),
-            timeout_s=timeout_s,
-            retry_s=_ONCE,
-        )
-
-    def health(self, *, timeout_s: float | None = None) -> None:
-        """SGLang's liveness: returns when healthy (200), `RoleUnavailable` when not (503)."""
-        self.call("GET", "/health", Acknowledged, timeout_s=timeout_s)
-
-    def health_generate(self, *, timeout_s: float | None = None) -> None:
-        self.call("GET", "/health_generate", Acknowledged, timeout_s=timeout_s)
-
-    def get_weight_version(self, *, timeout_s: float | None = None) -> WeightVersion:
-        return self.call("GET", "/get_weight_version", WeightVersion, timeout_s=timeout_s)
-
-    def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        return self.call("GET", "/model_info", ModelInfo, timeout_s=timeout_s)
-
-    def get_model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        """`model_info` under SGLang's older name."""
-        return self.call("GET", "/get_model_info", ModelInfo, timeout_s=timeout_s)
-
-    def server_info(self, *, timeout_s: float | None = None) -> ServerInfo:
-        return self.call("GET", "/server_info", ServerInfo, timeout_s=timeout_s)
-
-    def get_server_info(self, *, timeout_s: float | None = None) -> ServerInfo:
-        """`server_info` under SGLang's older name."""
-        return self.call("GET", "/get_server_info", ServerInfo, timeout_s=timeout_s)
-
-    def models(self, *, timeout_s: float | None = None) -> ModelList:
-        return self.call("GET", "/v1/models", ModelList, timeout_s=timeout_s)
 
 
-class AsyncEngineClient(AsyncRoleClient):
+class AsyncEngineClient(_EngineRoutes, AsyncRoleClient):
     """The asynchronous twin of `EngineClient` (the rollout role's dispatcher shares its ``httpx.AsyncClient``)."""
 
-    role = "engine"
-
     async def generate(self, body: GenerateBody, *, timeout_s: float | None = None) -> GenerateResponse:
-        sent = await self.send("POST", "/generate", content=body_json(body), timeout_s=timeout_s, retry_s=_ONCE)
-        return _results(self.role, sent, _RESULT)
+        """As `EngineClient.generate`."""
+        return _results(self.role, await self.send("POST", "/generate", **_generating(body, timeout_s)), _RESULT)
 
     async def generate_batch(self, body: GenerateBody, *, timeout_s: float | None = None) -> list[GenerateResponse]:
-        sent = await self.send("POST", "/generate", content=body_json(body), timeout_s=timeout_s, retry_s=_ONCE)
-        return _results(self.role, sent, _RESULTS)
+        """As `EngineClient.generate_batch`."""
+        return _results(self.role, await self.send("POST", "/generate", **_generating(body, timeout_s)), _RESULTS)
 
     @asynccontextmanager
     async def generate_stream(
         self, body: GenerateBody, *, timeout_s: float | None = None
     ) -> AsyncIterator[AsyncIterator[GenerateResponse]]:
+        """As `EngineClient.generate_stream`."""
         async with self.stream("POST", "/generate", content=_streamed(body), timeout_s=timeout_s) as lines:
             yield self._chunks(lines)
 
     async def _chunks(self, lines: AsyncIterator[str]) -> AsyncIterator[GenerateResponse]:
-        try:
+        with _streaming(self.role):
             async for line in lines:
-                chunk = _event(self.role, line)
-                if chunk is _DONE:
+                if (chunk := _event(self.role, line)) is _DONE:
                     return
                 if chunk is not None:
                     yield chunk  # type: ignore[misc]
-        except httpx.HTTPError as error:
-            raise _stopped(self.role, error) from None
-
-    async def abort_request(self, body: AbortBody, *, timeout_s: float | None = None) -> None:
-        await self.call("POST", "/abort_request", Acknowledged, body=body, timeout_s=timeout_s)
-
-    async def pause_generation(
-        self, body: PauseBody | None = None, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST", "/pause_generation", ControlResponse, body=body or PauseBody(), timeout_s=timeout_s
-        )
-
-    async def continue_generation(
-        self, body: ContinueBody | None = None, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST", "/continue_generation", ControlResponse, body=body or ContinueBody(), timeout_s=timeout_s
-        )
-
-    async def flush_cache(self, *, timeout_s: float | None = None) -> None:
-        await self.call("POST", "/flush_cache", Acknowledged, timeout_s=timeout_s)
-
-    async def update_weights_from_disk(
-        self, body: UpdateWeightsBody, *, timeout_s: float | None = None
-    ) -> UpdateWeightsResponse:
-        return await self.call(
-            "POST", "/update_weights_from_disk", UpdateWeightsResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    async def init_weights_update_group(
-        self, body: InitWeightsGroupBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST", "/init_weights_update_group", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    async def update_weights_from_distributed(
-        self, body: UpdateWeightsFromDistributedBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST", "/update_weights_from_distributed", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    async def update_weights_from_tensor(
-        self, body: UpdateWeightsFromTensorBody, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST", "/update_weights_from_tensor", ControlResponse, body=body, timeout_s=timeout_s, retry_s=_ONCE
-        )
-
-    async def destroy_weights_update_group(
-        self, body: DestroyWeightsGroupBody | None = None, *, timeout_s: float | None = None
-    ) -> ControlResponse:
-        return await self.call(
-            "POST",
-            "/destroy_weights_update_group",
-            ControlResponse,
-            body=body or DestroyWeightsGroupBody(),
-            timeout_s=timeout_s,
-            retry_s=_ONCE,
-        )
-
-    async def health(self, *, timeout_s: float | None = None) -> None:
-        await self.call("GET", "/health", Acknowledged, timeout_s=timeout_s)
-
-    async def health_generate(self, *, timeout_s: float | None = None) -> None:
-        await self.call("GET", "/health_generate", Acknowledged, timeout_s=timeout_s)
-
-    async def get_weight_version(self, *, timeout_s: float | None = None) -> WeightVersion:
-        return await self.call("GET", "/get_weight_version", WeightVersion, timeout_s=timeout_s)
-
-    async def model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        return await self.call("GET", "/model_info", ModelInfo, timeout_s=timeout_s)
-
-    async def get_model_info(self, *, timeout_s: float | None = None) -> ModelInfo:
-        return await self.call("GET", "/get_model_info", ModelInfo, timeout_s=timeout_s)
-
-    async def server_info(self, *, timeout_s: float | None = None) -> ServerInfo:
-        return await self.call("GET", "/server_info", ServerInfo, timeout_s=timeout_s)
-
-    async def get_server_info(self, *, timeout_s: float | None = None) -> ServerInfo:
-        return await self.call("GET", "/get_server_info", ServerInfo, timeout_s=timeout_s)
-
-    async def models(self, *, timeout_s: float | None = None) -> ModelList:
-        return await self.call("GET", "/v1/models", ModelList, timeout_s=timeout_s)

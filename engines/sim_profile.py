@@ -8,7 +8,6 @@ This module holds no engine and sleeps nothing (`engines.sim_stepper` applies th
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import random
 from collections import deque
@@ -16,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import profiles
 
 __all__ = ["STEP_LOG", "SimProfile", "SimStats", "SimStep", "digest"]
 
@@ -104,14 +105,7 @@ class SimProfile:
     @classmethod
     def load(cls, path: str | Path) -> SimProfile:
         """A profile file (``.yaml`` / ``.yml`` / ``.json``); every constant must say its ``source``."""
-        text = Path(path).read_text()
-        if Path(path).suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-        return cls.from_dict(data, where=str(path))
+        return cls.from_dict(profiles.read(path), where=str(path))
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, where: str = "profile") -> SimProfile:
@@ -122,21 +116,11 @@ class SimProfile:
         unknown = sorted(set(constants) - known)
         if unknown:
             raise ValueError(f"{where}: unknown constants {unknown}")
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        for name, entry in constants.items():
-            if not isinstance(entry, Mapping) or "value" not in entry:
-                raise ValueError(f"{where}: constant {name} must be {{value: ..., source: ...}}")
-            source = entry.get("source")
-            if not isinstance(source, str) or not source.strip():
-                raise ValueError(f"{where}: constant {name} has no source")
-            value = entry["value"]
-            if name == "eos_token_ids":
-                value = tuple(int(v) for v in value)
-            elif name == "length_histogram":
-                value = tuple((int(lo), int(hi), float(w)) for lo, hi, w in value)
-            values[name] = value
-            sources[name] = source
+        values, sources = profiles.sourced(constants, where=where, kind="constant")
+        if "eos_token_ids" in values:
+            values["eos_token_ids"] = tuple(int(v) for v in values["eos_token_ids"])
+        if "length_histogram" in values:
+            values["length_histogram"] = tuple((int(lo), int(hi), float(w)) for lo, hi, w in values["length_histogram"])
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING} - {"name"}
         missing = sorted(required - set(values))
         if missing:

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import httpx
 import pyarrow as pa
 from pydantic import TypeAdapter, ValidationError
+from typing_extensions import TypedDict, Unpack
 
 # The micro-batch answer is an Arrow stream, not a record `call` reads: its request is sent here, with the
 # base's own verdict on a refusal and its own error for a role that did not answer.
-from wire.client import AnswerMismatch, AsyncRoleClient, RoleClient
+from wire.client import AnswerMismatch, AsyncRoleClient, Get, Post, RoleClient
 
 from . import wire
 from .api import (
@@ -66,25 +66,30 @@ def _experience_body(body: Experience) -> bytes:
     return wire.dumps({"groups": [group.to_json() for group in body]})
 
 
-def _poll_params(
-    consumer: str,
-    rank: int,
-    world_size: int,
-    max_tokens: int,
-    max_samples: int | None,
-    wait_s: float,
-    inline_media: bool,
-) -> dict[str, Any]:
-    params: dict[str, Any] = {
-        "consumer": consumer,
-        "rank": rank,
-        "world_size": world_size,
-        "max_tokens": max_tokens,
-        "wait_s": wait_s,
+class Poll(TypedDict, total=False):
+    """What a ``GET /v1/microbatches`` long poll asks for; what is not given is the default in brackets."""
+
+    consumer: str  # ("trainer")
+    rank: int  # (0)
+    world_size: int  # (1)
+    max_tokens: int  # (8192)
+    max_samples: int | None  # (no bound)
+    wait_s: float  # (10.0): how long the role holds the poll before answering 204
+    inline_media: bool  # (False)
+    timeout_s: float | None  # (the client's)
+
+
+def _poll_params(poll: Poll) -> dict[str, str | int | float]:
+    params: dict[str, str | int | float] = {
+        "consumer": poll.get("consumer", "trainer"),
+        "rank": poll.get("rank", 0),
+        "world_size": poll.get("world_size", 1),
+        "max_tokens": poll.get("max_tokens", 8192),
+        "wait_s": poll.get("wait_s", 10.0),
     }
-    if max_samples is not None:
+    if (max_samples := poll.get("max_samples")) is not None:
         params["max_samples"] = max_samples
-    if inline_media:
+    if poll.get("inline_media", False):
         params["inline_media"] = "true"
     return params
 
@@ -127,49 +132,64 @@ def read_delivery(response: httpx.Response) -> MicroBatchDelivery | None:
     return MicroBatchDelivery(batch_id=batch_id, table=table, meta=meta)
 
 
-class DataClient(RoleClient):
-    """The data role, synchronously (``url``: its base URL; see `wire.client.RoleClient` for the rest)."""
+def _acks(batch_ids: Sequence[str]) -> AcksIn:
+    return AcksIn.model_construct(batch_ids=list(batch_ids))  # the role judges the ids (422 naming one)
 
+
+def _release_params(consumer: str, rank: int | None) -> dict[str, str | int]:
+    return {"consumer": consumer, **({"rank": rank} if rank is not None else {})}
+
+
+def _policy(version: int) -> PolicyIn:
+    # Not validated here: the role refuses a bad version with its own status and code, as it always has.
+    return PolicyIn.model_construct(version=version)
+
+
+class _DataRoutes:
     role = ROLE
+
+    ack = Post(
+        "/v1/microbatches/{batch_id}/ack",
+        str,
+        AckOut,
+        takes=("retry_s",),
+        doc="``POST /v1/microbatches/{id}/ack``: the batch was trained (409 ``lease_expired``: it went out again).",
+    )
+    regenerations = Post(
+        "/v1/regenerations",
+        None,
+        RegenerationsOut,
+        retry_s=0.0,
+        doc="``POST /v1/regenerations``: the prompts to send again, each handed out once (never retried).",
+    )
+    health = Get("/healthz", HealthOut, doc="``GET /healthz``: the process answers.")
+    ready = Get(
+        "/readyz",
+        ReadyOut,
+        doc="``GET /readyz``: the store can write (503, `wire.client.RoleUnavailable`, while it cannot).",
+    )
+
+
+class DataClient(_DataRoutes, RoleClient):
+    """The data role, synchronously (``url``: its base URL; see `wire.client.RoleClient` for the rest)."""
 
     def store(self, body: Experience, *, retry_s: float | None = None) -> ExperienceOut:
         """``POST /v1/experience``: durable when answered; a group stored before is listed in ``duplicates``."""
         return self.call("POST", "/v1/experience", ExperienceOut, content=_experience_body(body), retry_s=retry_s)
 
-    def microbatch(
-        self,
-        *,
-        consumer: str = "trainer",
-        rank: int = 0,
-        world_size: int = 1,
-        max_tokens: int = 8192,
-        max_samples: int | None = None,
-        wait_s: float = 10.0,
-        inline_media: bool = False,
-        timeout_s: float | None = None,
-    ) -> MicroBatchDelivery | None:
+    def microbatch(self, **poll: Unpack[Poll]) -> MicroBatchDelivery | None:
         """``GET /v1/microbatches``, a long poll of up to ``wait_s``: the next batch leased to ``rank``, or None
         when none was ready. Never retried (each answer leases a batch)."""
-        params = _poll_params(consumer, rank, world_size, max_tokens, max_samples, wait_s, inline_media)
+        params, timeout_s = _poll_params(poll), poll.get("timeout_s")
         return read_delivery(self.send("GET", _MICROBATCHES, params=params, timeout_s=timeout_s, retry_s=0))
-
-    def ack(self, batch_id: str, *, retry_s: float | None = None) -> AckOut:
-        """``POST /v1/microbatches/{id}/ack``: the batch was trained (409 ``lease_expired``: it went out again)."""
-        return self.call("POST", f"{_MICROBATCHES}/{batch_id}/ack", AckOut, retry_s=retry_s)
 
     def ack_all(self, batch_ids: Sequence[str], *, retry_s: float | None = None) -> AcksOut:
         """``POST /v1/microbatches/ack``: a step's batches in one transaction."""
-        body = AcksIn.model_construct(batch_ids=list(batch_ids))  # the role judges the ids (422 naming one)
-        return self.call("POST", f"{_MICROBATCHES}/ack", AcksOut, body=body, retry_s=retry_s)
+        return self.call("POST", f"{_MICROBATCHES}/ack", AcksOut, body=_acks(batch_ids), retry_s=retry_s)
 
     def release(self, *, consumer: str = "trainer", rank: int | None = None) -> ReleaseOut:
         """``POST /v1/microbatches/release``: the consumer's (or one rank's) unacknowledged batches, back now."""
-        params: dict[str, str | int] = {"consumer": consumer, **({"rank": rank} if rank is not None else {})}
-        return self.call("POST", f"{_MICROBATCHES}/release", ReleaseOut, params=params)
-
-    def regenerations(self) -> RegenerationsOut:
-        """``POST /v1/regenerations``: the prompts to send again, each handed out once (never retried)."""
-        return self.call("POST", "/v1/regenerations", RegenerationsOut, retry_s=0.0)
+        return self.call("POST", f"{_MICROBATCHES}/release", ReleaseOut, params=_release_params(consumer, rank))
 
     def admission(self, *, consumer: str = "trainer") -> AdmissionOut:
         """``GET /v1/admission``: how many more groups the producer may start, and the policy version."""
@@ -177,65 +197,34 @@ class DataClient(RoleClient):
 
     def announce_policy(self, version: int) -> PolicyOut:
         """``POST /v1/policy``: the trainer's new policy version (409 ``policy_regression`` below the current)."""
-        # Not validated here: the role refuses a bad version with its own status and code, as it always has.
-        return self.call("POST", "/v1/policy", PolicyOut, body=PolicyIn.model_construct(version=version))
+        return self.call("POST", "/v1/policy", PolicyOut, body=_policy(version))
 
     def stats(self, *, consumer: str = "trainer") -> StatsOut:
         """``GET /v1/stats``: the store's counts, for one consumer's queue."""
         return self.call("GET", "/v1/stats", StatsOut, params={"consumer": consumer})
 
-    def health(self) -> HealthOut:
-        """``GET /healthz``: the process answers."""
-        return self.call("GET", "/healthz", HealthOut)
 
-    def ready(self) -> ReadyOut:
-        """``GET /readyz``: the store can write (503, `wire.client.RoleUnavailable`, while it cannot)."""
-        return self.call("GET", "/readyz", ReadyOut)
-
-
-class AsyncDataClient(AsyncRoleClient):
+class AsyncDataClient(_DataRoutes, AsyncRoleClient):
     """The data role, asynchronously: the methods of `DataClient`, awaited."""
-
-    role = ROLE
 
     async def store(self, body: Experience, *, retry_s: float | None = None) -> ExperienceOut:
         """As `DataClient.store`."""
         content = _experience_body(body)
         return await self.call("POST", "/v1/experience", ExperienceOut, content=content, retry_s=retry_s)
 
-    async def microbatch(
-        self,
-        *,
-        consumer: str = "trainer",
-        rank: int = 0,
-        world_size: int = 1,
-        max_tokens: int = 8192,
-        max_samples: int | None = None,
-        wait_s: float = 10.0,
-        inline_media: bool = False,
-        timeout_s: float | None = None,
-    ) -> MicroBatchDelivery | None:
+    async def microbatch(self, **poll: Unpack[Poll]) -> MicroBatchDelivery | None:
         """As `DataClient.microbatch`."""
-        params = _poll_params(consumer, rank, world_size, max_tokens, max_samples, wait_s, inline_media)
+        params, timeout_s = _poll_params(poll), poll.get("timeout_s")
         return read_delivery(await self.send("GET", _MICROBATCHES, params=params, timeout_s=timeout_s, retry_s=0))
-
-    async def ack(self, batch_id: str, *, retry_s: float | None = None) -> AckOut:
-        """As `DataClient.ack`."""
-        return await self.call("POST", f"{_MICROBATCHES}/{batch_id}/ack", AckOut, retry_s=retry_s)
 
     async def ack_all(self, batch_ids: Sequence[str], *, retry_s: float | None = None) -> AcksOut:
         """As `DataClient.ack_all`."""
-        body = AcksIn.model_construct(batch_ids=list(batch_ids))
-        return await self.call("POST", f"{_MICROBATCHES}/ack", AcksOut, body=body, retry_s=retry_s)
+        return await self.call("POST", f"{_MICROBATCHES}/ack", AcksOut, body=_acks(batch_ids), retry_s=retry_s)
 
     async def release(self, *, consumer: str = "trainer", rank: int | None = None) -> ReleaseOut:
         """As `DataClient.release`."""
-        params: dict[str, str | int] = {"consumer": consumer, **({"rank": rank} if rank is not None else {})}
+        params = _release_params(consumer, rank)
         return await self.call("POST", f"{_MICROBATCHES}/release", ReleaseOut, params=params)
-
-    async def regenerations(self) -> RegenerationsOut:
-        """As `DataClient.regenerations`."""
-        return await self.call("POST", "/v1/regenerations", RegenerationsOut, retry_s=0.0)
 
     async def admission(self, *, consumer: str = "trainer") -> AdmissionOut:
         """As `DataClient.admission`."""
@@ -243,16 +232,8 @@ class AsyncDataClient(AsyncRoleClient):
 
     async def announce_policy(self, version: int) -> PolicyOut:
         """As `DataClient.announce_policy`."""
-        return await self.call("POST", "/v1/policy", PolicyOut, body=PolicyIn.model_construct(version=version))
+        return await self.call("POST", "/v1/policy", PolicyOut, body=_policy(version))
 
     async def stats(self, *, consumer: str = "trainer") -> StatsOut:
         """As `DataClient.stats`."""
         return await self.call("GET", "/v1/stats", StatsOut, params={"consumer": consumer})
-
-    async def health(self) -> HealthOut:
-        """As `DataClient.health`."""
-        return await self.call("GET", "/healthz", HealthOut)
-
-    async def ready(self) -> ReadyOut:
-        """As `DataClient.ready`."""
-        return await self.call("GET", "/readyz", ReadyOut)

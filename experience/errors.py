@@ -53,24 +53,28 @@ class InvalidGroup(InvalidRequest):
         self.group_id, self.item = group_id, item
 
 
-class UnknownBatch(ExperienceError):
+class _BatchRefused(ExperienceError):
+    """An acknowledgement (or a lookup) of micro-batch ``batch_id`` refused; ``says`` is the message."""
+
+    says = "micro-batch {batch_id}"
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(self.says.format(batch_id=batch_id))
+        self.batch_id = batch_id
+
+
+class UnknownBatch(_BatchRefused):
     """No delivery has that batch id."""
 
     code = "not_found"
-
-    def __init__(self, batch_id: str) -> None:
-        super().__init__(f"no micro-batch {batch_id}")
-        self.batch_id = batch_id
+    says = "no micro-batch {batch_id}"
 
 
-class LeaseExpired(ExperienceError):
+class LeaseExpired(_BatchRefused):
     """The batch's lease ran out and its samples were delivered (or trained) again: this ack is refused."""
 
     code = "lease_expired"
-
-    def __init__(self, batch_id: str) -> None:
-        super().__init__(f"the lease of micro-batch {batch_id} expired and its samples were delivered again")
-        self.batch_id = batch_id
+    says = "the lease of micro-batch {batch_id} expired and its samples were delivered again"
 
 
 class PolicyRegression(ExperienceError):

@@ -65,48 +65,29 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or text
 
 
-# Each command: its name, what it does (its line in `weir --help` and its own help's description) and the
-# function declaring its options; in the order `weir --help` lists them.
-_COMMANDS: tuple[tuple[str, str, Callable[[argparse.ArgumentParser], None]], ...] = (
-    (
-        "serve",
-        "serve one role over HTTP (its settings: WEIR_* variables, checked before it starts)",
-        options.serve_arguments,
-    ),
-    (
-        "prep",
-        "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache",
-        options.prep_arguments,
-    ),
-    (
-        "up",
-        "start every role locally (embedded defaults, a generated API token); Ctrl-C stops them",
-        options.up_arguments,
-    ),
-    ("engines", "engines join or leave a running Ray stack (`weir up --ray`)", options.engines_arguments),
-    ("train", "start the stack and run the RL loop on a dataset, or on the demo task", options.train_arguments),
-    (
-        "twin",
-        "capacity twin: the real control plane and RL loop against sim engines and a sim trainer, per mode, "
-        "at two compression factors; prints simulated s/step, tokens/s per GPU, speed-up, idle shares, drops",
-        twin_arguments,
-    ),
-    (
-        "export-hf",
+# Each command: its name, the function declaring its options and what it does (its line in `weir --help` and its
+# own help's description); in the order `weir --help` lists them. A row a command, its text wrapped below it.
+_COMMANDS: tuple[tuple[str, Callable[[argparse.ArgumentParser], None], str], ...] = (
+    ("serve", options.serve_arguments,
+        "serve one role over HTTP (its settings: WEIR_* variables, checked before it starts)"),
+    ("prep", options.prep_arguments, "preprocess a dataset (JSONL/Parquet rows referencing media) into the cache"),
+    ("up", options.up_arguments,
+        "start every role locally (embedded defaults, a generated API token); Ctrl-C stops them"),
+    ("engines", options.engines_arguments, "engines join or leave a running Ray stack (`weir up --ray`)"),
+    ("train", options.train_arguments, "start the stack and run the RL loop on a dataset, or on the demo task"),
+    ("twin", twin_arguments,
+        "capacity twin: the real control plane and RL loop against sim engines and a sim trainer, per mode, at two "
+        "compression factors; prints simulated s/step, tokens/s per GPU, speed-up, idle shares, drops"),
+    ("export-hf", options.export_hf_arguments,
         "write a checkpoint of `weir train` (--trainer fsdp, one rank or several, or megatron) as a Hugging Face "
-        "model folder: sharded safetensors with their index, and the base model's config, tokenizer and "
-        "processor files",
-        options.export_hf_arguments,
-    ),
-    ("init-model", "write the tiny embedded Qwen2.5-Omni model folder", options.init_model_arguments),
-    ("demo", "generate a media set and preprocess it (what `make run` runs)", options.demo_arguments),
-    (
-        "token",
-        "write the API token file the roles share (WEIR_API_TOKEN_FILE): WEIR_API_TOKEN when set, "
-        "else an existing file is kept, else a new random token",
-        options.token_arguments,
-    ),
-)
+        "model folder: sharded safetensors with their index, and the base model's config, tokenizer and processor "
+        "files"),
+    ("init-model", options.init_model_arguments, "write the tiny embedded Qwen2.5-Omni model folder"),
+    ("demo", options.demo_arguments, "generate a media set and preprocess it (what `make run` runs)"),
+    ("token", options.token_arguments,
+        "write the API token file the roles share (WEIR_API_TOKEN_FILE): WEIR_API_TOKEN when set, else an existing "
+        "file is kept, else a new random token"),
+)  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -115,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"weir {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, summary, declare_options in _COMMANDS:
+    for name, declare_options, summary in _COMMANDS:
         declare_options(sub.add_parser(name, help=summary, description=summary, formatter_class=_HelpFormatter))
     return parser
 

@@ -15,37 +15,36 @@ and read by content key from any replica (`services.cluster.peers`), not through
 
 from __future__ import annotations
 
-from wire.client import AsyncRoleClient, RoleClient
+from wire.client import AsyncRoleClient, Get, Post, RoleClient
 
 from .api import PlanResponse, PreprocessReady, PreprocessRequest, PreprocessResponse
 
 __all__ = ["AsyncPreprocessClient", "PreprocessClient"]
 
 
-class PreprocessClient(RoleClient):
+class _PreprocessRoutes:
     role = "preprocess"
 
-    def preprocess(self, request: PreprocessRequest) -> PreprocessResponse:
-        """Each item decoded, tokenized and cached: its cache key, grid and token count (request order)."""
-        return self.call("POST", "/v1/preprocess", PreprocessResponse, body=request)
+    preprocess = Post(
+        "/v1/preprocess",
+        PreprocessRequest,
+        PreprocessResponse,
+        doc="Each item decoded, tokenized and cached: its cache key, grid and token count (request order).",
+    )
+    plan = Post(
+        "/v1/plan",
+        PreprocessRequest,
+        PlanResponse,
+        doc="Token counts and grids from the items' headers only: nothing decoded or cached (no keys).",
+    )
+    ready = Get(
+        "/readyz", PreprocessReady, doc="``/readyz``: the role can work now (a 503, not ready, is `RoleUnavailable`)."
+    )
 
-    def plan(self, request: PreprocessRequest) -> PlanResponse:
-        """Token counts and grids from the items' headers only: nothing decoded or cached (no keys)."""
-        return self.call("POST", "/v1/plan", PlanResponse, body=request)
 
-    def ready(self) -> PreprocessReady:
-        """``/readyz``: the role can work now (a 503, not ready, is `RoleUnavailable`)."""
-        return self.call("GET", "/readyz", PreprocessReady)
+class PreprocessClient(_PreprocessRoutes, RoleClient):
+    """The preprocess role, synchronously."""
 
 
-class AsyncPreprocessClient(AsyncRoleClient):
-    role = "preprocess"
-
-    async def preprocess(self, request: PreprocessRequest) -> PreprocessResponse:
-        return await self.call("POST", "/v1/preprocess", PreprocessResponse, body=request)
-
-    async def plan(self, request: PreprocessRequest) -> PlanResponse:
-        return await self.call("POST", "/v1/plan", PlanResponse, body=request)
-
-    async def ready(self) -> PreprocessReady:
-        return await self.call("GET", "/readyz", PreprocessReady)
+class AsyncPreprocessClient(_PreprocessRoutes, AsyncRoleClient):
+    """The preprocess role, asynchronously: the methods of `PreprocessClient`, awaited."""

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Iterator
 
 from engines.api import ModelList
 from experience.records import Group
-from wire.client import AsyncRoleClient, RoleClient, read_json_line
+from wire.client import AsyncRoleClient, Get, Post, RoleClient, read_json_line
 
 from .api import ChatRequest, CompletionRequest, RolloutRequest, RolloutResponse
 from .messages import ChatCompletion, TextCompletion
@@ -34,47 +34,41 @@ __all__ = ["AsyncRolloutClient", "RolloutClient"]
 _ROLLOUTS = "/v1/rollouts"
 
 
-class RolloutClient(RoleClient):
+def _streamed(request: RolloutRequest) -> RolloutRequest:
+    return request.model_copy(update={"stream": True})
+
+
+class _RolloutRoutes:
     role = "rollout"
 
-    def rollouts(self, request: RolloutRequest) -> RolloutResponse:
-        """Every prompt's group, in request order (``request.stream`` must be false: see `stream_rollouts`)."""
-        return self.call("POST", _ROLLOUTS, RolloutResponse, body=request)
+    rollouts = Post(
+        _ROLLOUTS,
+        RolloutRequest,
+        RolloutResponse,
+        doc="Every prompt's group, in request order (``request.stream`` must be false: see `stream_rollouts`).",
+    )
+    chat = Post("/v1/chat/completions", ChatRequest, ChatCompletion, doc="OpenAI's chat completion.")
+    completions = Post("/v1/completions", CompletionRequest, TextCompletion, doc="OpenAI's text completion.")
+    models = Get("/v1/models", ModelList, doc="The models served (OpenAI's model list).")
+
+
+class RolloutClient(_RolloutRoutes, RoleClient):
+    """The rollout role, synchronously."""
 
     def stream_rollouts(self, request: RolloutRequest) -> Iterator[Group]:
         """Each group the moment it finishes (NDJSON), whatever order they finish in."""
-        with self.stream("POST", _ROLLOUTS, body=request.model_copy(update={"stream": True})) as lines:
+        with self.stream("POST", _ROLLOUTS, body=_streamed(request)) as lines:
             for line in lines:
                 if line.strip():
                     yield read_json_line(self.role, line, Group)
 
-    def chat(self, request: ChatRequest) -> ChatCompletion:
-        return self.call("POST", "/v1/chat/completions", ChatCompletion, body=request)
 
-    def completions(self, request: CompletionRequest) -> TextCompletion:
-        return self.call("POST", "/v1/completions", TextCompletion, body=request)
-
-    def models(self) -> ModelList:
-        return self.call("GET", "/v1/models", ModelList)
-
-
-class AsyncRolloutClient(AsyncRoleClient):
-    role = "rollout"
-
-    async def rollouts(self, request: RolloutRequest) -> RolloutResponse:
-        return await self.call("POST", _ROLLOUTS, RolloutResponse, body=request)
+class AsyncRolloutClient(_RolloutRoutes, AsyncRoleClient):
+    """The rollout role, asynchronously: the methods of `RolloutClient`, awaited."""
 
     async def stream_rollouts(self, request: RolloutRequest) -> AsyncIterator[Group]:
-        async with self.stream("POST", _ROLLOUTS, body=request.model_copy(update={"stream": True})) as lines:
+        """As `RolloutClient.stream_rollouts`."""
+        async with self.stream("POST", _ROLLOUTS, body=_streamed(request)) as lines:
             async for line in lines:
                 if line.strip():
                     yield read_json_line(self.role, line, Group)
-
-    async def chat(self, request: ChatRequest) -> ChatCompletion:
-        return await self.call("POST", "/v1/chat/completions", ChatCompletion, body=request)
-
-    async def completions(self, request: CompletionRequest) -> TextCompletion:
-        return await self.call("POST", "/v1/completions", TextCompletion, body=request)
-
-    async def models(self) -> ModelList:
-        return await self.call("GET", "/v1/models", ModelList)

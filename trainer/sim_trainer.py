@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+import profiles
 from engines.sim_backend import SimProfile
 
 from . import sim_comm
@@ -110,14 +111,7 @@ class SimTrainerProfile:
     @classmethod
     def load(cls, path: str | Path) -> SimTrainerProfile:
         """The ``trainer`` section of a profile file (YAML or JSON)."""
-        text = Path(path).read_text()
-        if Path(path).suffix == ".json":
-            data = json.loads(text)
-        else:
-            import yaml
-
-            data = yaml.safe_load(text)
-        return cls.from_dict(data.get("trainer") or {}, where=str(path))
+        return cls.from_dict(profiles.read(path).get("trainer") or {}, where=str(path))
 
     @classmethod
     def from_dict(cls, constants: Mapping[str, Any], *, where: str = "profile") -> SimTrainerProfile:
@@ -125,16 +119,7 @@ class SimTrainerProfile:
         unknown = sorted(set(constants) - known)
         if unknown:
             raise ValueError(f"{where}: unknown trainer constants {unknown}")
-        values: dict[str, Any] = {}
-        sources: dict[str, str] = {}
-        for name, entry in constants.items():
-            if not isinstance(entry, Mapping) or "value" not in entry:
-                raise ValueError(f"{where}: trainer constant {name} must be {{value: ..., source: ...}}")
-            source = entry.get("source")
-            if not isinstance(source, str) or not source.strip():
-                raise ValueError(f"{where}: trainer constant {name} has no source")
-            values[name] = entry["value"]
-            sources[name] = source
+        values, sources = profiles.sourced(constants, where=where, kind="trainer constant")
         required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
         missing = sorted(required - set(values))
         if missing:

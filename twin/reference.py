@@ -3,7 +3,6 @@ Relax's, read once from the shipped profile (`RELAX`)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -19,25 +18,12 @@ def reference_figures(profile: Path) -> dict[str, float]:
     They live in the profile, beside the constants, so each keeps its citation; the engine and the trainer never
     read the section, so no constant can be fitted to them by accident. ValueError names the file when the section
     is missing or an entry is not a sourced number."""
-    text = Path(profile).read_text()
-    if Path(profile).suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
+    data = profiles.read(profile)
     section = data.get("reference") if isinstance(data, Mapping) else None
     if not isinstance(section, Mapping) or not section:
         raise ValueError(f"{profile}: no 'reference' section of published figures")
-    figures: dict[str, float] = {}
-    for name, entry in section.items():
-        if not isinstance(entry, Mapping) or "value" not in entry:
-            raise ValueError(f"{profile}: reference {name} must be {{value: ..., source: ...}}")
-        source = entry.get("source")
-        if not isinstance(source, str) or not source.strip():
-            raise ValueError(f"{profile}: reference {name} has no source")
-        figures[name] = _number(entry["value"], f"{profile}: reference {name}")
-    return figures
+    values, _ = profiles.sourced(section, where=str(profile), kind="reference")
+    return {name: _number(value, f"{profile}: reference {name}") for name, value in values.items()}
 
 
 def _number(value: Any, where: str) -> float:

@@ -16,40 +16,51 @@ records; everything a caller used to write by hand around ``httpx`` is here:
 
   so no caller meets a ``KeyError`` deep in its own code when a server's answer changes shape.
 
-The sync and async clients share every decision (`_verdict`, `_retryable`, `_pause`); only sleeping and
-sending differ.
+The sync and async clients share every decision (`_verdict`; `_Attempts`: whether to try again, how long to
+wait first); only sleeping and sending differ. A role declares each route that is a record (or nothing) in and a
+record out once, as a `Get` or a `Post` on a mixin both of its clients inherit: a method of the sync client, and
+the same method giving a coroutine on the async one. Only routes with logic of their own (streams, an Arrow
+answer) are methods written for each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any, TypedDict, TypeVar
+from inspect import Parameter, Signature
+from types import MethodType, NoneType
+from typing import Any, Generic, Literal, Protocol, Required, TypedDict, TypeVar, overload
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
-from typing_extensions import Unpack
+from typing_extensions import TypeVarTuple, Unpack
 
 __all__ = [
     "Acknowledged",
     "AnswerMismatch",
     "AsyncRoleClient",
     "CallOptions",
+    "Get",
+    "Post",
     "RoleClient",
     "RoleError",
     "RoleRefused",
     "RoleUnauthorized",
     "RoleUnavailable",
+    "Route",
+    "RouteKeywords",
     "read_answer",
     "read_json_line",
     "refusal_of",
 ]
 
 T = TypeVar("T")
+Http = TypeVar("Http", httpx.Client, httpx.AsyncClient)
 
 _TOKEN_CODES = (None, "unauthorized", "forbidden", "invalid_token")  # a 403's codes that refuse the token
 _FIRST_PAUSE_S = 0.1
@@ -162,8 +173,11 @@ def _verdict(role: str, response: httpx.Response) -> None:
 
 
 def read_answer(role: str, response: httpx.Response, record: type[T]) -> T:
-    """The ``response`` read through ``record`` (a pydantic model, a dataclass, a TypedDict); a refusal raised."""
+    """The ``response`` read through ``record`` (a pydantic model, a dataclass, a TypedDict; `Acknowledged`, or
+    ``NoneType`` for None: the status checked, the body ignored); a refusal raised."""
     _verdict(role, response)
+    if record is NoneType:  # nothing to read: the 2xx is the answer
+        return None  # type: ignore[return-value]
     if record is Acknowledged:
         return Acknowledged()  # type: ignore[return-value]
     try:
@@ -254,14 +268,25 @@ class _Attempts:
         return outcome
 
 
-class _Base:
+class _Base(Generic[Http]):
     role = "role"  # each client names its role; every error says it
+    _http: type[Http]  # the kind of ``httpx`` client made when the caller shares none
 
-    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 30.0, retry_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        token: str | None = None,
+        timeout_s: float = 30.0,
+        retry_s: float = 0.0,
+        http: Http | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout_s = timeout_s
         self.retry_s = retry_s  # how long an idempotent call keeps retrying what a retry can mend
+        self._owned = http is None
+        self.http: Http = http if http is not None else self._http(timeout=timeout_s)
 
     def _attempts(self, method: str, path: str, options: CallOptions) -> _Attempts:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
@@ -280,26 +305,15 @@ class _Base:
         return _Attempts(self.role, method, path, f"{self.url}{path}", args, deadline)
 
 
-class RoleClient(_Base):
+class RoleClient(_Base[httpx.Client]):
     """A synchronous client of one role. ``http``: an ``httpx.Client`` of the caller's to share (its pool and
     limits); closed by `close` only when this client made it."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 30.0,
-        retry_s: float = 0.0,
-        http: httpx.Client | None = None,
-    ) -> None:
-        super().__init__(url, token=token, timeout_s=timeout_s, retry_s=retry_s)
-        self._owned = http is None
-        self.http = http if http is not None else httpx.Client(timeout=timeout_s)
+    _http = httpx.Client
 
     def call(self, method: str, path: str, answer: type[T], **options: Unpack[CallOptions]) -> T:
-        """``method path`` → its answer read through the record ``answer`` (`Acknowledged`: the status checked,
-        the body ignored)."""
+        """``method path`` → its answer read through the record ``answer`` (`Acknowledged`, or ``NoneType`` for
+        None: the status checked, the body ignored)."""
         return read_answer(self.role, self.send(method, path, **options), answer)
 
     def send(self, method: str, path: str, **options: Unpack[CallOptions]) -> httpx.Response:
@@ -340,21 +354,10 @@ class RoleClient(_Base):
         self.close()
 
 
-class AsyncRoleClient(_Base):
+class AsyncRoleClient(_Base[httpx.AsyncClient]):
     """The asynchronous twin of `RoleClient` (``http``: an ``httpx.AsyncClient`` to share)."""
 
-    def __init__(
-        self,
-        url: str,
-        *,
-        token: str | None = None,
-        timeout_s: float = 30.0,
-        retry_s: float = 0.0,
-        http: httpx.AsyncClient | None = None,
-    ) -> None:
-        super().__init__(url, token=token, timeout_s=timeout_s, retry_s=retry_s)
-        self._owned = http is None
-        self.http = http if http is not None else httpx.AsyncClient(timeout=timeout_s)
+    _http = httpx.AsyncClient
 
     async def call(self, method: str, path: str, answer: type[T], **options: Unpack[CallOptions]) -> T:
         """As `RoleClient.call`."""
@@ -395,3 +398,160 @@ class AsyncRoleClient(_Base):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+# -- routes: each declared once, on a mixin both of a role's clients inherit ------------------------------------
+
+A = TypeVar("A")
+B = TypeVar("B")
+R = TypeVar("R", covariant=True)
+Args = TypeVarTuple("Args")
+_Option = Literal["timeout_s", "retry_s"]
+
+
+class _RouteOptions(TypedDict, total=False):
+    """The keywords a route's call may give: those its route ``takes``."""
+
+    timeout_s: float | None
+    retry_s: float | None
+
+
+class _Bound(Protocol[R, *Args]):
+    """A route on a client: its argument (if any) and keywords → the answer (on an async client: a coroutine)."""
+
+    def __call__(self, *args: *Args, **options: Unpack[_RouteOptions]) -> R: ...
+
+
+class Route(Generic[A, *Args]):
+    """One route of a role, declared once (`Get`, `Post`) on a mixin both of its clients inherit: on a `RoleClient`
+    a method that gives the answer read through ``answer`` (``NoneType``: nothing read, the method gives None), on
+    an `AsyncRoleClient` a method that gives a coroutine of it.
+
+    The method's argument, if the route has one (of type ``body``), fills the ``{name}`` the path names, or else
+    is the body, named ``arg`` (``default()`` when left out: an argument that may be left out). ``takes``: the
+    keywords a call may give (``timeout_s``, ``retry_s``); ``retry_s``: the route's own (0.0: never repeated),
+    else the client's. ``doc``: the method's docstring, shown by ``help()`` with its signature."""
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        body: type[object] | None,
+        answer: type[A],
+        *,
+        doc: str,
+        arg: str = "request",
+        default: Callable[[], object] | None = None,
+        takes: tuple[_Option, ...] = (),
+        retry_s: float | None = None,
+    ) -> None:
+        self.method, self.path, self.answer, self.default, self.retry_s = method, path, answer, default, retry_s
+        self.name, self.__doc__ = "route", doc  # the name its class gives it (`__set_name__`)
+        named = re.search(r"{(\w+)}", path)  # a path parameter: the argument goes there
+        self.in_path, self.arg = named is not None, None
+        parameters = [Parameter("self", Parameter.POSITIONAL_OR_KEYWORD)]
+        if body is not None:
+            self.arg = named[1] if named else arg
+            given = Parameter(self.arg, Parameter.POSITIONAL_OR_KEYWORD, annotation=body)
+            parameters.append(given if default is None else given.replace(default=None, annotation=body | None))
+        parameters += [Parameter(name, Parameter.KEYWORD_ONLY, default=None, annotation=float | None) for name in takes]
+        self.signature = Signature(parameters, return_annotation=None if answer is NoneType else answer)
+
+        def call(client: RoleClient, *args: object, **options: object) -> A:
+            path, given = self._request(client, args, options)
+            return client.call(method, path, answer, **given)
+
+        async def call_async(client: AsyncRoleClient, *args: object, **options: object) -> A:
+            path, given = self._request(client, args, options)
+            return await client.call(method, path, answer, **given)
+
+        self.sync, self.asynchronous = call, call_async
+
+    def _request(self, client: object, args: tuple[object, ...], options: dict[str, object]) -> tuple[str, CallOptions]:
+        """The call's path and options; a call the route's signature refuses raises its TypeError."""
+        try:
+            given = self.signature.bind(client, *args, **options).arguments
+        except TypeError as error:
+            raise TypeError(f"{self.name}(): {error}") from None
+        call = CallOptions(timeout_s=given.get("timeout_s"), retry_s=given.get("retry_s", self.retry_s))
+        if self.arg is None:
+            return self.path, call
+        if self.in_path:
+            return self.path.format_map(given), call
+        body = given.get(self.arg)
+        if body is None and self.default is not None:
+            body = self.default()
+        call["body"] = body
+        return self.path, call
+
+    def __set_name__(self, owner: type[object], name: str) -> None:
+        self.name = name
+        for function in (self.sync, self.asynchronous):
+            function.__name__, function.__qualname__ = name, f"{owner.__qualname__}.{name}"
+            function.__module__, function.__doc__ = owner.__module__, self.__doc__
+            vars(function)["__signature__"] = self.signature  # what help() and inspect show
+
+    @overload
+    def __get__(
+        self, client: None, owner: type[AsyncRoleClient]
+    ) -> Callable[[AsyncRoleClient, *Args], Coroutine[object, object, A]]: ...
+    @overload
+    def __get__(self, client: None, owner: type[object]) -> Callable[[RoleClient, *Args], A]: ...
+    @overload
+    def __get__(self, client: AsyncRoleClient, owner: type[object]) -> _Bound[Coroutine[object, object, A], *Args]: ...
+    @overload
+    def __get__(self, client: RoleClient, owner: type[object]) -> _Bound[A, *Args]: ...
+    def __get__(self, client: object, owner: type[object]) -> object:
+        # On the class: the function itself, called with a client first (``EngineClient.flush_cache(client)``).
+        function = self.asynchronous if issubclass(owner, AsyncRoleClient) else self.sync
+        return function if client is None else MethodType(function, client)
+
+
+class RouteKeywords(TypedDict, total=False):
+    """`Route`'s keywords that a role's routes may share, given as ``**`` to `Get` and `Post` (`Get` has no
+    argument to name)."""
+
+    arg: str
+    takes: tuple[_Option, ...]
+    retry_s: float | None
+
+
+class _Declared(RouteKeywords, total=False):
+    doc: Required[str]
+
+
+class Get(Route[A]):
+    """``GET path``: a route with no argument (see `Route`)."""
+
+    def __init__(self, path: str, answer: type[A], **route: Unpack[_Declared]) -> None:
+        super().__init__("GET", path, None, answer, **route)
+
+
+class Post(Route[A, *Args]):
+    """``POST path``: with no argument (``body`` None), a body record, a body ``default()`` makes when left out, or
+    a path parameter (see `Route`)."""
+
+    @overload
+    def __init__(self: Post[A], path: str, body: None, answer: type[A], **route: Unpack[_Declared]) -> None: ...
+    @overload
+    def __init__(self: Post[A, B], path: str, body: type[B], answer: type[A], **route: Unpack[_Declared]) -> None: ...
+    @overload
+    def __init__(  # an argument that may be left out: at most one (a variadic type cannot say so)
+        self: Post[A, *tuple[B | None, ...]],
+        path: str,
+        body: type[B],
+        answer: type[A],
+        *,
+        default: Callable[[], B],
+        **route: Unpack[_Declared],
+    ) -> None: ...
+    def __init__(
+        self,
+        path: str,
+        body: type[object] | None,
+        answer: type[A],
+        *,
+        default: Callable[[], object] | None = None,
+        **route: Unpack[_Declared],
+    ) -> None:
+        super().__init__("POST", path, body, answer, default=default, **route)
