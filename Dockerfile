@@ -48,6 +48,8 @@ COPY trainer/ trainer/
 COPY experience/ experience/
 COPY engines/ engines/
 COPY rollout/ rollout/
+COPY twin/ twin/
+COPY wire/ wire/
 COPY profiles/ profiles/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation . && rm -rf build *.egg-info
 
