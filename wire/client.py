@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from inspect import Parameter, Signature
 from types import MethodType, NoneType
 from typing import Any, Generic, Literal, Protocol, Required, TypedDict, TypeVar, overload
+from urllib.parse import quote
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -477,7 +478,7 @@ class Route(Generic[A, *Args]):
         if self.arg is None:
             return self.path, call
         if self.in_path:
-            return self.path.format_map(given), call
+            return self.path.format(**{self.arg: quote(str(given[self.arg]), safe="")}), call  # one path segment
         body = given.get(self.arg)
         if body is None and self.default is not None:
             body = self.default()

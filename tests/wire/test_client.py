@@ -18,6 +18,7 @@ from wire.client import (
     Acknowledged,
     AnswerMismatch,
     AsyncRoleClient,
+    Post,
     RoleClient,
     RoleRefused,
     RoleUnauthorized,
@@ -67,7 +68,11 @@ def _app() -> Starlette:
     async def broken(request: Request) -> Response:
         return PlainTextResponse("<html>proxy error</html>", status_code=500)
 
+    async def raw(request: Request) -> Response:
+        return JSONResponse({"value": 1, "names": [request.scope["raw_path"].decode()]})
+
     routes = [
+        Route("/items/{rest:path}", raw, methods=["POST"]),
         Route("/answer", answer),
         Route("/echo", echo, methods=["POST"]),
         Route("/refuse", refuse, methods=["POST"]),
@@ -141,3 +146,19 @@ def test_the_async_client_decides_alike(url: str) -> None:
                 await client.call("POST", "/refuse", Answer, body={})
 
     asyncio.run(run())
+
+
+class _Routes:
+    role = "probe"
+    ack = Post("/items/{item_id}/ack", str, Answer, doc="acknowledge one item")
+
+
+class _RoutedClient(_Routes, RoleClient):
+    pass
+
+
+def test_a_path_parameter_stays_one_path_segment(url: str) -> None:
+    """A hostile id cannot walk the client to another route: it is quoted into one segment."""
+    with _RoutedClient(url) as client:
+        assert client.ack("../../answer").names == ["/items/..%2F..%2Fanswer/ack"]
+        assert client.ack("b-1").names == ["/items/b-1/ack"]
