@@ -7,11 +7,16 @@ import asyncio
 import json
 import math
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 from encoders.client import AsyncEncoderClient
 from engines.api import MediaRef
@@ -31,6 +36,8 @@ from rollout.prompts import PromptBuilder
 from rollout.rewards import RewardRegistry, RewardSpec
 from rollout.scoring import reward_samples
 from rollout.sink import JsonlSink
+from tests.ports import free_port
+from tests.services.conftest import RunningServer
 
 
 def answer(**meta: Any) -> dict[str, Any]:
@@ -289,16 +296,30 @@ def _preprocessed(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json={"items": [ITEM], "num_tokens": 4})
 
 
+@contextmanager
+def _role(handler: Any) -> Iterator[str]:
+    """A role on a loopback port answering every request with ``handler``'s answer (``_no_answer``: a port nothing
+    listens on), so the clients and `prepare` meet a real server's answers, refusals and failures."""
+    if handler is _no_answer:
+        yield f"http://127.0.0.1:{free_port()}"
+        return
+
+    async def answer(request: Request) -> Response:
+        made = handler(httpx.Request(request.method, str(request.url), content=await request.body()))
+        return Response(made.content, status_code=made.status_code, media_type="application/json")
+
+    with RunningServer(Starlette(routes=[Route("/{path:path}", answer, methods=["GET", "POST"])])) as server:
+        yield server.url
+
+
 async def _prepare_with(context: RolloutContext, preprocess: Any, encoder: Any = None) -> Prepared:
-    """`prepare` of an image prompt, the two roles answering through these `httpx.MockTransport` handlers
+    """`prepare` of an image prompt, the two roles (real servers on loopback) answering with these handlers
     (``encoder`` None: no encoder role)."""
-    async with (
-        httpx.AsyncClient(transport=httpx.MockTransport(preprocess)) as p,
-        httpx.AsyncClient(transport=httpx.MockTransport(encoder or _no_answer)) as e,
-    ):
-        context.preprocess = AsyncPreprocessClient("http://p", http=p)
-        context.encoder = AsyncEncoderClient("http://e", http=e) if encoder is not None else None
-        return await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
+    with _role(preprocess) as p, _role(encoder or _no_answer) as e:
+        async with AsyncPreprocessClient(p) as preprocessing, AsyncEncoderClient(e) as encoding:
+            context.preprocess = preprocessing
+            context.encoder = encoding if encoder is not None else None
+            return await prepare(context, IMAGE_MESSAGES, where="prompts[0].messages", budget=None)
 
 
 @pytest.mark.parametrize(
