@@ -34,7 +34,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 from rich.progress import Progress
 from rich.table import Table
@@ -45,6 +45,8 @@ from services.settings import SettingsError
 from trainer.data_parallel import DataParallel, restarted, run_ranks
 from trainer.evaluation import EvalSpec
 from trainer.loop import LoopConfig, evaluate, run_loop
+from trainer.losses import LossConfig
+from trainer.memory import Precision
 from trainer.policy_version import PolicyOwner, WeightRecipients
 from trainer.protocol import Ranks
 from trainer.publish import PAUSE_MODE, data_policy_version
@@ -403,20 +405,32 @@ def _ranks(config: TrainConfig) -> Ranks | None:
     return DataParallel.from_env() if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
 
 
+class _SharedTrainerArgs(TypedDict):
+    """What both trainers take alike (typed, so mypy checks each keyword against both constructors)."""
+
+    features: pp.FeatureStore | None
+    lr: float
+    loss: LossConfig
+    precision: Precision
+    activation_checkpointing: bool
+    ppo_epochs: int
+    mini_batches: int
+
+
 def _trainer(
     config: TrainConfig, features: pp.FeatureStore, parallel: Ranks | None
 ) -> ReferenceTrainer | MegatronTrainer:
     model = run_model(config)
     # The options both trainers take alike, read once (typed Any: each constructor checks them when called).
-    shared: dict[str, Any] = {
-        "features": features,
-        "lr": config.lr,
-        "loss": config.loss_config(),
-        "precision": config.precision,
-        "activation_checkpointing": config.activation_checkpointing,
-        "ppo_epochs": config.ppo_epochs,
-        "mini_batches": config.mini_batches,
-    }
+    shared = _SharedTrainerArgs(
+        features=features,
+        lr=config.lr,
+        loss=config.loss_config(),
+        precision=config.precision,
+        activation_checkpointing=config.activation_checkpointing,
+        ppo_epochs=config.ppo_epochs,
+        mini_batches=config.mini_batches,
+    )
     trainer: ReferenceTrainer | MegatronTrainer
     if config.trainer == "megatron":
         from trainer.megatron.trainer import MegatronTrainer
