@@ -1,27 +1,37 @@
 """Which model a folder holds, read from its ``config.json``; one place that knows each family's classes.
 
-Weir serves and trains three families of "thinker" (the multimodal language model with its towers):
+Weir serves and trains these families (`FAMILIES`), each recognised by its config's ``architectures``, then
+``model_type``:
 
-* ``qwen2_5_omni`` — `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker folder, or a full Omni
-  folder whose ``thinker_config`` is read): vision and audio towers, media spliced into the input
-  embeddings.
-* ``qwen3_vl`` — `Qwen3VLForConditionalGeneration`: a vision tower only, and DeepStack: besides its
-  merged output (spliced into the input embeddings) the tower gives one more feature map per
-  ``deepstack_visual_indexes`` entry, each *added* to the hidden states of the visual positions after
-  decoder layer 0, 1, … .
-
+* ``qwen2_5_omni`` — `Qwen2_5OmniThinkerForConditionalGeneration` (a thinker folder, or a full Omni folder
+  whose ``thinker_config`` is read): vision and audio towers, media spliced into the input embeddings.
+* ``qwen2_5_vl`` — `Qwen2_5_VLForConditionalGeneration`: a vision tower (windowed attention), mRoPE whose
+  video positions advance with each grid's seconds (``second_per_grid_ts``).
+* ``qwen3_vl`` / ``qwen3_vl_moe`` — `Qwen3VLForConditionalGeneration` / `Qwen3VLMoeForConditionalGeneration`:
+  a vision tower only, and DeepStack: besides its merged output (spliced into the input embeddings) the
+  tower gives one more feature map per ``deepstack_visual_indexes`` entry, each *added* to the hidden
+  states of the visual positions after decoder layer 0, 1, … ; the MoE one's text model is sparse.
 * ``qwen3_omni_moe`` — `Qwen3OmniMoeThinkerForConditionalGeneration` (a thinker folder, or a full
   Qwen3-Omni folder): vision tower with DeepStack (as Qwen3-VL), audio tower, and a sparse
   mixture-of-experts language model (its routers are what `encoders.routing` captures and replays).
+* ``qwen3_5`` — `Qwen3_5ForConditionalGeneration`: Qwen3-VL's vision tower without DeepStack, and a hybrid
+  text model (gated delta-net linear attention in three layers of four, full attention in the fourth).
+* ``qwen3`` / ``qwen3_moe`` — `Qwen3ForCausalLM` / `Qwen3MoeForCausalLM`: text only, no towers, 1-D rotary
+  positions; the media roles and the encoder stage are never called for them.
 
-An encoder stage's embedding of a Qwen3-VL (or Qwen3-Omni visual) item is therefore the merged output and
-the DeepStack maps side by side, ``(tokens, hidden · (1 + deepstack))`` (`pack_visual`), so one cached tensor per item
-still carries everything the language model takes from the tower; `split_visual` takes it apart again.
+Where a family keeps its parts (`Family.layout`): an Omni thinker has its towers and text model at the top
+(``visual``, ``audio_tower``, ``model``); a vision-language model nests them (``model.visual``,
+``model.language_model``); a text model is ``model`` alone.
+
+An encoder stage's embedding of a DeepStack (Qwen3-VL, Qwen3-Omni) visual item is therefore the merged output
+and the DeepStack maps side by side, ``(tokens, hidden · (1 + deepstack))`` (`pack_visual`), so one cached tensor
+per item still carries everything the language model takes from the tower; `split_visual` takes it apart again.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,54 +39,126 @@ import torch
 from transformers import (
     AutoConfig,
     PreTrainedModel,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen2_5OmniThinkerForConditionalGeneration,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
     Qwen3OmniMoeThinkerForConditionalGeneration,
     Qwen3VLForConditionalGeneration,
+    Qwen3VLMoeForConditionalGeneration,
 )
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths as _qwen3_omni_audio_lengths,
 )
 
 __all__ = [
+    "FAMILIES",
+    "Family",
+    "FamilyName",
     "audio_tokens",
     "decoder_layers",
     "drop_language_model",
-    "Family",
     "family_of",
+    "family_of_model",
     "has_deepstack",
-    "is_qwen3_vl",
+    "text_model",
     "load_thinker",
     "mm_token_type_ids",
     "model_inputs",
     "pack_visual",
     "rope_index",
     "split_visual",
+    "supported",
     "thinker_class",
     "thinker_config",
     "towers_of",
 ]
 
-Family = Literal["qwen2_5_omni", "qwen3_vl", "qwen3_omni_moe"]
+FamilyName = Literal[
+    "qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5", "qwen3", "qwen3_moe"
+]
+FamilyLayout = Literal["omni", "vl", "text"]
 
-_ARCHITECTURES: dict[str, Family] = {
-    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni",
-    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni",
-    "Qwen3VLForConditionalGeneration": "qwen3_vl",
-    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni_moe",
-    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni_moe",
+
+@dataclass(frozen=True)
+class Family:
+    """What Weir needs to know of one model family; everything else is read from the model's own config."""
+
+    name: FamilyName
+    model_class: type[PreTrainedModel]
+    architectures: tuple[str, ...]  # config.json's "architectures" this family loads (its whole model's too)
+    model_types: tuple[str, ...]
+    layout: FamilyLayout  # where the towers and the text model are (see the module's docstring)
+    deepstack: bool = False  # the vision tower's DeepStack maps are added after the first decoder layers
+    audio: bool = False  # an audio tower
+    video_seconds: bool = False  # mRoPE takes each video's seconds per grid (Qwen2.5-VL's ``second_per_grid_ts``)
+    moe: bool = False  # a sparse mixture-of-experts text model (routing replay, expert parallelism)
+
+    @property
+    def media(self) -> bool:
+        """Whether the model takes media at all (a text model's media roles are never called)."""
+        return self.layout != "text"
+
+
+FAMILIES: dict[FamilyName, Family] = {
+    f.name: f
+    for f in (
+        Family(
+            "qwen2_5_omni",
+            Qwen2_5OmniThinkerForConditionalGeneration,
+            ("Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration"),
+            ("qwen2_5_omni_thinker", "qwen2_5_omni"),
+            "omni",
+            audio=True,
+        ),
+        Family(
+            "qwen2_5_vl",
+            Qwen2_5_VLForConditionalGeneration,
+            ("Qwen2_5_VLForConditionalGeneration",),
+            ("qwen2_5_vl",),
+            "vl",
+            video_seconds=True,
+        ),
+        Family(
+            "qwen3_vl",
+            Qwen3VLForConditionalGeneration,
+            ("Qwen3VLForConditionalGeneration",),
+            ("qwen3_vl",),
+            "vl",
+            deepstack=True,
+        ),
+        Family(
+            "qwen3_vl_moe",
+            Qwen3VLMoeForConditionalGeneration,
+            ("Qwen3VLMoeForConditionalGeneration",),
+            ("qwen3_vl_moe",),
+            "vl",
+            deepstack=True,
+            moe=True,
+        ),
+        Family(
+            "qwen3_omni_moe",
+            Qwen3OmniMoeThinkerForConditionalGeneration,
+            ("Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration"),
+            ("qwen3_omni_moe_thinker", "qwen3_omni_moe"),
+            "omni",
+            deepstack=True,
+            audio=True,
+            moe=True,
+        ),
+        Family("qwen3_5", Qwen3_5ForConditionalGeneration, ("Qwen3_5ForConditionalGeneration",), ("qwen3_5",), "vl"),
+        Family("qwen3", Qwen3ForCausalLM, ("Qwen3ForCausalLM",), ("qwen3",), "text"),
+        Family("qwen3_moe", Qwen3MoeForCausalLM, ("Qwen3MoeForCausalLM",), ("qwen3_moe",), "text", moe=True),
+    )
 }
-_MODEL_TYPES: dict[str, Family] = {
-    "qwen2_5_omni_thinker": "qwen2_5_omni",
-    "qwen2_5_omni": "qwen2_5_omni",
-    "qwen3_vl": "qwen3_vl",
-    "qwen3_omni_moe_thinker": "qwen3_omni_moe",
-    "qwen3_omni_moe": "qwen3_omni_moe",
-}
-_CLASSES: dict[Family, type[PreTrainedModel]] = {
-    "qwen2_5_omni": Qwen2_5OmniThinkerForConditionalGeneration,
-    "qwen3_vl": Qwen3VLForConditionalGeneration,
-    "qwen3_omni_moe": Qwen3OmniMoeThinkerForConditionalGeneration,
-}
+_ARCHITECTURES = {name: family for family in FAMILIES.values() for name in family.architectures}
+_MODEL_TYPES = {name: family for family in FAMILIES.values() for name in family.model_types}
+
+
+def supported() -> list[str]:
+    """The ``architectures`` names Weir loads, for a refusal's message."""
+    return sorted(_ARCHITECTURES)
 
 
 def family_of(model_dir: str | Path) -> Family:
@@ -94,8 +176,16 @@ def family_of(model_dir: str | Path) -> Family:
         return _MODEL_TYPES[model_type]
     raise ValueError(
         f"{model_dir}: unsupported model (architectures {config.get('architectures')}, model_type {model_type}); "
-        f"Weir loads {sorted(_ARCHITECTURES)}"
+        f"Weir loads {', '.join(supported())}"
     )
+
+
+def family_of_model(model: torch.nn.Module) -> Family:
+    """The family of a loaded model, by its class."""
+    for family in FAMILIES.values():
+        if isinstance(model, family.model_class):
+            return family
+    raise ValueError(f"{type(model).__name__} is not a model of a family Weir loads ({', '.join(supported())})")
 
 
 def thinker_config(model_dir: str | Path) -> Any:
@@ -106,7 +196,7 @@ def thinker_config(model_dir: str | Path) -> Any:
 
 def thinker_class(model_dir: str | Path) -> type[PreTrainedModel]:
     """The class `load_thinker` loads a folder's model in."""
-    return _CLASSES[family_of(model_dir)]
+    return family_of(model_dir).model_class
 
 
 def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -115,16 +205,12 @@ def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -
     return model  # type: ignore[no-any-return]
 
 
-def is_qwen3_vl(model: torch.nn.Module) -> bool:
-    return isinstance(model, Qwen3VLForConditionalGeneration)
-
-
 def has_deepstack(model: torch.nn.Module) -> bool:
-    """Whether the model's visual embeddings carry DeepStack maps (Qwen3-VL, Qwen3-Omni)."""
-    return isinstance(model, Qwen3VLForConditionalGeneration | Qwen3OmniMoeThinkerForConditionalGeneration)
+    """Whether the model's visual embeddings carry DeepStack maps (Qwen3-VL, Qwen3-VL-MoE, Qwen3-Omni)."""
+    return family_of_model(model).deepstack
 
 
-def audio_tokens(family: Family, config: Any, num_frames: int) -> int:
+def audio_tokens(family: FamilyName, config: Any, num_frames: int) -> int:
     """The tokens the family's audio tower makes of ``num_frames`` mel frames (``config``: the thinker's).
 
     Qwen2.5-Omni: two stride-2 steps over the whole clip. Qwen3-Omni: its tower cuts the clip into
@@ -139,30 +225,33 @@ def audio_tokens(family: Family, config: Any, num_frames: int) -> int:
     raise ValueError(f"{family} has no audio tower")
 
 
-def _text_model(model: torch.nn.Module) -> Any:
+def text_model(model: torch.nn.Module) -> Any:
     """The language model inside a loaded model (its layers, embeddings and final norm)."""
     inner: Any = getattr(model, "model", model)
-    return getattr(inner, "language_model", inner)  # Qwen3-VL nests its text model; the Omni thinker does not
+    return getattr(inner, "language_model", inner)  # a vision-language model nests its text model; the others not
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The language model's decoder layers (the units data-parallel training shards one by one)."""
-    return list(_text_model(model).layers)
+    return list(text_model(model).layers)
 
 
 def drop_language_model(thinker: torch.nn.Module) -> None:
     """Take the language model out of a (meta-device) thinker, for a trainer whose own model is it (megatron's
     GPTModel): its layers, embeddings, final norm and head are then not read; towers, config and buffers stay."""
-    text = _text_model(thinker)
+    text = text_model(thinker)
     text.layers = torch.nn.ModuleList()
     text.embed_tokens = torch.nn.Identity()
     text.norm = torch.nn.Identity()
     thinker.lm_head = torch.nn.Identity()
 
 
-def towers_of(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module | None]:
+def towers_of(model: torch.nn.Module) -> tuple[torch.nn.Module | None, torch.nn.Module | None]:
     """A loaded model's own vision tower and audio tower (None: the family has none)."""
-    if is_qwen3_vl(model):
+    layout = family_of_model(model).layout
+    if layout == "text":
+        return None, None
+    if layout == "vl":
         return model.model.visual, None  # type: ignore[union-attr,return-value]
     return model.visual, model.audio_tower  # type: ignore[return-value]
 
@@ -181,7 +270,7 @@ def split_visual(packed: torch.Tensor, hidden: int) -> tuple[torch.Tensor, list[
 
 
 def mm_token_type_ids(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Qwen3-VL's token types (text 0, image 1, video 2), as its processor returns them."""
+    """A vision-language model's token types (text 0, image 1, video 2), as its processor returns them."""
     config: Any = model.config
     types = torch.zeros_like(ids, dtype=torch.int)
     types[ids == config.image_token_id] = 1
@@ -196,16 +285,24 @@ def rope_index(
     attention_mask: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
     video_grid_thw: torch.Tensor | None,
+    second_per_grid_ts: torch.Tensor | None = None,
     **omni: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The model's own 3-D rotary positions and deltas (``omni``: Qwen2.5-Omni's extra arguments)."""
-    if is_qwen3_vl(model):
+    """The model's own rotary positions and deltas: 3-D for a media model (``omni``: Qwen2.5-Omni's extra
+    arguments; ``second_per_grid_ts``: Qwen2.5-VL's per-video seconds), 1-D and delta 0 for a text model."""
+    family = family_of_model(model)
+    if family.layout == "text":
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return positions, torch.zeros(ids.shape[0], 1, dtype=torch.long, device=ids.device)
+    if family.layout == "vl":
+        extra = {"second_per_grid_ts": second_per_grid_ts} if family.video_seconds else {}
         return model.model.get_rope_index(  # type: ignore[union-attr,operator,no-any-return]
             ids,
             mm_token_type_ids=mm_token_type_ids(model, ids),
             image_grid_thw=image_grid_thw,
             video_grid_thw=None if video_grid_thw is None else video_grid_thw.clone(),  # it edits its argument
             attention_mask=attention_mask,
+            **extra,
         )
     return model.get_rope_index(  # type: ignore[operator,no-any-return]
         ids, attention_mask=attention_mask, image_grid_thw=image_grid_thw, video_grid_thw=video_grid_thw, **omni
@@ -213,11 +310,20 @@ def rope_index(
 
 
 def model_inputs(model: torch.nn.Module, ids: torch.Tensor, media: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A forward's media keyword inputs for this model: Qwen3-VL takes the token types and no
-    per-video seconds (its temporal positions come from the timestamps in the prompt)."""
-    if not is_qwen3_vl(model):
+    """A forward's media keyword inputs for this model: a vision-language model takes the token types; Qwen3-VL's
+    family no per-video seconds (its temporal positions come from the timestamps in the prompt), Qwen2.5-VL
+    its ``second_per_grid_ts``; a text model none."""
+    family = family_of_model(model)
+    if family.layout == "text":
+        if media:
+            raise ValueError(f"a {family.name} model takes no media ({sorted(media)} given)")
+        return {}
+    if family.layout != "vl":
         return media
-    out = {k: v for k, v in media.items() if k not in ("video_second_per_grid",)}
+    out = dict(media)
+    seconds = out.pop("video_second_per_grid", None)
+    if family.video_seconds and seconds is not None:
+        out["second_per_grid_ts"] = seconds
     if "image_grid_thw" in out or "video_grid_thw" in out:
         out["mm_token_type_ids"] = mm_token_type_ids(model, ids)
     return out

@@ -29,25 +29,37 @@ from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
     Qwen2_5OmniAudioEncoder,
     Qwen2_5OmniVisionEncoder,
 )
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeAudioEncoder,
     Qwen3OmniMoeVisionEncoder,
 )
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
 import preprocess as pp
 
-from .architectures import Family, audio_tokens, family_of, pack_visual, thinker_config
+from .architectures import FAMILIES, Family, FamilyName, audio_tokens, family_of, pack_visual, thinker_config
 from .errors import TowerWeightsError
 
 __all__ = ["Towers", "pack_by_cost"]
 
 logger = logging.getLogger(__name__)
 
-# Where the towers live in the checkpoints we load: the thinker alone, or the full Omni model; Qwen3-VL's
-# (transformers 5 writes ``model.visual.``; older checkpoints ``visual.``).
+# Where the towers live in the checkpoints we load: the thinker alone, or the full Omni model; a vision-language
+# model's (transformers 5 writes ``model.visual.``; older checkpoints ``visual.``).
 _PREFIXES = {"visual": ("visual.", "thinker.visual."), "audio": ("audio_tower.", "thinker.audio_tower.")}
-_QWEN3_VL_PREFIXES = {"visual": ("model.visual.", "visual.")}
+_VL_PREFIXES = {"visual": ("model.visual.", "visual.")}
+# Each family's tower classes (vision, audio), built from its config's ``vision_config`` / ``audio_config``.
+_TOWERS: dict[FamilyName, tuple[type[torch.nn.Module], type[torch.nn.Module] | None]] = {
+    "qwen2_5_omni": (Qwen2_5OmniVisionEncoder, Qwen2_5OmniAudioEncoder),
+    "qwen2_5_vl": (Qwen2_5_VisionTransformerPretrainedModel, None),
+    "qwen3_vl": (Qwen3VLVisionModel, None),
+    "qwen3_vl_moe": (Qwen3VLMoeVisionModel, None),
+    "qwen3_omni_moe": (Qwen3OmniMoeVisionEncoder, Qwen3OmniMoeAudioEncoder),
+    "qwen3_5": (Qwen3_5VisionModel, None),
+}
 
 
 def pack_by_cost(costs: Sequence[int], budget: int) -> Iterator[list[int]]:
@@ -101,36 +113,26 @@ class Towers:
         self.audio: torch.nn.Module | None
         self.family: Family = family_of(self.model_dir)
         self._config = config
-        if self.family == "qwen3_vl":
-            self.visual: torch.nn.Module = Qwen3VLVisionModel._from_config(config.vision_config).eval()
-            self.audio = None
-            self._prefixes = _QWEN3_VL_PREFIXES
-        elif self.family == "qwen3_omni_moe":
-            self.visual = Qwen3OmniMoeVisionEncoder._from_config(config.vision_config).eval()
-            self.audio = Qwen3OmniMoeAudioEncoder._from_config(config.audio_config).eval()
-            self._prefixes = _PREFIXES
-        else:
-            self.visual = Qwen2_5OmniVisionEncoder._from_config(config.vision_config).eval()
-            self.audio = Qwen2_5OmniAudioEncoder._from_config(config.audio_config).eval()
-            self._prefixes = _PREFIXES
+        if self.family.name not in _TOWERS:
+            raise TowerWeightsError(f"{self.model_dir} holds a {self.family.name} model: a text model has no towers")
+        vision, audio = _TOWERS[self.family.name]
+        self.visual: torch.nn.Module = vision._from_config(config.vision_config).eval()  # type: ignore[attr-defined]
+        self.audio = audio._from_config(config.audio_config).eval() if audio else None  # type: ignore[attr-defined]
+        self._prefixes = _PREFIXES if self.family.layout == "omni" else _VL_PREFIXES
         self.version = self.load_weights(self.model_dir)
         self.forward_passes = 0
 
     @classmethod
     def from_modules(cls, visual: torch.nn.Module, audio: torch.nn.Module | None, version: str) -> Towers:
         """Towers over modules that already exist (a whole model's own towers, in an engine; no audio
-        tower for Qwen3-VL)."""
+        tower for a vision-language model)."""
         towers = cls.__new__(cls)
         parameter = next(visual.parameters())
         towers.model_dir, towers.device, towers.dtype = Path("."), parameter.device, parameter.dtype
         towers.max_patches_per_batch, towers.max_frames_per_batch = 16384, 30000
         towers.visual, towers.audio, towers.version, towers.forward_passes = visual, audio, version, 0
-        towers._prefixes = _QWEN3_VL_PREFIXES if audio is None else _PREFIXES
-        towers.family = (
-            "qwen3_omni_moe"
-            if isinstance(audio, Qwen3OmniMoeAudioEncoder)
-            else ("qwen3_vl" if audio is None else "qwen2_5_omni")
-        )
+        towers.family = next(FAMILIES[name] for name, (v, _) in _TOWERS.items() if type(visual) is v)
+        towers._prefixes = _PREFIXES if towers.family.layout == "omni" else _VL_PREFIXES
         towers._config = None if audio is None else _AudioConfig(audio.config)
         return towers
 
@@ -196,7 +198,7 @@ class Towers:
             features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
             lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)
             assert self.audio is not None
-            if self.family == "qwen3_omni_moe":  # windowed: the tower cuts and pads its windows itself
+            if self.family.name == "qwen3_omni_moe":  # windowed: the tower cuts and pads its windows itself
                 hidden = self.audio(features.to(self.device, self.dtype), feature_lens=lengths).last_hidden_state
             else:
                 after_cnn, _ = self.audio._get_feat_extract_output_lengths(lengths)  # type: ignore[operator]
@@ -205,7 +207,7 @@ class Towers:
                 ).last_hidden_state
             self.forward_passes += 1
             # The tower's own token counts (an item's num_tokens must agree: the prompt was expanded by it).
-            sizes = [audio_tokens(self.family, self._config, items[i].num_frames) for i in group]
+            sizes = [audio_tokens(self.family.name, self._config, items[i].num_frames) for i in group]
             for i, size in zip(group, sizes, strict=True):
                 if items[i].num_tokens != size:
                     raise ValueError(

@@ -33,7 +33,7 @@ from typing import Unpack
 import torch
 from transformers import AutoTokenizer
 
-from encoders.architectures import has_deepstack, is_qwen3_vl, load_thinker, towers_of
+from encoders.architectures import family_of_model, load_thinker, towers_of
 from encoders.positions import OmniRope
 from encoders.routing import RoutingCapture, is_moe
 from encoders.towers import Towers
@@ -91,11 +91,13 @@ class TransformersEngine(ScheduledEngine):
         self.model = model.to(self.device).eval()  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
         config = self.model.config
-        self.qwen3_vl = is_qwen3_vl(self.model)
-        self.deepstack = has_deepstack(self.model)
+        self.family = family_of_model(self.model)
+        self.deepstack = self.family.deepstack
         self.omni = OmniRope.of(config)  # an Omni model's positions, per media item
-        self.placeholders = {"image": config.image_token_id, "video": config.video_token_id}
-        if not self.qwen3_vl:
+        self.placeholders = (
+            {"image": config.image_token_id, "video": config.video_token_id} if self.family.media else {}
+        )
+        if self.family.audio:
             self.placeholders["audio"] = config.audio_token_id
         self.hidden_size = int(config.get_text_config().hidden_size)
         # DeepStack: a visual embedding is the merged output and one DeepStack map per entry.
@@ -116,11 +118,12 @@ class TransformersEngine(ScheduledEngine):
             for name in ("vision_start_token_id", "vision_end_token_id", "audio_start_token_id", "audio_end_token_id")
             if isinstance(getattr(config, name, None), int)
         }
-        self.banned_ids = torch.tensor(sorted(structural), device=self.device)
+        self.banned_ids = torch.tensor(sorted(structural), dtype=torch.long, device=self.device)
         # A grammar ends on the model's EOS ids; its width is the logits', which may exceed the tokenizer's.
         self.grammars = Grammars(self.tokenizer, vocab_size=vocab_size, stop_token_ids=self.eos_ids)
         self.weight_version = weight_version
-        self.towers = Towers.from_modules(*towers_of(self.model), weight_version)
+        visual, audio = towers_of(self.model)
+        self.towers = Towers.from_modules(visual, audio, weight_version) if visual is not None else None
         self.model_lock = threading.Lock()  # held per forward step, never across a generation
         self._groups = WeightGroups(self.device, timeout_s=weights_group_timeout_s)
         self.started = time.monotonic()
@@ -165,7 +168,8 @@ class TransformersEngine(ScheduledEngine):
             # would read as a huge policy version). The towers' version still changes, so nothing
             # cached against the old towers is reused.
             self.weight_version = version or self.weight_version
-            self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
+            if self.towers is not None:
+                self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
 
     def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:

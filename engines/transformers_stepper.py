@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 from transformers import DynamicCache
 
-from encoders.architectures import rope_index
+from encoders.architectures import Family, rope_index, text_model
 from encoders.positions import OmniRope
 from encoders.routing import RoutingCapture, encode_routed_experts
 from encoders.towers import Towers
@@ -68,10 +68,10 @@ class ModelHost(Protocol):
     device: torch.device
     model_lock: threading.Lock  # held per forward step: a weight update waits for it
     weight_version: str  # read when a request finishes (an update may change it between two steps)
-    towers: Towers
+    towers: Towers | None  # None: a text model
     routing: RoutingCapture | None  # a mixture-of-experts model's router hooks
     omni: OmniRope | None  # an Omni model's positions, per media item
-    qwen3_vl: bool
+    family: Family
     deepstack: bool
     placeholders: dict[str, int]  # media kind → its placeholder token id
     hidden_size: int
@@ -240,7 +240,7 @@ class TransformersStepper:
                 f"placeholders, in the order of the media): {type(error).__name__}: {error}"
             ) from error
         req.state.routes = []  # a retracted request's prefill routes its whole sequence again
-        out = self._forward(embeds, mask, positions, DynamicCache(), deepstack, req)
+        out = self._forward(embeds, mask, positions, DynamicCache(config=self.engine.model.config), deepstack, req)
         req.state.cache = out.past_key_values
         req.prefilled = True
         req.state.length = ids.shape[1]
@@ -266,7 +266,8 @@ class TransformersStepper:
     def _decode(self, req: Req[TransformersState]) -> None:
         token = torch.tensor([[req.output_ids[-1]]], device=self.engine.device)
         embeds = self.engine.model.get_input_embeddings()(token)
-        position = torch.full((3, 1, 1), req.state.length + req.state.rope_delta, device=self.engine.device)
+        axes = (3,) if self.engine.family.media else ()  # a media model's 3-D rotary positions; a text model's 1-D
+        position = torch.full((*axes, 1, 1), req.state.length + req.state.rope_delta, device=self.engine.device)
         mask = torch.ones(1, req.state.length + 1, dtype=torch.long, device=self.engine.device)
         out = self._forward(embeds, mask, position, req.state.cache, None, req)
         req.state.cache = out.past_key_values
@@ -301,10 +302,8 @@ class TransformersStepper:
                 out = self.engine.model(**inputs)
             else:
                 where, maps = deepstack if deepstack is not None else (None, None)
-                # Qwen3-VL nests its text model in ``model.language_model``; the Qwen3-Omni thinker's is ``model``.
                 model = self.engine.model
-                text_model = model.model.language_model if self.engine.qwen3_vl else model.model
-                out = text_model(**inputs, visual_pos_masks=where, deepstack_visual_embeds=maps)
+                out = text_model(model)(**inputs, visual_pos_masks=where, deepstack_visual_embeds=maps)
                 out.logits = model.lm_head(out.last_hidden_state)
         req.state.routes.extend(rows)
         return out
@@ -320,13 +319,16 @@ class TransformersStepper:
             value = float(omni_delta)
             return positions[:, None].to(self.engine.device), int(value) if value.is_integer() else value
         images = [m.grid_thw for m in media if m.kind == "image"]
-        videos = [m.grid_thw for m in media if m.kind == "video"]
+        videos = [m for m in media if m.kind == "video"]
+        device = self.engine.device
+        seconds = [float(m.second_per_grid_t or 0.0) for m in videos]
         positions, deltas = rope_index(
             self.engine.model,
             ids,
             attention_mask=mask,
-            image_grid_thw=torch.tensor(images, device=self.engine.device) if images else None,
-            video_grid_thw=torch.tensor(videos, device=self.engine.device) if videos else None,
+            image_grid_thw=torch.tensor(images, device=device) if images else None,
+            video_grid_thw=torch.tensor([m.grid_thw for m in videos], device=device) if videos else None,
+            second_per_grid_ts=torch.tensor(seconds, device=device) if videos else None,
         )
         value = float(deltas.reshape(-1)[0])
         return positions, int(value) if value.is_integer() else value
@@ -336,8 +338,11 @@ class TransformersStepper:
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor]] | None]:
         """Media embeddings at their placeholder positions, each kind's items in prompt order; and, with
         DeepStack, the DeepStack maps of the visual positions (in sequence order) with their mask."""
+        if not media:
+            return embeds, None
         todo = [i for i, m in enumerate(media) if m.embedding is None]
-        computed = self.engine.towers.encode([media[i].features for i in todo])  # type: ignore[misc]
+        assert self.engine.towers is not None  # a text model takes no media (`_check_media`)
+        computed = self.engine.towers.encode([media[i].features for i in todo]) if todo else []  # type: ignore[misc]
         vectors = {i: media[i].embedding for i in range(len(media))}
         vectors.update(dict(zip(todo, computed, strict=True)))
         maps: dict[int, torch.Tensor] = {}  # DeepStack: each visual item's maps, side by side

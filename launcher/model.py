@@ -21,7 +21,7 @@ from engines.client import EngineClient
 from .config import TrainConfig
 from .stack import stack_model
 
-__all__ = ["attach_refusal", "engine_env", "engine_refusal", "run_model"]
+__all__ = ["attach_refusal", "engine_env", "engine_refusal", "ensure_arch", "run_model", "trains_moe"]
 
 
 def run_model(config: TrainConfig) -> Path:
@@ -98,3 +98,36 @@ def _architectures(config: TrainConfig) -> list[str]:
     if (folder / "config.json").is_file():
         return list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
     return [MODEL_CLASSES[config.arch or "qwen2.5-omni"]]
+
+
+def ensure_arch(config: TrainConfig) -> None:
+    """``--arch``: the stack's own model folder holds that architecture (made there when missing); with
+    ``--model``, that model is of it (nothing is made)."""
+    arch = config.arch
+    if arch is None:
+        return
+    from encoders.architectures import family_of
+    from encoders.embedded_model import ensure_model
+
+    folder = run_model(config) if config.model is not None else ensure_model(config.home / "model", arch=arch)
+    wanted = arch.replace(".", "_").replace("-", "_")
+    if family_of(folder).name != wanted:
+        where = "leave --arch out" if config.model is not None else "remove it or use another --home"
+        raise SystemExit(f"{folder} holds a {family_of(folder).name} model, not {arch}: {where}")
+
+
+def trains_moe(config: TrainConfig) -> bool:
+    from encoders.architectures import FAMILIES
+
+    return FAMILIES[_family(config)].moe  # type: ignore[index]
+
+
+def _family(config: TrainConfig) -> str:
+    """The family this run trains: ``--arch``'s, else that of the model folder HOME holds (the default
+    architecture when it holds none yet)."""
+    from encoders.architectures import family_of
+
+    if config.arch is not None:
+        return config.arch.replace(".", "_").replace("-", "_")
+    folder = run_model(config)
+    return family_of(folder).name if (folder / "config.json").is_file() else "qwen2_5_omni"

@@ -29,7 +29,18 @@ __all__ = [
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"  # trainer.hf_folder's, kept here so that `weir --help` imports no torch
 # `encoders.embedded_model.ARCHITECTURES`, spelled out: importing that module would load torch for --help
-TINY_ARCHS = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe")
+# `encoders.embedded_model.ARCHITECTURES`, spelled here so that `weir --help` does not import torch (a test
+# keeps the two equal)
+TINY_ARCHS = (
+    "qwen2.5-omni",
+    "qwen2.5-vl",
+    "qwen3-vl",
+    "qwen3-vl-moe",
+    "qwen3-omni-moe",
+    "qwen3.5",
+    "qwen3",
+    "qwen3-moe",
+)
 ENGINE_BACKENDS = ("transformers", "sglang", "sim")
 MODEL_SOURCE = "a model folder, or a Hugging Face hub id owner/name[@revision]"
 HUB_SNAPSHOT = "(its snapshot in the HF cache, downloaded when missing unless HF_HUB_OFFLINE=1)"
@@ -497,8 +508,9 @@ def init_model_arguments(init: argparse.ArgumentParser) -> None:
         "--arch",
         choices=TINY_ARCHS,
         default="qwen2.5-omni",
-        help="the architecture: a Qwen2.5-Omni thinker (default), Qwen3-VL (with DeepStack) or a Qwen3-Omni "
-        "MoE thinker (DeepStack, audio, 8 experts top-2)",
+        help="the architecture: a Qwen2.5-Omni thinker (default), Qwen2.5-VL, Qwen3-VL (with DeepStack), "
+        "Qwen3-VL-MoE, a Qwen3-Omni MoE thinker (DeepStack, audio, 8 experts top-2), Qwen3.5 (vision-language, "
+        "hybrid linear attention), or the text models Qwen3 and Qwen3-MoE",
     )
     init.add_argument(
         "--if-missing", action="store_true", help="keep a model already in FOLDER (one with a config.json)"

@@ -60,7 +60,7 @@ from .cluster.training import cluster_engines, in_trainer_task, record_weights, 
 from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
-from .model import attach_refusal, engine_env, engine_refusal, run_model
+from .model import attach_refusal, engine_env, engine_refusal, ensure_arch, run_model, trains_moe
 from .placement import PlacementError, single_rank_device, training_plan
 from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
@@ -206,22 +206,6 @@ def _forget_earlier_run(config: TrainConfig) -> None:
     shutil.rmtree(config.home / "train" / config.mode, ignore_errors=True)
 
 
-def _ensure_arch(config: TrainConfig) -> None:
-    """``--arch``: the stack's own model folder holds that architecture (made there when missing); with
-    ``--model``, that model is of it (nothing is made)."""
-    arch = config.arch
-    if arch is None:
-        return
-    from encoders.architectures import family_of
-    from encoders.embedded_model import ensure_model
-
-    folder = run_model(config) if config.model is not None else ensure_model(config.home / "model", arch=arch)
-    wanted = arch.replace(".", "_").replace("-", "_")
-    if family_of(folder) != wanted:
-        where = "leave --arch out" if config.model is not None else "remove it or use another --home"
-        raise SystemExit(f"{folder} holds a {family_of(folder)} model, not {arch}: {where}")
-
-
 def _stack(config: TrainConfig) -> LocalStack | RayStack:
     """The stack this run starts or attaches to, with the run's staleness settings for its data role."""
     settings: dict[str, str] = {"WEIR_STALENESS_POLICY": config.staleness_policy}
@@ -265,7 +249,7 @@ def _launch_ranks(config: TrainConfig) -> int:
     if not config.resume:
         _forget_earlier_run(config)
     if not config.attach:
-        _ensure_arch(config)  # before the stack starts on HOME/model (the ranks attach to it)
+        ensure_arch(config)  # before the stack starts on HOME/model (the ranks attach to it)
     stack = _stack(config)
     if config.attach:
         refusal = attach_refusal(stack.attach(), stack.token, run_model(config))
@@ -365,8 +349,11 @@ def _refusal(config: TrainConfig) -> str | None:
             return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
         if config.r3:
             return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
-        if config.ep > 1 and _family(config) != "qwen3_omni_moe":
-            return f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model (--arch qwen3-omni-moe)"
+        if config.ep > 1 and not trains_moe(config):
+            return (
+                f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model "
+                "(--arch qwen3-moe, qwen3-vl-moe or qwen3-omni-moe)"
+            )
         from trainer.megatron.ranks import check_model_parallel
 
         try:
@@ -382,17 +369,6 @@ def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec
         return None
     rows = list(iter_prompt_rows(config.eval_dataset)) if config.eval_dataset is not None else held_out
     return EvalSpec(rows=rows, every=config.eval_every, k=config.eval_k, max_new_tokens=config.max_new_tokens)
-
-
-def _family(config: TrainConfig) -> str:
-    """The family this run trains: ``--arch``'s, else that of the model folder HOME holds (the default
-    architecture when it holds none yet)."""
-    from encoders.architectures import family_of
-
-    if config.arch is not None:
-        return config.arch.replace(".", "_").replace("-", "_")
-    folder = run_model(config)
-    return family_of(folder) if (folder / "config.json").is_file() else "qwen2_5_omni"
 
 
 def _ranks(config: TrainConfig) -> Ranks | None:
@@ -489,7 +465,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         assert config.dataset is not None  # the command line takes --dataset or --demo
         rows = list(iter_prompt_rows(config.dataset))  # Weir's rows, or verl's / slime's made into them
     if main and not config.attach:
-        _ensure_arch(config)
+        ensure_arch(config)
     stack = _stack(config)
     if config.attach or not main:  # its data role keeps its own settings (staleness) and experience
         if parallel is not None and not main:

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, Qwen3OmniMoeThinkerForConditionalGenerat
 
 import preprocess as pp
 from encoders.architectures import audio_tokens, family_of, load_thinker, thinker_config
-from encoders.embedded_model import QWEN3_OMNI_MEDIA_TOKENS, init_model, qwen3_omni_spec
+from encoders.embedded_model import QWEN3_OMNI_MEDIA_TOKENS, init_model
 from encoders.routing import RoutingCapture, decode_routed_experts, routing_shape
 from encoders.towers import Towers
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
@@ -24,7 +24,7 @@ from preprocess import samples
 from preprocess.placeholders import expand_placeholders
 from trainer.reference import ReferenceTrainer
 
-SPEC = qwen3_omni_spec()
+SPEC = pp.ProcessorSpec.qwen3_omni_moe()
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def _request(ids: list[int], media: tuple[MediaInput, ...], *, routed: bool = Tr
 def test_init_model_writes_a_qwen3_omni_moe_folder(model_dir: Path, tmp_path: Path) -> None:
     names = {p.name for p in model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= names
-    assert family_of(model_dir) == "qwen3_omni_moe"
+    assert family_of(model_dir).name == "qwen3_omni_moe"
     model = load_thinker(model_dir)
     assert isinstance(model, Qwen3OmniMoeThinkerForConditionalGeneration)
     text = model.config.text_config

@@ -99,7 +99,7 @@ def test_init_model_writes_a_qwen3_vl_folder(model_dir: Path, tmp_path: Path) ->
     names = {p.name for p in model_dir.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= names
     assert "video_preprocessor_config.json" in names
-    assert family_of(model_dir) == "qwen3_vl"
+    assert family_of(model_dir).name == "qwen3_vl"
     assert isinstance(load_thinker(model_dir), Qwen3VLForConditionalGeneration)
     assert pp.ProcessorSpec.from_pretrained(model_dir) == SPEC
     # The CLI writes the same bytes for the same seed; another seed, other weights only.
