@@ -52,7 +52,7 @@ extras-check: $(STAMP)
 # The first run builds .venv-sglang (about 11 GB, 3 minutes here); later runs reuse it.
 SGLANG_TESTS := tests/engines/test_sglang_backend.py tests/engines/test_sglang_installed.py tests/engines/test_sglang_real.py \
 	tests/engines/test_sglang_real_server.py tests/engines/test_sglang_real_moe.py tests/engines/test_sglang_real_train.py \
-	tests/engines/test_sglang_real_omni.py
+	tests/engines/test_sglang_real_omni.py tests/engines/test_sglang_real_families.py
 SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu' $(SGLANG_TESTS)
 $(SGLANG_VENV)/.installed: pyproject.toml
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from wire.errors import WeirError
 
-__all__ = ["EncoderError", "FeaturesNotFound", "TowerWeightsError"]
+__all__ = ["EncoderError", "FeaturesNotFound", "NoTower", "TowerWeightsError"]
 
 
 class EncoderError(WeirError, ValueError):
@@ -35,3 +35,9 @@ class FeaturesNotFound(EncoderError, KeyError):
 
 class TowerWeightsError(EncoderError):
     code = "bad_weights"
+
+
+class NoTower(EncoderError):
+    """The model has no tower for this medium (a text model has none at all, a vision-language model no audio)."""
+
+    code = "no_tower"

@@ -3,8 +3,8 @@
 Rollout routing replay (R3) makes the trainer route every token to the experts the rollout engine
 routed it to, so the policy trained is the policy that sampled. Three pieces live here:
 
-* `moe_routers` / `routing_shape` — a model's routers by decoder layer (Qwen3-Omni-MoE's
-  ``mlp.gate``: a top-k router returning ``(logits, top-k weights, top-k indices)``) and the shape of
+* `moe_routers` / `routing_shape` — a model's routers by decoder layer (``mlp.gate`` of Qwen3-Omni-MoE,
+  Qwen3-VL-MoE and Qwen3-MoE: a top-k router returning ``(logits, top-k weights, top-k indices)``) and the shape of
   one token's routing, ``(num_hidden_layers, num_experts_per_tok)``.
 * `RoutingCapture` — forward hooks that record each MoE layer's top-k indices per token, for an
   engine answering ``return_routed_experts``. `encode_routed_experts` / `decode_routed_experts` are
@@ -13,7 +13,8 @@ routed it to, so the policy trained is the policy that sampled. Three pieces liv
   SGLang's capture buffer.
 * `RoutingReplay` — forward hooks that replace each router's top-k selection with given indices, as
   R3 does: the weights are still the router's own softmax over its logits, gathered at the replayed
-  experts and renormalised when the model renormalises its top-k (``norm_topk_prob``), so gradients
+  experts and renormalised when the router renormalises its top-k (``norm_topk_prob``, or, for a router
+  without that flag such as Qwen3-VL-MoE's, as its own weights show), so gradients
   flow to the router as in an ordinary forward. A token whose replayed row holds a negative index
   (nothing recorded: padding, a sequence's last token) keeps the model's own choice.
 
@@ -79,6 +80,22 @@ def decode_routed_experts(data: str, num_layers: int, top_k: int) -> np.ndarray:
     return flat.reshape(-1, num_layers, top_k)
 
 
+def _renormalises(router: torch.nn.Module, at_own: torch.Tensor, own_weights: torch.Tensor) -> bool:
+    """Whether ``router`` renormalises its top-k weights to sum to 1: its ``norm_topk_prob`` where it has one
+    (Qwen3-MoE, the Qwen3-Omni-MoE thinker), else read off this forward's own weights — Qwen3-VL-MoE's router
+    always renormalises and carries no flag, so taking a missing flag as False would rescale every replayed
+    expert's output. ``at_own``: the softmax at the router's own top-k (float)."""
+    flag = getattr(router, "norm_topk_prob", None)
+    if flag is not None:
+        return bool(flag)
+    if own_weights.numel() == 0:
+        return False  # no tokens: nothing is weighted either way
+    own = own_weights.float()
+    # Whichever reading the router's weights are nearer to (they are cast to the logits' dtype, so not equal).
+    normalised = (own - at_own / at_own.sum(dim=-1, keepdim=True)).abs().max()
+    return bool(normalised <= (own - at_own).abs().max())
+
+
 class RoutingCapture:
     """Hooks on every router of ``model`` that, while `recording`, append each forward's top-k indices.
 
@@ -142,7 +159,7 @@ class RoutingReplay:
         def replace(module: torch.nn.Module, args: Any, output: Any) -> Any:
             if self._routes is None:
                 return None
-            logits, _, own = output
+            logits, own_weights, own = output
             routes = self._routes[:, layer].to(own.device, torch.long)
             if routes.shape != own.shape:
                 raise ValueError(
@@ -157,7 +174,7 @@ class RoutingReplay:
                 return None
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)
             weights = probs.gather(1, chosen)
-            if getattr(module, "norm_topk_prob", False):
+            if _renormalises(module, probs.gather(1, own), own_weights):
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights.to(logits.dtype), chosen
 

@@ -41,9 +41,9 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVis
 import preprocess as pp
 
 from .architectures import FAMILIES, Family, FamilyName, audio_tokens, family_of, pack_visual, thinker_config
-from .errors import TowerWeightsError
+from .errors import NoTower, TowerWeightsError
 
-__all__ = ["Towers", "pack_by_cost"]
+__all__ = ["Towers", "check_processor", "pack_by_cost"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,37 @@ def pack_by_cost(costs: Sequence[int], budget: int) -> Iterator[list[int]]:
         total += cost
     if group:
         yield group
+
+
+# The processor's numbers (`ProcessorSpec` field) that must be the vision tower's (its config's field): features cut
+# into other patches, merged in other blocks or other temporal pairs would not fit the tower at all, or worse, fit
+# its shapes and mean something else.
+_MUST_AGREE = (
+    ("patch_size", "patch_size"),
+    ("merge_size", "spatial_merge_size"),
+    ("temporal_patch_size", "temporal_patch_size"),
+)
+
+
+def check_processor(model_dir: str | Path, vision_config: object | None = None) -> None:
+    """Refuse a folder whose processor config disagrees with its model's vision tower, naming the field and both
+    values. A folder without processor files, or a text model, has nothing to disagree with."""
+    folder = Path(model_dir)
+    try:
+        spec = pp.ProcessorSpec.from_pretrained(folder)
+    except FileNotFoundError:
+        return
+    if vision_config is None:
+        vision_config = getattr(thinker_config(folder), "vision_config", None)
+    if vision_config is None:
+        return
+    for field, model_field in _MUST_AGREE:
+        ours, theirs = getattr(spec, field), getattr(vision_config, model_field, None)
+        if theirs is not None and ours != theirs:
+            raise ValueError(
+                f"{folder}: the processor config's {field} {ours} disagrees with the model's "
+                f"vision_config.{model_field} {theirs} (features made with it would not fit the vision tower)"
+            )
 
 
 class _AudioConfig:
@@ -113,10 +144,12 @@ class Towers:
         self.audio: torch.nn.Module | None
         self.family: Family = family_of(self.model_dir)
         self._config = config
-        if self.family.name not in _TOWERS:
-            raise TowerWeightsError(f"{self.model_dir} holds a {self.family.name} model: a text model has no towers")
-        vision, audio = _TOWERS[self.family.name]
-        self.visual: torch.nn.Module = vision._from_config(config.vision_config).eval()  # type: ignore[attr-defined]
+        # A text model (Qwen3, Qwen3-MoE) has no towers: the stage still starts (a stack is the same for every
+        # model) and refuses any item by name; the rollout role never sends it one.
+        vision, audio = _TOWERS.get(self.family.name, (None, None))
+        if vision:  # before any weights are read: features of another processor are refused at the start
+            check_processor(self.model_dir, config.vision_config)
+        self.visual: torch.nn.Module | None = vision._from_config(config.vision_config).eval() if vision else None  # type: ignore[attr-defined]
         self.audio = audio._from_config(config.audio_config).eval() if audio else None  # type: ignore[attr-defined]
         self._prefixes = _PREFIXES if self.family.layout == "omni" else _VL_PREFIXES
         self.version = self.load_weights(self.model_dir)
@@ -177,10 +210,14 @@ class Towers:
     def encode_visual(self, items: Sequence[pp.ImageFeatures | pp.VideoFeatures]) -> list[torch.Tensor]:
         """(tokens, hidden) per item; items are packed into forwards by patch count."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        visual = self.visual
+        if items and visual is None:
+            raise NoTower(f"this model ({self.family.name}) has no vision tower: it takes text only")
         for group in pack_by_cost([it.num_patches for it in items], self.max_patches_per_batch):
             pixels = torch.cat([torch.from_numpy(items[i].pixel_values) for i in group]).to(self.device, self.dtype)
             grids = torch.tensor([items[i].grid_thw for i in group], device=self.device)
-            output = self.visual(pixels, grid_thw=grids)
+            assert visual is not None  # a group has items
+            output = visual(pixels, grid_thw=grids)
             merged = pack_visual(output.pooler_output, getattr(output, "deepstack_features", None))
             self.forward_passes += 1
             sizes = [items[i].num_tokens for i in group]
@@ -193,7 +230,7 @@ class Towers:
         """(tokens, hidden) per clip; clips are packed into forwards by mel-frame count."""
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         if items and self.audio is None:
-            raise ValueError("this model has no audio tower")
+            raise NoTower(f"this model ({self.family.name}) has no audio tower")
         for group in pack_by_cost([it.num_frames for it in items], self.max_frames_per_batch):
             features = torch.cat([torch.tensor(items[i].input_features) for i in group], dim=1)
             lengths = torch.tensor([items[i].num_frames for i in group], device=self.device)

@@ -51,7 +51,10 @@ def existing_dataset(text: str) -> Path:
     return path
 
 
-SPEC_NAMES = ("qwen2_5_omni", "qwen2_5_vl")
+# Every family Weir has a processor spec for (`preprocess.spec.SPEC_FAMILIES`, spelled here so `weir --help`
+# imports nothing); a text family has none.
+SPEC_NAMES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5")
+TEXT_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 def role_url(text: str) -> tuple[str, str]:
@@ -75,10 +78,12 @@ def role_url(text: str) -> tuple[str, str]:
 
 
 def processor_spec(text: str) -> str:
-    """A processor spec by name (`SPEC_NAMES`), or a model folder holding its processor configuration."""
+    """A processor spec by family name (`SPEC_NAMES`), or a model folder holding its processor configuration."""
     configs = ("preprocessor_config.json", "processor_config.json")  # what `ProcessorSpec.from_pretrained` reads
     if text in SPEC_NAMES or any((Path(text) / name).is_file() for name in configs):
         return text
+    if text in TEXT_FAMILIES and not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text}: a text model has no media to prepare")
     what = "no such folder" if not Path(text).exists() else f"no {' or '.join(configs)} there"
     raise argparse.ArgumentTypeError(f"{text}: {what} (give {', '.join(SPEC_NAMES)} or a Hugging Face model folder)")
 

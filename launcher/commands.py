@@ -35,9 +35,10 @@ WORKER_APPS = {"preprocess": "launcher.commands:preprocess_app"}  # role → uvi
 
 def _spec(name: str):  # type: ignore[no-untyped-def]
     import preprocess as pp
+    from preprocess.spec import SPEC_FAMILIES
 
-    if name in ("qwen2_5_omni", "qwen2_5_vl"):
-        return getattr(pp.ProcessorSpec, name)()
+    if name in SPEC_FAMILIES:  # a family's released spec; anything else is a model folder
+        return pp.ProcessorSpec.named(name)
     return pp.ProcessorSpec.from_pretrained(name)
 
 

@@ -21,7 +21,7 @@ from engines.client import EngineClient
 from .config import TrainConfig
 from .stack import stack_model
 
-__all__ = ["attach_refusal", "engine_env", "engine_refusal", "ensure_arch", "run_model", "trains_moe"]
+__all__ = ["attach_refusal", "demo_refusal", "engine_env", "engine_refusal", "ensure_arch", "run_model", "trains_moe"]
 
 
 def run_model(config: TrainConfig) -> Path:
@@ -131,3 +131,20 @@ def _family(config: TrainConfig) -> str:
         return config.arch.replace(".", "_").replace("-", "_")
     folder = run_model(config)
     return family_of(folder).name if (folder / "config.json").is_file() else "qwen2_5_omni"
+
+
+def demo_refusal(config: TrainConfig) -> str | None:
+    """Why the demo task cannot run on this run's model, in one line: pictures for a text model, a clip's audio
+    track for a model with no audio tower."""
+    if not config.demo or config.demo_task == "parity":
+        return None
+    from encoders.architectures import FAMILIES
+
+    family = FAMILIES[_family(config)]  # type: ignore[index]
+    if not family.media:
+        return (
+            f"--demo-task {config.demo_task} sends pictures, and {family.name} is a text model: use --demo-task parity"
+        )
+    if config.demo_task == "video-audio" and not family.audio:
+        return f"--demo-task video-audio needs an Omni model (an audio tower), not {family.name}"
+    return None

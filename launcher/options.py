@@ -156,7 +156,10 @@ def prep_arguments(prep: argparse.ArgumentParser) -> None:
     )
     prep.add_argument("--out", type=Path, required=True, help="output folder: cache/, manifest.parquet, report.json")
     prep.add_argument(
-        "--spec", type=processor_spec, default="qwen2_5_omni", help="qwen2_5_omni, qwen2_5_vl, or a model folder"
+        "--spec",
+        type=processor_spec,
+        default="qwen2_5_omni",
+        help="a family (qwen2_5_omni, qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_omni_moe, qwen3_5) or a model folder",
     )
     _add_workers(prep)
     prep.add_argument(
@@ -240,10 +243,11 @@ def _train_source(train: argparse.ArgumentParser) -> None:
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     train.add_argument(
         "--demo-task",
-        choices=("colours", "visual-search", "video-audio"),
-        default="colours",
-        help="with --demo: the colour pictures, the multi-turn visual_search environment (crop, then answer), or "
-        "colour clips sent with their own audio track (use_audio_in_video; Omni models)",
+        choices=("colours", "visual-search", "video-audio", "parity"),
+        default=None,
+        help="with --demo: the colour pictures (default), the multi-turn visual_search environment (crop, then "
+        "answer), colour clips sent with their own audio track (use_audio_in_video; Omni models), or whether a "
+        "number is even or odd (text; the default for the text models --arch qwen3 / qwen3-moe)",
     )
 
 

@@ -60,7 +60,7 @@ from .cluster.training import cluster_engines, in_trainer_task, record_weights, 
 from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
-from .model import attach_refusal, engine_env, engine_refusal, ensure_arch, run_model, trains_moe
+from .model import attach_refusal, demo_refusal, engine_env, engine_refusal, ensure_arch, run_model, trains_moe
 from .placement import PlacementError, single_rank_device, training_plan
 from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
@@ -116,7 +116,15 @@ def _warm_up(
     """Supervised steps that teach the answer format — text-only prompts, or for the visual tool task scripted
     crop-then-answer trajectories (`launcher.demo.task.agent_warmup_pairs`); then the engines and the encoder
     get the weights."""
-    from .demo.task import AgentWarmup, Pair, agent_warmup_pairs, agent_warmup_rows, clip_warmup_pairs, warmup_prompts
+    from .demo.task import (
+        AgentWarmup,
+        Pair,
+        agent_warmup_pairs,
+        agent_warmup_rows,
+        clip_warmup_pairs,
+        parity_warmup_prompts,
+        warmup_prompts,
+    )
 
     pairs: list[Pair] = []
     agent: AgentWarmup | None = None  # the agent's examples change from step to step
@@ -127,7 +135,8 @@ def _warm_up(
         pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
     else:
-        pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
+        prompts = parity_warmup_prompts() if config.demo_task == "parity" else warmup_prompts()
+        pairs = [trainer.chat_pair(messages, answer) for messages, answer in prompts]
         what = "text-only prompts (answer format)"
     main = trainer.parallel is None or trainer.parallel.is_main
     with Progress(console=console, transient=True, disable=not main) as progress:
@@ -433,8 +442,9 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
     agent, clips = config.agent, config.clips
-    if clips and config.arch == "qwen3-vl":
-        console.print("[red]--demo-task video-audio needs an Omni model (an audio tower), not --arch qwen3-vl[/red]")
+    refusal = demo_refusal(config)
+    if refusal:
+        console.print(refusal, style="red", markup=False, highlight=False)
         return 2
     if config.mode == "async" and config.max_staleness == 0:  # a hint, not a refusal: it is a valid setting
         console.print(
@@ -457,6 +467,10 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         from .demo.task import write_video_audio_task
 
         rows, held_out = write_video_audio_task(config.home / "media")
+    elif config.demo and config.demo_task == "parity":
+        from .demo.task import write_parity_task
+
+        rows, held_out = write_parity_task()
     elif config.demo:
         from .demo.task import write_demo_task
 
@@ -507,7 +521,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             )
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
-            what = "clips" if clips else "pictures"
+            what = "clips" if clips else "numbers" if config.demo_task == "parity" else "pictures"
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
             _show_diagnosis(diagnosis)
         loop = LoopConfig(

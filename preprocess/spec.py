@@ -15,6 +15,8 @@ from typing import Any, Literal, TypedDict
 
 __all__ = [
     "PIPELINE_VERSION",
+    "SPEC_FAMILIES",
+    "TEXT_FAMILIES",
     "AudioFamily",
     "AudioResampler",
     "ImageBackend",
@@ -61,8 +63,11 @@ MODEL_SEQ_LEN = 128000
 # Fields that change no feature byte (only how a prompt is laid out): not in the fingerprint, so
 # specs that differ only there share cache entries (and the Qwen2.5 fingerprints stay as pinned).
 _NOT_FINGERPRINTED = ("video_timestamps", "omni")
-# Model folders whose processor is Qwen3-VL's (`processor_class`, `video_processor_type`, model_type).
-_QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe"})
+# Model folders whose processor is Qwen3-VL's (`processor_class`, `video_processor_type`, model_type); transformers
+# gives Qwen3.5 (the vision-language model) Qwen3-VL's processor too.
+_QWEN3_VL_NAMES = frozenset({"Qwen3VLProcessor", "Qwen3VLVideoProcessor", "qwen3_vl", "qwen3_vl_moe", "qwen3_5"})
+# ... and Qwen2.5-VL's (its checkpoints' audio-less numbers, not the Omni defaults of a bare folder).
+_QWEN2_5_VL_NAMES = frozenset({"Qwen2_5_VLProcessor", "qwen2_5_vl"})
 # ... and Qwen3-Omni-MoE's (the whole model, or a thinker-only folder).
 _QWEN3_OMNI_NAMES = frozenset({"Qwen3OmniMoeProcessor", "qwen3_omni_moe", "qwen3_omni_moe_thinker"})
 # Audio fields and opt-in options: left out of the fingerprint while at their defaults (pinned keys stay).
@@ -73,6 +78,10 @@ _LEFT_OUT_AT_DEFAULT = {
     "audio_resampler": "torchaudio",
     "image_decode": "exact",
 }
+# The model families Weir has a spec for (`ProcessorSpec.named`: their checkpoints' numbers), and the text-only
+# families, which have none (nothing to prepare for them).
+SPEC_FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5")
+TEXT_FAMILIES = ("qwen3", "qwen3_moe")
 
 
 class _VideoPixels(TypedDict):
@@ -212,13 +221,31 @@ class ProcessorSpec:
         )
 
     @classmethod
+    def named(cls, family: str) -> ProcessorSpec:
+        """The released checkpoints' spec of a family (`SPEC_FAMILIES`): Qwen3-VL-MoE and Qwen3.5 take Qwen3-VL's
+        processor (its numbers are the same)."""
+        makers = {
+            "qwen2_5_omni": cls.qwen2_5_omni,
+            "qwen2_5_vl": cls.qwen2_5_vl,
+            "qwen3_vl": cls.qwen3_vl,
+            "qwen3_vl_moe": cls.qwen3_vl,
+            "qwen3_omni_moe": cls.qwen3_omni_moe,
+            "qwen3_5": cls.qwen3_vl,
+        }
+        if family in TEXT_FAMILIES:
+            raise ValueError(f"{family}: a text model has no media to prepare")
+        if family not in makers:
+            raise ValueError(f"{family}: no processor spec of that name (Weir has {', '.join(SPEC_FAMILIES)})")
+        return makers[family]()
+
+    @classmethod
     def from_pretrained(cls, model_dir: str | Path) -> ProcessorSpec:
         """Read a model folder's ``preprocessor_config.json`` (and video config if present).
 
-        A Qwen3-VL folder (named by its processor class, video processor type or model_type) starts
-        from `qwen3_vl`, a Qwen3-Omni-MoE folder from `qwen3_omni_moe`. Transformers 5 may instead
-        write one ``processor_config.json`` holding the image and video processors' configs: that is
-        read too.
+        A Qwen3-VL folder (named by its processor class, video processor type or model_type; Qwen3-VL-MoE's and
+        Qwen3.5's too) starts from `qwen3_vl`, a Qwen2.5-VL folder from `qwen2_5_vl`, a Qwen3-Omni-MoE folder
+        from `qwen3_omni_moe`. Transformers 5 may instead write one ``processor_config.json`` holding the image
+        and video processors' configs: that is read too. (A family's released spec by name: `named`.)
         """
         root = Path(model_dir)
         path = root / "preprocessor_config.json"
@@ -240,7 +267,12 @@ class ProcessorSpec:
         model_type = json.loads(config_path.read_text()).get("model_type") if config_path.is_file() else None
         names = {cfg.get("processor_class"), vcfg.get("processor_class"), vcfg.get("video_processor_type"), model_type}
         omni3 = bool(names & _QWEN3_OMNI_NAMES)
-        base = cls.qwen3_omni_moe() if omni3 else cls.qwen3_vl() if names & _QWEN3_VL_NAMES else cls()
+        if omni3:
+            base = cls.qwen3_omni_moe()
+        elif names & _QWEN3_VL_NAMES:
+            base = cls.qwen3_vl()
+        else:
+            base = cls.qwen2_5_vl() if names & _QWEN2_5_VL_NAMES else cls()
         fields: dict[str, Any] = {}
         if not omni3 and base.omni:  # an Omni folder configures its audio feature extractor here
             fields["omni"] = cfg.get("feature_size") is not None or cfg.get("feature_extractor_type") is not None

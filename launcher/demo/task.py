@@ -62,6 +62,8 @@ __all__ = [
     "warmup_prompts",
     "write_agent_task",
     "write_demo_task",
+    "write_parity_task",
+    "parity_warmup_prompts",
     "write_video_audio_task",
 ]
 
@@ -191,6 +193,38 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
     Rows are rollout prompts (``messages`` with the picture's absolute path, and the reward).
     """
     return _write_colour_task(media_root / "colours", "png", colour_picture, _picture_row, per_colour, held_out)
+
+
+# -- the parity task (`weir train --demo --demo-task parity`, the text models' demo) ---------------------------
+
+PARITY_QUESTION = "Is {} even or odd?"
+
+
+def write_parity_task(*, per_answer: int = 32, held_out: int = 8) -> tuple[list[dict], list[dict]]:
+    """A text task a text model can learn on two cores: is a three-digit number even or odd (exact match). The
+    held-out numbers are never trained on; the tokenizer cuts a number into pieces (``Ġ43`` ``7``), so the
+    answer is read from the last piece, which the training numbers also end in. Deterministic: no files."""
+    rng = np.random.default_rng(39)
+    numbers = rng.permutation(np.arange(100, 1000))
+    rows: dict[str, list[PromptRow]] = {"even": [], "odd": []}
+    for number in numbers:
+        answer = "even" if number % 2 == 0 else "odd"
+        if len(rows[answer]) < per_answer + held_out:
+            content = PARITY_QUESTION.format(int(number))
+            rows[answer].append(
+                {
+                    "messages": [{"role": "user", "content": content}],
+                    "reward": {"type": "exact_match", "answer": answer},
+                }
+            )
+    train = [row for pair in zip(rows["even"][:per_answer], rows["odd"][:per_answer], strict=True) for row in pair]
+    evaluation = rows["even"][per_answer:] + rows["odd"][per_answer:]
+    return [dict(row) for row in train], [dict(row) for row in evaluation]
+
+
+def parity_warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
+    """(messages, answer) for the parity task's format warm-up: each answer once, to a question with no number."""
+    return [([{"role": "user", "content": "Answer even or odd."}], answer) for answer in ("even", "odd")]
 
 
 # -- the video-with-its-audio task (`weir train --demo --demo-task video-audio`) -------------------------

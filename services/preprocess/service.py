@@ -60,6 +60,10 @@ class PreprocessState:
 
     def resolve(self, request: PreprocessRequest) -> list[Item]:
         s, items = self.settings, []
+        if s.text_model and request.items:
+            raise ApiError(
+                422, "text_model", f"WEIR_MODEL={s.model} is a text model: it takes no media", item=0, field="items.0"
+            )
         for index, item in enumerate(request.items):
             if item.data is not None:
                 raw = decode_inline(item.data, index, s.max_item_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Literal
 
@@ -57,12 +58,18 @@ class PreprocessSettings(RoleSettings, MediaUrls):
     @field_validator("model")
     @classmethod
     def _model_folder(cls, value: Path | None) -> Path | None:
-        if value is not None and not (value / "preprocessor_config.json").is_file():
+        if value is not None and not (value / "preprocessor_config.json").is_file() and not _text_model(value):
             raise ValueError(f"WEIR_MODEL={value} has no preprocessor_config.json")
         return value
 
+    @property
+    def text_model(self) -> bool:
+        """A text model (Qwen3, Qwen3-MoE) takes no media: the role starts (a stack is the same for every model)
+        and refuses every item by name."""
+        return self.model is not None and _text_model(self.model)
+
     def spec(self) -> pp.ProcessorSpec:
-        if self.model is not None:
+        if self.model is not None and not self.text_model:
             spec = pp.ProcessorSpec.from_pretrained(self.model)
         else:
             spec = getattr(pp.ProcessorSpec, self.spec_preset)()
@@ -77,3 +84,13 @@ class PreprocessSettings(RoleSettings, MediaUrls):
             policy=self.budget_policy,
             max_decode_pixels=self.max_decode_pixels,
         )
+
+
+def _text_model(folder: Path) -> bool:
+    """A model folder with no processor and no vision config: a text model. Read from the JSON (this role does not
+    load the model, nor the library that knows its family)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return not (folder / "preprocessor_config.json").is_file() and "vision_config" not in config

@@ -1,9 +1,10 @@
-"""Hugging Face ↔ Megatron weights and models for every family Weir serves (the tiny Qwen2.5-Omni thinker,
-Qwen3-VL and Qwen3-Omni-MoE thinker of `encoders.embedded_model`): the mapping round-trips bit-exactly
-(also through tensor- and expert-parallel shards), a weight it does not know is an error naming it, and the
-GPTModel `trainer.megatron.build_gpt` makes holds the mapped weights and gives the Hugging Face model's
-per-token log-probs on packed text — and with media through `QwenMedia`: Qwen3-VL with an image, Qwen3-Omni-MoE
-with an image and audio (3-D interleaved rotary, DeepStack)."""
+"""Hugging Face ↔ Megatron weights and models for every family Weir serves on Megatron (the tiny Qwen2.5-Omni
+thinker, Qwen3-VL, Qwen3-Omni-MoE thinker, Qwen2.5-VL, Qwen3-VL-MoE, Qwen3 and Qwen3-MoE of
+`encoders.embedded_model`; Qwen3.5 is refused: `tests/trainer/test_megatron_families.py`): the mapping
+round-trips bit-exactly (also through tensor- and expert-parallel shards), a weight it does not know is an
+error naming it, and the GPTModel `trainer.megatron.build_gpt` makes holds the mapped weights and gives the
+Hugging Face model's per-token log-probs on packed text — and with media through `QwenMedia`: Qwen3-VL with an
+image, Qwen3-Omni-MoE with an image and audio (3-D interleaved rotary, DeepStack)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,11 @@ from trainer.megatron import (
 )
 from trainer.model_loading import CheckpointTensors
 
-# the families whose language model the Megatron mapping knows (#39: the others are being added)
-ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe")
+# the families whose language model the Megatron mapping knows (Qwen3.5 is refused)
+ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe", "qwen2.5-vl", "qwen3-vl-moe", "qwen3", "qwen3-moe")
+MOE = ("qwen3-omni-moe", "qwen3-vl-moe", "qwen3-moe")
+LANGUAGE_MODEL_AT = {"qwen3-vl": "model.language_model.", "qwen3-vl-moe": "model.language_model."}
+LANGUAGE_MODEL_AT["qwen2.5-vl"] = "model.language_model."  # loaded; its files say "model." (`named_as`)
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +50,10 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def models(folders: dict[str, Path]) -> dict[str, Any]:
-    from transformers import (
-        Qwen2_5OmniThinkerForConditionalGeneration,
-        Qwen3OmniMoeThinkerForConditionalGeneration,
-        Qwen3VLForConditionalGeneration,
-    )
+    from encoders.architectures import load_thinker
 
-    classes: dict[str, Any] = {
-        "qwen2.5-omni": Qwen2_5OmniThinkerForConditionalGeneration,
-        "qwen3-vl": Qwen3VLForConditionalGeneration,
-        "qwen3-omni-moe": Qwen3OmniMoeThinkerForConditionalGeneration,
-    }
-    return {arch: cls.from_pretrained(folders[arch], dtype=torch.float32).eval() for arch, cls in classes.items()}
+    # the class each folder's config names (a thinker for the Omni families)
+    return {arch: load_thinker(folders[arch], dtype=torch.float32).eval() for arch in ARCHITECTURES}
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
@@ -69,9 +65,10 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_layout_knows_the_family(models: dict[str, Any], arch: str) -> None:
     layout = QwenLayout.from_hf_config(models[arch].config)
-    assert layout.hf_prefix == ("model.language_model." if arch == "qwen3-vl" else "model.")
+    assert layout.hf_prefix == LANGUAGE_MODEL_AT.get(arch, "model.")
     assert layout.qk_norm == arch.startswith("qwen3")
-    assert (layout.num_experts, layout.moe_layers) == ((8, (0, 1, 2)) if arch == "qwen3-omni-moe" else (0, ()))
+    layers = models[arch].config.get_text_config().num_hidden_layers
+    assert (layout.num_experts, layout.moe_layers) == ((8, tuple(range(layers))) if arch in MOE else (0, ()))
     assert layout.head_dim == 16 and layout.vocab_size == models[arch].config.get_text_config().vocab_size
 
 
@@ -84,12 +81,15 @@ def test_hf_to_megatron_to_hf_is_bit_exact(models: dict[str, Any], folders: dict
     layout = QwenLayout.from_hf_config(models[arch].config)
     loaded = dict(models[arch].state_dict())
     megatron = hf_to_megatron(loaded, layout, fused_norms=False, keep_towers=True)
-    assert_same(megatron_to_hf(megatron, layout, fused_experts=arch == "qwen3-omni-moe"), loaded)
+    assert_same(megatron_to_hf(megatron, layout, fused_experts=arch in MOE), loaded)
     checkpoint = load_file(str(folders[arch] / "model.safetensors"))
+    layout = layout.named_as(checkpoint)  # Qwen2.5-VL's files: "model.layers.N…", "visual.…"
     megatron = hf_to_megatron(checkpoint, layout, keep_towers=True)  # transformer-engine's fused norm names
-    assert_same(megatron_to_hf(megatron, layout), checkpoint)
+    fused = any(k.endswith("mlp.experts.gate_up_proj") for k in checkpoint)  # Qwen3-VL-MoE's files
+    assert fused == (arch == "qwen3-vl-moe")
+    assert_same(megatron_to_hf(megatron, layout, fused_experts=fused), checkpoint)
     towers = [k for k in checkpoint if layout.classify(k) == "tower"]
-    assert towers and all(k in megatron for k in towers)
+    assert bool(towers) == (arch not in ("qwen3", "qwen3-moe")) and all(k in megatron for k in towers)
     assert not any(k in hf_to_megatron(checkpoint, layout) for k in towers)  # left out unless asked
 
 
@@ -137,14 +137,16 @@ def test_tensor_parallel_shards_gather_back_exactly(models: dict[str, Any], arch
     assert_same(megatron_to_hf(gather_tp(shards, layout), layout, fused_experts=layout.num_experts > 0), hf)
 
 
-def test_expert_parallel_shards_gather_back_exactly(models: dict[str, Any]) -> None:
-    layout = QwenLayout.from_hf_config(models["qwen3-omni-moe"].config)
-    hf = {k: v for k, v in models["qwen3-omni-moe"].state_dict().items() if layout.classify(k) == "language"}
+@pytest.mark.parametrize("arch", MOE)
+def test_expert_parallel_shards_gather_back_exactly(models: dict[str, Any], arch: str) -> None:
+    layout = QwenLayout.from_hf_config(models[arch].config)
+    hf = {k: v for k, v in models[arch].state_dict().items() if layout.classify(k) == "language"}
     full = hf_to_megatron(hf, layout, fused_norms=False)
     shards = [shard_ep(full, layout, ep=2, rank=r) for r in range(2)]
-    expert = "decoder.layers.2.mlp.experts.local_experts.{}.linear_fc2.weight"
+    expert = f"decoder.layers.{layout.moe_layers[-1]}.mlp.experts.local_experts.{{}}.linear_fc2.weight"
     assert torch.equal(shards[1][expert.format(0)], full[expert.format(4)])
-    assert expert.format(4) not in shards[1] and len(shards[0]) == len(full) - 3 * 2 * 4
+    # each rank drops the other's 4 experts' two weights in every MoE layer
+    assert expert.format(4) not in shards[1] and len(shards[0]) == len(full) - len(layout.moe_layers) * 2 * 4
     assert_same(gather_ep(shards, layout), full)
     # Both at once (expert tensor parallelism = tp): ranks (ep, tp).
     grid = [[shard_tp(s, layout, tp=2, rank=t) for t in range(2)] for s in shards]
@@ -208,7 +210,7 @@ def test_the_built_gpt_gives_the_hf_models_logprobs_on_packed_text(
     for a, b in zip(cu[:-1], cu[1:], strict=True):
         # Megatron's position t scores token t + 1.
         torch.testing.assert_close(-output[0, a : b - 1], hf_logprobs(model, ids[a:b]), rtol=0, atol=1e-4)
-    if arch == "qwen3-omni-moe":  # the routers really route: another top-k changes the log-probs
+    if arch in MOE:  # the routers really route: another top-k changes the log-probs
         other = gpt_from_hf(model, moe_router_topk=1, moe_router_pre_softmax=True)
         with torch.no_grad():
             changed, _ = forward_step(iter([megatron_batch(fed, pad_to_multiple=8)]), other)
@@ -463,8 +465,9 @@ def test_a_rank_maps_its_part_from_the_checkpoint_read_weight_by_weight(
         return shard_tp(shard_ep(state, layout, ep=ep, rank=ep - 1), layout, tp=2, rank=1)
 
     read = CheckpointTensors(folders[arch])
-    assert any(".experts.0." in name for name in read) == bool(layout.num_experts)  # the checkpoint's form
-    got = hf_to_megatron(read, layout, fused_norms=False, part=part)
+    # the checkpoint's form: per expert but for Qwen3-VL-MoE, whose files hold the fused tensors
+    assert any(".experts.0." in name for name in read) == (arch in ("qwen3-omni-moe", "qwen3-moe"))
+    got = hf_to_megatron(read, layout.named_as(set(read)), fused_norms=False, part=part)
     assert_same(got, part(hf_to_megatron(models[arch].state_dict(), layout, fused_norms=False)))
     for name, tensor in got.items():
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name

@@ -112,6 +112,8 @@ class MegatronTrainer(SupervisedPairs):
                 "--precision bf16 with --trainer megatron needs CUDA (megatron's mixed-precision optimizer)"
             )
         self.model_dir = Path(model_dir)
+        # Before any process group or weight: a family GPTModel cannot hold (Qwen3.5) is refused by name here.
+        self.layout = QwenLayout.from_hf_config(thinker_config(model_dir))
         self.parallel = megatron_ranks(tp=tp, pp=pp, cp=cp, ep=ep)  # joined already by `weir train`: as it is
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
         self._context = contextlib.ExitStack()
@@ -129,7 +131,6 @@ class MegatronTrainer(SupervisedPairs):
         # checkpoint one at a time, mapped to megatron's names and cut to this rank's part as they go: no rank
         # holds the whole model, on the host or the device (`trainer.model_loading`).
         tower_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        self.layout = QwenLayout.from_hf_config(thinker_config(model_dir))
         thinker = load_onto(
             model_dir,
             self.device,
@@ -143,8 +144,10 @@ class MegatronTrainer(SupervisedPairs):
         self.tp, self.ep = tp, ep
         towers = bool(_towers(thinker))
         self._tower_parameters = sum(p.numel() for tower in _towers(thinker) for p in tower.parameters())
-        saved_as = QwenLayout.from_hf_config(AutoConfig.from_pretrained(model_dir))  # the checkpoint's own names
-        mapped = hf_to_megatron(CheckpointTensors(model_dir), saved_as, fused_norms=False, part=self._part)
+        read = CheckpointTensors(model_dir)
+        # the checkpoint's own names (a whole Omni's ``thinker.``, Qwen2.5-VL's pre-transformers-5 ones)
+        saved_as = QwenLayout.from_hf_config(AutoConfig.from_pretrained(model_dir)).named_as(set(read))
+        mapped = hf_to_megatron(read, saved_as, fused_norms=False, part=self._part)
 
         def built() -> Any:
             gpt = build_gpt(

@@ -12,21 +12,23 @@ is passed through under its Hugging Face name on request (``keep_towers``); anyt
 aside). A silently dropped weight would be a model that loads and is wrong.
 
 The families' Hugging Face names (transformers 5.19): a thinker's language model is ``model.layers.N…``
-with ``lm_head.weight`` and towers ``visual.`` / ``audio_tower.``; Qwen3-VL's is
-``model.language_model.layers.N…`` with towers ``model.visual.``; a whole Omni model prefixes its
-thinker's names with ``thinker.``. MoE experts come in two forms: a checkpoint's per-expert
-``mlp.experts.J.{gate,up,down}_proj.weight`` (what safetensors files and engines hold; the default of
-`megatron_to_hf`) and the transformers-5 module's fused ``mlp.experts.gate_up_proj`` (E, 2I, H) /
-``mlp.experts.down_proj`` (E, H, I) (a loaded model's ``state_dict``; ``fused_experts=True``).
-`hf_to_megatron` reads either.
+with ``lm_head.weight`` and towers ``visual.`` / ``audio_tower.``; Qwen3-VL's, Qwen3-VL-MoE's and a loaded
+Qwen2.5-VL's is ``model.language_model.layers.N…`` with towers ``model.visual.`` (Qwen2.5-VL's files keep
+``model.layers.N…`` / ``visual.``: `QwenLayout.named_as`); Qwen3 / Qwen3-MoE text models' is
+``model.layers.N…`` with no towers; a whole Omni model prefixes its thinker's names with ``thinker.``.
+MoE experts come in two forms: per-expert ``mlp.experts.J.{gate,up,down}_proj.weight`` (Qwen3-MoE's and
+Qwen3-Omni's files; the default of `megatron_to_hf`) and the transformers-5 module's fused
+``mlp.experts.gate_up_proj`` (E, 2I, H) / ``mlp.experts.down_proj`` (E, H, I) (every loaded MoE model's
+``state_dict``, and Qwen3-VL-MoE's files; ``fused_experts=True``). `hf_to_megatron` reads either. Qwen3.5
+(gated delta-net layers) is refused by name.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,28 +48,43 @@ __all__ = [
     "text_config",
 ]
 
-# model_type → (language-model prefix, lm_head name, tower prefixes)
-_THINKER = ("model.", "lm_head.weight", ("visual.", "audio_tower."))
-_OMNI = (
+# A naming: (language-model prefix, lm_head name, tower prefixes).
+_Naming = tuple[str, str, tuple[str, ...]]
+_THINKER: _Naming = ("model.", "lm_head.weight", ("visual.", "audio_tower."))
+_OMNI: _Naming = (
     "thinker.model.",
     "thinker.lm_head.weight",
     ("thinker.visual.", "thinker.audio_tower.", "talker.", "token2wav.", "code2wav."),
 )
-_VL = ("model.language_model.", "lm_head.weight", ("model.visual.",))
-_TEXT = ("model.", "lm_head.weight", ())
-_FAMILIES: dict[str, tuple[str, str, tuple[str, ...]]] = {
-    "qwen2_5_omni_thinker": _THINKER,
-    "qwen3_omni_moe_thinker": _THINKER,
-    "qwen2_5_omni": _OMNI,
-    "qwen3_omni_moe": _OMNI,
-    "qwen3_vl": _VL,
-    "qwen2_5_vl": _VL,
-    "qwen2_vl": _VL,
-    "qwen2": _TEXT,
-    "qwen3": _TEXT,
-    "qwen3_moe": _TEXT,
-    "qwen2_moe": _TEXT,
+_VL: _Naming = ("model.language_model.", "lm_head.weight", ("model.visual.",))
+# Qwen2-VL / Qwen2.5-VL checkpoints keep their pre-transformers-5 names (``model.layers.N…``, ``visual.…``):
+# transformers renames them on load and back on save, so the loaded module and the files differ.
+_VL_SAVED: _Naming = ("model.", "lm_head.weight", ("visual.",))
+_TEXT: _Naming = ("model.", "lm_head.weight", ())
+# model_type → its namings: the loaded module's first, then any other a checkpoint of it may use (`named_as`).
+_FAMILIES: dict[str, tuple[_Naming, ...]] = {
+    "qwen2_5_omni_thinker": (_THINKER,),
+    "qwen3_omni_moe_thinker": (_THINKER,),
+    "qwen2_5_omni": (_OMNI,),
+    "qwen3_omni_moe": (_OMNI,),
+    "qwen3_vl": (_VL,),
+    "qwen3_vl_moe": (_VL,),
+    "qwen2_5_vl": (_VL, _VL_SAVED),
+    "qwen2_vl": (_VL, _VL_SAVED),
+    "qwen2": (_TEXT,),
+    "qwen3": (_TEXT,),
+    "qwen3_moe": (_TEXT,),
+    "qwen2_moe": (_TEXT,),
 }
+# Families whose language model GPTModel cannot hold: refused by name rather than "no weight mapping".
+_REFUSED = {
+    "qwen3_5": (
+        "Qwen3.5's gated delta-net (linear attention) layers: megatron-core 0.16's only such layer is the "
+        "experimental GatedDeltaNet, which needs flash-linear-attention's Triton kernels and refuses packed "
+        "sequences, and Weir maps no weights to it; use --trainer fsdp"
+    ),
+}
+_REFUSED["qwen3_5_text"] = _REFUSED["qwen3_5_moe"] = _REFUSED["qwen3_5_moe_text"] = _REFUSED["qwen3_5"]
 
 
 def text_config(config: Any) -> Any:
@@ -94,18 +111,19 @@ class QwenLayout:
     moe_layers: tuple[int, ...] = ()
     shared_expert: bool = False  # Qwen2-MoE's: an MLP beside the routed experts, with a sigmoid gate
     vocab_size: int | None = None  # to drop the padding rows `shard_tp` adds when tp does not divide it
+    other_namings: tuple[_Naming, ...] = ()  # how the family's checkpoints may name it instead (`named_as`)
 
     @classmethod
     def from_hf_config(cls, config: Any) -> QwenLayout:
         model_type = str(getattr(config, "model_type", ""))
+        if model_type in _REFUSED:
+            raise ValueError(_REFUSED[model_type])
         if model_type not in _FAMILIES:
             raise ValueError(f"no weight mapping for model_type {model_type!r}: one of {', '.join(_FAMILIES)}")
-        prefix, lm_head, towers = _FAMILIES[model_type]
+        (prefix, lm_head, towers), *others = _FAMILIES[model_type]
         text = text_config(config)
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         experts = int(getattr(text, "num_experts", 0) or 0)
-        if experts and model_type.startswith("qwen3_vl"):
-            raise ValueError("Qwen3-VL-MoE's fused expert layout is not mapped")
         moe_layers: tuple[int, ...] = ()
         if experts:
             skip = set(getattr(text, "mlp_only_layers", None) or ())
@@ -124,7 +142,17 @@ class QwenLayout:
             moe_layers=moe_layers,
             shared_expert=bool(experts and getattr(text, "shared_expert_intermediate_size", 0)),
             vocab_size=int(text.vocab_size),
+            other_namings=tuple(others),
         )
+
+    def named_as(self, names: Container[str]) -> QwenLayout:
+        """This layout under the naming ``names`` (a checkpoint's, a base folder's) use: Qwen2.5-VL's files
+        say ``model.layers.N…`` where its loaded module says ``model.language_model.layers.N…``. Unchanged
+        when no naming of the family fits (the mapping then names the weight it misses)."""
+        for prefix, lm_head, towers in ((self.hf_prefix, self.lm_head, self.tower_prefixes), *self.other_namings):
+            if f"{prefix}embed_tokens.weight" in names:
+                return replace(self, hf_prefix=prefix, lm_head=lm_head, tower_prefixes=towers)
+        return self
 
     def classify(self, hf_name: str) -> Literal["language", "tower"]:
         """``language`` (mapped), ``tower`` (not Megatron's), or a ``ValueError`` naming the weight."""
@@ -494,7 +522,10 @@ def export_hf(
 
     base = Path(base_model)
     known = base_weights(base)
-    converted = megatron_to_hf(state, layout)
+    layout = layout.named_as(known)
+    # Experts as the base files hold them: per expert (Qwen3-MoE, Qwen3-Omni) or fused (Qwen3-VL-MoE's files).
+    fused = any(name.endswith("mlp.experts.gate_up_proj") for name in known)
+    converted = megatron_to_hf(state, layout, fused_experts=fused)
     if layout.lm_head not in known:  # tied in the base model: the head is the embedding, written once
         converted.pop(layout.lm_head, None)
     unknown = converted.keys() - known.keys()
