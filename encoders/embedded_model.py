@@ -49,6 +49,7 @@ __all__ = [
     "build_tokenizer",
     "ensure_model",
     "init_model",
+    "released_layout",
 ]
 
 # re-exported: the tokens each tiny model's tokenizer names (tests and callers read them from here)
@@ -257,12 +258,31 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
     assert type(model).__name__ == tiny.model_class, (type(model).__name__, tiny.model_class)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(root, safe_serialization=True)
+    released = released_layout(model)
+    if released is None:
+        model.save_pretrained(root, safe_serialization=True)
+    else:  # transformers' reverse conversion would transpose it back to its module's layout: written as given
+        model.save_pretrained(root, safe_serialization=True, state_dict=released, save_original_format=False)
     as_umask_allows(root)  # safetensors writes 0600: the roles serving it may run as another user
     tokenizer.save_pretrained(root)
     for name, content in tiny.processor_files().items():
         (root / name).write_text(json.dumps(content, indent=2) + "\n")
     return root
+
+
+def released_layout(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """The model's state dict as its released checkpoints store it, where transformers 5.19 saves another:
+    Qwen3-VL-MoE's fused experts (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are (experts, in,
+    out) in its checkpoints, (experts, out, in) in transformers' module, which loads either (it transposes by
+    shape) but saves its own; SGLang and Megatron-Bridge read the released one. None (save as transformers
+    does) for every other model: transformers itself writes the MoE thinker's and Qwen3-MoE's experts one by
+    one, as their checkpoints do."""
+    if type(model).__name__ != "Qwen3VLMoeForConditionalGeneration":
+        return None
+    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    return {
+        name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in model.state_dict().items()
+    }
 
 
 def ensure_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni") -> Path:

@@ -315,7 +315,9 @@ def tiny_qwen3_vl_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLMoeCo
             rope={"rope_theta": 5000000.0, "mrope_interleaved": True},
             head_dim=16,
             decoder_sparse_step=1,
-            **_MOE,
+            # 2 · 48 ≠ 64: the fused expert tensors are not square, so their layout (released (E, in, out) or the
+            # transformers module's (E, out, in)) is told by shape, as transformers' own loader tells it
+            **{**_MOE, "moe_intermediate_size": 48},
         ),
         vision_config=_qwen3_vision_config([0, 1, 2]),
         image_token_id=ids["image_token"],

@@ -80,8 +80,8 @@ VIDEO_DEMO_DEFAULTS: TrainDefaults = {
     "max_tokens_per_batch": 4096,
 }
 
-DemoTask = Literal["colours", "visual-search", "video-audio", "parity"]
-# the tiny text architectures, whose demo is the parity task (they take no pictures)
+DemoTask = Literal["colours", "visual-search", "video-audio", "colour-words"]
+# the tiny text architectures, whose demo is the colour-word task (they take no pictures)
 TEXT_ARCHS = ("qwen3", "qwen3-moe")
 
 
@@ -187,13 +187,15 @@ class TrainConfig:
     def with_defaults(cls, **options: Any) -> TrainConfig:
         """The run of these options, each one left unset (None) taking the task's default — before any stack
         starts, since some of them (the staleness bound) are the data role's settings."""
-        if options.get("demo_task") is None:  # a text model's demo is the parity task
-            options["demo_task"] = "parity" if options.get("demo") and options.get("arch") in TEXT_ARCHS else "colours"
+        if options.get("demo_task") is None:  # a text model's demo is the colour-word task
+            options["demo_task"] = (
+                "colour-words" if options.get("demo") and options.get("arch") in TEXT_ARCHS else "colours"
+            )
         task = options["demo_task"] if options.get("demo") else None
         defaults = {
             None: GENERIC_DEFAULTS,
             "colours": DEMO_DEFAULTS,
-            "parity": DEMO_DEFAULTS,
+            "colour-words": DEMO_DEFAULTS,
             "visual-search": AGENT_DEMO_DEFAULTS,
             "video-audio": VIDEO_DEMO_DEFAULTS,
         }[task]

@@ -136,14 +136,15 @@ def _family(config: TrainConfig) -> str:
 def demo_refusal(config: TrainConfig) -> str | None:
     """Why the demo task cannot run on this run's model, in one line: pictures for a text model, a clip's audio
     track for a model with no audio tower."""
-    if not config.demo or config.demo_task == "parity":
+    if not config.demo or config.demo_task == "colour-words":
         return None
     from encoders.architectures import FAMILIES
 
     family = FAMILIES[_family(config)]  # type: ignore[index]
     if not family.media:
         return (
-            f"--demo-task {config.demo_task} sends pictures, and {family.name} is a text model: use --demo-task parity"
+            f"--demo-task {config.demo_task} sends pictures, and {family.name} is a text model: "
+            "use --demo-task colour-words"
         )
     if config.demo_task == "video-audio" and not family.audio:
         return f"--demo-task video-audio needs an Omni model (an audio tower), not {family.name}"

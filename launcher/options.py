@@ -243,11 +243,11 @@ def _train_source(train: argparse.ArgumentParser) -> None:
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     train.add_argument(
         "--demo-task",
-        choices=("colours", "visual-search", "video-audio", "parity"),
+        choices=("colours", "visual-search", "video-audio", "colour-words"),
         default=None,
         help="with --demo: the colour pictures (default), the multi-turn visual_search environment (crop, then "
-        "answer), colour clips sent with their own audio track (use_audio_in_video; Omni models), or whether a "
-        "number is even or odd (text; the default for the text models --arch qwen3 / qwen3-moe)",
+        "answer), colour clips sent with their own audio track (use_audio_in_video; Omni models), or the colour a "
+        "line of words names (text; the default for the text models --arch qwen3 / qwen3-moe)",
     )
 
 

@@ -122,7 +122,6 @@ def _warm_up(
         agent_warmup_pairs,
         agent_warmup_rows,
         clip_warmup_pairs,
-        parity_warmup_prompts,
         warmup_prompts,
     )
 
@@ -135,8 +134,7 @@ def _warm_up(
         pairs = clip_warmup_pairs(config.home / "media", trainer.answer_ids, rollout_url=urls["rollout"], token=token)
         what = f"{len(pairs)} clip prompts, each clip with every colour's name (answer format)"
     else:
-        prompts = parity_warmup_prompts() if config.demo_task == "parity" else warmup_prompts()
-        pairs = [trainer.chat_pair(messages, answer) for messages, answer in prompts]
+        pairs = [trainer.chat_pair(messages, answer) for messages, answer in warmup_prompts()]
         what = "text-only prompts (answer format)"
     main = trainer.parallel is None or trainer.parallel.is_main
     with Progress(console=console, transient=True, disable=not main) as progress:
@@ -467,10 +465,10 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         from .demo.task import write_video_audio_task
 
         rows, held_out = write_video_audio_task(config.home / "media")
-    elif config.demo and config.demo_task == "parity":
-        from .demo.task import write_parity_task
+    elif config.demo and config.demo_task == "colour-words":
+        from .demo.task import write_colour_word_task
 
-        rows, held_out = write_parity_task()
+        rows, held_out = write_colour_word_task()
     elif config.demo:
         from .demo.task import write_demo_task
 
@@ -521,7 +519,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             )
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
-            what = "clips" if clips else "numbers" if config.demo_task == "parity" else "pictures"
+            what = "clips" if clips else "lines" if config.demo_task == "colour-words" else "pictures"
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
             _show_diagnosis(diagnosis)
         loop = LoopConfig(

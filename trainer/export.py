@@ -35,7 +35,14 @@ from typing import Literal
 
 import torch
 
-from .hf_folder import DEFAULT_MAX_SHARD_SIZE, base_weights, check_fits, weight_files, write_hf_folder
+from .hf_folder import (
+    DEFAULT_MAX_SHARD_SIZE,
+    base_weights,
+    check_fits,
+    in_base_layout,
+    weight_files,
+    write_hf_folder,
+)
 
 __all__ = ["CheckpointKind", "ExportError", "checkpoint_kind", "default_base_model", "export_checkpoint"]
 
@@ -102,8 +109,9 @@ def export_checkpoint(
         if kind == "megatron":
             written = _export_megatron(root, target, base, max_shard_size)
         else:
-            tensors = _reference_weights(root, base, sharded=kind == "reference-sharded")
-            check_fits(tensors, base_weights(base), base)
+            known = base_weights(base)
+            tensors = in_base_layout(_reference_weights(root, base, sharded=kind == "reference-sharded"), known)
+            check_fits(tensors, known, base)
             written = write_hf_folder(tensors, target, base_model=base, max_shard_size=max_shard_size)
     except ExportError:
         raise

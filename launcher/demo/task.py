@@ -62,8 +62,7 @@ __all__ = [
     "warmup_prompts",
     "write_agent_task",
     "write_demo_task",
-    "write_parity_task",
-    "parity_warmup_prompts",
+    "write_colour_word_task",
     "write_video_audio_task",
 ]
 
@@ -195,36 +194,35 @@ def write_demo_task(media_root: Path, *, per_colour: int = 16, held_out: int = 4
     return _write_colour_task(media_root / "colours", "png", colour_picture, _picture_row, per_colour, held_out)
 
 
-# -- the parity task (`weir train --demo --demo-task parity`, the text models' demo) ---------------------------
+# -- the colour-word task (`weir train --demo --demo-task colour-words`, the text models' demo) -----------------
 
-PARITY_QUESTION = "Is {} even or odd?"
+_FILLERS = ("the", "a", "circle", "square", "triangle", "star", "line", "tone", "image", "picture", "high", "low")
 
 
-def write_parity_task(*, per_answer: int = 32, held_out: int = 8) -> tuple[list[dict], list[dict]]:
-    """A text task a text model can learn on two cores: is a three-digit number even or odd (exact match). The
-    held-out numbers are never trained on; the tokenizer cuts a number into pieces (``Ġ43`` ``7``), so the
-    answer is read from the last piece, which the training numbers also end in. Deterministic: no files."""
+def write_colour_word_task(*, per_colour: int = 16, held_out: int = 4) -> tuple[list[dict], list[dict]]:
+    """A text task a text model learns on two cores, the colour task's twin: which colour a line of words names
+    (exact match, four colours). Each line is five filler words with one colour word at a random place; no
+    held-out line is a training line. (Measured on the tiny Qwen3: whether a three-digit number is even or odd
+    did not move off chance in 150 steps, held-out 44 % → 50 %: the answer hides in how the tokenizer cuts it.)"""
     rng = np.random.default_rng(39)
-    numbers = rng.permutation(np.arange(100, 1000))
-    rows: dict[str, list[PromptRow]] = {"even": [], "odd": []}
-    for number in numbers:
-        answer = "even" if number % 2 == 0 else "odd"
-        if len(rows[answer]) < per_answer + held_out:
-            content = PARITY_QUESTION.format(int(number))
-            rows[answer].append(
-                {
-                    "messages": [{"role": "user", "content": content}],
-                    "reward": {"type": "exact_match", "answer": answer},
-                }
-            )
-    train = [row for pair in zip(rows["even"][:per_answer], rows["odd"][:per_answer], strict=True) for row in pair]
-    evaluation = rows["even"][per_answer:] + rows["odd"][per_answer:]
+    seen: set[str] = set()
+    rows: dict[str, list[PromptRow]] = {colour: [] for colour in COLOURS}
+    while any(len(r) < per_colour + held_out for r in rows.values()):
+        colour = list(COLOURS)[len(seen) % len(COLOURS)]
+        words = [str(w) for w in rng.choice(_FILLERS, 5)]
+        words.insert(int(rng.integers(6)), colour)
+        line = " ".join(words)
+        if line in seen or len(rows[colour]) >= per_colour + held_out:
+            seen.add(line)
+            continue
+        seen.add(line)
+        content = f"Which colour is named in: {line}?"
+        rows[colour].append(
+            {"messages": [{"role": "user", "content": content}], "reward": {"type": "exact_match", "answer": colour}}
+        )
+    train = [row for i in range(per_colour) for row in (rows[c][i] for c in COLOURS)]
+    evaluation = [row for c in COLOURS for row in rows[c][per_colour:]]
     return [dict(row) for row in train], [dict(row) for row in evaluation]
-
-
-def parity_warmup_prompts() -> list[tuple[list[dict[str, Any]], str]]:
-    """(messages, answer) for the parity task's format warm-up: each answer once, to a question with no number."""
-    return [([{"role": "user", "content": "Answer even or odd."}], answer) for answer in ("even", "odd")]
 
 
 # -- the video-with-its-audio task (`weir train --demo --demo-task video-audio`) -------------------------

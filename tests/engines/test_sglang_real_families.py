@@ -40,11 +40,10 @@ from engines.factory import load_engine  # noqa: E402
 pytestmark = pytest.mark.integration
 
 # Both engines run float32 (`sglang_cpu.SERVER_ARGS`); what differs is the kernels (SGLang's torch_native attention,
-# its fused MoE and rotary paths against transformers' eager ones): measured 5e-7 for Qwen3 and Qwen3-MoE.
+# its fused MoE and rotary paths against transformers' eager ones): measured 5e-7 for Qwen3, Qwen3-MoE and
+# Qwen2.5-VL (text and an image), once the transformers engine's log-probs are put on SGLang's footing
+# (`_over_unbanned`): the two engines report different distributions for a model with structural tokens.
 LOGPROB_TOLERANCE = 1e-3
-# Qwen2.5-VL: measured 9.0e-3 (text) and 8.6e-3 (an image), tokens equal; the cause is not found yet (a real
-# difference between SGLang's Qwen2.5-VL and transformers', far above float32 noise): bounded here, not explained
-WIDER = {"qwen2.5-vl": 2e-2}
 TOKENS = 6
 # init-model's arch → the class SGLang must serve it with (its EntryClass; config.json's "architectures")
 NATIVE = {
@@ -80,10 +79,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def _refuse_unloadable_experts(model: Path) -> None:
     """Qwen3-VL-MoE: SGLang's loader (``models/qwen3_vl_moe.py``) reads fused experts in the released checkpoints'
-    layout, ``down_proj`` ``(experts, moe_intermediate, hidden)``, and transposes it; transformers 5 saves its own
-    ``(experts, hidden, moe_intermediate)``, so SGLang's scheduler fails loading the tiny model ("The size of
-    tensor a (64) must match the size of tensor b (32)", in ``_load_w2``) and SIGQUITs the process that started
-    it. Until ``init_model`` writes the released layout, the family's tests are expected failures, said here."""
+    layout, ``down_proj`` ``(experts, moe_intermediate, hidden)``, and transposes it; transformers 5 saves its
+    module's ``(experts, hidden, moe_intermediate)`` (`encoders.embedded_model.released_layout` writes the released
+    one). A folder in the other layout fails SGLang's scheduler ("The size of tensor a (64) must match …", in
+    ``_load_w2``), which then SIGQUITs the process that started it: checked here first, so the test fails by name.
+    """
     from safetensors import safe_open
 
     config = json.loads((model / "config.json").read_text())
@@ -94,7 +94,7 @@ def _refuse_unloadable_experts(model: Path) -> None:
         name = next(k for k in weights.keys() if k.endswith("layers.0.mlp.experts.down_proj"))  # noqa: SIM118
         shape = weights.get_slice(name).get_shape()
     if shape[1:] != [text["moe_intermediate_size"], text["hidden_size"]]:
-        pytest.xfail(f"{name} is {shape}, not the released (experts, moe_intermediate, hidden) SGLang loads")
+        pytest.fail(f"{name} is {shape}, not the released (experts, moe_intermediate, hidden) SGLang loads")
 
 
 def _resolved(model: Path) -> tuple[type, str]:
@@ -131,13 +131,43 @@ def _request(ids: list[int], media: tuple[MediaInput, ...] = ()) -> GenerateRequ
 
 
 def _on_transformers(model: Path, requests: list[GenerateRequest]) -> list[GenerateResult]:
+    """The transformers engine's results, its log-probs as Weir's SGLang backend reports them (`_over_unbanned`)."""
     from engines.factory import load_engine as load
+    from engines.sglang_request import ModelLayout
 
+    banned = set(ModelLayout.of(json.loads((model / "config.json").read_text())).structural_tokens)
     reference = load(model, backend="transformers")
     try:
-        return [reference.generate(r, timeout=300) for r in requests]  # type: ignore[attr-defined]
+        if not banned:
+            return [reference.generate(r, timeout=300) for r in requests]  # type: ignore[attr-defined]
+        every = reference.limits.vocab_size  # type: ignore[attr-defined]  # the whole distribution at each step
+        asked = [replace(r, top_logprobs_num=every) for r in requests]
+        results = [reference.generate(r, timeout=300) for r in asked]  # type: ignore[attr-defined]
     finally:
         reference.close()  # type: ignore[attr-defined]
+    return [_over_unbanned(result, banned) for result in results]
+
+
+def _over_unbanned(result: GenerateResult, banned: set[int]) -> GenerateResult:
+    """``result``'s output log-probs renormalised over the tokens that are not ``banned``: what Weir's SGLang backend
+    reports. Both engines never sample a model's structural tokens (media placeholders, vision bos / eos), but
+    differently: the transformers engine masks them after taking its log-probs (``engines/transformers_stepper.py``,
+    ``log_softmax(logits)`` of the unmasked logits, as ``engines/protocol.py`` says log-probs are: before
+    ``logit_bias``), while the SGLang backend sends them as a ``logit_bias`` of -inf (``engines/sglang_request.py``
+    `build_request`) and SGLang takes its log-probs after that bias (sglang 0.5.23: ``model_runner.py``
+    ``sampling_info.apply_logits_bias(logits_output.next_token_logits)`` in place, line 2093, ``logits.add_(
+    self.logit_bias)`` in ``sampling/sampling_batch_info.py`` line 441; then ``layers/sampler.py`` line 221
+    ``log_softmax(logits)`` of the biased logits). So every SGLang log-prob is larger by -log(1 - P(banned)): for
+    the tiny Qwen2.5-VL (4 banned of 500 near-uniform tokens) 7e-3 to 9.4e-3, which was this test's unexplained
+    Qwen2.5-VL gap (its SGLang model itself matches transformers' to 5e-7 without the bias)."""
+    import math
+
+    logprobs = []
+    for chosen, top in zip(result.output_logprobs, result.output_top_logprobs or [], strict=True):
+        kept = [lp for lp, token in top if token not in banned]
+        peak = max(kept)
+        logprobs.append(chosen - (peak + math.log(sum(math.exp(lp - peak) for lp in kept))))
+    return replace(result, output_logprobs=logprobs)
 
 
 def _assert_same(ours: list[GenerateResult], theirs: list[GenerateResult], what: str, tolerance: float) -> float:
@@ -153,10 +183,6 @@ def _assert_same(ours: list[GenerateResult], theirs: list[GenerateResult], what:
     return worst
 
 
-def _tolerance(served: Served) -> float:
-    return WIDER.get(served.arch, LOGPROB_TOLERANCE)
-
-
 def test_sglang_serves_the_family_with_its_native_model(served: Served) -> None:
     config = json.loads((served.model / "config.json").read_text())
     assert config["architectures"] == [NATIVE[served.arch]]
@@ -169,7 +195,7 @@ def test_greedy_text_tokens_and_logprobs_equal_the_transformers_engines(served: 
     requests = [_request(_prompt(served.model, text)) for text in ("What colour is it?", "Name a shape.")]
     ours = [served.engine.generate(r, timeout=300) for r in requests]
     assert [r.prompt_tokens for r in ours] == [len(r.input_ids) for r in requests]
-    _assert_same(ours, _on_transformers(served.model, requests), f"{served.arch}, text", _tolerance(served))
+    _assert_same(ours, _on_transformers(served.model, requests), f"{served.arch}, text", LOGPROB_TOLERANCE)
 
 
 def test_an_image_as_pixels_and_as_the_encoder_stages_embedding_equals_the_transformers_engine(
@@ -191,9 +217,9 @@ def test_an_image_as_pixels_and_as_the_encoder_stages_embedding_equals_the_trans
     want = _on_transformers(served.model, [as_pixels])
     pixels = served.engine.generate(as_pixels, timeout=300)
     assert pixels.prompt_tokens == len(ids)
-    _assert_same([pixels], want, f"{served.arch}, image as pixels", _tolerance(served))
+    _assert_same([pixels], want, f"{served.arch}, image as pixels", LOGPROB_TOLERANCE)
     embedded = served.engine.generate(as_embedding, timeout=300)
-    _assert_same([embedded], want, f"{served.arch}, image as embedding", _tolerance(served))
+    _assert_same([embedded], want, f"{served.arch}, image as embedding", LOGPROB_TOLERANCE)
 
 
 _RESOLVE_IN_A_SCHEDULER = """

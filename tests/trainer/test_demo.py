@@ -62,16 +62,16 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
 
 @pytest.mark.integration
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
-def test_weir_train_demo_on_a_text_model_runs_the_parity_task(
+def test_weir_train_demo_on_a_text_model_runs_the_colour_word_task(
     arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A text model's demo (the parity task) through the whole stack: its preprocess and encoder roles start and
+    """A text model's demo (the colour-word task) through the whole stack: its preprocess and encoder roles start and
     are never given an item (nothing cached)."""
     home = tmp_path / "weir"
     argv = ["train", "--demo", "--arch", arch, "--home", str(home), "--steps", "2", "--warmup-steps", "2"]
     assert main([*argv, "--base-port", str(free_stack_base())]) == 0
     out = capsys.readouterr().out
-    assert "Greedy accuracy on 16 held-out numbers before RL" in out and "Training summary" in out
+    assert "Greedy accuracy on 16 held-out lines before RL" in out and "Training summary" in out
     lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert not list((home / "cache").rglob("*.arrow"))  # no media: no feature or embedding was written

@@ -34,7 +34,14 @@ from typing import Any, Literal
 
 import torch
 
-from ..hf_folder import DEFAULT_MAX_SHARD_SIZE, base_weights, check_fits, weight_files, write_hf_folder
+from ..hf_folder import (
+    DEFAULT_MAX_SHARD_SIZE,
+    base_weights,
+    check_fits,
+    in_base_layout,
+    weight_files,
+    write_hf_folder,
+)
 
 __all__ = [
     "QwenLayout",
@@ -352,6 +359,10 @@ def hf_to_megatron(
             e = f"{m}mlp.experts.local_experts."
             if f"{h}mlp.experts.gate_up_proj" in src:
                 fc1s, fc2s = src.take(f"{h}mlp.experts.gate_up_proj"), src.take(f"{h}mlp.experts.down_proj")
+                # A released checkpoint's (E, H, 2I) / (E, I, H), or the module's (E, 2I, H) / (E, H, I) (megatron's):
+                # told apart by shape, as transformers' loader does (the gate/up rows are twice the down's columns).
+                if fc1s.shape[2] == 2 * fc2s.shape[1] and fc1s.shape[1] != 2 * fc2s.shape[2]:
+                    fc1s, fc2s = fc1s.transpose(1, 2), fc2s.transpose(1, 2)
                 for j in range(layout.num_experts):
                     out[f"{e}{j}.linear_fc1.weight"], out[f"{e}{j}.linear_fc2.weight"] = fc1s[j], fc2s[j]
             else:
@@ -532,6 +543,7 @@ def export_hf(
     if unknown:
         raise ValueError(f"{sorted(unknown)[:3]} are not weights of {base}: a different architecture?")
     tensors = {name: value.detach().to("cpu", known[name].dtype) for name, value in converted.items()}
+    tensors = in_base_layout(tensors, known)  # Qwen3-VL-MoE's fused experts as its released files hold them
     for file in weight_files(base):  # the rest (towers) as the base model has them
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)
