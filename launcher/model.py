@@ -21,7 +21,17 @@ from engines.client import EngineClient
 from .config import TrainConfig
 from .stack import stack_model
 
-__all__ = ["attach_refusal", "demo_refusal", "engine_env", "engine_refusal", "ensure_arch", "run_model", "trains_moe"]
+__all__ = [
+    "DEMO_ARCHS",
+    "attach_refusal",
+    "default_arch",
+    "demo_refusal",
+    "engine_env",
+    "engine_refusal",
+    "ensure_arch",
+    "run_model",
+    "trains_moe",
+]
 
 
 def run_model(config: TrainConfig) -> Path:
@@ -97,17 +107,37 @@ def _architectures(config: TrainConfig) -> list[str]:
     folder = run_model(config)
     if (folder / "config.json").is_file():
         return list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
-    return [MODEL_CLASSES[config.arch or "qwen2.5-omni"]]
+    return [MODEL_CLASSES[default_arch(config)]]
+
+
+# The tiny model a run makes in HOME/model when it has none and --arch is not given. The colour demo's is a family
+# SGLang serves natively (Qwen3-VL), so `weir train --demo --backend sglang` runs as it is; the text task's a text
+# model; the clip task needs an audio tower and the visual-search agent was tuned on the Qwen2.5-Omni thinker.
+DEMO_ARCHS = {
+    "colours": "qwen3-vl",
+    "colour-words": "qwen3",
+    "video-audio": "qwen2.5-omni",
+    "visual-search": "qwen2.5-omni",
+}
+
+
+def default_arch(config: TrainConfig) -> str:
+    """``--arch``, else the demo task's tiny model, else the embedded default (`weir up`'s)."""
+    return config.arch or (DEMO_ARCHS[config.demo_task] if config.demo else "qwen2.5-omni")
 
 
 def ensure_arch(config: TrainConfig) -> None:
     """``--arch``: the stack's own model folder holds that architecture (made there when missing); with
-    ``--model``, that model is of it (nothing is made)."""
-    arch = config.arch
-    if arch is None:
-        return
+    ``--model``, that model is of it (nothing is made). Without either, a demo makes its task's tiny model
+    (`DEMO_ARCHS`) when HOME has none, and uses the one HOME holds otherwise."""
     from encoders.architectures import family_of
     from encoders.embedded_model import ensure_model
+
+    arch = config.arch
+    if arch is None:
+        if config.demo and config.model is None:
+            ensure_model(config.home / "model", arch=default_arch(config))
+        return
 
     folder = run_model(config) if config.model is not None else ensure_model(config.home / "model", arch=arch)
     wanted = arch.replace(".", "_").replace("-", "_")
@@ -127,10 +157,11 @@ def _family(config: TrainConfig) -> str:
     architecture when it holds none yet)."""
     from encoders.architectures import family_of
 
-    if config.arch is not None:
-        return config.arch.replace(".", "_").replace("-", "_")
-    folder = run_model(config)
-    return family_of(folder).name if (folder / "config.json").is_file() else "qwen2_5_omni"
+    if config.arch is None:
+        folder = run_model(config)
+        if (folder / "config.json").is_file():
+            return family_of(folder).name
+    return default_arch(config).replace(".", "_").replace("-", "_")
 
 
 def demo_refusal(config: TrainConfig) -> str | None:
