@@ -64,11 +64,13 @@ class _UvicornOptions(TypedDict):
     log_level: str
     log_config: None
     access_log: bool
+    timeout_keep_alive: int
 
 
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from services.http import SERVER_KEEP_ALIVE_S
     from services.logs import configure_logging
     from services.settings import RoleSettings, load_settings
 
@@ -103,6 +105,7 @@ def _serve(args: argparse.Namespace) -> int:
         "log_level": level.lower(),
         "log_config": None,
         "access_log": False,
+        "timeout_keep_alive": SERVER_KEEP_ALIVE_S,  # past every client's idle expiry (`services.http`)
     }
     if args.workers > 1:
         uvicorn.run(WORKER_APPS[role.name], factory=True, workers=args.workers, **common)

@@ -84,7 +84,14 @@ def _show(record: dict[str, Any], *, total: int, resumed_at: int = 0) -> None:
     )
 
 
-def _summary(records: list[dict[str, Any]], before: float | None, after: float | None, plot: Path) -> None:
+def _held_out_what(config: TrainConfig) -> str:
+    """What the demo's held-out rows are, as the console names them."""
+    return "clips" if config.clips else "lines" if config.demo_task == "colour-words" else "pictures"
+
+
+def _summary(
+    records: list[dict[str, Any]], before: float | None, after: float | None, plot: Path, what: str = "pictures"
+) -> None:
     k = max(1, len(records) // 10)
     first = sum(r["mean_reward"] for r in records[:k]) / k
     last = sum(r["mean_reward"] for r in records[-k:]) / k
@@ -96,7 +103,7 @@ def _summary(records: list[dict[str, Any]], before: float | None, after: float |
     table.add_row("RL wall time", f"{end['time_s']:.0f} s")
     table.add_row(f"mean reward, first {k} steps → last {k}", f"{first:.3f} → {last:.3f}")
     if before is not None and after is not None:
-        table.add_row("greedy accuracy on held-out pictures", f"{before:.0%} → {after:.0%}")
+        table.add_row(f"greedy accuracy on held-out {what}", f"{before:.0%} → {after:.0%}")
     table.add_row("samples / s, tokens / s", f"{end['samples_per_s']:.1f}, {end['tokens_per_s']:.0f}")
     idle = end["engine_idle_share"]
     table.add_row(
@@ -519,7 +526,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             )
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
-            what = "clips" if clips else "lines" if config.demo_task == "colour-words" else "pictures"
+            what = _held_out_what(config)
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
             _show_diagnosis(diagnosis)
         loop = LoopConfig(
@@ -568,7 +575,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         _show_diagnosis(diagnosis)
         plot = plot_runs({config.mode: records}, out / "reward.png")
         if records:
-            _summary(records, before, after, plot)
+            _summary(records, before, after, plot, _held_out_what(config))
         console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
         console.print(f"plot: {plot}", soft_wrap=True)
         if any("mismatch/all/kl" in r for r in records):  # the trainer's monitor (trainer.mismatch)

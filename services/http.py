@@ -14,12 +14,17 @@ import httpx
 
 from .logs import current_request_id, current_traceparent
 
-__all__ = ["CONNECT_RETRIES", "async_client", "auth_headers", "sync_client"]
+__all__ = ["CONNECT_RETRIES", "SERVER_KEEP_ALIVE_S", "async_client", "auth_headers", "sync_client"]
 
 # A role the supervisor is starting again refuses connections for a few seconds (a restart on 2 cores: ~5-20 s).
 # httpcore retries a refused *connection* — nothing was sent, so any request is safe to retry — with exponential
 # backoff (0, 0.5, 1, 2, ... s): 7 retries wait ~32 s in all before the caller sees the error.
 CONNECT_RETRIES = 7
+# How long a role keeps an idle client connection open. uvicorn's default (5 s) equals httpx's client-side expiry
+# (5 s): a client reusing a connection just as the server closes it gets a ReadError on a request the server never
+# saw (measured: a rollout failed with "preprocess did not answer" 5.0 s after the previous call, under load). The
+# server keeps idle connections well past any client's expiry, so the client always closes first.
+SERVER_KEEP_ALIVE_S = 75
 
 
 def auth_headers(token: str | None) -> dict[str, str]:

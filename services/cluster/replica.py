@@ -22,6 +22,8 @@ from typing import Any
 
 import httpx
 
+from services.http import SERVER_KEEP_ALIVE_S
+
 __all__ = ["RoleReplica"]
 
 logger = logging.getLogger(__name__)
@@ -66,7 +68,15 @@ class RoleReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         host = os.environ.get("WEIR_CLUSTER_HOST") or ray.util.get_node_ip_address()
         # lifespan off: Serve runs the app's lifespan once; this server only adds an address.
-        config = uvicorn.Config(self.asgi, host=host, port=0, lifespan="off", log_config=None, access_log=False)
+        config = uvicorn.Config(
+            self.asgi,
+            host=host,
+            port=0,
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_keep_alive=SERVER_KEEP_ALIVE_S,  # past every client's idle expiry (`services.http`)
+        )
         self._server = uvicorn.Server(config)
         self._serving = asyncio.create_task(self._server.serve())
         while not self._server.started:

@@ -34,12 +34,14 @@ def _weir(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path) -> None:
-    """Two RL steps of the demo on a Qwen3-VL served by SGLang: every sample trained, the weights published to
-    SGLang (retract, update, continue) between steps, and SGLang's log-probs the trainer's (the mismatch
-    monitor's KL under 1e-3; its banned media tokens' mass aside: `engines.sglang_request.build_request`)."""
+@pytest.mark.parametrize("arch", [None, "qwen3"])
+def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str | None) -> None:
+    """Two RL steps of the demo served by SGLang — its default model (a Qwen3-VL, which SGLang serves natively) and
+    a text model (Qwen3: the colour-word task) —: every sample trained, the weights published to SGLang (retract,
+    update, continue) between steps, and SGLang's log-probs the trainer's (the mismatch monitor's KL under 1e-3;
+    its banned media tokens' mass aside: `engines.sglang_request.build_request`)."""
     home = tmp_path / "home"
-    argv = ["train", "--demo", "--arch", "qwen3-vl", "--backend", "sglang", "--sglang-args", CPU_ARGS]
+    argv = ["train", "--demo", *(["--arch", arch] if arch else []), "--backend", "sglang", "--sglang-args", CPU_ARGS]
     argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
     done = _weir(*argv, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -54,7 +56,10 @@ def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
-        ([], "--backend sglang: the model is a Qwen2_5OmniThinkerForConditionalGeneration, which the installed SGLang"),
+        (
+            ["--arch", "qwen2.5-omni"],
+            "--backend sglang: the model is a Qwen2_5OmniThinkerForConditionalGeneration, which the installed SGLang",
+        ),
         (["--arch", "qwen3-vl", "--sglang-args", '{"tp_sise": 2}'], "tp_sise: not a server argument of this SGLang"),
         (["--arch", "qwen3-vl", "--sglang-args", "[1]"], "SGLang server arguments must be a JSON object"),
         (["--arch", "qwen3-vl", "--attach"], "with --attach the stack's engines are its own"),

@@ -12,6 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
+from services.http import SERVER_KEEP_ALIVE_S
 from services.preprocess import PreprocessSettings, create_app
 from tests.ports import free_port
 
@@ -23,7 +24,9 @@ class RunningServer:
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_keep_alive=SERVER_KEEP_ALIVE_S
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
