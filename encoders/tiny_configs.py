@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from transformers import (
     PretrainedConfig,
@@ -192,6 +192,24 @@ def _qwen3_vision_config(deepstack_visual_indexes: list[int]) -> dict[str, Any]:
     }
 
 
+class _VLTokenIds(TypedDict):
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
+def _vl_token_ids(ids: Mapping[str, int]) -> _VLTokenIds:
+    """A vision-language config's media token ids (``ids``: from Qwen3-VL's media tokens, which Qwen2.5-VL's,
+    Qwen3-VL-MoE's and Qwen3.5's tokenizers name alike)."""
+    return {
+        "image_token_id": ids["image_token"],
+        "video_token_id": ids["video_token"],
+        "vision_start_token_id": ids["vision_start_token"],
+        "vision_end_token_id": ids["vision_end_token"],
+    }
+
+
 def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
     """Qwen3-VL at toy dimensions, every structural feature kept: patch 16 / merge 2 / temporal patch 2
     (the checkpoints' numbers, so Weir's `ProcessorSpec.qwen3_vl` features fit), learned position
@@ -203,10 +221,7 @@ def tiny_qwen3_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLConfig:
             tokenizer, layers=3, rope={"rope_theta": 5000000.0, "mrope_interleaved": True}, head_dim=16
         ),
         vision_config=_qwen3_vision_config([0, 1]),
-        image_token_id=ids["image_token"],
-        video_token_id=ids["video_token"],
-        vision_start_token_id=ids["vision_start_token"],
-        vision_end_token_id=ids["vision_end_token"],
+        **_vl_token_ids(ids),
         tie_word_embeddings=False,
     )
 
@@ -293,10 +308,7 @@ def tiny_qwen2_5_vl_config(tokenizer: PreTrainedTokenizerFast) -> Qwen2_5_VLConf
             "temporal_patch_size": 2,
             "tokens_per_second": 2,
         },
-        image_token_id=ids["image_token"],
-        video_token_id=ids["video_token"],
-        vision_start_token_id=ids["vision_start_token"],
-        vision_end_token_id=ids["vision_end_token"],
+        **_vl_token_ids(ids),
         tie_word_embeddings=False,
     )
 
@@ -320,10 +332,7 @@ def tiny_qwen3_vl_moe_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3VLMoeCo
             **{**_MOE, "moe_intermediate_size": 48},
         ),
         vision_config=_qwen3_vision_config([0, 1, 2]),
-        image_token_id=ids["image_token"],
-        video_token_id=ids["video_token"],
-        vision_start_token_id=ids["vision_start_token"],
-        vision_end_token_id=ids["vision_end_token"],
+        **_vl_token_ids(ids),
         tie_word_embeddings=False,
     )
 
@@ -348,10 +357,7 @@ def tiny_qwen3_5_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3_5Config:
             layer_types=["linear_attention"] * 3 + ["full_attention"],
         ),
         vision_config=vision,
-        image_token_id=ids["image_token"],
-        video_token_id=ids["video_token"],
-        vision_start_token_id=ids["vision_start_token"],
-        vision_end_token_id=ids["vision_end_token"],
+        **_vl_token_ids(ids),
         tie_word_embeddings=False,
     )
 

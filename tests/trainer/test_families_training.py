@@ -1,13 +1,11 @@
 """Training every family `weir init-model --arch` makes on the reference (FSDP/HF) trainer: routing replay (R3)
 for each mixture-of-experts family (the engine's routes replayed give the engine's log-probs, a wrong route
 does not), one PPO step per family, `weir export-hf` of each family's checkpoint loading bit-exact through
-``from_pretrained``, and two FSDP ranks stepping as one rank on the text families (issue #39, items 4–5)."""
+``from_pretrained`` (issue #39, items 4–5; two FSDP ranks on the text families:
+`tests/trainer/test_data_parallel.py`)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +20,9 @@ from encoders.routing import RoutingCapture, decode_routed_experts, moe_routers
 from engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from engines.transformers_backend import TransformersEngine
 from launcher.cli import main
-from tests.trainer.conftest import free_port
-from tests.trainer.test_data_parallel import _all_batches, sgd
 from tests.trainer.test_routing_replay import feed_batch
 from trainer.export import checkpoint_kind
 from trainer.feed import FeedBatch, pack
-from trainer.losses import LossConfig
 from trainer.protocol import StepResult
 from trainer.reference import ReferenceTrainer
 
@@ -235,35 +230,3 @@ def test_export_hf_of_every_family_loads_bit_exact(
 
 
 # -- FSDP: two gloo ranks on the text families ----------------------------------------------------------------
-
-
-# slow: 32–50 s each measured on this 2-core shared machine (two child processes importing torch and
-# transformers dominate; the FSDP step itself is ~6 s), over the 30 s a default-run case may cost.
-@pytest.mark.integration
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3-moe"])
-def test_two_fsdp_ranks_step_as_one_rank(folders: dict[str, Path], arch: str, tmp_path: Path) -> None:
-    """tests/trainer/dp_child.py's run (FSDP2 over gloo, unequal micro-batches per rank, lr-1 SGD, a checkpoint
-    reloaded) on a text family: the step and the whole parameters equal one rank's on the union."""
-    folder = folders[arch]
-    config = {"model": str(folder), "world": 2, "port": free_port(), "out": str(tmp_path), "aggregation": "token_mean"}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    ranks = [
-        subprocess.Popen([sys.executable, "-m", "tests.trainer.dp_child", str(tmp_path / "config.json"), str(r)])
-        for r in range(2)
-    ]
-    assert [p.wait(timeout=300) for p in ranks] == [0, 0]
-    single = ReferenceTrainer(folder, max_grad_norm=1e9, loss=LossConfig(rollout_correction="none"))
-    single.optimizer = sgd(single)
-    for batch in _all_batches():
-        single.accumulate(batch)
-    expected = single.apply()
-    result = json.loads((tmp_path / "result.json").read_text())
-    assert result["restored_equal"] and result["feed"] == {"acked": ["a", "b"]}
-    assert result["loss"] == pytest.approx(expected.loss, rel=1e-5)
-    assert result["grad_norm"] == pytest.approx(expected.grad_norm, rel=1e-4)
-    sharded = torch.load(tmp_path / "params.pt")
-    whole = single.model.state_dict()
-    assert set(sharded) == set(whole)
-    for name, value in whole.items():
-        torch.testing.assert_close(sharded[name], value, atol=1e-6, rtol=1e-4, msg=name)
