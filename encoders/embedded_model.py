@@ -34,7 +34,12 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedTokenizerFast,
+    Qwen3VLMoeForConditionalGeneration,
+)
 
 from .file_modes import as_umask_allows
 from .tiny_configs import MEDIA_TOKENS, QWEN3_OMNI_MEDIA_TOKENS, QWEN3_VL_MEDIA_TOKENS, TINY_ARCHITECTURES
@@ -50,6 +55,7 @@ __all__ = [
     "ensure_model",
     "init_model",
     "released_layout",
+    "save_released",
 ]
 
 # re-exported: the tokens each tiny model's tokenizer names (tests and callers read them from here)
@@ -258,11 +264,7 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
     assert type(model).__name__ == tiny.model_class, (type(model).__name__, tiny.model_class)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    released = released_layout(model)
-    if released is None:
-        model.save_pretrained(root, safe_serialization=True)
-    else:  # transformers' reverse conversion would transpose it back to its module's layout: written as given
-        model.save_pretrained(root, safe_serialization=True, state_dict=released, save_original_format=False)
+    save_released(model, root)
     as_umask_allows(root)  # safetensors writes 0600: the roles serving it may run as another user
     tokenizer.save_pretrained(root)
     for name, content in tiny.processor_files().items():
@@ -270,19 +272,33 @@ def init_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni")
     return root
 
 
-def released_layout(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-    """The model's state dict as its released checkpoints store it, where transformers 5.19 saves another:
-    Qwen3-VL-MoE's fused experts (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are (experts, in,
-    out) in its checkpoints, (experts, out, in) in transformers' module, which loads either (it transposes by
-    shape) but saves its own; SGLang and Megatron-Bridge read the released one. None (save as transformers
-    does) for every other model: transformers itself writes the MoE thinker's and Qwen3-MoE's experts one by
-    one, as their checkpoints do."""
-    if type(model).__name__ != "Qwen3VLMoeForConditionalGeneration":
+def released_layout(
+    model: torch.nn.Module, state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """``state`` (default: the model's) as the model's released checkpoints store it, where transformers 5.19 saves
+    another: Qwen3-VL-MoE's fused experts (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``) are (experts,
+    in, out) in its checkpoints, (experts, out, in) in transformers' module, which loads either (it transposes by
+    shape) but saves its own; SGLang and Megatron-Bridge read the released one. None (save as transformers does)
+    for every other model: transformers itself writes the MoE thinker's and Qwen3-MoE's experts one by one, as
+    their checkpoints do."""
+    if not isinstance(model, Qwen3VLMoeForConditionalGeneration):  # FSDP2 wraps it in a subclass: still one
         return None
     fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-    return {
-        name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in model.state_dict().items()
-    }
+    state = state if state is not None else model.state_dict()
+    return {name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in state.items()}
+
+
+def save_released(model: torch.nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """``model.save_pretrained(folder)`` (of ``state``, when given) in the layout its released checkpoints have
+    (`released_layout`); transformers' own reverse conversion would transpose Qwen3-VL-MoE's experts back to its
+    module's layout, so a released state is written as given."""
+    released = released_layout(model, state)
+    if released is None:
+        model.save_pretrained(folder, state_dict=state, safe_serialization=True)  # type: ignore[operator]
+    else:
+        model.save_pretrained(  # type: ignore[operator]
+            folder, state_dict=released, safe_serialization=True, save_original_format=False
+        )
 
 
 def ensure_model(folder: str | Path, *, seed: int = 0, arch: str = "qwen2.5-omni") -> Path:

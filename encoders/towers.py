@@ -164,7 +164,10 @@ class Towers:
         towers.model_dir, towers.device, towers.dtype = Path("."), parameter.device, parameter.dtype
         towers.max_patches_per_batch, towers.max_frames_per_batch = 16384, 30000
         towers.visual, towers.audio, towers.version, towers.forward_passes = visual, audio, version, 0
-        towers.family = next(FAMILIES[name] for name, (v, _) in _TOWERS.items() if type(visual) is v)
+        owner = next((name for name, (v, _) in _TOWERS.items() if type(visual) is v), None)
+        if owner is None:
+            raise TowerWeightsError(f"{type(visual).__name__} is no vision tower of a family Weir loads")
+        towers.family = FAMILIES[owner]
         towers._prefixes = _PREFIXES if towers.family.layout == "omni" else _VL_PREFIXES
         towers._config = None if audio is None else _AudioConfig(audio.config)
         return towers

@@ -200,6 +200,9 @@ class TransformersEngine(ScheduledEngine):
     def _check_media(self, request: GenerateRequest) -> None:
         if any(m.embedding is None and m.features is None for m in request.media):
             raise InvalidMedia("a media item has neither features nor an embedding")
+        if self.family.video_seconds and any(m.kind == "video" and m.second_per_grid_t is None for m in request.media):
+            # Qwen2.5-VL's video positions advance with the seconds each grid spans: none given is no video of it
+            raise InvalidMedia(f"{self.family.name}: a video without its seconds per temporal patch")
         for m in request.media:
             if m.kind not in self.placeholders:
                 raise InvalidMedia(f"this model takes no {m.kind} (it takes {', '.join(self.placeholders)})")

@@ -19,7 +19,6 @@ __all__ = [
     "AGENT_DEMO_DEFAULTS",
     "DEMO_DEFAULTS",
     "GENERIC_DEFAULTS",
-    "MOE_ARCHS",
     "TEXT_ARCHS",
     "VIDEO_DEMO_DEFAULTS",
     "TrainConfig",
@@ -83,10 +82,9 @@ VIDEO_DEMO_DEFAULTS: TrainDefaults = {
 }
 
 DemoTask = Literal["colours", "visual-search", "video-audio", "colour-words"]
-# the tiny text architectures, whose demo is the colour-word task (they take no pictures)
+# the tiny text architectures, whose demo is the colour-word task (they take no pictures); spelled here so that
+# `weir --help` imports no model code (a test keeps them the registry's text families)
 TEXT_ARCHS = ("qwen3", "qwen3-moe")
-# the tiny mixture-of-experts architectures: the engines return each token's experts (R3, the routing monitor)
-MOE_ARCHS = ("qwen3-moe", "qwen3-vl-moe", "qwen3-omni-moe")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,7 +28,6 @@ __all__ = [
 ]
 
 DEFAULT_MAX_SHARD_SIZE = "2GB"  # trainer.hf_folder's, kept here so that `weir --help` imports no torch
-# `encoders.embedded_model.ARCHITECTURES`, spelled out: importing that module would load torch for --help
 # `encoders.embedded_model.ARCHITECTURES`, spelled here so that `weir --help` does not import torch (a test
 # keeps the two equal)
 TINY_ARCHS = (

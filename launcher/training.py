@@ -57,7 +57,7 @@ if TYPE_CHECKING:
 
 from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
-from .config import MOE_ARCHS, TrainConfig
+from .config import TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .model import attach_refusal, demo_refusal, engine_env, engine_refusal, ensure_arch, run_model, trains_moe
@@ -227,7 +227,7 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
         settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
     # The rollout role asks the engines for each token's experts: R3 replays them; without R3 the mismatch
     # monitor compares the trainer's routers with them (routing agreement, R3 on and off).
-    if config.r3 or config.arch in MOE_ARCHS:
+    if config.r3 or trains_moe(config):
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
     settings.update(engine_env(config))
     if config.engine_gpus is not None:  # engine i takes the i-th run of them (`launcher.stack.engine_devices`)
@@ -298,6 +298,8 @@ def run_training(config: TrainConfig) -> int:
         console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)  # "[@rev]": no markup
         return 2
     if config.ray and not in_trainer_task():
+        if not config.attach:
+            ensure_arch(config)  # the stack it starts serves HOME/model: the demo's (or --arch's) tiny model
         return run_on_ray(config, train=run_training, forget_earlier_run=_forget_earlier_run, stack_for=_stack)
     if config.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(config)

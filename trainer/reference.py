@@ -52,6 +52,7 @@ from transformers import AutoTokenizer, PreTrainedModel
 
 import preprocess as pp
 from encoders.architectures import decoder_layers, load_thinker, model_inputs
+from encoders.embedded_model import save_released
 from encoders.file_modes import as_umask_allows
 from encoders.positions import OmniRope, feature_items
 from encoders.routing import RoutingReplay, is_moe
@@ -549,7 +550,7 @@ class ReferenceTrainer(SupervisedPairs):
         root = Path(folder)
         state = None if self.parallel is None else self.full_state_dict()  # a collective: every rank
         if self.parallel is None or self.parallel.is_main:
-            self.model.save_pretrained(root, state_dict=state, safe_serialization=True)
+            save_released(self.model, root, state)  # Qwen3-VL-MoE's experts as its checkpoints (SGLang) hold them
             as_umask_allows(root)  # safetensors writes 0600: engines may run as another user
         if self.parallel is not None:
             self.parallel.barrier()

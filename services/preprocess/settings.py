@@ -27,7 +27,9 @@ class PreprocessSettings(RoleSettings, MediaUrls):
     cache_max_bytes: int = Field(10 << 30, gt=0)
     # Processor spec: a model folder (or a hub id: its cached snapshot) with preprocessor_config.json, or a preset.
     model: Path | None = None
-    spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_omni_moe"] = "qwen2_5_omni"
+    spec_preset: Literal["qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_omni_moe", "qwen3_5"] = (
+        "qwen2_5_omni"
+    )
     # Media sources.
     media_roots: MediaRoots = []
     url_max_bytes: int = Field(64 << 20, gt=0)  # the cap on a fetched URL's body (decompressed)
@@ -72,7 +74,7 @@ class PreprocessSettings(RoleSettings, MediaUrls):
         if self.model is not None and not self.text_model:
             spec = pp.ProcessorSpec.from_pretrained(self.model)
         else:
-            spec = getattr(pp.ProcessorSpec, self.spec_preset)()
+            spec = pp.ProcessorSpec.named(self.spec_preset)
         return spec.with_audio_resampler(self.audio_resampler).with_image_decode(self.image_decode)
 
     def default_budget(self) -> pp.TokenBudget:
@@ -93,4 +95,5 @@ def _text_model(folder: Path) -> bool:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, ValueError):
         return False
-    return not (folder / "preprocessor_config.json").is_file() and "vision_config" not in config
+    media = "vision_config" in config or "thinker_config" in config  # a whole Omni folder nests its thinker's
+    return not (folder / "preprocessor_config.json").is_file() and not media

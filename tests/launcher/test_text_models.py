@@ -36,6 +36,15 @@ def test_the_colour_word_task_is_balanced_deterministic_and_holds_out_unseen_lin
         assert named == [row["reward"]["answer"]]
 
 
+def test_the_text_archs_are_the_registrys_text_families() -> None:
+    from encoders.architectures import FAMILIES
+    from encoders.embedded_model import ARCHITECTURES
+    from launcher.config import TEXT_ARCHS
+
+    text = {name for name, family in FAMILIES.items() if not family.media}
+    assert {arch.replace("-", "_") for arch in TEXT_ARCHS} == text and set(TEXT_ARCHS) <= set(ARCHITECTURES)
+
+
 def test_a_text_arch_s_demo_is_the_colour_word_task() -> None:
     assert TrainConfig.with_defaults(demo=True, arch="qwen3", demo_task=None).demo_task == "colour-words"
     assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl", demo_task=None).demo_task == "colours"

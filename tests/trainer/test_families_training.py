@@ -229,4 +229,23 @@ def test_export_hf_of_every_family_loads_bit_exact(
     assert any(not torch.equal(value, trained.untrained[name]) for name, value in trained.weights.items())
 
 
-# -- FSDP: two gloo ranks on the text families ----------------------------------------------------------------
+def test_published_qwen3_vl_moe_weights_are_in_the_released_layout(folders: dict[str, Path], tmp_path: Path) -> None:
+    """What the trainer publishes to the engines by disk (`ReferenceTrainer.export`) has Qwen3-VL-MoE's experts as
+    its released checkpoints do, (experts, in, out) — the layout SGLang loads — and Weir's engine loads it too."""
+    from safetensors import safe_open
+
+    folder = folders["qwen3-vl-moe"]
+    trainer = ReferenceTrainer(folder)
+    out = trainer.export(tmp_path / "v1")
+    with safe_open(str(out / "model.safetensors"), "pt") as weights:
+        name = next(k for k in weights.keys() if k.endswith("layers.0.mlp.experts.down_proj"))  # noqa: SIM118
+        shape = weights.get_slice(name).get_shape()
+    text = trainer.model.config.text_config
+    assert shape == [text.num_experts, text.moe_intermediate_size, text.hidden_size]  # (E, I, H): released
+    engine = TransformersEngine(folder)
+    try:
+        engine.update_weights(str(out), version="1")
+        for key, value in trainer.model.state_dict().items():
+            assert torch.equal(engine.model.state_dict()[key], value), key
+    finally:
+        engine.close()

@@ -169,3 +169,38 @@ def test_a_text_models_gpt_has_1d_rotary(megatron_world: None, folders: dict[str
     cu, ids = fed.tensors["cu_seqlens"].tolist(), fed.tensors["input_ids"]
     for a, b in zip(cu[:-1], cu[1:], strict=True):
         torch.testing.assert_close(-output[0, a : b - 1], hf_logprobs(model, ids[a:b]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2.5-vl", "qwen3-vl-moe", "qwen3.5"])
+def test_the_megatron_media_positions_are_the_models_own(folders: dict[str, Path], arch: str, tmp_path: Path) -> None:
+    """`QwenMedia`'s 3-D positions of an image (and, for Qwen2.5-VL, a video: its seconds per grid move them) are
+    the loaded model's own ``get_rope_index`` with the arguments its forward gives it (`encoders.architectures`)."""
+    import preprocess as pp
+    from encoders.architectures import rope_index
+    from preprocess import samples
+    from trainer.megatron import QwenMedia
+
+    folder = folders.get(arch) or init_model(tmp_path / arch, arch=arch)
+    model = load_thinker(folder)
+    c = model.config
+    spec = pp.ProcessorSpec.from_pretrained(folder)
+    image = pp.process_image(samples.encode_image(samples.test_pattern(64, 48), "PNG"), spec)
+    media: list[Any] = [image]
+    ids = [1, 2, c.vision_start_token_id, *[c.image_token_id] * image.num_tokens, c.vision_end_token_id, 3]
+    if arch == "qwen2.5-vl":  # its video placeholders are plain (no timestamps); its positions take the seconds
+        video = pp.process_video(samples.make_video(56, 56, 8, 4), spec)
+        media.append(video)
+        ids += [c.vision_start_token_id, *[c.video_token_id] * video.num_tokens, c.vision_end_token_id, 4]
+    tensor = torch.tensor(ids)
+    got = QwenMedia.from_thinker(model, features=None).sequence_positions(tensor, media)
+    videos = [m for m in media if isinstance(m, pp.VideoFeatures)]
+    want, _ = rope_index(
+        model,
+        tensor[None],
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        image_grid_thw=torch.tensor([image.grid_thw]),
+        video_grid_thw=torch.tensor([v.grid_thw for v in videos]) if videos else None,
+        second_per_grid_ts=torch.tensor([v.second_per_grid_t for v in videos]) if videos else None,
+    )
+    assert torch.equal(got, want[:, 0])
+    assert not torch.equal(got[1], got[2])  # 3-D over the image

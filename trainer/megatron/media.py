@@ -1,6 +1,7 @@
 """Media for Megatron: the towers' embeddings spliced into the word embeddings (`QwenMedia`,
 `decoder_input`), a DeepStack model's visual maps beside them (`MediaRows`), and Qwen's 3-D (mrope)
-positions (`mrope_section`), for Qwen2.5-Omni, Qwen3-VL and Qwen3-Omni-MoE thinkers. The batch layout that
+positions (`mrope_section`), for every media family (Qwen2.5-Omni, Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, Qwen3-Omni-MoE,
+Qwen3.5). The batch layout that
 carries them is `trainer.megatron.batch`; adding the DeepStack maps during a forward is
 `trainer.megatron.deepstack`; the towers themselves are `encoders.towers`.
 """
@@ -33,19 +34,33 @@ def mrope_section(config: Any) -> list[int]:
 
 
 class _RopeIndex:
-    """The thinker's own ``get_rope_index`` (and the helpers it calls), run over its config alone, without
-    building the model: the very code Hugging Face's forward uses for its 3-D positions — Qwen3-VL's
-    (``Qwen3VLModel``: token types, each video frame its own grid) or Qwen2.5-Omni's."""
+    """The model's own ``get_rope_index`` (and the helpers it calls), run over its config alone, without
+    building the model: the very code Hugging Face's forward uses for its 3-D positions — a vision-language
+    model's (``Qwen2_5_VLModel``, ``Qwen3VLModel``, ``Qwen3VLMoeModel``, ``Qwen3_5Model``: token types, and
+    Qwen2.5-VL's per-video seconds) or Qwen2.5-Omni's."""
+
+    # model_type → the module and class whose get_rope_index (and get_vision_position_ids) a vision-language
+    # model's forward calls
+    _VL = {
+        "qwen2_5_vl": ("qwen2_5_vl.modeling_qwen2_5_vl", "Qwen2_5_VLModel"),
+        "qwen3_vl": ("qwen3_vl.modeling_qwen3_vl", "Qwen3VLModel"),
+        "qwen3_vl_moe": ("qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeModel"),
+        "qwen3_5": ("qwen3_5.modeling_qwen3_5", "Qwen3_5Model"),
+    }
 
     def __init__(self, config: Any) -> None:
+        import importlib
+
         self.config = config
         self.spatial_merge_size = config.vision_config.spatial_merge_size
-        self.qwen3_vl = getattr(config, "model_type", None) == "qwen3_vl"
-        if self.qwen3_vl:
-            from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
-
-            self.get_vision_position_ids = Qwen3VLModel.get_vision_position_ids.__get__(self)
-            self.get_rope_index = Qwen3VLModel.get_rope_index.__get__(self)
+        model_type = str(getattr(config, "model_type", ""))
+        self.vl = model_type in self._VL
+        self.video_seconds = model_type == "qwen2_5_vl"  # its mRoPE takes each video's seconds per grid
+        if self.vl:
+            module, name = self._VL[model_type]
+            owner = getattr(importlib.import_module(f"transformers.models.{module}"), name)
+            self.get_vision_position_ids = owner.get_vision_position_ids.__get__(self)
+            self.get_rope_index = owner.get_rope_index.__get__(self)
             return
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
             Qwen2_5OmniPreTrainedModelForConditionalGeneration as Owner,
@@ -59,17 +74,19 @@ class _RopeIndex:
         """(3, L) positions of one sequence ``ids`` (L,) with its media inputs (`trainer.reference.media_inputs`),
         called with the arguments the model's forward gives ``get_rope_index``."""
         ids = ids.long()[None]
-        if self.qwen3_vl:
+        if self.vl:
             types = torch.zeros_like(ids, dtype=torch.int)  # the processor's mm_token_type_ids
             types[ids == self.config.image_token_id] = 1
             types[ids == self.config.video_token_id] = 2
             videos = inputs.get("video_grid_thw")
+            seconds = inputs.get("video_second_per_grid") if self.video_seconds else None
             positions, _ = self.get_rope_index(
                 ids,
                 mm_token_type_ids=types,
                 image_grid_thw=inputs.get("image_grid_thw"),
                 video_grid_thw=None if videos is None else videos.clone(),  # it edits its argument
                 attention_mask=torch.ones_like(ids),
+                **({"second_per_grid_ts": seconds} if seconds is not None else {}),
             )
             return positions[:, 0]
         mask = inputs.get("feature_attention_mask")

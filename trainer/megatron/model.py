@@ -97,7 +97,7 @@ def transformer_config(
             moe_router_topk=int(text.num_experts_per_tok),
             moe_ffn_hidden_size=int(text.moe_intermediate_size),
             moe_router_score_function="softmax",
-            moe_router_pre_softmax=not bool(getattr(text, "norm_topk_prob", False)),
+            moe_router_pre_softmax=not _renormalises_top_k(hf_config, text),
             moe_router_load_balancing_type="none",
             moe_token_dispatcher_type="allgather",
             moe_grouped_gemm=False,
@@ -202,3 +202,12 @@ def _mask_padded_vocab(gpt: Any, vocab_size: int) -> None:
         return logits.index_fill(-1, torch.arange(max(first, 0), local, device=logits.device), float("-inf")), bias
 
     gpt.output_layer.register_forward_hook(hook)
+
+
+def _renormalises_top_k(hf_config: Any, text: Any) -> bool:
+    """Whether the router renormalises its top-k weights: the config's ``norm_topk_prob``, but always for
+    Qwen3-VL-MoE, whose router renormalises whatever its config says (its text config has no such field:
+    transformers 5.19's ``Qwen3VLMoeTextTopKRouter``; `encoders.routing` replays it so too)."""
+    if str(getattr(hf_config, "model_type", "")) == "qwen3_vl_moe":
+        return True
+    return bool(getattr(text, "norm_topk_prob", False))
