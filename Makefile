@@ -25,7 +25,8 @@ $(RUN_STAMP): pyproject.toml
 	touch $(RUN_STAMP)
 
 # The main job on embedded defaults: preprocess a generated media set (report), then start every
-# role and train the embedded model on the generated demo task in async mode (summary and plot).
+# role and train the demo's tiny Qwen3-VL (made in .weir/model when none is there) on the generated
+# demo task in async mode (summary and plot).
 run: $(RUN_STAMP)
 	$(BIN)/weir demo --out .weir/demo
 	$(BIN)/weir train --demo

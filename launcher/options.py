@@ -469,8 +469,9 @@ def _train_stack(train: argparse.ArgumentParser) -> None:
         "--arch",
         choices=TINY_ARCHS,
         default=None,
-        help="the tiny model made in HOME/model when it has none (default: qwen2.5-omni); a model already "
-        "there of another architecture is an error",
+        help="the tiny model made in HOME/model when it has none (default: with --demo the task's — qwen3-vl "
+        "for the pictures, qwen3 for colour-words, qwen2.5-omni for clips and visual-search —, else qwen2.5-omni); "
+        "a model already there of another architecture is an error",
     )
     train.add_argument(
         "--r3",

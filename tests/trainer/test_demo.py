@@ -62,23 +62,23 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    ("arch", "trainer"),
+    ("arch", "options"),
     [
-        ("qwen3", "fsdp"),
-        ("qwen3-moe", "megatron"),
-        ("qwen2.5-vl", "fsdp"),
-        ("qwen3-vl-moe", "fsdp"),
-        ("qwen3.5", "fsdp"),
+        ("qwen3", []),
+        ("qwen3-moe", ["--trainer", "megatron"]),
+        ("qwen2.5-vl", []),
+        ("qwen3-vl-moe", ["--r3"]),  # routing replay: the engine's experts replayed in the trainer
+        ("qwen3.5", []),
     ],
 )
 def test_weir_train_demo_runs_on_every_new_family(
-    arch: str, trainer: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    arch: str, options: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`weir train --demo --arch A` through the whole stack, one step (the full runs that learn are ``slow``:
     `tests/trainer/test_families_learning.py`). A text model's demo is the colour-word task: its preprocess and
     encoder roles start and are never given an item (nothing cached)."""
     home = tmp_path / "weir"
-    argv = ["train", "--demo", "--arch", arch, "--trainer", trainer, "--home", str(home)]
+    argv = ["train", "--demo", "--arch", arch, *options, "--home", str(home)]
     assert main([*argv, "--steps", "1", "--warmup-steps", "1", "--base-port", str(free_stack_base())]) == 0
     out = capsys.readouterr().out
     text = arch in ("qwen3", "qwen3-moe")
