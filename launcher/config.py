@@ -19,6 +19,7 @@ __all__ = [
     "AGENT_DEMO_DEFAULTS",
     "DEMO_DEFAULTS",
     "GENERIC_DEFAULTS",
+    "HELD_OUT",
     "TEXT_ARCHS",
     "VIDEO_DEMO_DEFAULTS",
     "TrainConfig",
@@ -82,6 +83,8 @@ VIDEO_DEMO_DEFAULTS: TrainDefaults = {
 }
 
 DemoTask = Literal["colours", "visual-search", "video-audio", "colour-words"]
+# what each demo task's held-out rows are, as the console names them
+HELD_OUT = {"colours": "pictures", "visual-search": "pictures", "video-audio": "clips", "colour-words": "lines"}
 # the tiny text architectures, whose demo is the colour-word task (they take no pictures); spelled here so that
 # `weir --help` imports no model code (a test keeps them the registry's text families)
 TEXT_ARCHS = ("qwen3", "qwen3-moe")

@@ -29,6 +29,7 @@ __all__ = [
     "engine_env",
     "engine_refusal",
     "ensure_arch",
+    "model_refusal",
     "run_model",
     "trains_moe",
 ]
@@ -144,6 +145,21 @@ def ensure_arch(config: TrainConfig) -> None:
     if family_of(folder).name != wanted:
         where = "leave --arch out" if config.model is not None else "remove it or use another --home"
         raise SystemExit(f"{folder} holds a {family_of(folder).name} model, not {arch}: {where}")
+
+
+def model_refusal(config: TrainConfig) -> str | None:
+    """Why this run's model cannot be trained, in one line, before anything starts: a folder of an architecture
+    Weir does not load (the message lists those it does)."""
+    from encoders.architectures import family_of
+
+    folder = run_model(config)
+    if not (folder / "config.json").is_file():
+        return None  # the tiny model the stack makes
+    try:
+        family_of(folder)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def trains_moe(config: TrainConfig) -> bool:

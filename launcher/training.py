@@ -57,10 +57,19 @@ if TYPE_CHECKING:
 
 from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
-from .config import TrainConfig
+from .config import HELD_OUT, TrainConfig
 from .console import console
 from .demo.plot import plot_runs
-from .model import attach_refusal, demo_refusal, engine_env, engine_refusal, ensure_arch, run_model, trains_moe
+from .model import (
+    attach_refusal,
+    demo_refusal,
+    engine_env,
+    engine_refusal,
+    ensure_arch,
+    model_refusal,
+    run_model,
+    trains_moe,
+)
 from .placement import PlacementError, single_rank_device, training_plan
 from .stack import LocalStack, remote_refusal
 from .supervisor import Supervisor
@@ -82,11 +91,6 @@ def _show(record: dict[str, Any], *, total: int, resumed_at: int = 0) -> None:
         + (f"  eval pass@1 {record['eval']['pass@1']:.0%}" if record.get("eval") else ""),
         soft_wrap=True,  # one line per step, however narrow the terminal
     )
-
-
-def _held_out_what(config: TrainConfig) -> str:
-    """What the demo's held-out rows are, as the console names them."""
-    return "clips" if config.clips else "lines" if config.demo_task == "colour-words" else "pictures"
 
 
 def _summary(
@@ -325,7 +329,7 @@ def _refusal(config: TrainConfig) -> str | None:
             run_model(config)
         except SettingsError as error:
             return str(error)
-    refusal = engine_refusal(config)
+    refusal = model_refusal(config) or engine_refusal(config)
     if refusal:
         return refusal
     if config.role_url:
@@ -528,7 +532,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             )
         before = check(urls["rollout"], held_out, token=stack.token) if held_out and main else None
         if before is not None:
-            what = _held_out_what(config)
+            what = HELD_OUT[config.demo_task]
             console.print(f"Greedy accuracy on {len(held_out)} held-out {what} before RL: {before:.0%}")
             _show_diagnosis(diagnosis)
         loop = LoopConfig(
@@ -577,7 +581,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         _show_diagnosis(diagnosis)
         plot = plot_runs({config.mode: records}, out / "reward.png")
         if records:
-            _summary(records, before, after, plot, _held_out_what(config))
+            _summary(records, before, after, plot, HELD_OUT[config.demo_task])
         console.print(f"metrics: {out / 'metrics.jsonl'}", soft_wrap=True)
         console.print(f"plot: {plot}", soft_wrap=True)
         if any("mismatch/all/kl" in r for r in records):  # the trainer's monitor (trainer.mismatch)

@@ -95,3 +95,23 @@ def test_an_unsupported_architecture_is_refused_with_the_list(tmp_path: Path) ->
     for name in supported():
         assert name in str(refused.value)
     assert "Qwen3ForCausalLM" in supported() and "Qwen2_5_VLForConditionalGeneration" in supported()
+
+
+def test_weir_train_refuses_an_unsupported_model_in_one_line_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from launcher.cli import main
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "reward": {"type": "exact_match", "answer": "x"}})
+        + "\n"
+    )
+    home = tmp_path / "home"
+    assert main(["train", "--dataset", str(rows), "--model", str(model), "--home", str(home), "--steps", "1"]) == 2
+    said = capsys.readouterr()
+    assert "unsupported model" in said.out + said.err and "Qwen3ForCausalLM" in said.out + said.err
+    assert "Traceback" not in said.out + said.err and not (home / "logs").exists()  # nothing started
