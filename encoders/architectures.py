@@ -54,11 +54,13 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 __all__ = [
     "FAMILIES",
+    "FUSED_EXPERTS",
     "Family",
     "FamilyName",
     "audio_tokens",
     "decoder_layers",
     "drop_language_model",
+    "experts_laid_out_as",
     "family_of",
     "family_of_model",
     "has_deepstack",
@@ -326,4 +328,24 @@ def model_inputs(model: torch.nn.Module, ids: torch.Tensor, media: dict[str, tor
         out["second_per_grid_ts"] = seconds
     if "image_grid_thw" in out or "video_grid_thw" in out:
         out["mm_token_type_ids"] = mm_token_type_ids(model, ids)
+    return out
+
+
+# Qwen3-VL-MoE's fused expert tensors: (experts, in, out) in its released checkpoints, (experts, out, in) in
+# transformers 5's module (and megatron's order); transformers' loader tells the two apart by shape.
+FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def experts_laid_out_as(
+    tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with each fused expert tensor whose shape is ``shapes[name]`` transposed (1, 2) turned to it; every
+    other tensor as it is (a shape that fits neither way is left for the caller to refuse by name)."""
+    out = dict(tensors)
+    for name, tensor in tensors.items():
+        want = shapes.get(name)
+        if not name.endswith(FUSED_EXPERTS) or want is None or tensor.ndim != 3 or tuple(tensor.shape) == want:
+            continue
+        if tuple(tensor.transpose(1, 2).shape) == want:
+            out[name] = tensor.transpose(1, 2).contiguous()
     return out

@@ -41,6 +41,7 @@ from transformers import (
     Qwen3VLMoeForConditionalGeneration,
 )
 
+from .architectures import FUSED_EXPERTS
 from .file_modes import as_umask_allows
 from .tiny_configs import MEDIA_TOKENS, QWEN3_OMNI_MEDIA_TOKENS, QWEN3_VL_MEDIA_TOKENS, TINY_ARCHITECTURES
 
@@ -211,12 +212,14 @@ def _corpus() -> list[str]:
 def build_tokenizer(arch: str = "qwen2.5-omni") -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer (any text encodes) with Qwen's chat special tokens and ``arch``'s media tokens
     (none for a text model), and its chat template."""
-    media = TINY_ARCHITECTURES[arch].media_tokens
-    template = {
-        id(MEDIA_TOKENS): CHAT_TEMPLATE,
-        id(QWEN3_VL_MEDIA_TOKENS): QWEN3_VL_CHAT_TEMPLATE,
-        id(QWEN3_OMNI_MEDIA_TOKENS): QWEN3_OMNI_CHAT_TEMPLATE,
-    }.get(id(media), TEXT_CHAT_TEMPLATE)
+    tiny = TINY_ARCHITECTURES[arch]
+    media = tiny.media_tokens
+    if not media:
+        template = TEXT_CHAT_TEMPLATE
+    elif media is MEDIA_TOKENS:  # the Qwen2.5-Omni thinker's own token names
+        template = CHAT_TEMPLATE
+    else:  # Qwen3-VL's names: with an audio tower, Qwen3-Omni's
+        template = QWEN3_OMNI_CHAT_TEMPLATE if tiny.audio else QWEN3_VL_CHAT_TEMPLATE
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -283,9 +286,8 @@ def released_layout(
     their checkpoints do."""
     if not isinstance(model, Qwen3VLMoeForConditionalGeneration):  # FSDP2 wraps it in a subclass: still one
         return None
-    fused = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
     state = state if state is not None else model.state_dict()
-    return {name: t.transpose(1, 2).contiguous() if name.endswith(fused) else t for name, t in state.items()}
+    return {name: t.transpose(1, 2).contiguous() if name.endswith(FUSED_EXPERTS) else t for name, t in state.items()}
 
 
 def save_released(model: torch.nn.Module, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:

@@ -32,12 +32,14 @@ def read_folder(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
     """Every ``*.safetensors`` of ``path``, checked against ``model``'s names and shapes (`WeightsError`:
     ``weights_not_found`` for a folder without readable weights, ``weights_mismatch`` for ones that do not fit).
     A checkpoint in another layout than the model's (transformers 5 saves a MoE model's fused experts one by
-    one; Qwen3-VL-MoE's released checkpoints hold them transposed) is loaded by the model's class, through
-    transformers' own conversions, when the folder has a config."""
-    state = _read_safetensors(path)
+    one) is loaded by the model's class, through transformers' own conversions, when the folder has a config;
+    Qwen3-VL-MoE's released fused experts, transposed, are turned by shape."""
+    from encoders.architectures import experts_laid_out_as  # here: the sim engine imports this module too
+
     own = model.state_dict()
-    other = any(k not in own or tuple(v.shape) != tuple(own[k].shape) for k, v in state.items())
-    if other and (Path(path) / "config.json").is_file():  # Qwen3-VL-MoE's released experts are transposed too
+    # Qwen3-VL-MoE's released (experts, in, out) fused experts turned to the module's layout, by shape
+    state = experts_laid_out_as(_read_safetensors(path), {name: tuple(t.shape) for name, t in own.items()})
+    if any(k not in own for k in state) and (Path(path) / "config.json").is_file():
         state = _converted(model, path)
     unexpected = [k for k in state if k not in own]
     if unexpected:

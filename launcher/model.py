@@ -29,6 +29,7 @@ __all__ = [
     "engine_env",
     "engine_refusal",
     "ensure_arch",
+    "family_name",
     "model_refusal",
     "run_model",
     "trains_moe",
@@ -122,6 +123,11 @@ DEMO_ARCHS = {
 }
 
 
+def family_name(arch: str) -> str:
+    """The registry's name of a tiny architecture's family (``qwen2.5-vl`` → ``qwen2_5_vl``)."""
+    return arch.replace(".", "_").replace("-", "_")
+
+
 def default_arch(config: TrainConfig) -> str:
     """``--arch``, else the demo task's tiny model, else the embedded default (`weir up`'s)."""
     return config.arch or (DEMO_ARCHS[config.demo_task] if config.demo else "qwen2.5-omni")
@@ -141,7 +147,7 @@ def ensure_arch(config: TrainConfig) -> None:
         return
 
     folder = run_model(config) if config.model is not None else ensure_model(config.home / "model", arch=arch)
-    wanted = arch.replace(".", "_").replace("-", "_")
+    wanted = family_name(arch)
     if family_of(folder).name != wanted:
         where = "leave --arch out" if config.model is not None else "remove it or use another --home"
         raise SystemExit(f"{folder} holds a {family_of(folder).name} model, not {arch}: {where}")
@@ -177,7 +183,7 @@ def _family(config: TrainConfig) -> str:
         folder = run_model(config)
         if (folder / "config.json").is_file():
             return family_of(folder).name
-    return default_arch(config).replace(".", "_").replace("-", "_")
+    return family_name(default_arch(config))
 
 
 def demo_refusal(config: TrainConfig) -> str | None:

@@ -85,21 +85,12 @@ def base_weights(folder: str | Path) -> dict[str, WeightInfo]:
     return out
 
 
-_FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
 def in_base_layout(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo]) -> dict[str, torch.Tensor]:
-    """``tensors`` laid out as the base folder's files lay them: fused experts (Qwen3-VL-MoE's ``gate_up_proj`` /
-    ``down_proj``) are (experts, in, out) in released checkpoints, (experts, out, in) in transformers 5's module
-    and megatron's order, so one whose shape is the other's, transposed, is transposed (transformers' own loader
-    tells the two apart by shape the same way; the tiny models keep them non-square). Every other tensor as is."""
-    out = dict(tensors)
-    for name, tensor in tensors.items():
-        want = base[name].shape if name in base else None
-        fused = name.endswith(_FUSED_EXPERTS) and want is not None and tensor.ndim == 3
-        if fused and tuple(tensor.shape) != want and tuple(tensor.transpose(1, 2).shape) == want:
-            out[name] = tensor.transpose(1, 2).contiguous()
-    return out
+    """``tensors`` laid out as the base folder's files lay them: Qwen3-VL-MoE's fused experts in the released
+    (experts, in, out) layout where the base has it (`encoders.architectures.experts_laid_out_as`)."""
+    from encoders.architectures import experts_laid_out_as
+
+    return experts_laid_out_as(dict(tensors), {name: info.shape for name, info in base.items()})
 
 
 def check_fits(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo], where: str | Path) -> None:

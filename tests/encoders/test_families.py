@@ -16,10 +16,11 @@ from encoders.embedded_model import ARCHITECTURES, MODEL_CLASSES, init_model
 from engines import InvalidMedia
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
 from engines.transformers_backend import TransformersEngine
+from launcher.model import family_name
 from launcher.options import TINY_ARCHS
 from trainer.reference import ReferenceTrainer
 
-FAMILY_OF_ARCH = {arch: arch.replace(".", "_").replace("-", "_") for arch in ARCHITECTURES}
+FAMILY_OF_ARCH = {arch: family_name(arch) for arch in ARCHITECTURES}
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from launcher.arguments import SPEC_NAMES, processor_spec
 from launcher.arguments import TEXT_FAMILIES as TEXT_NAMES
 from launcher.cli import main
 from launcher.commands import _spec
+from launcher.model import family_name
 from preprocess import samples
 from preprocess.placeholders import expand_placeholders, timestamped_video_ids
 from preprocess.spec import SPEC_FAMILIES, TEXT_FAMILIES
@@ -137,7 +138,7 @@ def _generate(case: Case, media: tuple[MediaInput, ...]) -> tuple[list[int], tor
 
 
 def test_the_folder_reads_back_as_the_familys_spec(case: Case) -> None:
-    assert family_of(case.folder).name == case.arch.replace(".", "_").replace("-", "_")
+    assert family_of(case.folder).name == family_name(case.arch)
     assert pp.ProcessorSpec.from_pretrained(case.folder) == case.spec
     assert type(case.plain) is family_of(case.folder).model_class
 
