@@ -6,8 +6,9 @@ are checked here against SGLang's `ServerArgs` (a msgspec ``Struct``; its ``__st
 names ``sglang.Engine(**kwargs)`` takes) wherever sglang is installed: an unknown name is refused by name,
 with the nearest known ones, instead of failing deep inside SGLang's start-up. Values are SGLang's to check.
 
-A few names are Weir's, not the caller's (`RESERVED`): the model comes from ``WEIR_MODEL``, and Weir reads
-SGLang's streams as cumulative chunks, so ``incremental_streaming_output`` would corrupt them. Three Weir
+A few names are Weir's, not the caller's (`RESERVED`): the model comes from ``WEIR_MODEL`` and its served name
+from ``WEIR_SERVED_MODEL_NAME``, and Weir reads SGLang's streams as cumulative chunks, so
+``incremental_streaming_output`` would corrupt them. Three Weir
 settings are server arguments too (`SETTINGS`); given both ways with different values, that is refused.
 
 `engine_gpus` is how many GPUs one engine with these arguments takes — what compose and Ray reserve.
@@ -38,6 +39,7 @@ __all__ = [
 RESERVED = {
     "model_path": "the model served is WEIR_MODEL (weir serve engine --model)",
     "incremental_streaming_output": "Weir reads SGLang's streams as cumulative chunks",
+    "served_model_name": "the name the roles serve the model under is WEIR_SERVED_MODEL_NAME (--served-model-name)",
 }
 SETTINGS = {
     "device": "WEIR_DEVICE",

@@ -74,7 +74,7 @@ __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mappin
 
 
 class SGLangEngine:
-    """`sglang.Engine` behind the engine protocol (``pip install 'weir[sglang]'``, a CUDA GPU).
+    """`sglang.Engine` behind the engine protocol (``pip install -e '.[sglang]'``, a CUDA GPU).
 
     ``server_args`` are SGLang's `ServerArgs` fields (`engines.sglang_args`), passed to the Engine as they are,
     with ``weight_version`` "0" unless given (Weir's publisher counts versions in decimals). ``engine_class``

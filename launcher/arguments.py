@@ -8,6 +8,7 @@ What the files hold is checked later, by the code that reads them; this module o
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
@@ -20,6 +21,7 @@ __all__ = [
     "existing_file",
     "processor_spec",
     "profile_file",
+    "report_to",
     "role_url",
     "shard_size",
     "task_default",
@@ -34,6 +36,17 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (`{self.prog} --help` lists the options)\n")
 
 
+def report_to(text: str) -> str:
+    """``--report-to``: trackers by name, comma-separated (`launcher.trackers.parse_report_to`), or none."""
+    from .trackers import REPORTERS, parse_report_to
+
+    try:
+        parse_report_to(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: give {', '.join(REPORTERS)} (comma-separated) or none") from None
+    return text
+
+
 def existing_file(text: str) -> Path:
     """A file that exists (a dataset, an evaluation set, a results file)."""
     path = Path(text)
@@ -43,11 +56,13 @@ def existing_file(text: str) -> Path:
 
 
 def existing_dataset(text: str) -> Path:
-    """A dataset that exists: a file (JSONL, JSON, Parquet, Arrow) or a folder (``datasets``' ``save_to_disk``,
-    or Parquet / Arrow shards; `preprocess.dataset.iter_rows` reads which)."""
+    """A dataset that exists: a file (JSONL, JSON, Parquet, Arrow, CSV), a folder (``datasets``' ``save_to_disk``,
+    a Hub-layout folder, shards), or a hub id ``owner/name`` — looked up in the Hugging Face cache later, offline
+    (`preprocess.reading.open_dataset` reads which)."""
     path = Path(text)
-    if not path.exists():
-        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")
+    hub_id = re.fullmatch(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*", text) is not None
+    if not path.exists() and (not hub_id or path.suffix.lower() in (".jsonl", ".json", ".parquet", ".arrow", ".csv")):
+        raise argparse.ArgumentTypeError(f"{text}: no such file or folder")  # data/train.jsonl is no hub id
     return path
 
 

@@ -12,18 +12,18 @@ Commands::
                                    # every role as a Ray Serve application (a local Ray, or a cluster)
     weir engines add|remove N [--address ADDR]   # engines join or leave a running Ray stack
     weir engines autoscale MIN:MAX[:TARGET]      # … or Serve scales them on what they generate
-    weir train (--demo | --dataset F) [--mode async|colocate] [--steps N] [--attach] [--base-port P] [--ray] …
+    weir train (--demo | --dataset F [--split S]) [--mode async|colocate] [--steps N] [--attach] [--ray] …
                                    # the RL loop against a stack it starts (or attaches to)
     weir twin [--profile F] [--gpus N | --nodes 1 2 4 8] [--steps N] [--compression C1 C2] [--modes colocate async-1 …]
                                    # capacity twin: sim engines + sim trainer, real control plane
     weir twin plan --gpus N [--profile F]   # the best engine:trainer split and staleness bound, from the cost model
     weir twin calibrate [--profile F]       # fit the one knob on the profile's published colocate step
-    weir prep DATASET --out DIR [--spec qwen2_5_omni|qwen2_5_vl|MODEL_DIR] [budget options]
+    weir prep DATASET --out DIR [--spec FAMILY|MODEL_DIR] [--split S] [budget options]
     weir demo [--out DIR]          # generate a media set, prep it twice (cold, then cached)
     weir export-hf CHECKPOINT OUT [--base MODEL_DIR] [--max-shard-size 2GB]
                                    # a checkpoint of `weir train` (either trainer) as a Hugging Face folder
-    weir init-model DIR [--if-missing] [--arch qwen3-vl|qwen3-omni-moe]
-                                   # write a tiny model folder (default: Qwen2.5-Omni)
+    weir init-model DIR [--if-missing] [--arch ARCH]
+                                   # write a tiny real model folder (eight families)
     weir token --out FILE [--uid UID]    # the API token file the roles share (compose's `token` service)
     weir --version
 
@@ -47,6 +47,7 @@ from services import __version__
 
 from . import options
 from .arguments import Parser
+from .checks import refusal
 from .commands import HANDLERS
 from .options import DEFAULT_MAX_SHARD_SIZE
 from .twin_command import twin_arguments
@@ -82,7 +83,7 @@ _COMMANDS: tuple[tuple[str, Callable[[argparse.ArgumentParser], None], str], ...
         "write a checkpoint of `weir train` (--trainer fsdp, one rank or several, or megatron) as a Hugging Face "
         "model folder: sharded safetensors with their index, and the base model's config, tokenizer and processor "
         "files"),
-    ("init-model", options.init_model_arguments, "write the tiny embedded Qwen2.5-Omni model folder"),
+    ("init-model", options.init_model_arguments, "write a tiny real model folder of a supported family"),
     ("demo", options.demo_arguments, "generate a media set and preprocess it (what `make run` runs)"),
     ("token", options.token_arguments,
         "write the API token file the roles share (WEIR_API_TOKEN_FILE): WEIR_API_TOKEN when set, else an existing "
@@ -106,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)  # `weir train --nproc N` runs it again per rank
+    from preprocess.errors import DatasetError
+
+    from .stack import StackRefusal
+
     try:
+        refused = refusal(args)  # options that cannot go together, ports held, no Ray there: before anything starts
+        if refused:
+            print(f"weir {args.command}: {refused}", file=sys.stderr)
+            return 2
         # `serve` configures its own logging, from the role's settings
         if args.command in ("up", "train", "prep", "demo", "twin", "engines"):
             from services.logs import configure_logging
@@ -115,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         return HANDLERS[args.command](args)
     except SettingsError as error:  # a bad WEIR_* variable: its name and why, no traceback
         print(f"weir {args.command} {getattr(args, 'role', '')}".rstrip() + f": {error}", file=sys.stderr)
+        return 2
+    except DatasetError as error:  # a dataset (or a row) none of the readers can read, from any command: one line
+        print(f"weir {args.command}: {' '.join(str(error).split())} [{error.code}]", file=sys.stderr)
+        return 2
+    except StackRefusal as error:  # a port taken after the checks, or checked by no one (a rank under torchrun)
+        print(f"weir {args.command}: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C (or the supervisor giving up): every role is stopped on the way out
         print(f"weir {args.command}: interrupted", file=sys.stderr)

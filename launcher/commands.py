@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from services.roles import ROLES
 
+from .checks import autoscaling, train_config
 from .twin_command import run_twin_command
 
 if TYPE_CHECKING:
-    from services.cluster.autoscaling import EngineAutoscaling
-
     from .cluster.stack import RayStack
     from .placement import DevicePlan
 
@@ -85,6 +84,7 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     for value, variable in (
         (args.model, "WEIR_MODEL"),
+        (args.served_model_name, "WEIR_SERVED_MODEL_NAME"),
         (args.backend, "WEIR_BACKEND"),
         (args.profile, "WEIR_SIM_PROFILE"),
         (args.sglang_args, "WEIR_SGLANG_ARGS"),
@@ -118,6 +118,7 @@ def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-u
     import json
 
     import preprocess as pp
+    from preprocess.errors import DatasetError
     from preprocess.prep import run_prep
 
     from .console import print_report
@@ -130,14 +131,20 @@ def _prep(args: argparse.Namespace, *, budget=None) -> int:  # type: ignore[no-u
             max_sample_tokens=args.max_sample_tokens,
             policy=args.policy,
         )
-    report = run_prep(
-        args.dataset,
-        args.out,
-        _spec(args.spec).with_audio_resampler(args.audio_resampler).with_image_decode(args.image_decode),
-        budget,
-        workers=args.workers,
-        cache_max_bytes=args.cache_max_bytes,
-    )
+    try:
+        report = run_prep(
+            args.dataset,
+            args.out,
+            _spec(args.spec).with_audio_resampler(args.audio_resampler).with_image_decode(args.image_decode),
+            budget,
+            workers=args.workers,
+            cache_max_bytes=args.cache_max_bytes,
+            split=getattr(args, "split", None),
+        )
+    except DatasetError as error:  # no such dataset, split or cached hub id; a file that cannot be read
+        said = str(error) if str(error).startswith(str(args.dataset)) else f"{args.dataset}: {error}"
+        print(f"weir prep: {said} [{error.code}]", file=sys.stderr)
+        return 2
     (args.out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
     print_report(report, title=f"weir prep {args.dataset}")
     return 0
@@ -169,24 +176,10 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _autoscaling(spec: str) -> EngineAutoscaling:
-    """Serve's autoscaling config for engines from ``MIN:MAX[:TARGET]``."""
-    from services.cluster.autoscaling import engine_autoscaling
-    from services.settings import SettingsError
-
-    try:
-        low, high, *target = (float(x) for x in spec.split(":"))
-        if len(target) > 1:
-            raise ValueError("too many fields")
-        return engine_autoscaling(int(low), int(high), *target)
-    except ValueError as error:
-        raise SettingsError(f"engine autoscaling {spec!r}: give MIN:MAX[:TARGET] ({error})") from None
-
-
 def _ray_stack(args: argparse.Namespace) -> RayStack:
     from .cluster.stack import RayStack
 
-    autoscale = _autoscaling(args.engine_autoscale) if getattr(args, "engine_autoscale", None) else None
+    autoscale = autoscaling(args.engine_autoscale) if getattr(args, "engine_autoscale", None) else None
     return RayStack(
         home=args.home,
         model=getattr(args, "model", None),
@@ -210,8 +203,13 @@ def _engine_plan(engines: int, env: dict[str, str], encoder_gpu: str | None = No
 
 
 def _engine_env(args: argparse.Namespace) -> dict[str, str]:
-    """The engine settings given as options (``--backend``, ``--sglang-args``), for every role's environment."""
-    given = (("WEIR_BACKEND", getattr(args, "backend", None)), ("WEIR_SGLANG_ARGS", getattr(args, "sglang_args", None)))
+    """The engine settings given as options (``--backend``, ``--sglang-args``) and the model's served name
+    (``--served-model-name``), for every role's environment."""
+    given = (
+        ("WEIR_BACKEND", getattr(args, "backend", None)),
+        ("WEIR_SGLANG_ARGS", getattr(args, "sglang_args", None)),
+        ("WEIR_SERVED_MODEL_NAME", getattr(args, "served_model_name", None)),
+    )
     return {variable: value for variable, value in given if value is not None}
 
 
@@ -258,22 +256,16 @@ def _up_ray(args: argparse.Namespace) -> int:
 
 
 def _engines(args: argparse.Namespace) -> int:
-    from services.settings import SettingsError
-
     from .console import console
 
     stack = _ray_stack(argparse.Namespace(**{**vars(args), "engines": 1}))
     if args.action == "autoscale":
-        autoscaling = _autoscaling(args.count)
+        scaling = autoscaling(args.count)
         stack.connect()
-        stack.autoscale_engines(autoscaling)
-        console.print(
-            f"Serve scales the engines from now on: {autoscaling['min_replicas']}–{autoscaling['max_replicas']}"
-        )
+        stack.autoscale_engines(scaling)
+        console.print(f"Serve scales the engines from now on: {scaling['min_replicas']}–{scaling['max_replicas']}")
         return 0
-    if not args.count.isdigit():
-        raise SettingsError(f"weir engines {args.action}: the count must be a whole number, not {args.count!r}")
-    stack.connect()
+    stack.connect()  # the count is a whole number 1 or more (`launcher.checks`)
     now = len(stack.engine_urls())
     target = now + int(args.count) if args.action == "add" else now - int(args.count)
     urls = stack.scale_engines(target)
@@ -292,7 +284,7 @@ def _up(args: argparse.Namespace) -> int:
         return _up_ray(args)
     plan = _engine_plan(args.engines, {**os.environ, **_engine_env(args)}, args.encoder_gpu)
     if isinstance(plan, str):
-        console.print(plan, style="red", markup=False, highlight=False, soft_wrap=True)
+        print(plan, file=sys.stderr)
         return 2
     stack = LocalStack(
         home=args.home,
@@ -352,16 +344,10 @@ def _twin(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from dataclasses import fields
-
-    from .config import TrainConfig
     from .training import run_training
 
     _sigterm_as_interrupt()
-
-    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
-    given["role_url"] = tuple(given["role_url"])
-    return run_training(TrainConfig.with_defaults(**given, argv=tuple(args.argv)))
+    return run_training(train_config(args))  # its options checked already (`launcher.checks.refusal`)
 
 
 def _export_hf(args: argparse.Namespace) -> int:

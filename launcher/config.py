@@ -20,6 +20,7 @@ __all__ = [
     "DEMO_DEFAULTS",
     "GENERIC_DEFAULTS",
     "HELD_OUT",
+    "LAUNCHED_RANK_ENV",
     "TEXT_ARCHS",
     "VIDEO_DEMO_DEFAULTS",
     "TrainConfig",
@@ -89,13 +90,19 @@ HELD_OUT = {"colours": "pictures", "visual-search": "pictures", "video-audio": "
 # `weir --help` imports no model code (a test keeps them the registry's text families)
 TEXT_ARCHS = ("qwen3", "qwen3-moe")
 
+# "1" in the environment of the ranks `weir train` starts itself (torchrun's, `launcher.training`, or Ray's,
+# `launcher.cluster.training`): their ``--attach`` is the launcher's, to the stack it started with the user's
+# engine options, not one the user typed (`launcher.model.engine_refusal`).
+LAUNCHED_RANK_ENV = "WEIR_LAUNCHED_RANK"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainConfig:
     """One `weir train` run: the task, the RL loop's settings, the ranks, and the stack it runs against."""
 
     # the task
-    dataset: Path | None = None  # JSONL / Parquet rows; None with ``demo``
+    dataset: Path | None = None  # rows (`preprocess.reading`: a file, folder or cached hub id); None with ``demo``
+    split: str | None = None  # the dataset's split (None: train, or its only one)
     demo: bool = False
     demo_task: DemoTask = "colours"
     # the RL loop (`with_defaults` fills those the command line left unset)
@@ -120,7 +127,7 @@ class TrainConfig:
     adv_std: Literal["population", "unbiased"] = "population"
     ppo_epochs: int = 1
     mini_batches: int = 1
-    report_to: str = "none"  # experiment trackers (`launcher.trackers`): wandb, tensorboard, mlflow (offline files)
+    report_to: str = "none"  # experiment trackers (`launcher.trackers`): wandb, tensorboard, mlflow (offline: default)
     # periodic evaluation (`trainer.evaluation`)
     eval_dataset: Path | None = None  # None with --demo: its held-out rows
     eval_every: int = 0  # 0: no periodic evaluation
@@ -156,6 +163,7 @@ class TrainConfig:
     serve_port: int = 8000
     arch: str | None = None  # the tiny model made in HOME/model when it has none
     model: str | None = None  # a model folder or a hub id, trained and served instead of HOME/model
+    served_model_name: str | None = None  # the stack's OpenAI names, comma-separated (None: the model's own)
     r3: bool = False  # routing replay (MoE models)
     argv: tuple[str, ...] = ()  # the command line, run again once per rank (``nproc``)
 

@@ -49,3 +49,12 @@ def print_report(report: PrepReport, *, title: str) -> None:
         for code, count in sorted(report.failures.items()):
             failures.add_row(code, str(count))
         console.print(failures)
+    if report.bad_rows:  # rows that could not be read at all: where the first ones are (report.json lists them)
+        first = report.bad_rows[0]
+        where = f"line {first['line']}" if first["line"] is not None else f"row {first['row']}"
+        console.print(
+            f"{report.rows_unreadable} rows could not be read; the first: {first['file']} {where} [{first['code']}] "
+            f"{first['message']}",
+            markup=False,
+            highlight=False,
+        )

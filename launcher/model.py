@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engines.client import EngineClient
 
-from .config import TrainConfig
+from .config import LAUNCHED_RANK_ENV, TrainConfig
 from .stack import stack_model
 
 __all__ = [
@@ -62,15 +62,21 @@ def attach_refusal(urls: dict[str, str], token: str | None, folder: Path) -> str
 
 
 def engine_env(config: TrainConfig) -> dict[str, str]:
-    """The engine settings ``--backend`` and ``--sglang-args`` give the stack this run starts."""
-    given = (("WEIR_BACKEND", config.backend), ("WEIR_SGLANG_ARGS", config.sglang_args))
+    """The engine settings ``--backend`` and ``--sglang-args``, and the served name ``--served-model-name``, give
+    the stack this run starts."""
+    given = (
+        ("WEIR_BACKEND", config.backend),
+        ("WEIR_SGLANG_ARGS", config.sglang_args),
+        ("WEIR_SERVED_MODEL_NAME", config.served_model_name),
+    )
     return {variable: value for variable, value in given if value is not None}
 
 
 def engine_refusal(config: TrainConfig) -> str | None:
     """Why the engines this run would start cannot serve its model, in one line, before anything starts: SGLang
     asked for where it is not installed, server arguments it does not know, a model it has no architecture for;
-    or engine options given for a stack this run does not start (``--attach``)."""
+    or engine options given for a stack this run does not start (an ``--attach`` the user typed: the ranks
+    `weir train --nproc N` starts attach to the stack it started with them, `LAUNCHED_RANK_ENV`)."""
     from engines.sglang_args import (
         check_server_args,
         parse_server_args,
@@ -79,10 +85,16 @@ def engine_refusal(config: TrainConfig) -> str | None:
         unserved_refusal,
     )
 
-    if config.attach and (config.backend or config.sglang_args):
+    typed = config.attach and os.environ.get(LAUNCHED_RANK_ENV) != "1"  # not the --attach of a rank started here
+    if typed and (config.backend or config.sglang_args):
         return (
             "--backend / --sglang-args choose the engines of the stack `weir train` starts: with --attach the "
             "stack's engines are its own (`weir up --backend …`)"
+        )
+    if typed and config.served_model_name:
+        return (
+            "--served-model-name names the model of the stack `weir train` starts: with --attach the stack serves "
+            "it under its own names (`weir up --served-model-name …`)"
         )
     backend = config.backend or os.environ.get("WEIR_BACKEND") or "transformers"
     if config.sglang_args is not None and backend != "sglang":
@@ -91,7 +103,7 @@ def engine_refusal(config: TrainConfig) -> str | None:
         return None
     fields = server_arg_fields()  # imports SGLang's server arguments (about 6 s): the names are checked, not guessed
     if fields is None:
-        return "--backend sglang: sglang is not installed here (`pip install 'weir[sglang]'`, a CUDA machine)"
+        return "--backend sglang: sglang is not installed here (`pip install -e '.[sglang]'`, a CUDA machine)"
     try:
         args = check_server_args(
             parse_server_args(config.sglang_args or os.environ.get("WEIR_SGLANG_ARGS", "")), fields

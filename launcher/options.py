@@ -10,10 +10,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from services.model_ref import served_names
 from services.roles import BASE_PORT, ROLES
 
-from .arguments import existing_dataset, processor_spec, profile_file, role_url, shard_size, task_default
+from .arguments import existing_dataset, processor_spec, profile_file, report_to, role_url, shard_size, task_default
 from .commands import WORKER_APPS
+from .ranges import at_least, cap_float, non_negative_float, port_number, positive_float
 
 __all__ = [
     "demo_arguments",
@@ -52,12 +54,41 @@ def _add_model(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--model", default=None, metavar="DIR|HUB_ID", help=help)
 
 
+class _ServedNames(argparse.Action):
+    """``--served-model-name a b`` (vLLM's several names) or ``a,b``: checked now, kept as the one comma-separated
+    value ``WEIR_SERVED_MODEL_NAME`` takes."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object, _: object = None
+    ) -> None:
+        try:
+            names = served_names(",".join(values) if isinstance(values, list) else str(values))
+        except ValueError as error:
+            raise argparse.ArgumentError(self, str(error)) from None
+        if not names:
+            raise argparse.ArgumentError(self, "give at least one name")
+        setattr(namespace, self.dest, ",".join(names))
+
+
+def _add_served_name(parser: argparse.ArgumentParser, sets: str) -> None:
+    parser.add_argument(
+        "--served-model-name",
+        nargs="+",
+        action=_ServedNames,
+        default=None,
+        metavar="NAME",
+        help=f"{sets}the names the OpenAI API serves the model under (GET /v1/models lists each, a request may name "
+        "any, answers report the first; the old id weir-tiny-omni is accepted too) (default: "
+        "WEIR_SERVED_MODEL_NAME, else the model's own name: its folder's name, or owner/name for a hub id)",
+    )
+
+
 def _add_home(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--home", type=Path, default=Path(".weir"), help=help)
 
 
 def _add_base_port(parser: argparse.ArgumentParser, help: str) -> None:
-    parser.add_argument("--base-port", type=int, default=BASE_PORT, help=help)
+    parser.add_argument("--base-port", type=port_number, default=BASE_PORT, help=help)
 
 
 def _add_backend(parser: argparse.ArgumentParser, help: str, choices: tuple[str, ...] = ENGINE_BACKENDS) -> None:
@@ -65,7 +96,7 @@ def _add_backend(parser: argparse.ArgumentParser, help: str, choices: tuple[str,
 
 
 def _add_workers(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=None, help=_WORKERS_HELP)
+    parser.add_argument("--workers", type=at_least(1), default=None, help=_WORKERS_HELP)
 
 
 def _add_encoder_gpu(parser: argparse.ArgumentParser) -> None:
@@ -89,21 +120,21 @@ def _add_sglang_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_ray(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("Ray (the `ray` extra: pip install 'weir[ray]')")
+    group = parser.add_argument_group("Ray (the `ray` extra: pip install -e '.[ray]')")
     group.add_argument("--ray", action="store_true", help="every role as a Ray Serve application")
     group.add_argument(
         "--address",
         default=None,
         help="with --ray: a running Ray cluster, HOST:PORT or auto (default: start Ray here)",
     )
-    group.add_argument("--serve-port", type=int, default=8000, help="with --ray: Serve's HTTP port")
+    group.add_argument("--serve-port", type=port_number, default=8000, help="with --ray: Serve's HTTP port")
 
 
 def _add_budget(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("token budget")
     for kind in ("image", "video", "audio", "sample"):
         group.add_argument(
-            f"--max-{kind}-tokens", type=int, default=None, metavar="N", help=f"{kind} token cap (default: no cap)"
+            f"--max-{kind}-tokens", type=at_least(1), metavar="N", help=f"{kind} token cap (default: no cap)"
         )
     group.add_argument(
         "--policy", choices=("shrink", "refuse"), default="shrink", help="what to do with an item over its cap"
@@ -116,7 +147,7 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--host", default=None, help="interface to bind (default: WEIR_HOST, else 127.0.0.1)")
     serve.add_argument(
         "--port",
-        type=int,
+        type=port_number,
         default=None,
         help="port to bind (default: the role's port in the role table: "
         + ", ".join(f"{r.name} {r.port}" for r in ROLES.values())
@@ -124,7 +155,7 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=1,
         help=f"uvicorn worker processes; more than 1 only for {', '.join(WORKER_APPS)}",
     )
@@ -135,6 +166,7 @@ def serve_arguments(serve: argparse.ArgumentParser) -> None:
         help="sets WEIR_LOG_LEVEL (default: WEIR_LOG_LEVEL, else info)",
     )
     _add_model(serve, f"sets WEIR_MODEL: {MODEL_SOURCE} {HUB_SNAPSHOT} (default: WEIR_MODEL, else .weir/model)")
+    _add_served_name(serve, "sets WEIR_SERVED_MODEL_NAME (rollout, engine): ")
     _add_backend(serve, "sets WEIR_BACKEND, the engine's backend (default: WEIR_BACKEND, else transformers)")
     serve.add_argument(
         "--profile",
@@ -150,8 +182,15 @@ def prep_arguments(prep: argparse.ArgumentParser) -> None:
     prep.add_argument(
         "dataset",
         type=existing_dataset,
-        help="rows referencing media: a JSONL / JSON / Parquet / Arrow file, a `save_to_disk` folder or a folder "
-        "of shards (Weir's rows, verl / slime rows, Hugging Face Image / Audio structs)",
+        help="rows referencing media: a JSONL / JSON / Parquet / Arrow / CSV file, a `save_to_disk` folder, a folder "
+        "laid out as on the Hugging Face Hub (data/train-*.parquet, …), or a hub id owner/name read offline from the "
+        "Hugging Face cache (Weir's rows, verl / slime rows, Hugging Face Image / Audio structs)",
+    )
+    prep.add_argument(
+        "--split",
+        default=None,
+        help="the split of a dataset with splits (a DatasetDict folder, a Hub-layout folder, a hub id) (default: "
+        "train; a dataset that is one split is read whole, and --split, when given, must name it)",
     )
     prep.add_argument("--out", type=Path, required=True, help="output folder: cache/, manifest.parquet, report.json")
     prep.add_argument(
@@ -176,13 +215,14 @@ def prep_arguments(prep: argparse.ArgumentParser) -> None:
         "1/8 DCT scaling when the resized image still fits: faster on large photos, not bit-exact; other cache keys) "
         "(default: exact)",
     )
-    prep.add_argument("--cache-max-bytes", type=int, default=10 << 30, help="the feature cache's byte budget")
+    prep.add_argument("--cache-max-bytes", type=at_least(1), default=10 << 30, help="the feature cache's byte budget")
     _add_budget(prep)
 
 
 def up_arguments(up: argparse.ArgumentParser) -> None:
-    up.add_argument("--engines", type=int, default=1, help="generation engines (ports from the engine's port up)")
+    up.add_argument("--engines", type=at_least(1), default=1, help="generation engines (from the engine's port up)")
     _add_model(up, f"{MODEL_SOURCE} {HUB_SNAPSHOT} (default: the tiny model in HOME/model)")
+    _add_served_name(up, "")
     _add_home(up, "state: model, cache, data, logs, api-token")
     _add_base_port(
         up, "the rollout role's port; every other port moves with it (a second stack: 9100 and another --home)"
@@ -216,7 +256,7 @@ def engines_arguments(engines: argparse.ArgumentParser) -> None:
     engines.add_argument("count", help="how many (add, remove); MIN:MAX[:TARGET] running requests each (autoscale)")
     _add_home(engines, "the stack's home (its model, token)")
     engines.add_argument("--address", default="auto", help="the Ray cluster (default: the one running here)")
-    engines.add_argument("--serve-port", type=int, default=8000, help="Serve's HTTP port of the stack")
+    engines.add_argument("--serve-port", type=port_number, default=8000, help="Serve's HTTP port of the stack")
 
 
 def train_arguments(train: argparse.ArgumentParser) -> None:
@@ -241,6 +281,12 @@ def _train_source(train: argparse.ArgumentParser) -> None:
     )
     source.add_argument("--demo", action="store_true", help="the generated colour task, with its warm-up and checks")
     train.add_argument(
+        "--split",
+        default=None,
+        help="with --dataset: the split of a dataset with splits (a DatasetDict folder, a Hub-layout folder, a hub "
+        "id) (default: train; a dataset that is one split is read whole, and --split, when given, must name it)",
+    )
+    train.add_argument(
         "--demo-task",
         choices=("colours", "visual-search", "video-audio", "colour-words"),
         default=None,
@@ -255,10 +301,10 @@ def _train_loop(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--mode", choices=("async", "colocate"), default="async", help="overlap generation and training, or alternate"
     )
-    train.add_argument("--steps", type=int, default=None, help=f"optimizer steps {task_default('steps')}")
+    train.add_argument("--steps", type=at_least(1), default=None, help=f"optimizer steps {task_default('steps')}")
     train.add_argument(
         "--max-staleness",
-        type=int,
+        type=at_least(0),
         default=None,
         help=f"policy versions a sample may lag {task_default('max_staleness')}",
     )
@@ -268,23 +314,23 @@ def _train_loop(train: argparse.ArgumentParser) -> None:
         default="drop",
         help="what the data role does with a sample past --max-staleness",
     )
-    train.add_argument("--n", type=int, default=None, help=f"samples per prompt {task_default('n')}")
+    train.add_argument("--n", type=at_least(1), default=None, help=f"samples per prompt {task_default('n')}")
     train.add_argument(
-        "--groups-per-step", type=int, default=None, help=f"prompts per step {task_default('groups_per_step')}"
+        "--groups-per-step", type=at_least(1), default=None, help=f"prompts per step {task_default('groups_per_step')}"
     )
     train.add_argument(
-        "--max-new-tokens", type=int, default=None, help=f"response length cap {task_default('max_new_tokens')}"
+        "--max-new-tokens", type=at_least(1), default=None, help=f"response length cap {task_default('max_new_tokens')}"
     )
     train.add_argument(
         "--max-tokens-per-batch",
-        type=int,
+        type=at_least(1),
         default=None,
         help=f"micro-batch token budget {task_default('max_tokens_per_batch')}",
     )
-    train.add_argument("--lr", type=float, default=None, help=f"learning rate {task_default('lr')}")
+    train.add_argument("--lr", type=positive_float, default=None, help=f"learning rate {task_default('lr')}")
     train.add_argument(
         "--warmup-steps",
-        type=int,
+        type=at_least(0),
         default=None,
         help="with --demo: supervised warm-up steps (the answer format; visual-search: scripted tool calls) "
         + task_default("warmup_steps"),
@@ -309,11 +355,13 @@ def _train_objective(train: argparse.ArgumentParser) -> None:
     train.add_argument(
         "--correction-level", choices=("token", "sequence"), default="token", help="one weight per token or sequence"
     )
-    train.add_argument("--correction-cap", type=float, default=2.0, help="the importance weight's upper bound")
-    train.add_argument("--correction-floor", type=float, default=0.0, help="mis: the lower bound (below: masked)")
+    train.add_argument(
+        "--correction-cap", type=cap_float, default=2.0, help="the importance weight's upper bound (inf: none)"
+    )
+    train.add_argument("--correction-floor", type=non_negative_float, default=0.0, help="mis: the floor (masked below)")
     train.add_argument(
         "--kl-coef",
-        type=float,
+        type=non_negative_float,
         default=0.0,
         help="a KL penalty to the frozen starting model (its log-probs computed by the trainer; 0: none, not loaded)",
     )
@@ -326,12 +374,12 @@ def _train_objective(train: argparse.ArgumentParser) -> None:
     )
     train.add_argument(
         "--ppo-epochs",
-        type=int,
+        type=at_least(1),
         default=1,
         help="passes over each step's samples (decoupled PPO: the clip on the ratio to the step's starting weights)",
     )
     train.add_argument(
-        "--mini-batches", type=int, default=1, help="optimizer steps per pass, each over its share of the step"
+        "--mini-batches", type=at_least(1), default=1, help="optimizer steps per pass, each over its share of the step"
     )
 
 
@@ -344,15 +392,16 @@ def _train_evaluation(train: argparse.ArgumentParser) -> None:
         "held-out rows)",
     )
     train.add_argument(
-        "--eval-every", type=int, default=0, help="steps between evaluations: greedy pass@1, sampled pass@k (0: none)"
+        "--eval-every", type=at_least(0), default=0, help="steps between evals: greedy pass@1, sampled pass@k (0: none)"
     )
-    train.add_argument("--eval-k", type=int, default=4, help="samples per row for the evaluation's pass@k")
+    train.add_argument("--eval-k", type=at_least(1), default=4, help="samples per row for the evaluation's pass@k")
     train.add_argument(
         "--report-to",
+        type=report_to,
         default="none",
         metavar="wandb,tensorboard,mlflow",
-        help="experiment trackers fed the step records (files under the run's folder, offline; "
-        "pip install 'weir[trackers]')",
+        help="experiment trackers fed the step records (files under the run's folder, offline, unless the tools' "
+        "own variables say otherwise: WANDB_MODE, MLFLOW_TRACKING_URI, TENSORBOARD_DIR…; pip install -e '.[trackers]')",
     )
 
 
@@ -386,21 +435,21 @@ def _train_trainer(train: argparse.ArgumentParser) -> None:
         ("pp", "pipeline-parallel size: refused for now, the loop trains each micro-batch as it arrives"),
         ("cp", "context-parallel size: refused for now, it needs transformer-engine's attention"),
     ):
-        train.add_argument(f"--{name}", type=int, default=1, help=f"with --trainer megatron: {what}")
+        train.add_argument(f"--{name}", type=at_least(1), default=1, help=f"with --trainer megatron: {what}")
     train.add_argument(
         "--nproc",
-        type=int,
+        type=at_least(1),
         default=1,
         help="trainer ranks, one process each under torchrun's elastic agent (FSDP2's data-parallel ranks; "
         "megatron's tp × ep groups inside them); under torchrun, each process is one rank",
     )
     train.add_argument(
         "--max-restarts",
-        type=int,
+        type=at_least(0),
         default=0,
         help="with --nproc: times torchrun's agent starts every rank again (resuming) after one fails",
     )
-    train.add_argument("--checkpoint-every", type=int, default=0, help="checkpoint every C steps (0: never)")
+    train.add_argument("--checkpoint-every", type=at_least(0), default=0, help="checkpoint every C steps (0: never)")
     train.add_argument("--resume", action="store_true", help="continue from the last checkpoint of this mode")
     train.add_argument(
         "--weights",
@@ -413,11 +462,11 @@ def _train_trainer(train: argparse.ArgumentParser) -> None:
 
 
 def _train_stack(train: argparse.ArgumentParser) -> None:
-    train.add_argument("--engines", type=int, default=1, help="generation engines of the stack")
+    train.add_argument("--engines", type=at_least(1), default=1, help="generation engines of the stack")
     _add_backend(
         train,
         "the engines' backend, as `weir up --backend` (sets WEIR_BACKEND for the stack it starts; sglang: "
-        "`pip install 'weir[sglang]'`, a model SGLang serves) (default: WEIR_BACKEND, else transformers)",
+        "`pip install -e '.[sglang]'`, a model SGLang serves) (default: WEIR_BACKEND, else transformers)",
         choices=("transformers", "sglang"),
     )
     _add_sglang_args(train)
@@ -463,6 +512,7 @@ def _train_stack(train: argparse.ArgumentParser) -> None:
         f"the model trained and served: {MODEL_SOURCE} (as `weir up --model`); with --attach it must be the one the "
         "stack serves (default: the tiny model in HOME/model, made there when missing)",
     )
+    _add_served_name(train, "as `weir up --served-model-name`, for the stack this run starts: ")
     _add_ray(train)
     # R3 (#12): the tiny model's architecture and routing replay (mixture-of-experts models).
     train.add_argument(
@@ -532,7 +582,7 @@ def token_arguments(token: argparse.ArgumentParser) -> None:
     )
     token.add_argument(
         "--uid",
-        type=int,
+        type=at_least(0),
         default=None,
         help="give the file to this user id, when run as root for roles running as that user "
         "(default: the owner stays who wrote it)",

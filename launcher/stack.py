@@ -15,6 +15,7 @@ Not here: the roles themselves (``services/<role>``), the clients that call them
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -33,7 +34,16 @@ from services.model_ref import ModelRefError, model_folder
 from services.roles import BASE_PORT, ROLES
 from services.settings import SettingsError
 
-__all__ = ["LocalStack", "RoleProcess", "ensure_token", "poll_ready", "stack_model", "stack_ports"]
+__all__ = [
+    "LocalStack",
+    "RoleProcess",
+    "StackRefusal",
+    "ensure_token",
+    "port_holder",
+    "poll_ready",
+    "stack_model",
+    "stack_ports",
+]
 
 TOKEN_FILE = "api-token"  # under the stack's home
 _log = logging.getLogger("weir.stack")
@@ -204,13 +214,66 @@ def poll_ready(url: str, deadline: float, alive: Callable[[], bool] = lambda: Tr
 
 
 def _port_in_use(host: str, port: int) -> bool:
-    with socket.socket() as sock:
+    """Whether TCP ``port`` on ``host`` is held (bound as a server binds it, in the family ``host`` resolves to:
+    ``::`` is IPv6). Only EADDRINUSE is "held"; any other error (``host`` no address of this machine:
+    EADDRNOTAVAIL, or no address at all: `socket.gaierror`) is raised, an `OSError` to say as it is."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    with socket.socket(family, kind, proto) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((host, port))
-        except OSError:
-            return True
+            sock.bind(address)
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                return True
+            raise
     return False
+
+
+def port_holder(port: int) -> str:
+    """Who holds TCP ``port`` on this host: ``pid 1234 (python3)`` from ``/proc`` (Linux: the socket's inode in
+    ``/proc/net/tcp``, then the process with a descriptor on it), else another user's process (whose descriptors
+    only root may read), else a process out of sight."""
+    owners: dict[str, int] = {}  # the socket's inode → its owner's uid; listening sockets first
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in sorted((r.split() for r in rows), key=lambda f: len(f) > 3 and f[3] != "0A"):
+            if len(row) > 9 and row[9] != "0" and int(row[1].rsplit(":", 1)[1], 16) == port:
+                owners.setdefault(row[9], int(row[7]))
+    if not owners:
+        return "another process (/proc does not list its socket)"
+    sockets = {f"socket:[{inode}]" for inode in owners}
+    for process in Path("/proc").iterdir():
+        if not process.name.isdigit():
+            continue
+        try:
+            if any(os.readlink(fd) in sockets for fd in (process / "fd").iterdir()):
+                return f"pid {process.name} ({(process / 'comm').read_text().strip()})"
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    uid = next(iter(owners.values()))
+    if uid != os.getuid():
+        return f"another user's process (uid {uid}, whose pid only root may see)"
+    return "a process not visible from here (another container's, or in another pid namespace)"
+
+
+class StackRefusal(RuntimeError):
+    """Why a local stack cannot start, in one line (a port held since the options were checked, or a role that
+    refused its own options): the command says it on stderr and exits 2, with no traceback."""
+
+
+def _refusal_in(log: Path) -> str | None:
+    """The one-line refusal a role's ``weir serve`` ended its log with (``weir serve ROLE: …``), else None."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    last = lines[-1] if lines else ""
+    return last.split(": ", 1)[1] if last.startswith("weir serve") and ": " in last else None
 
 
 @dataclass(slots=True)
@@ -296,9 +359,9 @@ class LocalStack:
                 ephemeral.stop - 1,
                 ephemeral.start,
             )
-        busy = [f"{name} :{port}" for name, _, port in plan if _port_in_use(self.host, port)]
+        busy = [f"{name} :{port} ({port_holder(port)})" for name, _, port in plan if _port_in_use(self.host, port)]
         if busy:
-            raise RuntimeError(
+            raise StackRefusal(
                 f"ports already in use on {self.host}: {', '.join(busy)} — another stack? "
                 "Stop it, or start this one elsewhere (--base-port 9100 --home .weir-2)"
             )
@@ -393,6 +456,9 @@ class LocalStack:
     def _wait_ready(child: RoleProcess, timeout_s: float) -> None:
         if not poll_ready(child.url, time.monotonic() + timeout_s, alive=lambda: child.process.poll() is None):
             if child.process.poll() is not None:
+                said = _refusal_in(child.log) if child.process.returncode == 2 else None
+                if said:  # its own one-line refusal (`weir serve`'s checks): a port taken since start() checked
+                    raise StackRefusal(f"{child.role} did not start: {said} (see {child.log})")
                 raise RuntimeError(f"{child.role} exited ({child.process.returncode}); see {child.log}")
             raise TimeoutError(f"{child.role} was not ready after {timeout_s:.0f} s; see {child.log}")
 

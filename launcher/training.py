@@ -41,7 +41,6 @@ from rich.table import Table
 
 import preprocess as pp
 from preprocess.rows import iter_prompt_rows
-from services.settings import SettingsError
 from trainer.data_parallel import DataParallel, restarted, run_ranks
 from trainer.evaluation import EvalSpec
 from trainer.loop import LoopConfig, evaluate, run_loop
@@ -55,23 +54,22 @@ from trainer.reference import ReferenceTrainer
 if TYPE_CHECKING:
     from trainer.megatron.trainer import MegatronTrainer
 
+from .checks import hints, train_refusal
 from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
-from .config import HELD_OUT, TrainConfig
+from .config import HELD_OUT, LAUNCHED_RANK_ENV, TrainConfig
 from .console import console
 from .demo.plot import plot_runs
 from .model import (
     attach_refusal,
-    demo_refusal,
     engine_env,
-    engine_refusal,
     ensure_arch,
-    model_refusal,
     run_model,
     trains_moe,
 )
-from .placement import PlacementError, single_rank_device, training_plan
-from .stack import LocalStack, remote_refusal
+from .placement import single_rank_device, training_plan
+from .run_config import save_run_config
+from .stack import LocalStack
 from .supervisor import Supervisor
 from .trackers import Trackers, eta, parse_report_to
 
@@ -272,7 +270,7 @@ def _launch_ranks(config: TrainConfig) -> int:
     if config.attach:
         refusal = attach_refusal(stack.attach(), stack.token, run_model(config))
         if refusal:
-            console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)
+            print(f"weir train: {refusal}", file=sys.stderr)
             return 2
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
@@ -288,7 +286,7 @@ def _launch_ranks(config: TrainConfig) -> int:
             config.nproc,
             max_restarts=config.max_restarts,
             log_dir=config.home / "logs" / "ranks",
-            env=plan.trainer_env() if plan is not None else None,
+            env={**(plan.trainer_env() if plan is not None else {}), LAUNCHED_RANK_ENV: "1"},
         )
     finally:
         if supervisor is not None:
@@ -297,9 +295,9 @@ def _launch_ranks(config: TrainConfig) -> int:
 
 
 def run_training(config: TrainConfig) -> int:
-    refusal = _refusal(config)  # before any stack or rank starts
+    refusal = train_refusal(config)  # before any stack or rank starts (the options' own checks ran already)
     if refusal:
-        console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)  # "[@rev]": no markup
+        print(f"weir train: {refusal}", file=sys.stderr)
         return 2
     if config.ray and not in_trainer_task():
         if not config.attach:
@@ -320,67 +318,6 @@ def run_training(config: TrainConfig) -> int:
             close_megatron_ranks()
         elif parallel is not None:
             parallel.close()
-
-
-def _refusal(config: TrainConfig) -> str | None:
-    """What this run asks that its trainer cannot do, said before any stack starts."""
-    if config.model is not None:
-        try:  # a hub id not in the cache (offline) or a folder with no model: one line, before anything starts
-            run_model(config)
-        except SettingsError as error:
-            return str(error)
-    refusal = model_refusal(config) or engine_refusal(config)
-    if refusal:
-        return refusal
-    if config.role_url:
-        if not config.attach or config.ray:
-            return "--role-url names the roles of a running stack: use it with --attach (and without --ray)"
-        refusal = remote_refusal(config.role_url)
-        if refusal:
-            return refusal
-    try:
-        training_plan(config)  # too few GPUs for the engines and the ranks: said before anything starts
-    except PlacementError as error:
-        return str(error)
-    if config.trainer == "fsdp" and any(size != 1 for size in (config.tp, config.pp, config.cp, config.ep)):
-        return "--tp/--pp/--cp/--ep are megatron's model-parallel sizes: use them with --trainer megatron"
-    try:
-        parse_report_to(config.report_to)
-    except ValueError as error:
-        return f"--report-to: {error}"
-    if config.eval_every < 0 or config.eval_k < 1:
-        return "--eval-every is 0 (none) or more, --eval-k 1 or more"
-    if config.eval_dataset is not None and not config.eval_every:
-        return "--eval-dataset needs --eval-every N (steps between evaluations)"
-    if config.eval_every and config.eval_dataset is None and not config.demo:
-        return "--eval-every needs --eval-dataset F (held-out rows; --demo has its own)"
-    if config.eval_dataset is not None and not config.eval_dataset.is_file():
-        return f"--eval-dataset {config.eval_dataset}: no such file"
-    if config.ppo_epochs < 1 or config.mini_batches < 1:
-        return "--ppo-epochs and --mini-batches are 1 or more"
-    try:
-        config.loss_config()
-    except ValueError as error:  # bounds the loss refuses (a floor above the cap…)
-        return f"--loss {config.loss}: {error}"
-    if config.cpu_offload and (config.trainer != "fsdp" or config.nproc < 2):
-        return "--cpu-offload is FSDP2's: use it with --trainer fsdp and --nproc 2 or more"
-    if config.trainer == "megatron":
-        if config.ray:
-            return "--trainer megatron on Ray is not wired yet: use --nproc (torchrun's ranks) on one node"
-        if config.r3:
-            return "--r3 with --trainer megatron is not wired into `weir train` yet (trainer.megatron.RouterReplaySpec)"
-        if config.ep > 1 and not trains_moe(config):
-            return (
-                f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model "
-                "(--arch qwen3-moe, qwen3-vl-moe or qwen3-omni-moe)"
-            )
-        from trainer.megatron.ranks import check_model_parallel
-
-        try:
-            check_model_parallel(tp=config.tp, pp=config.pp, cp=config.cp, ep=config.ep, world=config.nproc)
-        except ValueError as error:
-            return str(error)
-    return None
 
 
 def _evaluation(config: TrainConfig, held_out: list[dict[str, Any]]) -> EvalSpec | None:
@@ -453,19 +390,8 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
 
     hf_logging.disable_progress_bar()  # a bar per weight export would drown the progress lines
     agent, clips = config.agent, config.clips
-    refusal = demo_refusal(config)
-    if refusal:
-        console.print(refusal, style="red", markup=False, highlight=False)
-        return 2
-    if config.mode == "async" and config.max_staleness == 0:  # a hint, not a refusal: it is a valid setting
-        console.print(
-            "[yellow]--mode async --max-staleness 0: every sample still generating when a step ends goes stale "
-            "(dropped or regenerated, --staleness-policy), so the engines redo most of their work (measured on the "
-            "demo: 0.2 samples/s); --mode colocate is the on-policy mode[/yellow]"
-        )
-    if config.warmup_steps and not config.demo:
-        console.print("[red]--warmup-steps is the demo task's format warm-up: use it with --demo[/red]")
-        return 2
+    for hint in hints(config):  # valid settings, likely not what was meant
+        console.print(hint, style="yellow", markup=False, highlight=False)
     out = config.home / "train" / config.mode
     if main and not config.resume:
         _forget_earlier_run(config)
@@ -488,7 +414,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         rows, held_out = write_demo_task(config.home / "media")  # deterministic: every rank writes the same
     else:
         assert config.dataset is not None  # the command line takes --dataset or --demo
-        rows = list(iter_prompt_rows(config.dataset))  # Weir's rows, or verl's / slime's made into them
+        rows = list(iter_prompt_rows(config.dataset, config.split))  # Weir's rows, or verl's / slime's made into them
     if main and not config.attach:
         ensure_arch(config)
     stack = _stack(config)
@@ -503,7 +429,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         parallel.barrier()
     refusal = attach_refusal(urls, stack.token, run_model(config)) if config.attach or not main else None
     if refusal:  # every rank attached, past the barrier: each says no alike (it has nothing to stop)
-        console.print(refusal, style="red", markup=False, highlight=False, soft_wrap=True)
+        print(f"weir train: {refusal}", file=sys.stderr)
         return 2
     closing = contextlib.ExitStack()
     if isinstance(stack, LocalStack) and stack.children:  # started here: a role that exits is started again
@@ -559,12 +485,8 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
             ranks += f" ({config.nproc} ranks: {', '.join(model_parallel)} parallel)"
         if main:
             console.print(f"[bold]RL ({config.mode})[/bold]: {config.steps} steps, n={config.n}, lr={config.lr}{ranks}")
-        trackers = Trackers.open(
-            parse_report_to(config.report_to) if main else [],
-            run_dir=out,
-            run_name=f"{config.mode}-{config.trainer}",
-            config={f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "argv"},
-        )
+        names, settings = (parse_report_to(config.report_to), save_run_config(config, out)) if main else ([], {})
+        trackers = Trackers.open(names, run_dir=out, run_name=f"{config.mode}-{config.trainer}", config=settings)
         closing.callback(trackers.close)
         first_step: list[int] = []  # this run's first step (after a checkpoint's when resumed): where the ETA starts
 

@@ -1,9 +1,12 @@
 """Datasets whose rows reference media: files and folders read into rows, rows into lists of media references.
 
-A dataset is a ``.jsonl`` / ``.json`` (an array) / ``.parquet`` / ``.arrow`` file, a folder of Parquet shards
-(``*.parquet``, read in name order), or a folder ``datasets.Dataset.save_to_disk`` wrote (``state.json`` naming
-its Arrow stream files; read with pyarrow, the ``datasets`` package is not needed). A ``DatasetDict`` folder is
-refused with its splits named. Relative media paths are relative to the dataset's folder (a file's own folder).
+A dataset is a file (``.jsonl`` / ``.json`` / ``.parquet`` / ``.arrow`` / ``.csv``), a folder ``datasets``
+wrote with ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` of which one split is read), a folder laid out
+as on the Hugging Face Hub (its splits as ``datasets`` resolves them: ``README.md`` ``configs:``, else file names
+such as ``data/train-00000-of-00001.parquet``) or a hub id ``owner/name`` read offline from the Hugging Face
+cache: `preprocess.reading` resolves which and reads it, a row it cannot read (``invalid_utf8``, ``invalid_json``,
+``invalid_row``, ``invalid_csv_row``, ``invalid_csv``) reported with its line number. Relative media paths are
+relative to the dataset's folder (a file's own folder).
 
 A row may name media in columns (``image``/``images``, ``video``/``videos``, ``audio``/``audios``: one value or
 a list) or in OpenAI-style ``messages`` whose content parts are ``image_url``, ``video_url``, ``audio_url`` (a
@@ -21,18 +24,17 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
 import re
 import wave
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from .errors import DatasetError
 from .probe import MediaKind
+from .reading import Row, open_dataset
 
 __all__ = [
     "MARKERS",
@@ -84,70 +86,16 @@ class RowMedia:
         return self.path.read_bytes()
 
 
-def dataset_base(path: Path) -> Path:
-    """Where the dataset's relative media paths start: the folder a folder dataset is, else the file's folder."""
-    path = path.resolve()
-    return path if path.is_dir() else path.parent
+def dataset_base(path: Path | str, split: str | None = None) -> Path:
+    """Where the dataset's relative media paths start: the folder a folder dataset is, else the file's folder
+    (a hub id's: its snapshot in the Hugging Face cache)."""
+    return open_dataset(path, split).base
 
 
-def _folder_files(folder: Path) -> list[Path]:
-    """A ``save_to_disk`` folder's Arrow files (in ``state.json``'s order), else its ``.arrow`` or ``.parquet``
-    files by name."""
-    splits = folder / "dataset_dict.json"
-    if splits.is_file():
-        names = [str(n) for n in json.loads(splits.read_text()).get("splits") or []]
-        raise DatasetError(
-            f"{folder} is a DatasetDict (splits {names}): name one split's folder, "
-            f"e.g. {folder / (names or ['train'])[0]}",
-            code="invalid_dataset",
-        )
-    state = folder / "state.json"
-    if state.is_file():
-        files = [folder / str(f["filename"]) for f in json.loads(state.read_text()).get("_data_files") or []]
-        if files:
-            return files
-    found = sorted(folder.glob("*.arrow")) or sorted(folder.glob("*.parquet"))
-    if not found:
-        raise DatasetError(f"{folder} has no state.json, .arrow or .parquet files", code="invalid_dataset")
-    return found
-
-
-def _arrow_rows(path: Path) -> Iterator[dict[str, Any]]:
-    import pyarrow as pa
-
-    with pa.memory_map(str(path)) as source:
-        try:  # `datasets` writes the IPC stream format; a file written with pyarrow's file format is read too
-            reader: pa.ipc.RecordBatchStreamReader | pa.ipc.RecordBatchFileReader = pa.ipc.open_stream(source)
-            batches: Iterator[pa.RecordBatch] = iter(reader)
-        except pa.ArrowInvalid:
-            source.seek(0)
-            file_reader = pa.ipc.open_file(source)
-            batches = (file_reader.get_batch(i) for i in range(file_reader.num_record_batches))
-        for batch in batches:
-            yield from batch.to_pylist()
-
-
-def iter_rows(path: Path) -> Iterator[dict[str, Any]]:
-    """Rows of a ``.jsonl`` / ``.json`` (array) / ``.parquet`` / ``.arrow`` file or of a dataset folder."""
-    if path.is_dir():
-        for file in _folder_files(path):
-            yield from iter_rows(file)
-        return
-    suffix = path.suffix.lower()
-    if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            yield from batch.to_pylist()
-    elif suffix == ".arrow":
-        yield from _arrow_rows(path)
-    elif suffix == ".json":
-        yield from json.loads(path.read_text())
-    else:
-        with path.open() as fh:
-            for line in fh:
-                if line.strip():
-                    yield json.loads(line)
+def iter_rows(path: Path | str, split: str | None = None) -> Iterator[Row]:
+    """The rows of ``split`` of the dataset at ``path`` (`preprocess.reading.open_dataset` reads which); a row
+    that cannot be read raises its `DatasetError` (``DatasetSource.records`` yields it in its place instead)."""
+    return open_dataset(path, split).rows()
 
 
 def _ref(kind: MediaKind, value: str, base: Path) -> RowMedia:

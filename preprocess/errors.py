@@ -14,7 +14,10 @@ Every bad-input error is a :class:`MediaError` with a stable ``code`` that servi
     ├── BudgetExceededError         over_budget          over a token budget with policy "refuse"
     └── DatasetError                invalid_dataset      a dataset row (or the dataset) Weir cannot read, by
                                     media_not_found / marker_mismatch / unsupported_media_value /
-                                    unsupported_reward / invalid_row / url_not_supported
+                                    unsupported_reward / invalid_row / url_not_supported; a row that cannot be
+                                    read: invalid_utf8 / invalid_json / invalid_row / invalid_csv_row /
+                                    invalid_csv; the dataset itself: dataset_not_found / unknown_file_type /
+                                    unknown_split / invalid_dataset_card / multiple_configs (`preprocess.reading`)
 """
 
 from __future__ import annotations

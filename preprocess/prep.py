@@ -14,20 +14,21 @@ from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TypedDict
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from .budget import TokenBudget
-from .dataset import dataset_base, iter_rows, row_media
+from .dataset import row_media
 from .errors import MediaError
 from .features import features_to_arrow
 from .pipeline import process_bytes
 from .plan import plan_sample
 from .pool import usable_cores
 from .probe import probe
+from .reading import BadRow, Record, open_dataset
 from .spec import ProcessorSpec
 from .store import FeatureStore
 
@@ -55,6 +56,7 @@ class PrepReportJSON(TypedDict):
 
     rows: int
     rows_without_media: int
+    rows_unreadable: int
     items: int
     failed: int
     cache_hits: int
@@ -64,13 +66,28 @@ class PrepReportJSON(TypedDict):
     raw_bytes: dict[str, int]
     feature_bytes: dict[str, int]
     failures: dict[str, int]
+    bad_rows: list[BadRowJSON]
     manifest: str
+
+
+class BadRowJSON(TypedDict):
+    """A row that could not be read (`preprocess.reading.BadRow`): its row, file, line (None: no lines), code."""
+
+    row: int
+    file: str
+    line: int | None
+    code: str
+    message: str
+
+
+BAD_ROWS_LISTED = 100  # report.json lists the first ones; `failures` counts them all
 
 
 @dataclass(slots=True, kw_only=True)
 class PrepReport:
     rows: int = 0
     rows_without_media: int = 0  # text-only rows: read, with nothing to preprocess
+    rows_unreadable: int = 0  # rows that could not be read (a line that is no JSON, …): one failed item each
     items: int = 0
     failed: int = 0
     cache_hits: int = 0
@@ -80,6 +97,7 @@ class PrepReport:
     raw_bytes: dict[str, int] = field(default_factory=dict)
     feature_bytes: dict[str, int] = field(default_factory=dict)
     failures: dict[str, int] = field(default_factory=dict)
+    bad_rows: list[BadRowJSON] = field(default_factory=list)  # rows that could not be read, the first ones
     manifest: str = ""
 
     def add(self, outcome: ItemOutcome) -> None:
@@ -103,6 +121,7 @@ class PrepReport:
         return {
             "rows": self.rows,
             "rows_without_media": self.rows_without_media,
+            "rows_unreadable": self.rows_unreadable,
             "items": self.items,
             "failed": self.failed,
             "cache_hits": self.cache_hits,
@@ -112,6 +131,7 @@ class PrepReport:
             "raw_bytes": dict(self.raw_bytes),
             "feature_bytes": dict(self.feature_bytes),
             "failures": dict(self.failures),
+            "bad_rows": [BadRowJSON(**r) for r in self.bad_rows],
             "manifest": self.manifest,
         }
 
@@ -150,8 +170,10 @@ def _failed(row: int, item: int, kind: str, source: str, error: MediaError, raw_
     )
 
 
-def _process_row(task: tuple[int, dict[str, Any], str]) -> list[ItemOutcome]:
+def _process_row(task: tuple[int, Record, str]) -> list[ItemOutcome]:
     row_index, row, base = task
+    if isinstance(row, BadRow):  # a row that could not be read: one failed outcome, named by its line
+        return [_failed(row_index, 0, "unknown", row.where, row.error())]
     assert _worker is not None, "a pool worker runs _init_worker first"
     store, spec, budget = _worker.store, _worker.spec, _worker.budget
     try:
@@ -206,15 +228,23 @@ def run_prep(
     workers: int | None = None,
     cache_max_bytes: int = 10 << 30,
     progress: bool = True,
+    split: str | None = None,
 ) -> PrepReport:
-    """Preprocess every media item of ``dataset`` into ``out/cache``; write ``out/manifest.parquet``.
+    """Preprocess every media item of ``split`` of ``dataset`` into ``out/cache``; write ``out/manifest.parquet``.
 
-    ``workers``: decoding processes (default: `usable_cores`, the cores this process may use)."""
+    ``workers``: decoding processes (default: `usable_cores`, the cores this process may use). A row that cannot
+    be read (`BadRow`) is a failed outcome with its code, listed in the report's ``bad_rows`` with its line; a
+    dataset or split that is not there raises `DatasetError` before anything is written."""
     budget = budget or TokenBudget()
+    source = open_dataset(dataset, split)
+    base = str(source.base)
+    tasks = [(i, row, base) for i, row in enumerate(source.records())]
     out.mkdir(parents=True, exist_ok=True)
-    base = str(dataset_base(dataset))
-    tasks = [(i, row, base) for i, row in enumerate(iter_rows(dataset))]
     report = PrepReport(rows=len(tasks))
+    for i, row, _ in tasks:
+        report.rows_unreadable += isinstance(row, BadRow)
+        if isinstance(row, BadRow) and len(report.bad_rows) < BAD_ROWS_LISTED:
+            report.bad_rows.append(BadRowJSON(row=i, file=row.file, line=row.line, code=row.code, message=row.message))
     outcomes: list[ItemOutcome] = []
     start = time.perf_counter()
     init_args = (str(out / "cache"), cache_max_bytes, spec, budget)

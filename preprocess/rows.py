@@ -15,33 +15,30 @@ A row in Weir's own shape (``messages``, and a ``reward`` spec) is taken as it i
 * ``data_source`` is kept (the evaluator reports per source); ``extra_info``, ``ability`` and the rest are
   dropped.
 
-A row that cannot be read this way is skipped with a warning that names its row and `DatasetError` code
-(``marker_mismatch``, ``media_not_found``, ``unsupported_media_value``, ``unsupported_reward``,
-``invalid_row``); a dataset none of whose rows can be read raises the first row's error. This module
-does not check that media decode (``weir prep`` does, row by item) nor talk to any role.
+A row that cannot be made a prompt this way is skipped with a warning that names its row and `DatasetError`
+code (``marker_mismatch``, ``media_not_found``, ``unsupported_media_value``, ``unsupported_reward``,
+``invalid_row``); a dataset none of whose rows can be raises the first row's error. A row that cannot be read
+at all (a line that is no JSON: ``invalid_json``, …; `preprocess.reading.BadRow`) is never skipped: the
+dataset is refused with their count and the first one's line and code (`dataset_refusal`: what ``weir train``
+says, in one line, before anything starts). This module does not check that media decode (``weir prep`` does,
+row by item) nor talk to any role.
 """
 
 from __future__ import annotations
 
 import base64
 import logging
+import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from .dataset import (
-    MARKERS,
-    RowMedia,
-    column_values,
-    dataset_base,
-    iter_rows,
-    prompt_messages,
-    row_media,
-)
+from .dataset import MARKERS, RowMedia, column_values, prompt_messages, row_media
 from .errors import DatasetError
 from .probe import MediaKind
+from .reading import BadRow, open_dataset
 
-__all__ = ["iter_prompt_rows", "prompt_row"]
+__all__ = ["dataset_refusal", "iter_prompt_rows", "prompt_row"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +119,22 @@ def prompt_row(row: Mapping[str, object], base: Path) -> dict[str, object]:
     return out
 
 
-def iter_prompt_rows(path: Path) -> Iterator[dict[str, object]]:
-    """The rows of the dataset at ``path`` (any shape `preprocess.dataset.iter_rows` reads) as rollout prompts;
-    rows that cannot be are skipped with a warning, and a dataset with none left raises the first one's error."""
-    base = dataset_base(path)
+def iter_prompt_rows(path: Path | str, split: str | None = None) -> Iterator[dict[str, object]]:
+    """The rows of ``split`` of the dataset at ``path`` (any `preprocess.reading.open_dataset` reads) as rollout
+    prompts. Rows that cannot be made prompts are skipped with a warning, and a dataset with none left raises
+    the first one's error; rows that cannot be read at all (`BadRow`) raise one `DatasetError` at the end,
+    with their count and the first one's line and code."""
+    source = open_dataset(path, split)
     skipped: Counter[str] = Counter()
     first: DatasetError | None = None
+    unreadable: list[BadRow] = []
     kept = 0
-    for index, row in enumerate(iter_rows(path)):
+    for index, row in enumerate(source.records()):
+        if isinstance(row, BadRow):
+            unreadable.append(row)
+            continue
         try:
-            prompt = prompt_row(row, base)
+            prompt = prompt_row(row, source.base)
         except DatasetError as error:
             logger.warning("dataset %s row %d skipped (%s): %s", path, index, error.code, error)
             skipped[error.code] += 1
@@ -139,7 +142,46 @@ def iter_prompt_rows(path: Path) -> Iterator[dict[str, object]]:
             continue
         kept += 1
         yield prompt
+    if unreadable:
+        bad = unreadable[0]
+        raise DatasetError(
+            f"{source.name}: {len(unreadable)} row{'s' * (len(unreadable) > 1)} cannot be read, the first at "
+            f"{bad.where}: {bad.message}",
+            code=bad.code,
+        )
     if skipped:
         logger.warning("dataset %s: %d rows skipped by code %s", path, sum(skipped.values()), dict(skipped))
     if not kept and first is not None:
         raise first
+
+
+def _rewarded(row: Mapping[str, object]) -> bool:
+    """Whether a prompt row's samples get a reward: a reward spec other than ``none`` (the rollout's default when
+    a row names none), or an environment (its steps' rewards)."""
+    reward = row.get("reward")
+    spec = reward.get("type", "none") if isinstance(reward, Mapping) else "none"
+    return spec != "none" or row.get("environment") is not None
+
+
+def dataset_refusal(path: Path | str, split: str | None = None, *, option: str = "--dataset") -> str | None:
+    """Why ``weir train --dataset path [--split split]`` cannot run, in one line naming ``option`` (None when it
+    can): the dataset or split is not there, rows cannot be read, none can be a prompt, or none has a reward
+    (``--eval-dataset``'s rows are scored too). It reads every row once."""
+    disabled, logger.disabled = logger.disabled, True  # the rows skipped are said once, when the run reads them
+    rewarded = 0
+    try:
+        for row in iter_prompt_rows(path, split):
+            rewarded += _rewarded(row)
+    except DatasetError as error:
+        said = str(error) if str(error).startswith(str(path)) else f"{path}: {error}"  # named once
+        return f"{option} {said} [{error.code}]"
+    finally:
+        logger.disabled = disabled
+    # Every group would be stored as having nothing to train on, and the trainer would wait forever; unless a
+    # rollout function of the user's (WEIR_ROLLOUT_FUNCTION, inherited by the stack) scores its own samples.
+    if not rewarded and not os.environ.get("WEIR_ROLLOUT_FUNCTION"):
+        return (
+            f"{option} {path}: no row has a reward (a 'reward' spec, or verl's reward_model.ground_truth), so no "
+            "sample could be trained on [no_reward]"
+        )
+    return None

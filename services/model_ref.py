@@ -19,7 +19,15 @@ import os
 import re
 from pathlib import Path
 
-__all__ = ["ModelRefError", "hub_cache_dir", "hub_id", "model_folder", "model_name", "resolve_model"]
+__all__ = [
+    "ModelRefError",
+    "hub_cache_dir",
+    "hub_id",
+    "model_folder",
+    "model_name",
+    "resolve_model",
+    "served_names",
+]
 
 # The hub's own rule for a repository id: owner and name of letters, digits, "-", "_" and ".", neither
 # starting nor ending with "-" or "." (so ".weir/model" stays a path); "--" and ".." are refused by the hub.
@@ -93,6 +101,21 @@ def model_name(folder: Path) -> str:
     if folder.parent.name == "snapshots" and repo.startswith("models--") and repo.count("--") == 2:
         return repo.removeprefix("models--").replace("--", "/")
     return folder.name
+
+
+def served_names(value: str) -> list[str]:
+    """The names a model is served under, as ``--served-model-name`` and ``WEIR_SERVED_MODEL_NAME`` give them:
+    comma-separated (vLLM takes several names, SGLang one), in order, a repeat dropped; each 1 to 256 printable
+    characters without spaces, else `ValueError`. Empty: none given, so the model is served under its own name
+    (`model_name`: the folder's name, ``owner/name`` for a hub snapshot)."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    for name in names:
+        if len(name) > 256 or not name.isprintable() or any(c.isspace() for c in name):
+            raise ValueError(
+                f"{name[:80]!r} is no model name: 1 to 256 printable characters without spaces (several names "
+                "are comma-separated)"
+            )
+    return list(dict.fromkeys(names))
 
 
 def model_folder(value: str | os.PathLike[str]) -> Path:

@@ -2,7 +2,9 @@
 
 `RoleSettings` is the base of each role's ``settings.py``; `ModelFolder` is a model folder that must
 exist, given as a folder or a Hugging Face hub id (``owner/name[@revision]``, its snapshot in the cache:
-`services.model_ref`); a mistyped ``WEIR_MODEL`` is an error, never a quietly created random model. Settings are
+`services.model_ref`); a mistyped ``WEIR_MODEL`` is an error, never a quietly created random model.
+`ServedModelNames` is ``WEIR_SERVED_MODEL_NAME``, the names the OpenAI routes give the model (`served_or_own`:
+the model's own name when none is given). Settings are
 built in a function (`load_settings`), never at import; a bad value raises `SettingsError` naming
 the variable.
 """
@@ -13,11 +15,11 @@ from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BeforeValidator, Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from .model_ref import model_folder
+from .model_ref import model_folder, model_name, served_names
 
-__all__ = ["ModelFolder", "RoleSettings", "SettingsError", "load_settings"]
+__all__ = ["ModelFolder", "RoleSettings", "ServedModelNames", "SettingsError", "load_settings", "served_or_own"]
 
 
 def _model_folder(value: object) -> object:
@@ -26,6 +28,23 @@ def _model_folder(value: object) -> object:
 
 
 ModelFolder = Annotated[Path, BeforeValidator(_model_folder)]
+
+
+def _served_names(value: object) -> object:
+    # compose's empty ${WEIR_SERVED_MODEL_NAME:-} means none given, as an unset variable does
+    if isinstance(value, list | tuple) and all(isinstance(name, str) for name in value):
+        value = ",".join(value)
+    return served_names(value) if isinstance(value, str) else value
+
+
+# ``a,b``: the model answers to both; the first is the one its answers report (`services.model_ref.served_names`)
+ServedModelNames = Annotated[list[str], NoDecode, BeforeValidator(_served_names)]
+
+
+def served_or_own(names: list[str], model: Path) -> list[str]:
+    """The names given, else the model's own (`services.model_ref.model_name`: the folder's name, ``owner/name``
+    for a hub snapshot), as SGLang's and vLLM's served name defaults to the model they were given."""
+    return names or [model_name(model)]
 
 
 class RoleSettings(BaseSettings):

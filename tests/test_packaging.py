@@ -112,7 +112,7 @@ def test_module_level_imports_need_only_the_base_install() -> None:
 def test_dev_is_run_plus_the_tools_and_every_feature() -> None:
     dev = PYPROJECT["project"]["optional-dependencies"]["dev"]
     assert "weir[run]" in dev
-    for extra in ("megatron", "ray", "trackers"):
+    for extra in ("megatron", "ray", "trackers", "trl"):
         assert EXTRAS[extra] <= EXTRAS["dev"], extra
 
 

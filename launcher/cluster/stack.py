@@ -143,7 +143,7 @@ class RayStack:
             if not context.dashboard_url:
                 log.warning(
                     "Ray started without its dashboard, so `serve status` cannot reach this cluster; the "
-                    "dashboard needs ray[default]'s packages (pip install 'weir[ray]' installs ray[serve], which "
+                    "dashboard needs ray[default]'s packages (pip install -e '.[ray]' installs ray[serve], which "
                     "has them)"
                 )
         else:

@@ -19,7 +19,7 @@ from typing import Any
 
 import preprocess as pp
 
-from ..config import TrainConfig
+from ..config import LAUNCHED_RANK_ENV, TrainConfig
 from ..console import console
 
 __all__ = ["cluster_engines", "record_weights", "run_on_ray", "trainer_features", "TRAINER_ENV"]
@@ -95,6 +95,7 @@ def _run_ranks(config: TrainConfig, train: Callable[[TrainConfig], int]) -> int:
         for rank in range(world):
             env = {
                 TRAINER_ENV: "1",
+                LAUNCHED_RANK_ENV: "1",  # its --attach is this launcher's (`launcher.model.engine_refusal`)
                 "RANK": str(rank),
                 "LOCAL_RANK": "0",  # one GPU per task: Ray sets CUDA_VISIBLE_DEVICES to it
                 "WORLD_SIZE": str(world),

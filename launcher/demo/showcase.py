@@ -77,8 +77,9 @@ def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None)
             table.add_row(*(str(c) for c in cells))
     console.print(table)
     chat = openai.OpenAI(base_url=f"{urls['rollout']}/v1", api_key=token or "unused")  # sent as the Bearer token
+    model = chat.models.list().data[0].id  # the name the stack serves the model under (--served-model-name)
     reply = chat.chat.completions.create(
-        model="weir-tiny-omni",
+        model=model,
         max_tokens=16,
         seed=0,
         messages=[
@@ -96,7 +97,7 @@ def run_showcase(urls: dict[str, str], media: Path, *, token: str | None = None)
     )
     answer = (reply.choices[0].message.content or "")[:40]
     console.print(
-        f"[bold]openai.chat.completions.create[/bold] → {answer!r} "
+        f"[bold]openai.chat.completions.create[/bold] (model {model!r}) → {answer!r} "
         f"(usage: {reply.usage.prompt_tokens if reply.usage else '?'} prompt tokens, "
         f"{reply.usage.completion_tokens if reply.usage else '?'} completion tokens)"
     )

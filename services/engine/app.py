@@ -32,7 +32,6 @@ from engines import MediaResolver
 from engines.api import ModelCard
 from engines.limits import ModelLimits
 
-from ..model_ref import model_name
 from ..settings import load_settings
 from ..template import build_app
 from . import control, generation, info, weights
@@ -72,7 +71,7 @@ def create_app(settings: EngineSettings | None = None) -> FastAPI:
         probe=probe,
         counted=counted,
         model_card=ModelCard(
-            id=model_name(settings.model),  # owner/name for a hub snapshot
+            id=settings.served_model_name[0],  # by default the model's own: owner/name for a hub snapshot
             created=int(time.time()),
             root=str(settings.model),
             max_model_len=ModelLimits.read(settings.model).max_context,

@@ -15,7 +15,6 @@ import engines
 from engines.api import ModelInfo, ModelList, ServerInfo, WeightVersion
 
 from .. import __version__
-from ..model_ref import model_name
 from .deps import EngineDep, EngineRoleDep
 from .service import HEALTH_GENERATE_TIMEOUT_S
 
@@ -55,7 +54,7 @@ async def model_info(role: EngineRoleDep) -> Any:
     config, model = role.config, role.settings.model
     return {
         "model_path": str(model),
-        "served_model_name": model_name(model),
+        "served_model_name": role.settings.served_model_name[0],
         "tokenizer_path": str(model),
         "is_generation": True,
         "preferred_sampling_params": None,

@@ -23,7 +23,7 @@ from engines.sglang_args import (
 
 from ..media_roots import MediaRoots
 from ..media_urls import MediaUrls
-from ..settings import ModelFolder, RoleSettings
+from ..settings import ModelFolder, RoleSettings, ServedModelNames, served_or_own
 
 __all__ = ["EngineSettings"]
 
@@ -34,6 +34,11 @@ class EngineSettings(RoleSettings, MediaUrls):
 
     model: ModelFolder = Field(
         Path(".weir/model"), description="the model folder served (a Qwen2.5-Omni thinker for transformers)"
+    )
+    served_model_name: ServedModelNames = Field(
+        [],
+        description="the model's names, comma-separated: GET /v1/models and /model_info give the first, as SGLang "
+        "gives its --served-model-name (default: the model's own name, its folder's name or owner/name for a hub id)",
     )
     backend: Literal["transformers", "sglang", "sim"] = Field(
         "transformers",
@@ -104,6 +109,11 @@ class EngineSettings(RoleSettings, MediaUrls):
     @classmethod
     def _no_reserved_sglang_args(cls, args: dict[str, Any]) -> dict[str, Any]:
         return check_server_args(args, fields=None)  # names: against the installed SGLang, when the engine starts
+
+    @model_validator(mode="after")
+    def _served_name_default(self) -> EngineSettings:
+        self.served_model_name = served_or_own(self.served_model_name, self.model)
+        return self
 
     @model_validator(mode="after")
     def _sglang_args_for_sglang(self) -> EngineSettings:

@@ -1,6 +1,13 @@
-"""`GET /v1/models` (OpenAI's model list: the one model this role serves), `GET /v1/models/{id}` (that
-model's object; another id is 404 ``model_not_found``), `check_model`, which refuses a request naming
-another model, and `check_request`, the checks both completion routes make before any work."""
+"""`GET /v1/models` (OpenAI's model list: the names the one model this role serves is served under),
+`GET /v1/models/{id}` (the model's object under that name; another id is 404 ``model_not_found``), `check_model`,
+which refuses a request naming another model, and `check_request`, the checks both completion routes make before
+any work.
+
+The names are ``WEIR_SERVED_MODEL_NAME`` (``--served-model-name``), by default the model's own name; as in vLLM,
+every one is listed and accepted, and an answer reports the first whichever the request named. Weir's old fixed
+id (`LEGACY_MODEL_ID`) is accepted too, and answered under the first name, but not listed: it is no name of the
+model, and a list shows what is served (a client that takes ``data[0].id``, a picker that shows the list).
+"""
 
 from __future__ import annotations
 
@@ -21,22 +28,24 @@ router = APIRouter(route_class=OpenAIRoute)
 
 @router.get("/v1/models", response_model=ModelList, response_model_exclude_none=True)  # OpenAI's fields only
 async def models(role: RolloutRoleDep) -> ModelList:
-    """The one model this role serves (OpenAI's model list)."""
-    return ModelList(data=[ModelCard(id=role.settings.served_model_name)])
+    """The names the one model this role serves is served under, the first first (OpenAI's model list)."""
+    return ModelList(data=[ModelCard(id=name) for name in role.settings.served_model_name])
 
 
 @router.get("/v1/models/{model_id:path}", response_model=ModelCard, response_model_exclude_none=True)
 async def model(model_id: str, role: RolloutRoleDep) -> ModelCard:
-    """The model object of the served model (OpenAI's ``models.retrieve``); another id is 404
-    ``model_not_found``. A path parameter: a served name may hold a slash (``Qwen/Qwen2.5-VL-7B``)."""
-    return ModelCard(id=check_model(role, model_id, field="model_id"))
+    """The model's object under a name it is served under (OpenAI's ``models.retrieve``), `LEGACY_MODEL_ID`
+    too; another id is 404 ``model_not_found``. A path parameter: a name may hold a slash (``Qwen/Qwen2.5-VL-7B``)."""
+    check_model(role, model_id, field="model_id")
+    return ModelCard(id=model_id)
 
 
 def check_model(role: RolloutRole, name: str | None, *, field: str = "model") -> str:
-    """The model a request names: the one this role serves (None: that one), else 404 model_not_found
-    naming ``field``."""
-    served = role.settings.served_model_name
-    if name is not None and name != served:
+    """The name a request's answer reports: the first served name, when the request names one of the served
+    names, `LEGACY_MODEL_ID` or none; else 404 model_not_found naming ``field`` (vLLM's 404 for a model it
+    does not serve, in OpenAI's error shape)."""
+    served = role.settings.served_model_name[0]
+    if name is not None and name not in role.settings.accepted_names:
         raise ApiError(
             404,
             "model_not_found",

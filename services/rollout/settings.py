@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from rollout.group import DEFAULT_ROLLOUT_FUNCTION
@@ -19,11 +19,14 @@ from rollout.plugins import check_name, load_callable, load_coroutine_function, 
 from rollout.rewards import BUILTIN_REWARDS
 
 from ..roles import ROLES
-from ..settings import ModelFolder, RoleSettings
+from ..settings import ModelFolder, RoleSettings, ServedModelNames, served_or_own
 
-__all__ = ["RolloutSettings"]
+__all__ = ["LEGACY_MODEL_ID", "RolloutSettings"]
 
 _URL = r"^https?://[^\s/?#]+(?:/[^\s?#]*)?$"
+# The id /v1/models gave whatever model was served, before it gave the model's own name: clients written
+# against it (`model="weir-tiny-omni"`) keep working, but it is no name of the model, so it is not listed.
+LEGACY_MODEL_ID = "weir-tiny-omni"
 
 
 class RolloutSettings(RoleSettings):
@@ -34,8 +37,12 @@ class RolloutSettings(RoleSettings):
         description="the model folder the tokenizer, chat template and context length come from "
         "(must hold config.json; `weir init-model DIR` writes the embedded one)",
     )
-    served_model_name: str = Field(
-        "weir-tiny-omni", min_length=1, max_length=128, description="the model id /v1/models lists"
+    served_model_name: ServedModelNames = Field(
+        [],
+        description="the names the OpenAI routes serve the model under, comma-separated (vLLM's several names, "
+        "SGLang's one): GET /v1/models lists each, a request may name any, every answer reports the first "
+        "(default: the model's own name, its folder's name or owner/name for a hub id); requests naming "
+        f"{LEGACY_MODEL_ID}, Weir's old fixed id, are served too (it is not listed)",
     )
     engine_urls: Annotated[list[str], NoDecode] = Field(
         [f"http://127.0.0.1:{ROLES['engine'].port}"],
@@ -140,6 +147,16 @@ class RolloutSettings(RoleSettings):
         "async def f(ctx: rollout.RolloutContext, prompt: rollout.PromptSpec, /, *, index: int, "
         "sampling: engines.SamplingParams, budget: preprocess.TokenBudget | None) -> experience.Group",
     )
+
+    @model_validator(mode="after")
+    def _served_name_default(self) -> RolloutSettings:
+        self.served_model_name = served_or_own(self.served_model_name, self.model)
+        return self
+
+    @property
+    def accepted_names(self) -> frozenset[str]:
+        """Every name a request may give its model: the served names and `LEGACY_MODEL_ID`."""
+        return frozenset((*self.served_model_name, LEGACY_MODEL_ID))
 
     @field_validator("engine_urls", mode="before")
     @classmethod

@@ -109,8 +109,8 @@ def test_routed_experts_are_requested_and_returned() -> None:
 
 @pytest.mark.gpu
 def test_sglang_engine_generates(tmp_path: Path) -> None:
-    """Needs CUDA and `pip install 'weir[sglang]'`: the tiny model through sglang.Engine."""
-    pytest.importorskip("sglang", reason="needs `pip install 'weir[sglang]'`")
+    """Needs CUDA and `pip install -e '.[sglang]'`: the tiny model through sglang.Engine."""
+    pytest.importorskip("sglang", reason="needs `pip install -e '.[sglang]'`")
     from encoders.embedded_model import init_model
     from engines.sglang_backend import SGLangEngine
 

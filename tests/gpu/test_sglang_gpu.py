@@ -31,7 +31,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    pytest.importorskip("sglang", reason="needs `pip install 'weir[sglang]'` (CUDA)")
+    pytest.importorskip("sglang", reason="needs `pip install -e '.[sglang]'` (CUDA)")
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from encoders.embedded_model import init_model

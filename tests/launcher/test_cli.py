@@ -24,7 +24,10 @@ from preprocess import samples
 from services import __version__
 from services.roles import ROLES
 
+from ..ports import free_stack_base
 from ..services.conftest import free_port
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.integration
@@ -116,14 +119,14 @@ def test_train_refuses_the_demo_warm_up_on_another_dataset(tmp_path: Path) -> No
     assert main(["train", "--dataset", str(dataset), "--warmup-steps", "3", "--home", str(tmp_path / "w")]) == 2
 
 
-def test_async_at_staleness_0_names_the_on_policy_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_async_at_staleness_0_names_the_on_policy_mode() -> None:
     """Valid, but every sample still generating at a step's end goes stale: the hint points to colocate."""
-    dataset = tmp_path / "prompts.jsonl"
-    dataset.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
-    args = ["train", "--dataset", str(dataset), "--max-staleness", "0", "--warmup-steps", "3"]
-    assert main([*args, "--home", str(tmp_path / "w")]) == 2  # stopped by the warm-up's refusal, after the hint
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--mode async --max-staleness 0" in out and "--mode colocate is the on-policy mode" in out
+    from launcher.checks import hints
+    from launcher.config import TrainConfig
+
+    (said,) = hints(TrainConfig.with_defaults(demo=True, mode="async", max_staleness=0))
+    assert "--mode async --max-staleness 0" in said and "--mode colocate is the on-policy mode" in said
+    assert not hints(TrainConfig.with_defaults(demo=True, mode="colocate", max_staleness=0))
 
 
 def _weir(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -292,8 +295,9 @@ def test_weir_engines_refuses_a_bad_count_or_autoscaling_spec_before_reaching_ra
 def test_role_urls_that_cannot_be_a_stack_are_refused_before_anything_starts(
     args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *args]) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    base = ["--base-port", str(free_stack_base())]  # free: another stack may hold the default ports
+    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *base, *args]) == 2
+    out = " ".join(capsys.readouterr().err.split())  # a refusal is said on stderr
     assert said in out and not (tmp_path / "w").exists(), out
 
 
@@ -319,9 +323,34 @@ def test_role_urls_name_the_engines_in_order() -> None:
 def test_engine_options_that_cannot_apply_are_refused_before_anything_starts(
     args: list[str], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *args]) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    base = ["--base-port", str(free_stack_base())]  # free: another stack may hold the default ports
+    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *base, *args]) == 2
+    out = " ".join(capsys.readouterr().err.split())  # a refusal is said on stderr
     assert said in out and not (tmp_path / "w").exists(), out
+
+
+def test_the_ranks_attach_refusals_are_for_an_attach_the_user_typed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`weir train --nproc 2 --served-model-name omni` runs itself again per rank with --attach added: the ranks
+    (`LAUNCHED_RANK_ENV` set) take the engine options their launcher gave its stack; a user's --attach is refused."""
+    from launcher.checks import train_config
+    from launcher.config import LAUNCHED_RANK_ENV
+    from launcher.model import engine_refusal
+
+    for given in (["--served-model-name", "omni"], ["--backend", "transformers"]):
+        config = train_config(build_parser().parse_args(["train", "--demo", "--attach", *given]))
+        monkeypatch.delenv(LAUNCHED_RANK_ENV, raising=False)
+        assert "with --attach" in (engine_refusal(config) or "")
+        monkeypatch.setenv(LAUNCHED_RANK_ENV, "1")
+        assert engine_refusal(config) is None, given
+
+
+def test_the_sglang_args_doc_names_every_reserved_argument() -> None:
+    from engines.sglang_args import RESERVED
+
+    row = next(line for line in (REPO / "docs" / "gpu.md").read_text().splitlines() if "| `--sglang-args" in line)
+    for name in RESERVED:
+        assert f"`{name}`" in row, name
+    assert all(f"`{name}`" in (REPO / "docs" / "sglang.md").read_text() for name in RESERVED)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
@@ -329,5 +358,5 @@ def test_train_on_sglang_where_it_is_not_installed_is_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["train", "--demo", "--backend", "sglang", "--home", str(tmp_path / "w")]) == 2
-    out = " ".join(capsys.readouterr().out.split())
-    assert "--backend sglang: sglang is not installed here (`pip install 'weir[sglang]'`" in out, out
+    out = " ".join(capsys.readouterr().err.split())  # a refusal is said on stderr
+    assert "--backend sglang: sglang is not installed here (`pip install -e '.[sglang]'`" in out, out

@@ -96,11 +96,11 @@ def test_attach_refuses_a_stack_that_serves_another_model(
     other = shutil.copytree(model, tmp_path / "other")
     attach = ["train", "--dataset", str(_dataset(tmp_path)), "--attach", "--base-port", str(base)]
     assert main([*attach, "--home", str(tmp_path / "w"), "--model", str(other)]) == 2
-    refusal = capsys.readouterr().out.strip()
+    refusal = capsys.readouterr().err.strip().splitlines()[-1]  # after the stack's own log lines
     assert f"serves {model}" in refusal and f"would train {other}" in refusal and "\n" not in refusal
     # Without --model the run trains HOME/model, which is not what this stack serves either: refused too.
     assert main([*attach, "--home", str(tmp_path / "w")]) == 2
-    assert f"would train {(tmp_path / 'w' / 'model').absolute()}" in capsys.readouterr().out
+    assert f"would train {(tmp_path / 'w' / 'model').absolute()}" in capsys.readouterr().err
 
 
 def test_attach_takes_a_stack_that_serves_the_run_s_model(served: tuple[int, Path], tmp_path: Path) -> None:
@@ -125,7 +125,7 @@ def test_train_takes_a_model_folder_or_a_hub_id(
     home = str(tmp_path / "w")
     # not in the cache: one line naming the id and how to fetch it, before any stack starts
     assert main(["train", "--dataset", str(_dataset(tmp_path)), "--home", home, "--model", "weir-test/absent"]) == 2
-    out = capsys.readouterr().out.strip()
+    out = capsys.readouterr().err.strip()  # a refusal is said on stderr
     assert "weir-test/absent" in out and "hf download weir-test/absent" in out and "\n" not in out
     assert not (tmp_path / "w" / "model").exists()  # no tiny model made in its place
 

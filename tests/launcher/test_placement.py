@@ -166,7 +166,7 @@ def test_weir_train_refuses_overlapping_gpus_and_takes_backend_from_its_options(
     assert plan is not None and plan.engines == (("1", "2"),) and plan.trainer == ("0",)
     argv = ["train", "--demo", "--home", str(tmp_path / "w"), "--engine-gpus", "0", "--trainer-gpus", "0"]
     assert main(argv) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().err.split())
     assert "GPU 0 is given to the engines (--engine-gpus) and to the trainer (--trainer-gpus)" in out, out
     assert not (tmp_path / "w").exists()
 
@@ -189,7 +189,7 @@ def test_weir_up_refuses_engines_that_do_not_fit_before_any_role_starts(
         str(tmp_path / "w"),
     ]
     assert main(argv) == 2
-    out = " ".join(capsys.readouterr().out.split())
+    out = " ".join(capsys.readouterr().err.split())
     assert "weir up: 2 engine(s) of 2 GPU(s) and 0 trainer rank(s) need 4 GPUs, but 2 are visible (0,1)" in out, out
     assert not (tmp_path / "w" / "logs").exists()
 

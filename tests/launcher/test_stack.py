@@ -94,7 +94,7 @@ def test_local_stack_starts_every_role_behind_its_token_and_stops_them(tmp_path:
         _check_token(urls, stack.token)
         client = httpx.Client(headers={"Authorization": f"Bearer {stack.token}"}, timeout=60)
         models = client.get(f"{urls['rollout']}/v1/models").json()
-        assert models["data"][0]["id"] == "weir-tiny-omni"
+        assert models["data"][0]["id"] == "model"  # HOME/model's own name
         reply = client.post(
             f"{urls['rollout']}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},

@@ -1,11 +1,9 @@
 """Datasets as other frameworks write them, made here with real media: verl's geo3k Parquet (Hugging Face
 ``Image`` structs in an ``images`` column, ``<image>`` markers in a chat ``prompt``) and the folder
-``datasets.Dataset.save_to_disk`` writes (its Arrow stream files and ``state.json``), written with pyarrow as
-`datasets` writes them (the package is not installed here)."""
+``datasets.Dataset.save_to_disk`` writes (its Arrow stream files and ``state.json``), written by `datasets`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -56,18 +54,10 @@ def write_geo3k(path: Path, rows: list[dict[str, object]]) -> Path:
 
 
 def write_saved_dataset(folder: Path, rows: list[dict[str, object]], *, shards: int = 2) -> Path:
-    """``rows`` as ``Dataset.save_to_disk`` lays them out: ``data-0000k-of-0000n.arrow`` IPC streams,
-    ``dataset_info.json`` and ``state.json`` naming the files in order."""
-    folder.mkdir(parents=True)
+    """``rows`` as ``Dataset.save_to_disk`` lays them out (with `datasets` itself): ``data-0000k-of-0000n.arrow``
+    IPC streams, ``dataset_info.json`` and ``state.json`` naming the files in order."""
+    import datasets
+
     table = pa.Table.from_pylist(rows, schema=GEO3K_SCHEMA)
-    names = []
-    per = -(-len(rows) // shards)
-    for k in range(shards):
-        name = f"data-{k:05d}-of-{shards:05d}.arrow"
-        with pa.OSFile(str(folder / name), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
-            writer.write_table(table.slice(k * per, per))
-        names.append(name)
-    (folder / "dataset_info.json").write_text(json.dumps({"features": {}, "splits": None}))
-    state = {"_data_files": [{"filename": n} for n in names], "_fingerprint": "0", "_split": "train"}
-    (folder / "state.json").write_text(json.dumps(state))
+    datasets.Dataset(datasets.table.InMemoryTable(table)).save_to_disk(str(folder), num_shards=shards)
     return folder

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from preprocess.errors import DatasetError
-from preprocess.rows import iter_prompt_rows, prompt_row
+from preprocess.rows import dataset_refusal, iter_prompt_rows, prompt_row
 from rollout.rewards import RewardRegistry, RewardSpec
 
 from .datasets import geo3k_row, png, write_geo3k
@@ -104,3 +104,49 @@ def test_iter_prompt_rows_skips_bad_rows_by_code_and_refuses_a_dataset_of_none(
     jsonl.write_text(json.dumps({"prompt": "<video>"}) + "\n")
     with pytest.raises(DatasetError, match="1 <video> markers but the row has 0 videos"):
         list(iter_prompt_rows(jsonl))
+
+
+def test_a_dataset_with_no_reward_in_any_row_is_refused_before_training(tmp_path: Path) -> None:
+    """Every group of such a dataset would be stored as having nothing to train on, and the trainer would wait
+    for a micro-batch that never comes: `weir train` refuses it up front. One rewarded row is enough."""
+    rows = tmp_path / "rows.csv"
+    rows.write_text("prompt,answer\nhow many sides has a triangle?,3\nand a square?,4\n")
+    assert dataset_refusal(rows) == (
+        f"--dataset {rows}: no row has a reward (a 'reward' spec, or verl's reward_model.ground_truth), so no "
+        "sample could be trained on [no_reward]"
+    )
+    weir_rows = tmp_path / "weir.jsonl"  # Weir's own rows with no reward spec: the rollout's default, none
+    weir_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert dataset_refusal(weir_rows) is not None
+    environment = tmp_path / "environment.jsonl"  # an environment's steps are rewarded: nothing to refuse
+    environment.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}], "environment": {"url": "http://e"}}) + "\n"
+    )
+    assert dataset_refusal(environment) is None
+    mixed = tmp_path / "mixed.jsonl"
+    verl = {"prompt": [{"role": "user", "content": "1+2?"}], "reward_model": {"ground_truth": "3", "style": "rule"}}
+    mixed.write_text(json.dumps({"prompt": "hi"}) + "\n" + json.dumps(verl) + "\n")
+    assert dataset_refusal(mixed) is None
+
+
+def test_a_csv_carries_its_nested_columns_as_json(tmp_path: Path) -> None:
+    """A CSV cell cannot nest: verl's reward_model and a prompt of messages are JSON text there, decoded; a
+    prompt that only starts with a bracket stays text; a nested column that is no JSON is a bad row by code."""
+    import csv
+
+    rows = tmp_path / "rows.csv"
+    with rows.open("w", newline="") as fh:
+        writer = csv.writer(fh)
+        writer.writerow(["prompt", "reward_model"])
+        writer.writerow([json.dumps([{"role": "user", "content": "1+2?"}]), json.dumps({"ground_truth": "3"})])
+        writer.writerow(["[1, 2] summed?", json.dumps({"ground_truth": "3", "style": "rule"})])
+    prompts = list(iter_prompt_rows(rows))
+    assert [p["reward"] for p in prompts] == [{"type": "math", "answer": "3"}] * 2
+    assert [p["messages"] for p in prompts] == [
+        [{"role": "user", "content": "1+2?"}],
+        [{"role": "user", "content": "[1, 2] summed?"}],
+    ]
+    assert dataset_refusal(rows) is None
+    broken = tmp_path / "broken.csv"
+    broken.write_text('prompt,reward_model\nhi,"{not json"\n')
+    assert "[invalid_json]" in (dataset_refusal(broken) or "") and "line 2" in (dataset_refusal(broken) or "")

@@ -193,7 +193,7 @@ def test_model_parallel_sizes_weir_train_cannot_run_are_refused_before_anything_
 
     home = tmp_path / "weir"
     assert main(["train", "--demo", "--trainer", "megatron", "--home", str(home), *options]) == 2
-    assert said in " ".join(capsys.readouterr().out.split())
+    assert said in " ".join(capsys.readouterr().err.split())
     assert not home.exists()  # no stack, no rank, no model folder
 
 

@@ -126,7 +126,7 @@ def test_nccl_weight_sync_into_an_sglang_engine(tmp_path: Path) -> None:  # prag
     import sys
     import time
 
-    pytest.importorskip("sglang", reason="needs `pip install 'weir[sglang]'`")
+    pytest.importorskip("sglang", reason="needs `pip install -e '.[sglang]'`")
     from trainer.publish import NcclWeightSync
 
     model = init_model(tmp_path / "model")

@@ -1,6 +1,6 @@
 """A short `weir train --demo` run with periodic evaluation and every tracker: the step records carry the
-evaluation and the mismatch monitor, eval.jsonl and the trackers' own files are written, and the progress
-lines count the steps with an ETA."""
+evaluation and the mismatch monitor, eval.jsonl, config.json and the trackers' own files are written, and the
+progress lines count the steps with an ETA."""
 
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from tests.ports import free_stack_base
 
 @pytest.mark.integration
 def test_a_short_run_writes_evaluations_mismatch_and_tracker_files(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from launcher.cli import main
 
+    for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR", "TENSORBOARD_DIR", "MLFLOW_TRACKING_URI"):
+        monkeypatch.delenv(name, raising=False)  # each tool's own variables unset: its files in the run's folder
     home = tmp_path / "weir"
     argv = ["train", "--demo", "--home", str(home), "--steps", "2", "--warmup-steps", "1", "--eval-every", "1",
             "--eval-k", "2", "--report-to", "tensorboard,mlflow,wandb"]  # fmt: skip
@@ -36,4 +38,6 @@ def test_a_short_run_writes_evaluations_mismatch_and_tracker_files(
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run / "mlruns").rglob("metrics/loss"))  # the file store: one file per metric
     assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    config = json.loads((run / "config.json").read_text())  # every resolved option, written before the first step
+    assert config["steps"] == 2 and config["report_to"] == "tensorboard,mlflow,wandb" and config["argv"] == argv
     assert (run / "mismatch.png").stat().st_size > 0

@@ -53,5 +53,5 @@ def test_weir_train_video_audio_demo_runs_end_to_end(tmp_path: Path, capsys: pyt
 def test_the_video_audio_demo_needs_an_omni_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["train", "--demo", "--demo-task", "video-audio", "--arch", "qwen3-vl", "--home", str(tmp_path / "w")]
     assert main(argv) == 2  # refused before any stack starts
-    assert "needs an Omni model" in capsys.readouterr().out
+    assert "needs an Omni model" in capsys.readouterr().err
     assert not (tmp_path / "w" / "model").exists()

@@ -1,7 +1,7 @@
 """This process's place among megatron's ranks for the RL loop: `megatron_ranks` joins the process group (torchrun's,
 or a world of one) and megatron's parallel state; `MegatronParallel` is the data-parallel place with the
 collectives `trainer.lockstep.Lockstep` needs (tensor-parallel groups share one feed stream: `mirror`);
-`check_model_parallel` refuses, by name, the sizes the loop cannot run."""
+`check_model_parallel` (`trainer.model_parallel`) refuses, by name, the sizes the loop cannot run."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..feed import FeedBatch
+from ..model_parallel import check_model_parallel  # torch-free: `weir train` checks the sizes first
 
 __all__ = ["MegatronParallel", "check_model_parallel", "close_megatron_ranks", "megatron_ranks"]
 
@@ -75,27 +76,6 @@ class MegatronParallel:
 
     def close(self) -> None:
         """The trainer owns the process group: `MegatronTrainer.close` ends it."""
-
-
-def check_model_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1, world: int | None = None) -> None:
-    """Refuse, by name, the model-parallel sizes the RL loop cannot run (before any stack starts); ``world``:
-    the number of ranks, which ``tp × ep`` must divide."""
-    if pp != 1:
-        raise ValueError(
-            f"--pp {pp}: pipeline parallelism is not wired into `weir train`: the loop trains each micro-batch "
-            "as it is cut (one schedule call each), and a pipeline needs a step's micro-batches in one call to "
-            "keep its stages busy; use --tp / --ep / data-parallel ranks (--nproc)"
-        )
-    if cp != 1:
-        raise ValueError(
-            f"--cp {cp}: context parallelism needs transformer-engine's attention (CUDA) and is not wired into "
-            "`weir train` (Qwen3's interleaved 3-D rotary has none either); use --tp / --ep / --nproc"
-        )
-    for name, size in (("tp", tp), ("ep", ep)):
-        if size < 1:
-            raise ValueError(f"--{name} {size}: a size is 1 or more")
-    if world is not None and world % (tp * ep):
-        raise ValueError(f"--nproc {world}: the ranks must be a multiple of --tp {tp} × --ep {ep}")
 
 
 def megatron_ranks(*, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> MegatronParallel | None:

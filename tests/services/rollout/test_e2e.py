@@ -100,7 +100,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Run
 def test_openai_client_chat_with_an_image(stack) -> None:  # type: ignore[no-untyped-def]
     _, rollout = stack
     client = openai.OpenAI(base_url=f"{rollout.url}/v1", api_key="unused")
-    assert [m.id for m in client.models.list()] == ["weir-tiny-omni"]
+    assert [m.id for m in client.models.list()] == ["model"]  # the folder's name; the old id: an alias
     messages = [
         {
             "role": "user",
@@ -641,7 +641,7 @@ def test_a_token_protected_stack(token_stack) -> None:  # type: ignore[no-untype
     groups = httpx.post(f"{rollout.url}/v1/rollouts", json=calls[2][2], headers=auth, timeout=120).json()["groups"]
     assert all(s["status"] == "ok" and s["policy_version"] == 0 for s in groups[0]["samples"])
     client = openai.OpenAI(base_url=f"{rollout.url}/v1", api_key=TOKEN)  # the SDK sends it as the Bearer token
-    assert [m.id for m in client.models.list()] == ["weir-tiny-omni"]
+    assert [m.id for m in client.models.list()] == ["model"]
     streamed = client.chat.completions.create(model="weir-tiny-omni", messages=messages, max_tokens=3, stream=True)
     finishes = [c.choices[0].finish_reason for c in streamed if c.choices]
     assert finishes[-1] in ("stop", "length")  # streamed: the token reached the engines on that path too
