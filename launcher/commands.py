@@ -66,6 +66,21 @@ class _UvicornOptions(TypedDict):
     timeout_keep_alive: int
 
 
+def _model_refusal(role: str, settings: object) -> str | None:
+    """A model folder of an architecture the engine or encoder role does not load, in one line (the sim engine
+    loads no weights); said before uvicorn starts, where it would be a traceback from the app's start-up."""
+    model = getattr(settings, "model", None)
+    if role not in ("engine", "encoder") or model is None or getattr(settings, "backend", None) == "sim":
+        return None
+    from encoders.architectures import family_of
+
+    try:
+        family_of(model)
+    except ValueError as error:
+        return f"WEIR_MODEL / --model {error}"
+    return None
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -96,6 +111,10 @@ def _serve(args: argparse.Namespace) -> int:
     port = args.port or role.port
     # Checked here, before uvicorn starts, so a bad variable fails at once, by name (SettingsError).
     settings = load_settings(role.settings_class())
+    refusal = _model_refusal(role.name, settings)
+    if refusal:
+        print(f"weir serve {role.name}: {refusal}", file=sys.stderr)
+        return 2
     level = settings.log_level if isinstance(settings, RoleSettings) else (args.log_level or "info")
     configure_logging(level, role=role.name)
     # uvicorn's own access log is off: the template logs each request with its request id instead.

@@ -98,6 +98,26 @@ def test_an_unsupported_architecture_is_refused_with_the_list(tmp_path: Path) ->
     assert "Qwen3ForCausalLM" in supported() and "Qwen2_5_VLForConditionalGeneration" in supported()
 
 
+@pytest.mark.parametrize("role", ["engine", "encoder"])
+def test_weir_serve_refuses_an_unsupported_model_in_one_line(role: str, tmp_path: Path) -> None:
+    """The role that loads the model says so before uvicorn starts (it was a traceback from the app's start-up)."""
+    import os
+    import subprocess
+    import sys
+
+    model = tmp_path / "llama"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+    env = {**os.environ, "WEIR_MODEL": str(model)}
+    from tests.ports import free_port
+
+    command = [sys.executable, "-m", "launcher.cli", "serve", role, "--port", str(free_port())]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith(f"weir serve {role}: WEIR_MODEL / --model {model}: unsupported model")
+    assert done.stderr.count("\n") == 1 and "Qwen3VLForConditionalGeneration" in done.stderr
+
+
 def test_weir_train_refuses_an_unsupported_model_in_one_line_before_anything_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
