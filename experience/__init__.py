@@ -10,6 +10,7 @@ wire records and its client (`api`, `client`: imported by name, never from here)
     ledger.py       deliveries, leases, acks, release, expiry: exactly-once acknowledgement
     staleness.py    the policy version, the staleness filter (drop / regenerate), admission
     index.py        the SQLite index: durable opening, transactions, counters
+    changes.py      Changes: the store's change counter, whose waiters (the long poll) it wakes
     store.py        ExperienceStore, the facade over one index and the Arrow entries; DataConfig
     errors.py       the exception tree (ExperienceError and its codes)
     wire.py         JSON on the roles' hot paths through orjson
@@ -20,6 +21,7 @@ wire records and its client (`api`, `client`: imported by name, never from here)
 from __future__ import annotations
 
 from .advantages import AdvantageEstimator, drop_uniform_groups, group_advantages, has_signal
+from .changes import Changes
 from .errors import (
     ExperienceError,
     FeatureMissing,
@@ -47,6 +49,7 @@ __all__ = [
     "GROUP_ADAPTER",
     "MICROBATCH_SCHEMA",
     "AdvantageEstimator",
+    "Changes",
     "DataConfig",
     "ExperienceError",
     "ExperienceStats",

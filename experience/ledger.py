@@ -91,6 +91,13 @@ class Ledger:
             out.update(json.loads(ids))
         return out
 
+    def next_expiry(self, consumer: str) -> float | None:
+        """When the consumer's earliest live lease runs out (a `time.time`); None when none is out."""
+        row = self._db.execute(
+            "SELECT MIN(lease_until) FROM deliveries WHERE consumer = ? AND acked = ?", (consumer, _LEASED)
+        ).fetchone()
+        return None if row[0] is None else float(row[0])
+
     def record(self, consumer: str, shares: Sequence[Share], now: float) -> None:
         """One delivery per share, waiting for its rank to fetch it."""
         self._db.executemany(

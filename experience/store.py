@@ -16,6 +16,10 @@ The facade over one directory::
 * `ack`, `release` — the ledger's exactly-once acknowledgement and a restarted trainer's reclaim.
 * `set_policy`, `admission`, `take_regenerations` — staleness.
 * `stats`, `check_writable`, `close`.
+* `changes`, `next_expiry` — for a waiter (the data role's long poll): `experience.changes.Changes`, bumped
+  after every write that can make a micro-batch leasable (a group committed, shares cut for other ranks, a
+  release, a new policy version), and when the consumer's earliest lease runs out (no write: the waiter wakes
+  then). Acknowledgements, drops and reads make nothing leasable and signal nothing.
 
 Every public method holds one lock (the modules under it do not lock); the store is safe to share
 between threads of one process. It speaks no HTTP: the data role (`services.data`) does.
@@ -39,6 +43,7 @@ import pyarrow as pa
 import preprocess as pp
 
 from .advantages import ESTIMATORS, AdvantageEstimator, StdKind, group_advantages, has_signal
+from .changes import Changes
 from .errors import InvalidGroup, InvalidRequest, StoreNotWritable
 from .index import Counters, GroupCommit, open_index, transaction
 from .ledger import RETIRED, Acked, Ledger
@@ -143,6 +148,9 @@ class ExperienceStore:
         # Per consumer: a seq below which every sample is done for it (`_available` scans from there).
         # Kept in memory (a restart scans once from 0): sound because done is forever (`experience.ledger`).
         self._low_water: dict[str, int] = {}
+        self.changes = Changes()  # what a waiter for a micro-batch waits on (see the module docstring)
+        # Per consumer: when its earliest live lease runs out, as of the last lease, ack or release (`next_expiry`).
+        self._expiry: dict[str, float | None] = {}
         self._counters = Counters(self._db)
         self._ledger = Ledger(self._db, lease_s=self.config.lease_s)
         self._staleness = Staleness(
@@ -178,7 +186,10 @@ class ExperienceStore:
                 error.item = i
                 raise
         with self._locked():
-            return [self._commit(p) for p in prepared]
+            stored = [self._commit(p) for p in prepared]
+        if any(new and p.entry is not None for new, p in zip(stored, prepared, strict=True)):
+            self.changes.notify()  # samples to lease
+        return stored
 
     def _prepare(self, group: Group) -> _Prepared:
         """Advantages, the DAPO filter and the Arrow entry: everything but the writing."""
@@ -232,7 +243,10 @@ class ExperienceStore:
         """Announce a new policy version; also measures how many groups the trainer used for it.
         `PolicyRegression` for a version below the current one; the current one again is a no-op."""
         with self._locked():
+            before = self._staleness.policy
             self._staleness.set_policy(version, trained_groups=self._trained_groups())
+        if self._staleness.policy != before:
+            self.changes.notify()  # what is fresh enough moved
 
     def admission(self, consumer: str = "trainer") -> int:
         """How many more groups the producer may start now (`Staleness.admission`)."""
@@ -264,6 +278,7 @@ class ExperienceStore:
             raise InvalidRequest(f"rank must be in [0, world_size), got rank {rank} of {world_size}")
         if max_tokens < 1 or (max_samples is not None and max_samples < 1):
             raise InvalidRequest("max_tokens and max_samples must be positive")
+        others = False  # shares cut here for other ranks (their waiters are woken)
         with self._lock, self._commits.joined() as ticket:
             now = time.time()
             with transaction(self._db):  # a savepoint in the group
@@ -276,11 +291,15 @@ class ExperienceStore:
                         self._ledger.retire(consumer, [c.sample_id for c in shares.too_long], "too_long")
                         self._counters.add(_SAMPLE_DROPS["too_long"], len(shares.too_long))
                     self._ledger.record(consumer, shares.shares, now)
+                    others = any(s.rank != rank for s in shares.shares)
                     pending = self._ledger.waiting(consumer, rank)
                 if pending is not None:
                     self._ledger.fetch(pending.batch_id, now)
                     self._counters.add(_DELIVERED, 1)
+            self._expiry[consumer] = self._ledger.next_expiry(consumer)
         self._commits.durable(ticket)  # the delivery is on disk before the batch goes out
+        if others:
+            self.changes.notify()
         if pending is None:
             return None
         # Read outside the lock (the entries are immutable and never evicted): the next lease need not wait for it.
@@ -291,6 +310,7 @@ class ExperienceStore:
         for an id never delivered, `LeaseExpired` when its lease ran out and its samples went out again."""
         with self._lock, self._commits.joined() as ticket:
             sample_ids = self._ledger.ack(batch_id)
+            self._expiries()
         self._commits.durable(ticket)
         return sample_ids
 
@@ -300,6 +320,7 @@ class ExperienceStore:
         come back in ``expired``, the rest are trained."""
         with self._lock, self._commits.joined() as ticket:
             acked = self._ledger.ack_many(batch_ids)
+            self._expiries()
         self._commits.durable(ticket)
         return acked
 
@@ -307,7 +328,23 @@ class ExperienceStore:
         """Expire the consumer's (or one rank's) fetched, unacknowledged deliveries now: a restarted
         trainer gets its batches back at once. Their late acks are refused if the samples went out again."""
         with self._locked():
-            return self._ledger.release(consumer, rank)
+            released = self._ledger.release(consumer, rank)
+            self._expiries()
+        if released:
+            self.changes.notify()  # their samples go out again
+        return released
+
+    def next_expiry(self, consumer: str) -> float | None:
+        """When the consumer's earliest live lease runs out (a `time.time`; None: none is out), as of its last
+        lease, ack or release — what a waiter wakes for when no write comes. Without the store's lock, as
+        `policy`: read on the data role's event loop."""
+        return self._expiry.get(consumer)
+
+    def _expiries(self) -> None:
+        """Under the lock, after leases ended (acknowledged, released): each known consumer's `next_expiry` again,
+        so that a waiter does not wake for a lease no longer out."""
+        for consumer in list(self._expiry):
+            self._expiry[consumer] = self._ledger.next_expiry(consumer)
 
     def known(self, batch_id: str) -> bool:
         """Whether a micro-batch was ever delivered under ``batch_id``."""

@@ -1,12 +1,15 @@
 """The micro-batch resource: token-budgeted batches leased to a consumer's ranks as Arrow IPC streams
-(``GET /v1/microbatches``, a long-poll), acknowledged (``POST /v1/microbatches/{id}/ack``) or handed back
-(``POST /v1/microbatches/release``); a trainer's step acknowledges its batches in one request
-(``POST /v1/microbatches/ack``: one transaction, one fsync). Cutting, leasing and exactly-once are `experience`'s.
+(``GET /v1/microbatches``, a long poll woken by the store, `experience.changes`: it asks the store again only
+after a change that could make a batch leasable, or when a lease runs out), acknowledged
+(``POST /v1/microbatches/{id}/ack``) or handed back (``POST /v1/microbatches/release``); a trainer's step
+acknowledges its batches in one request (``POST /v1/microbatches/ack``: one transaction, one fsync). Cutting,
+leasing and exactly-once are `experience`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Annotated
 
@@ -56,16 +59,18 @@ async def microbatches(
     if inline_media and features is None:
         raise ApiError(400, "inline_unavailable", "this data role has no feature cache (set WEIR_CACHE_DIR)")
     deadline = time.monotonic() + min(wait_s, settings.max_wait_s)
+    expiry = functools.partial(store.next_expiry, consumer)
     while True:
+        seen = store.changes.count  # before the question: a change landing after it is not missed
         batch = await asyncio.to_thread(store.lease, consumer, rank, world_size, max_tokens, max_samples)
         if batch is not None:
             if features is not None and inline_media:
                 batch = await asyncio.to_thread(with_media, batch, features)
             body = microbatch_to_arrow(batch, {"consumer": consumer, "policy_version": store.policy})
             return Response(body, media_type=ARROW_STREAM, headers={BATCH_ID_HEADER: batch.batch_id})
-        if time.monotonic() >= deadline:
+        # Asked again only when the store changed or a lease ran out: no periodic queries.
+        if time.monotonic() >= deadline or not await store.changes.wait(seen, deadline, expiry):
             return Response(status_code=204)
-        await asyncio.sleep(0.05)
 
 
 @router.post("/v1/microbatches/{batch_id}/ack", responses=refusals(404, 409, 422))
