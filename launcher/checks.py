@@ -32,6 +32,12 @@ def refusal(args: argparse.Namespace) -> str | None:
     return check(args) if check is not None else None
 
 
+def _own_rollout() -> bool:
+    """Whether the stack runs a rollout function of the user's (``WEIR_ROLLOUT_FUNCTION``, which the roles inherit):
+    it may score its samples itself, so rows without a reward spec are not refused."""
+    return bool(os.environ.get("WEIR_ROLLOUT_FUNCTION"))
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """`weir train`'s run from its options, those left unset taking the task's defaults."""
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if f.name != "argv"}
@@ -85,7 +91,7 @@ def _train(args: argparse.Namespace) -> str | None:
     if config.eval_dataset is not None:  # its rows are read (and scored) as --dataset's are: a bad row said here
         from preprocess.rows import dataset_refusal
 
-        said = dataset_refusal(config.eval_dataset, option="--eval-dataset")
+        said = dataset_refusal(config.eval_dataset, option="--eval-dataset", scored_elsewhere=_own_rollout())
         if said:
             return said
     if config.rollout_correction == "mis" and config.correction_floor > config.correction_cap:
@@ -110,7 +116,7 @@ def _train(args: argparse.Namespace) -> str | None:
     if config.dataset is not None:  # reads every row once: a dataset, split or row Weir cannot read is said here
         from preprocess.rows import dataset_refusal
 
-        said = dataset_refusal(config.dataset, config.split)
+        said = dataset_refusal(config.dataset, config.split, scored_elsewhere=_own_rollout())
         if said:
             return said
     if config.ray:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -163,10 +162,13 @@ def _rewarded(row: Mapping[str, object]) -> bool:
     return spec != "none" or row.get("environment") is not None
 
 
-def dataset_refusal(path: Path | str, split: str | None = None, *, option: str = "--dataset") -> str | None:
+def dataset_refusal(
+    path: Path | str, split: str | None = None, *, option: str = "--dataset", scored_elsewhere: bool = False
+) -> str | None:
     """Why ``weir train --dataset path [--split split]`` cannot run, in one line naming ``option`` (None when it
     can): the dataset or split is not there, rows cannot be read, none can be a prompt, or none has a reward
-    (``--eval-dataset``'s rows are scored too). It reads every row once."""
+    (``--eval-dataset``'s rows are scored too) unless ``scored_elsewhere`` (a rollout function of the user's
+    scores its own samples). It reads every row once."""
     disabled, logger.disabled = logger.disabled, True  # the rows skipped are said once, when the run reads them
     rewarded = 0
     try:
@@ -177,9 +179,8 @@ def dataset_refusal(path: Path | str, split: str | None = None, *, option: str =
         return f"{option} {said} [{error.code}]"
     finally:
         logger.disabled = disabled
-    # Every group would be stored as having nothing to train on, and the trainer would wait forever; unless a
-    # rollout function of the user's (WEIR_ROLLOUT_FUNCTION, inherited by the stack) scores its own samples.
-    if not rewarded and not os.environ.get("WEIR_ROLLOUT_FUNCTION"):
+    # Every group would be stored as having nothing to train on, and the trainer would wait forever.
+    if not rewarded and not scored_elsewhere:
         return (
             f"{option} {path}: no row has a reward (a 'reward' spec, or verl's reward_model.ground_truth), so no "
             "sample could be trained on [no_reward]"

@@ -115,6 +115,7 @@ def test_a_dataset_with_no_reward_in_any_row_is_refused_before_training(tmp_path
         f"--dataset {rows}: no row has a reward (a 'reward' spec, or verl's reward_model.ground_truth), so no "
         "sample could be trained on [no_reward]"
     )
+    assert dataset_refusal(rows, scored_elsewhere=True) is None  # a rollout function of the user's scores them
     weir_rows = tmp_path / "weir.jsonl"  # Weir's own rows with no reward spec: the rollout's default, none
     weir_rows.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     assert dataset_refusal(weir_rows) is not None

@@ -42,6 +42,24 @@ def _started(home: Path, arch: str) -> Iterator[Stack]:
         local.stop()
 
 
+def _config(tmp_path: Path, **settings: object) -> trl.GRPOConfig:
+    """TRL's config on the CPU, eight samples per prompt, no KL, nothing saved or reported; ``settings`` on top."""
+    common: dict[str, object] = {
+        "output_dir": str(tmp_path / "out"),
+        "learning_rate": 5e-2,
+        "num_generations": 8,
+        "temperature": 1.0,  # Weir's log-probs are the model's at temperature 1, as TRL recomputes them here
+        "beta": 0.0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "report_to": "none",
+        "use_cpu": True,
+        "bf16": False,
+        "disable_tqdm": True,
+    }
+    return trl.GRPOConfig(**{**common, **settings})
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from _started(tmp_path_factory.mktemp("trl"), "qwen3")
@@ -98,23 +116,13 @@ def train(stack: Stack, tmp_path: Path, *, steps: int, seed: int, via: str = "di
                 )
 
     data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"How many? ({i})"}]} for i in range(64)])
-    config = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"),
+    config = _config(
+        tmp_path,
         max_steps=steps,
-        learning_rate=5e-2,
         lr_scheduler_type="constant",
-        per_device_train_batch_size=16,
-        num_generations=8,  # two prompts a step, eight samples each
+        per_device_train_batch_size=16,  # two prompts a step, eight samples each
         max_completion_length=8,
-        temperature=1.0,  # Weir's log-probs are the model's at temperature 1, as TRL recomputes them here
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         seed=seed,
-        disable_tqdm=True,
     )
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     publish = PublishWeights(engines, token=token, via=via)  # type: ignore[arg-type]
@@ -220,23 +228,7 @@ def test_trl_pictures_go_through_weir_s_preprocess_role_and_its_cache(vl_stack: 
             for i in range(12)
         ]
     )
-    config = trl.GRPOConfig(
-        output_dir=str(tmp_path / "out"),
-        max_steps=3,
-        learning_rate=5e-2,
-        per_device_train_batch_size=8,  # one prompt a step, eight samples
-        num_generations=8,
-        max_completion_length=4,
-        temperature=1.0,
-        beta=0.0,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        seed=0,
-        disable_tqdm=True,
-    )
+    config = _config(tmp_path, max_steps=3, per_device_train_batch_size=8, max_completion_length=4, seed=0)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     publish = PublishWeights(engines, token=token, encoder_url=urls["encoder"])  # TRL trains the towers too
     trainer = trl.GRPOTrainer(

@@ -16,14 +16,14 @@ import pytest
 
 import services.settings
 from engines.sglang_args import check_server_args
+from launcher.checks import train_config
 from launcher.cli import build_parser, main
 from launcher.commands import _engine_env
-from launcher.config import TrainConfig
 from launcher.model import engine_env
 from services.engine.settings import EngineSettings
 from services.rollout.settings import LEGACY_MODEL_ID, RolloutSettings
 from services.settings import SettingsError, load_settings
-from tests.ports import free_port, free_stack_base
+from tests.ports import free_port
 from tests.services.conftest import RunningServer
 from tests.services.rollout.test_e2e import Stack
 from tests.services.test_model_ref import fake_hub_snapshot
@@ -177,22 +177,14 @@ def test_serve_passes_the_names_to_the_roles_settings(tmp_path: Path, monkeypatc
 
 
 def test_up_and_train_give_the_names_to_every_role_of_the_stack(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     up = build_parser().parse_args(["up", "--served-model-name", "acme/omni-rl,omni"])
     assert _engine_env(up) == {"WEIR_SERVED_MODEL_NAME": "acme/omni-rl,omni"}
     assert "WEIR_SERVED_MODEL_NAME" not in _engine_env(build_parser().parse_args(["up"]))
-    configs: list[TrainConfig] = []
-
-    def run_training(config: TrainConfig) -> int:  # the run as `weir train` would start it, not started
-        configs.append(config)
-        return 0
-
-    monkeypatch.setattr("launcher.training.run_training", run_training)
-    base = ["--base-port", str(free_stack_base())]  # checked free first: another stack may hold the default ports
-    assert main(["train", "--demo", "--home", str(tmp_path / "w"), *base, "--served-model-name", "omni"]) == 0
-    assert engine_env(configs[0]) == {"WEIR_SERVED_MODEL_NAME": "omni"}  # the env of the stack `_stack` starts
-    monkeypatch.undo()
+    # The config `weir train` runs (`launcher.commands._train`), and the env of the stack it starts from it.
+    train = build_parser().parse_args(["train", "--demo", "--home", str(tmp_path / "w"), "--served-model-name", "omni"])
+    assert engine_env(train_config(train)) == {"WEIR_SERVED_MODEL_NAME": "omni"}
     attach = ["train", "--demo", "--attach", "--home", str(tmp_path / "a"), "--served-model-name", "omni"]
     assert main(attach) == 2
     said = capsys.readouterr()
