@@ -52,10 +52,11 @@ def test_a_due_expiry_wakes_the_wait_and_a_later_one_puts_it_off() -> None:
     soon = time.time() + 0.05
     assert asyncio.run(changes.wait(0, time.monotonic() + GUARD_S, lambda: soon)) is True
     assert asyncio.run(changes.wait(0, time.monotonic() + GUARD_S, lambda: time.time() - 1)) is True  # due already
-    answers = iter([time.time() + 0.05])  # then None: the lease was acknowledged meanwhile
+    answers = iter([0.05])  # then None: the lease was acknowledged meanwhile
 
-    def due() -> float | None:
-        return next(answers, None)
+    def due() -> float | None:  # the first answer 50 ms from when it is asked: a late start under load is no wake
+        left = next(answers, None)
+        return None if left is None else time.time() + left
 
     assert asyncio.run(changes.wait(0, time.monotonic() + 0.2, due)) is False  # not woken for a lease gone
 
