@@ -33,6 +33,7 @@ __all__ = [
 Normalization = Literal["pil", "fused"]
 _META_KEY = b"weir"
 FORMAT_VERSION = 1
+_LOOKUP_ROWS = 128  # patch rows per `pixel_values` lookup: 128 · 3 · 196 intp indices = 0.6 MB, in L2
 
 
 @lru_cache(maxsize=16)
@@ -88,13 +89,15 @@ class _Visual:
         n, channels, t_stored, pp = self.patches.shape
         lut = normalization_lut(self.norm, self.image_mean, self.image_std)
         out = np.empty((n, channels, self.temporal_patch_size, pp), dtype=np.float32)
-        # A single image's temporal copies are equal: look it up once, contiguously (a lookup into the
-        # strided half of ``out`` took 1.3x as long), then broadcast it.
-        values = out if t_stored == self.temporal_patch_size else np.empty(self.patches.shape, dtype=np.float32)
-        for c in range(channels):
-            np.take(lut[c], self.patches[:, c], out=values[:, c])
-        if values is not out:
-            out[:] = values
+        # np.take first copies its indices to intp (8 bytes per uint8): a block of rows at a time, that copy
+        # and the block stay in cache (one take over the whole array took 3-4x as long on a 12 MP image).
+        # A single image's temporal copies are equal: looked up once, then copied while the block is in cache.
+        for start in range(0, n, _LOOKUP_ROWS):
+            block = out[start : start + _LOOKUP_ROWS]
+            for c in range(channels):
+                np.take(lut[c], self.patches[start : start + _LOOKUP_ROWS, c], out=block[:, c, :t_stored])
+            if t_stored != self.temporal_patch_size:
+                block[:, :, t_stored:] = block[:, :, :t_stored]
         return out.reshape(n, channels * self.temporal_patch_size * pp)
 
     def _meta(self, kind: Literal["image", "video"]) -> _VisualMeta:

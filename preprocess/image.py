@@ -52,7 +52,8 @@ def load_image(data: bytes, plan: MediaPlan, *, max_decode_pixels: int, decode: 
         if decode == "draft" and isinstance(image, JpegImagePlugin.JpegImageFile):
             _draft(image, plan.resized_size)
         image.load()
-        image = ImageOps.exif_transpose(image) or image
+        # In place: without an orientation to apply, the copying form returns a full copy of the image.
+        ImageOps.exif_transpose(image, in_place=True)
         return image if image.mode == "RGB" else image.convert("RGB")
     except (OSError, SyntaxError, ValueError) as exc:
         raise CorruptMediaError(f"the image could not be decoded: {exc}") from None

@@ -8,7 +8,7 @@ Shared by the one-process sections and the worker processes of the parallel sect
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +25,9 @@ from transformers import (
     Qwen2VLVideoProcessor,
     WhisperFeatureExtractor,
 )
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-__all__ = ["Peers", "decode_floor", "librosa_resample", "open_rgb", "pyav_mono"]
+__all__ = ["Peers", "decode_floor", "image_floor", "librosa_resample", "open_rgb", "pyav_mono", "video_floor"]
 
 MIN_PIXELS = 3136
 MAX_PIXELS = 12845056
@@ -43,6 +44,35 @@ def decode_floor(data: bytes) -> Image.Image:
     image = Image.open(io.BytesIO(data))
     image.load()
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def image_floor(data: bytes) -> np.ndarray:
+    """The bare decode + resize loop the exact image path is measured against: Pillow decodes, resizes
+    bicubic to the model's size (`smart_resize` under the same pixel bounds) and hands over uint8 (H', W', 3).
+    No plan, no patches, no normalization: what any pipeline producing these pixels must do."""
+    image = decode_floor(data)
+    height, width = smart_resize(image.height, image.width, 28, MIN_PIXELS, MAX_PIXELS)
+    if image.size != (width, height):
+        image = image.resize((width, height), Image.Resampling.BICUBIC)
+    return np.asarray(image)
+
+
+def video_floor(data: bytes, indices: Sequence[int], size: tuple[int, int]) -> torch.Tensor:
+    """The bare decode + resize loop for a clip: PyAV decodes in order up to the last sampled frame (threads
+    as Weir sets them), converts the sampled frames to RGB, and torch resizes them with the float antialiased
+    bicubic kernel qwen-vl-utils uses; uint8 (n, 3, h, w). ``indices`` and ``size`` are given (Weir's plan)."""
+    wanted, last, frames = set(indices), max(indices), []
+    with av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for index, frame in enumerate(container.decode(stream)):
+            if index in wanted:
+                frames.append(frame.to_ndarray(format="rgb24"))
+            if index >= last:
+                break
+    video = torch.from_numpy(np.stack(frames)).permute(0, 3, 1, 2).float()
+    resized = torch.nn.functional.interpolate(video, size=list(size), mode="bicubic", antialias=True)
+    return resized.clamp_(0, 255).round_().to(torch.uint8)
 
 
 def pyav_mono(data: bytes) -> tuple[np.ndarray, int]:
