@@ -189,6 +189,10 @@ class SimStats:
     generated_tokens: int = 0
     retractions: int = 0  # requests retracted in decode for want of KV (a pause's retractions not counted)
     peak_kv_tokens: int = 0  # the most context tokens the running requests held at once (several replicas: max)
+    # Occupancy, integrated over decode time: running requests x seconds and context tokens x seconds. Divided by a
+    # span they give the mean batch and KV held — what shows an engine under-filled while never idle.
+    batch_s: float = 0.0
+    kv_token_s: float = 0.0
     recent: deque[SimStep] = field(default_factory=lambda: deque(maxlen=STEP_LOG))
 
     @property

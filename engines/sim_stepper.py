@@ -307,6 +307,8 @@ class SimStepper:
         self.clock.advance(spent)
         for j in range(done):
             self.stats.recent.append(SimStep(batch, context + batch * j, times[j]))
+            self.stats.kv_token_s += (context + batch * j) * times[j]
+        self.stats.batch_s += batch * spent
         self.stats.decode_steps += done
         self.stats.peak_kv_tokens = max(self.stats.peak_kv_tokens, context + batch * done)
         self.stats.decode_s += spent

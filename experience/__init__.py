@@ -9,7 +9,8 @@ wire records and its client (`api`, `client`: imported by name, never from here)
     packing.py      cutting token-budgeted shares balanced across ranks (pure)
     ledger.py       deliveries, leases, acks, release, expiry: exactly-once acknowledgement
     staleness.py    the policy version, the staleness filter (drop / regenerate), admission
-    index.py        the SQLite index: durable opening, transactions, counters
+    index.py        the SQLite index: durable opening, transactions (synced or not), counters
+    journal.py      the groups' durable copy: append-only segments of checked records, one fsync each
     changes.py      Changes: the store's change counter, whose waiters (the long poll) it wakes
     store.py        ExperienceStore, the facade over one index and the Arrow entries; DataConfig
     errors.py       the exception tree (ExperienceError and its codes)

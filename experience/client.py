@@ -140,6 +140,10 @@ def _release_params(consumer: str, rank: int | None) -> dict[str, str | int]:
     return {"consumer": consumer, **({"rank": rank} if rank is not None else {})}
 
 
+def _admission_params(consumer: str, groups_per_step: int | None) -> dict[str, str | int]:
+    return {"consumer": consumer, **({"groups_per_step": groups_per_step} if groups_per_step is not None else {})}
+
+
 def _policy(version: int) -> PolicyIn:
     # Not validated here: the role refuses a bad version with its own status and code, as it always has.
     return PolicyIn.model_construct(version=version)
@@ -191,9 +195,11 @@ class DataClient(_DataRoutes, RoleClient):
         """``POST /v1/microbatches/release``: the consumer's (or one rank's) unacknowledged batches, back now."""
         return self.call("POST", f"{_MICROBATCHES}/release", ReleaseOut, params=_release_params(consumer, rank))
 
-    def admission(self, *, consumer: str = "trainer") -> AdmissionOut:
-        """``GET /v1/admission``: how many more groups the producer may start, and the policy version."""
-        return self.call("GET", "/v1/admission", AdmissionOut, params={"consumer": consumer})
+    def admission(self, *, consumer: str = "trainer", groups_per_step: int | None = None) -> AdmissionOut:
+        """``GET /v1/admission``: how many more groups the producer may start, and the policy version. A producer
+        filling steps of ``groups_per_step`` groups says so: the data role sizes the queue from it."""
+        params = _admission_params(consumer, groups_per_step)
+        return self.call("GET", "/v1/admission", AdmissionOut, params=params)
 
     def announce_policy(self, version: int) -> PolicyOut:
         """``POST /v1/policy``: the trainer's new policy version (409 ``policy_regression`` below the current)."""
@@ -226,9 +232,10 @@ class AsyncDataClient(_DataRoutes, AsyncRoleClient):
         params = _release_params(consumer, rank)
         return await self.call("POST", f"{_MICROBATCHES}/release", ReleaseOut, params=params)
 
-    async def admission(self, *, consumer: str = "trainer") -> AdmissionOut:
+    async def admission(self, *, consumer: str = "trainer", groups_per_step: int | None = None) -> AdmissionOut:
         """As `DataClient.admission`."""
-        return await self.call("GET", "/v1/admission", AdmissionOut, params={"consumer": consumer})
+        params = _admission_params(consumer, groups_per_step)
+        return await self.call("GET", "/v1/admission", AdmissionOut, params=params)
 
     async def announce_policy(self, version: int) -> PolicyOut:
         """As `DataClient.announce_policy`."""

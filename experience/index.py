@@ -3,11 +3,11 @@
 One database file holds every table of the store; each module that owns tables declares their
 ``SCHEMA`` (the store's groups and samples, the ledger's deliveries and consumption, the staleness
 state) and `open_index` creates them all. The database runs in WAL mode with ``synchronous=FULL``:
-a committed transaction survives a power cut. ``isolation_level=None`` leaves transactions to
-`transaction` (``BEGIN IMMEDIATE``: the write lock is taken up front, so two writers never deadlock
-on an upgrade; inside an open transaction, a savepoint). `GroupCommit` lets writes from many threads share
-one transaction and so one fsync, each answered only once it is committed. Counters (``COUNTERS``) only
-ever grow.
+a committed transaction survives a power cut (but for `unsynced_transaction`'s, whose rows live elsewhere too).
+``isolation_level=None`` leaves transactions to `transaction` (``BEGIN IMMEDIATE``: the write lock is taken up front,
+so two writers never deadlock on an upgrade; inside an open transaction, a savepoint). `GroupCommit` lets writes from
+many threads share one transaction and so one fsync, each answered only once it is committed. Counters (``COUNTERS``)
+only ever grow.
 
 This module does not lock between threads (the store's facade does) and knows no table but its own.
 """
@@ -22,7 +22,9 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-__all__ = ["SCHEMA", "Counters", "GroupCommit", "open_index", "transaction"]
+from .errors import StoreNotWritable
+
+__all__ = ["SCHEMA", "Counters", "GroupCommit", "open_index", "transaction", "unsynced_transaction"]
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS counters (name TEXT PRIMARY KEY, value INTEGER NOT NULL);"
 
@@ -63,6 +65,35 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
     except BaseException:
         db.execute("ROLLBACK")
         raise
+
+
+@contextlib.contextmanager
+def unsynced_transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """`transaction` committed without an fsync (``synchronous=NORMAL`` for its commit alone), for rows whose
+    durable copy is elsewhere (the store's journal) and that are rebuilt from it after a power cut took them.
+    Sound in WAL mode: the log is written in order, so the next synced commit makes these rows durable too and
+    a synced row can never point to one lost. Not inside an open transaction (a `GroupCommit` group settles
+    first): its commit would be the group's.
+
+    ``synchronous=FULL`` is restored afterwards, whatever happened (SQLite refuses it inside a transaction: one a
+    failed ``COMMIT`` and ``ROLLBACK`` left open is rolled back first). Where it cannot be, the connection is
+    closed and `StoreNotWritable` raised: nothing is ever committed unsynced by mistake."""
+    if db.in_transaction:
+        raise RuntimeError("an unsynced transaction cannot nest in an open one")
+    db.execute("PRAGMA synchronous=NORMAL")
+    try:
+        with transaction(db):
+            yield
+    finally:
+        if db.in_transaction:
+            with contextlib.suppress(sqlite3.Error):  # the error that left it open is the one to raise
+                db.execute("ROLLBACK")
+        try:
+            db.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as error:
+            with contextlib.suppress(sqlite3.Error):
+                db.close()
+            raise StoreNotWritable(f"the index cannot restore synchronous=FULL, closed: {error}") from error
 
 
 class GroupCommit:

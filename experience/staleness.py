@@ -7,8 +7,9 @@
   under ``staleness_policy="regenerate"`` its group is listed for the producer to generate again
   (`take_regenerations`, each group once).
 * `Staleness.admission` — how many more groups the producer may start so that the queue does not
-  fill with samples that would go stale before the trainer reaches them; measured from the
-  trainer's own pace (groups trained per version, a moving average kept at each `set_policy`).
+  fill with samples that would go stale before the trainer reaches them; sized by `admission_limit`
+  from the trainer's own pace (groups trained per version, a moving average kept at each `set_policy`)
+  or, before a pace is measured, from the step the producer says it fills (its groups per step).
 
 State lives in the ``state`` table of the store's index. This module does not choose or deliver
 samples, count the queue (the store passes it in) or lock between threads.
@@ -25,11 +26,45 @@ from .index import Counters, transaction
 from .ledger import Ledger
 from .packing import WaitingSample
 
-__all__ = ["SCHEMA", "Staleness"]
+__all__ = ["DEFAULT_QUEUED_GROUPS", "SCHEMA", "Staleness", "admission_limit"]
 
 SCHEMA = "CREATE TABLE IF NOT EXISTS state (key TEXT PRIMARY KEY, value TEXT NOT NULL);"
 
 _REGENERATE = "regenerate:"
+
+# The queue's size when nothing else sizes it: no staleness bound or no pace measured yet, no step given by the
+# producer, and no explicit ``max_queued_groups`` (the fixed cap admission had before it was sized from the step).
+DEFAULT_QUEUED_GROUPS = 256
+
+
+def admission_limit(
+    *, max_staleness: int | None, pace: float | None, groups_per_step: int | None, max_queued_groups: int | None
+) -> int:
+    """How many groups may wait for the trainer (stored, not yet trained), sized from the step.
+
+    * With a staleness bound ``K`` and the trainer's measured ``pace`` (groups trained per version): a group
+      queued behind Q others is trained about Q / pace versions after it was generated, so the queue is held
+      to ``ceil(max(1, K - 1) * pace)`` (at least 1; the version being generated adds the last one).
+    * With ``K`` and no pace yet (before the trainer's second version): the producer's ``groups_per_step``
+      times ``max(1, K)`` — the step in progress and the ``K - 1`` versions' worth after it.
+    * Without a staleness bound: two steps, ``2 * groups_per_step`` (the step in progress and the next one
+      ready, so the trainer never waits on the producer while nothing can go stale).
+    * Otherwise (no step given, and no pace or no bound): `DEFAULT_QUEUED_GROUPS`.
+
+    ``max_queued_groups`` (an operator's override) caps the limit when given, and replaces the default.
+    This is the one rule: `Staleness.admission` serves it and the capacity twin's cost model
+    (`twin.model.AsyncModel`) plans with it.
+    """
+    sized: int | None = None
+    if max_staleness is None:
+        sized = None if groups_per_step is None else 2 * groups_per_step
+    elif pace is not None:
+        sized = max(1, math.ceil(max(1, max_staleness - 1) * pace))
+    elif groups_per_step is not None:
+        sized = groups_per_step * max(1, max_staleness)
+    if sized is None:
+        return DEFAULT_QUEUED_GROUPS if max_queued_groups is None else max_queued_groups
+    return sized if max_queued_groups is None else min(sized, max_queued_groups)
 
 
 class Staleness:
@@ -41,7 +76,7 @@ class Staleness:
         *,
         max_staleness: int | None,
         staleness_policy: str,
-        max_queued_groups: int,
+        max_queued_groups: int | None,
     ) -> None:
         self._db, self._ledger, self._counters = db, ledger, counters
         self.max_staleness = max_staleness
@@ -111,16 +146,14 @@ class Staleness:
         return [k.removeprefix(_REGENERATE) for k in keys]
 
     # -- admission -----------------------------------------------------------------------------
-    def admission(self, queued_groups: int) -> int:
-        """How many more groups the producer may start, with ``queued_groups`` waiting now.
-
-        Without a staleness bound: up to ``max_queued_groups`` waiting. With ``max_staleness = K``: a
-        group queued behind Q others is trained about Q / (groups the trainer uses per version)
-        versions after it was generated, so the queue is held to ``max(1, K - 1)`` versions' worth
-        (the version being generated adds the last one).
-        """
-        limit = self.max_queued_groups
+    def admission(self, queued_groups: int, *, groups_per_step: int | None = None) -> int:
+        """How many more groups the producer may start, with ``queued_groups`` waiting now and the producer
+        filling steps of ``groups_per_step`` groups (None: not said): `admission_limit`, less the queue."""
         pace = self._get("groups_per_version")
-        if self.max_staleness is not None and pace is not None:
-            limit = min(limit, max(1, math.ceil(max(1, self.max_staleness - 1) * float(pace))))
+        limit = admission_limit(
+            max_staleness=self.max_staleness,
+            pace=None if pace is None else float(pace),
+            groups_per_step=groups_per_step,
+            max_queued_groups=self.max_queued_groups,
+        )
         return max(0, limit - queued_groups)

@@ -3,13 +3,17 @@
 The facade over one directory::
 
     state.sqlite       the index (`experience.index`): groups, samples, deliveries, consumption, state
-    groups/            Arrow IPC entries, one per group, in a `preprocess.FeatureStore` that never evicts
+    journal/           the groups: one `experience.journal` record each (its Arrow IPC entry and its index rows)
+    groups/            a store's entries from before the journal, in a `preprocess.FeatureStore` (read only)
 
 * `append` / `append_all` — idempotent by group id. A group's trainable samples get their advantages
   (`experience.advantages`: GRPO or Dr. GRPO; DAPO's uniform groups dropped when configured), become
-  rows (`experience.microbatch`), are written as one Arrow entry and fsync'd, and only then indexed,
-  in one transaction: an append that returned is durable, and a crash in between leaves bytes no
-  index row points to, never a half-stored group.
+  rows (`experience.microbatch`) and one Arrow entry, written with the group's index rows as one journal
+  record and fsync'd: the one fsync of an append, which is durable when it returns. The rows are then
+  committed to the index without an fsync; a power cut that takes them is repaired on open, when the
+  records past each segment's indexed offset are indexed again (a torn record at a segment's end never was
+  acknowledged, and is never indexed or read; nor is anything past the size at which a segment was sealed when
+  an append to it failed, recorded with an fsync before the next append).
 * `lease` — the next micro-batch for one rank of a consumer: the oldest waiting samples that are
   fresh enough (`experience.staleness`), cut into balanced shares for every rank at once
   (`experience.packing`) and recorded as leased deliveries (`experience.ledger`).
@@ -27,6 +31,7 @@ between threads of one process. It speaks no HTTP: the data role (`services.data
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -42,10 +47,12 @@ import pyarrow as pa
 
 import preprocess as pp
 
+from . import wire
 from .advantages import ESTIMATORS, AdvantageEstimator, StdKind, group_advantages, has_signal
 from .changes import Changes
 from .errors import InvalidGroup, InvalidRequest, StoreNotWritable
-from .index import Counters, GroupCommit, open_index, transaction
+from .index import Counters, GroupCommit, open_index, transaction, unsynced_transaction
+from .journal import Journal, Location
 from .ledger import RETIRED, Acked, Ledger
 from .ledger import SCHEMA as LEDGER_SCHEMA
 from .microbatch import MicroBatch, group_of, group_table, ipc_bytes, read_entry
@@ -54,7 +61,7 @@ from .records import MICROBATCH_SCHEMA, Group
 from .staleness import SCHEMA as STALENESS_SCHEMA
 from .staleness import Staleness
 
-__all__ = ["DataConfig", "ExperienceStats", "ExperienceStore", "StalenessPolicy"]
+__all__ = ["CorruptStore", "DataConfig", "ExperienceStats", "ExperienceStore", "StalenessPolicy"]
 
 StalenessPolicy = Literal["drop", "regenerate"]
 
@@ -66,12 +73,21 @@ CREATE TABLE IF NOT EXISTS samples (
     sample_id TEXT PRIMARY KEY, group_id TEXT NOT NULL, seq INTEGER NOT NULL, idx INTEGER NOT NULL,
     tokens INTEGER NOT NULL, version INTEGER NOT NULL);
 CREATE INDEX IF NOT EXISTS samples_by_seq ON samples(seq, idx);
+CREATE TABLE IF NOT EXISTS entries (
+    group_id TEXT PRIMARY KEY, segment TEXT NOT NULL, offset INTEGER NOT NULL, length INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS segments (name TEXT PRIMARY KEY, indexed INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS sealed_segments (name TEXT PRIMARY KEY, size INTEGER NOT NULL);
 """
 
 # Counter names: groups dropped whole, and samples never trained (by reason).
 _GROUP_DROPS = {"uniform": "dropped_uniform", "empty": "dropped_empty"}
 _SAMPLE_DROPS = {"stale": "dropped_stale", "too_long": "too_long"}
 _DELIVERED = "microbatches_delivered"  # a counter, not a drop
+
+
+class CorruptStore(RuntimeError):
+    """The index and the entries disagree (an entry missing, or lacking a sample it should hold): a bug or a
+    damaged store, never served as a short batch. Not an `ExperienceError`: the data role answers 500."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,7 +100,7 @@ class DataConfig:
     advantage_estimator: AdvantageEstimator = "grpo"  # "dr_grpo": mean baseline only
     advantage_std: StdKind = "population"  # grpo's divisor: "unbiased" (n - 1) as verl and TRL
     lease_s: float = 300.0  # an unacknowledged delivery comes back after this long
-    max_queued_groups: int = 256  # admission never lets more groups wait
+    max_queued_groups: int | None = None  # caps admission's queue; None: sized from the step (`admission_limit`)
 
     def __post_init__(self) -> None:
         if self.max_staleness is not None and self.max_staleness < 0:
@@ -97,8 +113,8 @@ class DataConfig:
             raise ValueError(f"advantage_std must be one of {get_args(StdKind)}")
         if not self.lease_s > 0:
             raise ValueError("lease_s must be positive")
-        if self.max_queued_groups < 1:
-            raise ValueError("max_queued_groups must be positive")
+        if self.max_queued_groups is not None and self.max_queued_groups < 1:
+            raise ValueError("max_queued_groups must be positive (or None)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,7 +155,9 @@ class ExperienceStore:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.config = config or DataConfig()
-        self._blobs = pp.FeatureStore(self.root / "groups", 1 << 62)  # never evicts: experience is data
+        self._journal = Journal(self.root / "journal")
+        legacy = self.root / "groups" / "index.sqlite"
+        self._legacy = pp.FeatureStore(legacy.parent, 1 << 62) if legacy.exists() else None  # never evicts
         self._db = open_index(self.root / "state.sqlite", (SCHEMA, LEDGER_SCHEMA, STALENESS_SCHEMA))
         self._lock = threading.RLock()
         # Leases and acknowledgements, the feed's hot path, share commits (`GroupCommit`): a burst of ranks asking
@@ -161,6 +179,7 @@ class ExperienceStore:
             staleness_policy=self.config.staleness_policy,
             max_queued_groups=self.config.max_queued_groups,
         )
+        self._catch_up()
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -210,27 +229,94 @@ class ExperienceStore:
         group_id = p.group.group_id
         if self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,)).fetchone():
             return False
-        if p.entry is None:
-            with transaction(self._db):
-                self._db.execute(
-                    "INSERT INTO groups(group_id, samples, tokens, min_version, created, dropped) "
-                    "VALUES (?, 0, 0, 0, ?, 1)",
-                    (group_id, time.time()),
-                )
-                self._counters.add(_GROUP_DROPS[p.reason], 1)
-            return True
-        # The entry is written and fsync'd before the transaction that indexes it.
-        self._blobs.put(group_id, p.entry)
-        with transaction(self._db):
-            seq = self._db.execute(
-                "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",
-                (group_id, len(p.rows), sum(n for _, n, _ in p.rows), min(v for _, _, v in p.rows), time.time()),
-            ).lastrowid
-            self._db.executemany(
-                "INSERT INTO samples(sample_id, group_id, seq, idx, tokens, version) VALUES (?, ?, ?, ?, ?, ?)",
-                [(sid, group_id, seq, i, n, v) for i, (sid, n, v) in enumerate(p.rows)],
-            )
+        meta = wire.dumps([group_id, p.reason, time.time(), p.rows])
+        self._seal()  # a segment left by a failed append is sealed durably before anything more is written
+        # The append's one fsync: the record is the durable copy of the group, entry and index rows alike ...
+        try:
+            location = self._journal.append(meta, p.entry or b"")
+        except BaseException:
+            with contextlib.suppress(StoreNotWritable):  # else by the next append, which refuses to write until then
+                self._seal()
+            raise
+        # ... so they are committed without one: rows a power cut takes are indexed again on open (`_catch_up`).
+        with unsynced_transaction(self._db):
+            self._index(meta, location)
         return True
+
+    def _index(self, meta: bytes, location: Location) -> None:
+        """A journal record's group in the index, in the caller's transaction, with the segment's indexed offset;
+        nothing more when the group is there (indexed by a catch-up, or an earlier record of the same group)."""
+        group_id, reason, created, rows = wire.loads(meta)
+        self._db.execute(
+            "INSERT INTO segments(name, indexed) VALUES (?, ?) "
+            "ON CONFLICT(name) DO UPDATE SET indexed = MAX(indexed, excluded.indexed)",
+            (location.segment, location.end),
+        )
+        if self._db.execute("SELECT 1 FROM groups WHERE group_id = ?", (group_id,)).fetchone():
+            return
+        if reason:
+            self._db.execute(
+                "INSERT INTO groups(group_id, samples, tokens, min_version, created, dropped) "
+                "VALUES (?, 0, 0, 0, ?, 1)",
+                (group_id, created),
+            )
+            self._counters.add(_GROUP_DROPS[reason], 1)
+            return
+        seq = self._db.execute(
+            "INSERT INTO groups(group_id, samples, tokens, min_version, created) VALUES (?, ?, ?, ?, ?)",
+            (group_id, len(rows), sum(n for _, n, _ in rows), min(v for _, _, v in rows), created),
+        ).lastrowid
+        self._db.executemany(
+            "INSERT INTO samples(sample_id, group_id, seq, idx, tokens, version) VALUES (?, ?, ?, ?, ?, ?)",
+            [(sid, group_id, seq, i, n, v) for i, (sid, n, v) in enumerate(rows)],
+        )
+        self._db.execute(
+            "INSERT INTO entries(group_id, segment, offset, length) VALUES (?, ?, ?, ?)",
+            (group_id, location.segment, location.offset, location.length),
+        )
+
+    def _seal(self) -> None:
+        """Record durably (a synced commit) the segments the journal left after a failed append, at the size of
+        their whole records: no catch-up reads past it (the failed record may be whole in the page cache, its
+        durability unknown). `StoreNotWritable` when it cannot be recorded."""
+        sealed = self._journal.sealed
+        if not sealed:
+            return
+        try:
+            with transaction(self._db):
+                self._db.executemany(
+                    "INSERT INTO sealed_segments(name, size) VALUES (?, ?) "
+                    "ON CONFLICT(name) DO UPDATE SET size = MIN(size, excluded.size)",
+                    list(sealed.items()),
+                )
+        except sqlite3.Error as error:
+            message = f"the store at {self.root} cannot seal journal segments {sorted(sealed)}: {error}"
+            raise StoreNotWritable(message) from error
+        sealed.clear()
+
+    def _catch_up(self) -> None:
+        """On open: index every whole journal record past its segment's indexed offset, the groups whose
+        unsynced index rows a power cut took (each was acknowledged only once its record was fsync'd). A torn
+        record ends a segment's scan: its append never returned."""
+        indexed = {str(name): int(end) for name, end in self._db.execute("SELECT name, indexed FROM segments")}
+        sealed = {str(name): int(size) for name, size in self._db.execute("SELECT name, size FROM sealed_segments")}
+        for segment in self._journal.segments():  # one removed since (empty, by another instance) scans as nothing
+            records = list(self._journal.scan(segment, indexed.get(segment, 0), sealed.get(segment)))
+            if records:
+                with transaction(self._db):
+                    for record in records:
+                        self._index(record.meta, record.location)
+
+    def _locations(self, sample_ids: Sequence[str]) -> dict[str, Location | None]:
+        """Under the lock (the index's connection is the store's): where the samples' groups' entries lie in the
+        journal; None for an entry stored before it (in ``groups/``)."""
+        locations: dict[str, Location | None] = {}
+        for group_id in dict.fromkeys(group_of(s) for s in sample_ids):
+            row = self._db.execute(
+                "SELECT segment, offset, length FROM entries WHERE group_id = ?", (group_id,)
+            ).fetchone()
+            locations[group_id] = None if row is None else Location(str(row[0]), int(row[1]), int(row[2]))
+        return locations
 
     # -- the policy ----------------------------------------------------------------------------
     @property
@@ -248,10 +334,12 @@ class ExperienceStore:
         if self._staleness.policy != before:
             self.changes.notify()  # what is fresh enough moved
 
-    def admission(self, consumer: str = "trainer") -> int:
-        """How many more groups the producer may start now (`Staleness.admission`)."""
+    def admission(self, consumer: str = "trainer", *, groups_per_step: int | None = None) -> int:
+        """How many more groups the producer may start now, filling steps of ``groups_per_step`` groups (None:
+        not said) (`Staleness.admission`)."""
         with self._locked():
-            return self._staleness.admission(len({c.group_id for c in self._available(consumer)}))
+            queued = len({c.group_id for c in self._available(consumer)})
+            return self._staleness.admission(queued, groups_per_step=groups_per_step)
 
     def take_regenerations(self) -> list[str]:
         """The group ids whose samples went stale under ``staleness_policy="regenerate"``, once each."""
@@ -296,6 +384,7 @@ class ExperienceStore:
                 if pending is not None:
                     self._ledger.fetch(pending.batch_id, now)
                     self._counters.add(_DELIVERED, 1)
+            locations = {} if pending is None else self._locations(pending.sample_ids)
             self._expiry[consumer] = self._ledger.next_expiry(consumer)
         self._commits.durable(ticket)  # the delivery is on disk before the batch goes out
         if others:
@@ -303,7 +392,7 @@ class ExperienceStore:
         if pending is None:
             return None
         # Read outside the lock (the entries are immutable and never evicted): the next lease need not wait for it.
-        return MicroBatch(batch_id=pending.batch_id, rank=rank, table=self._load(pending.sample_ids))
+        return MicroBatch(batch_id=pending.batch_id, rank=rank, table=self._load(pending.sample_ids, locations))
 
     def ack(self, batch_id: str) -> list[str]:
         """Mark a delivered batch trained, durably; idempotent; its sample ids. Raises `UnknownBatch`
@@ -375,18 +464,28 @@ class ExperienceStore:
             if s not in leased
         ]
 
-    def _load(self, sample_ids: Sequence[str]) -> pa.Table:
-        """The samples' rows, in the given order, read from their groups' Arrow entries (zero-copy maps)."""
+    def _load(self, sample_ids: Sequence[str], locations: dict[str, Location | None]) -> pa.Table:
+        """The samples' rows, in the given order, read from their groups' Arrow entries (zero-copy maps) where
+        ``locations`` (`_locations`) says they lie. An entry missing, or lacking a leased sample, raises
+        `CorruptStore` (an internal error: a short batch would have its missing samples acknowledged untrained)."""
         groups: dict[str, tuple[pa.Table, dict[str, int]]] = {}
         rows: list[pa.Table] = []
         for sid in sample_ids:
             group_id = group_of(sid)
             if group_id not in groups:
-                entry = read_entry(self._blobs.get_bytes(group_id))
+                location = locations[group_id]
+                if location is not None:
+                    data: pa.Buffer | bytes | None = self._journal.read(location)
+                else:
+                    data = None if self._legacy is None else self._legacy.get_bytes(group_id)
+                if data is None:
+                    raise CorruptStore(f"the entry of group {group_id} is missing from the store at {self.root}")
+                entry = read_entry(data)
                 groups[group_id] = entry, {s: i for i, s in enumerate(entry.column("sample_id").to_pylist())}
             entry, position = groups[group_id]
-            if sid in position:
-                rows.append(entry.slice(position[sid], 1))  # zero-copy views of the rows wanted ...
+            if sid not in position:
+                raise CorruptStore(f"the entry of group {group_id} ({locations[group_id]}) lacks sample {sid}")
+            rows.append(entry.slice(position[sid], 1))  # zero-copy views of the rows wanted ...
         if not rows:
             return MICROBATCH_SCHEMA.empty_table()
         # ... copied once into one chunk (`take` over the groups' concatenation copied whole groups: 2x slower)
@@ -429,7 +528,8 @@ class ExperienceStore:
                 samples=int(self._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0]),
                 queue_samples=len(self._available(consumer)),
                 consumed=self._ledger.trained_count(consumer),
-                bytes=self._blobs.stats().bytes,
+                bytes=int(self._db.execute("SELECT COALESCE(SUM(length), 0) FROM entries").fetchone()[0])
+                + (0 if self._legacy is None else self._legacy.stats().bytes),
                 policy_version=policy,
                 staleness_histogram={str(policy - int(v)): int(n) for v, n in versions},
                 microbatches_delivered=counters.pop(_DELIVERED, 0),
@@ -444,7 +544,7 @@ class ExperienceStore:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 self._db.execute("ROLLBACK")
-                for directory in (self.root, self._blobs.root / "shards"):
+                for directory in (self.root, self._journal.root):
                     probe = directory / f".probe-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                     fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                     try:
@@ -458,5 +558,9 @@ class ExperienceStore:
 
     def close(self) -> None:
         with self._locked():
-            self._blobs.close()
+            with contextlib.suppress(StoreNotWritable):  # a last try
+                self._seal()
+            self._journal.close()
+            if self._legacy is not None:
+                self._legacy.close()
             self._db.close()

@@ -4,12 +4,13 @@
 supervisor one role's death was the stack's: ``weir up`` stopped every role, and ``weir train`` sat idle while
 each prompt failed on the dead role. `Supervisor` watches the children from a thread:
 
-* a role that exits (killed, crashed) is started again on its port, with the same settings, after a backoff
-  that doubles from ``backoff_s`` up to ``max_backoff_s`` while it keeps failing; the restart is logged and
+* a role that exits (killed, crashed) is started again on its port, with the same settings, after a pause
+  drawn below a ceiling that doubles from ``backoff_s`` up to ``max_backoff_s`` while it keeps failing
+  (`wire.backoff`: full jitter); the restart is logged and
   counted — the new process exports the count as ``weir_role_restarts_total`` (``WEIR_ROLE_RESTARTS``), so a
   scraper sees it on the role itself;
 * traffic returns through readiness: a restarted role is counted as back once ``/readyz`` answers 200, and the
-  callers in the stack retry refused connections meanwhile (`services.http.CONNECT_RETRIES`, the trainer's
+  callers in the stack retry refused connections meanwhile (`services.http.CONNECT_RETRY_S`, the trainer's
   clients the same; not the engine client: the dispatcher fails over instead);
 * a role that cannot start ``max_failures`` times in a row is fatal: `fatal` says which, with its last log
   lines, and ``on_fatal`` is called once (``weir up`` stops the stack; ``weir train`` interrupts the run).
@@ -30,6 +31,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from wire.backoff import Backoff
 
 if TYPE_CHECKING:
     from .stack import LocalStack, RoleProcess
@@ -67,6 +70,7 @@ class Supervisor:
     ) -> None:
         self.stack = stack
         self.max_failures, self.backoff_s, self.max_backoff_s = max_failures, backoff_s, max_backoff_s
+        self._backoff = Backoff(first_s=backoff_s, cap_s=max_backoff_s)  # impossible bounds refused here
         self.ready_timeout_s, self.poll_s = ready_timeout_s, poll_s
         self.on_fatal = on_fatal
         self.env = env  # extra settings for a role started again (e.g. the engines' current weights)
@@ -105,9 +109,8 @@ class Supervisor:
         child = next(c for c in self.stack.children if c.role == role)
         code, log = child.process.returncode, child.log
         logger.warning("role %s exited (%s); starting it again (log: %s)", role, code, log)
-        delay = self.backoff_s
         for attempt in range(1, self.max_failures + 1):
-            if self._stop.wait(delay):
+            if self._stop.wait(self._backoff.pause(attempt)):
                 return False
             self.restarts[role] += 1
             extra = {"WEIR_ROLE_RESTARTS": str(self.restarts[role]), **(self.env(role) if self.env else {})}
@@ -122,7 +125,6 @@ class Supervisor:
                 return False
             logger.warning("role %s did not start (attempt %d of %d)", role, attempt, self.max_failures)
             self.stack.kill(role)
-            delay = min(2 * delay, self.max_backoff_s)
         self.fatal = (
             f"role {role} could not start {self.max_failures} times in a row; the last lines of {child.log}:\n"
             + last_lines(child.log)

@@ -68,6 +68,13 @@ def twin_arguments(parser: argparse.ArgumentParser) -> None:
         help="calibrate: the calibrated profile to write (default: HOME/<profile>-calibrated.yaml)",
     )
     parser.add_argument(
+        "--predictions",
+        type=Path,
+        default=None,
+        help="calibrate: where the held-out predictions go, before any comparison (default: "
+        "HOME/predictions-DATE.json)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=4, help="optimizer steps per run (the first is left out of s/step)"
     )
     parser.add_argument(
@@ -82,7 +89,8 @@ def twin_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="+",
         default=["colocate", "async-1", "async-2"],
         help="colocate, async-S (staleness bound S; async-0: on-policy), partial-S (async-S with partial rollouts); "
-        "with --cost-model also hybrid (veRL's hybrid engine: colocated without offload or a separate push)",
+        "with --cost-model also hybrid (veRL's hybrid engine: colocated without offload or a separate push) and "
+        "one-step-off (veRL's one-step-off pipeline: whole batches, the reference forward on the critical path)",
     )
     parser.add_argument(
         "--lengths",
@@ -211,6 +219,9 @@ def _candidate(config: TwinConfig, mode: str, gpus: int) -> Candidate:
 
     if mode == "hybrid":  # veRL's hybrid engine: the cost model's only (Weir does not run it)
         return Candidate("hybrid", gpus, 0)
+    if mode == "one-step-off":  # veRL's one-step-off pipeline: the cost model's only, on the async split
+        plan = layout(gpus, "async-1", config.gpus_per_node, config.engine_gpus)
+        return Candidate("one-step-off", plan.engines, plan.trainer_gpus)
     colocate, staleness, partial = parse_mode(mode)
     if partial:
         raise ValueError(f"{mode}: the cost model does not model partial rollouts (the live twin does)")
@@ -244,14 +255,15 @@ def _cost_model(args: argparse.Namespace, config: TwinConfig) -> int:
 def _plan(args: argparse.Namespace, config: TwinConfig) -> int:
     from rich.progress import Progress
 
-    from twin.plan import Candidate, candidates, plan, print_predictions, sensitivity
+    from twin.plan import Candidate, candidates, corner_options, plan, print_predictions, sensitivity
 
     from .console import console
 
     gpus = config.gpus
     count = len(candidates(gpus, tuple(args.staleness)))
+    points = len(corner_options(config.profile))
     with Progress(transient=True) as progress:
-        task = progress.add_task(f"plan: {count} ways to run {gpus} GPUs", total=count)
+        task = progress.add_task(f"plan: {count} ways to run {gpus} GPUs x {points} corners", total=count * points)
         results = plan(
             config.profile,
             gpus,
@@ -273,9 +285,10 @@ def _plan(args: argparse.Namespace, config: TwinConfig) -> int:
     )
     ties = [r["label"] for r in results[1:] if r["overlaps_best"]]
     print(
-        f"best: {best['label']} — {best['s_per_step']:.1f} ± {best['s_per_step_ci95']:.1f} s/step, "
-        f"{best['tokens_per_s_per_gpu']:.0f} tokens/s/GPU"
-        + (f"; not told apart (intervals overlap) from {', '.join(ties)}" if ties else "")
+        f"best by its worst case: {best['label']} — {best['worst_s_per_step']:.1f} ± "
+        f"{best['worst_s_per_step_ci95']:.1f} s/step at {best['worst_corner']} ({best['s_per_step']:.1f} at the "
+        f"profile's own constants, {best['tokens_per_s_per_gpu']:.0f} tokens/s/GPU)"
+        + (f"; not told apart (worst cases overlap) from {', '.join(ties)}" if ties else "")
     )
     (config.home).mkdir(parents=True, exist_ok=True)
     (config.home / "plan.json").write_text(json.dumps(results, indent=2))
@@ -283,23 +296,42 @@ def _plan(args: argparse.Namespace, config: TwinConfig) -> int:
 
 
 def _calibrate(args: argparse.Namespace, config: TwinConfig) -> int:
-    from twin.plan import calibrate, write_calibration
+    import yaml
+    from rich.progress import Progress
+
+    from twin.held_out import compare, predict_held_out, print_held_out
+    from twin.plan import write_calibration
+    from twin.ranges import corners, read_ranges
     from twin.reference import reference_figures
 
-    reference = reference_figures(config.profile)
-    fit = calibrate(
-        config.profile,
-        target_s=reference["colocate_s_per_step"],
-        gpus=int(reference["gpus"]),
-        prompts=int(reference["prompts"]),
-        n=int(reference["n"]),
-        steps=args.model_steps,
-    )
-    out: Path = args.out or config.home / f"{config.profile.stem}-calibrated.yaml"
-    import yaml
+    from .console import console
 
+    reference = reference_figures(config.profile)
+    count = len(corners(read_ranges(config.profile)))
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"calibrate: the knob fitted at {count} corners, then the held-out modes", total=count)
+        held = predict_held_out(
+            config.profile,
+            target_s=reference["colocate_s_per_step"],
+            gpus=int(reference["gpus"]),
+            prompts=int(reference["prompts"]),
+            n=int(reference["n"]),
+            steps=args.model_steps,
+            on_done=lambda _: progress.advance(task),
+        )
+    fit = held["corners"][0]["fit"]  # the profile's own point
+    fitted = [
+        {"label": c["label"], "decode_speed": c["decode_speed"], "mfu": c["mfu"], "length_median": c["fit"]["value"]}
+        for c in held["corners"]
+    ]
+    out: Path = args.out or config.home / f"{config.profile.stem}-calibrated.yaml"
     cited = yaml.safe_load(config.profile.read_text())["reference"]["colocate_s_per_step"].get("source", "")
-    write_calibration(config.profile, fit, out, source=f"reference.colocate_s_per_step: {cited}".strip(": "))
+    source = f"reference.colocate_s_per_step: {cited}".strip(": ")
+    write_calibration(config.profile, fit, out, source=source, corners=fitted)
+    predictions: Path = args.predictions or config.home / f"predictions-{held['date'][:10]}.json"
+    predictions.parent.mkdir(parents=True, exist_ok=True)
+    predictions.write_text(json.dumps(held, indent=2) + "\n")
     print(json.dumps(fit))
-    print(f"calibrated profile: {out}")
+    print_held_out(held, compare(held, reference), console=console)
+    print(f"calibrated profile: {out}\npredictions: {predictions}")
     return 0

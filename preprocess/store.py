@@ -29,6 +29,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from wire.backoff import Backoff
+
 from .features import Features, features_from_arrow
 
 __all__ = ["FeatureStore", "StoreStats"]
@@ -45,6 +47,10 @@ CREATE TABLE IF NOT EXISTS entries (
 CREATE INDEX IF NOT EXISTS entries_by_shard ON entries(shard);
 """
 _TOUCH_EVERY_S = 5.0  # last-access updates are throttled: one write per shard per interval
+# Roles opening one cache together wait for each other's switch to WAL this long, each pause jittered so that
+# they do not try again all at the same instant (`wire.backoff`).
+_WAL_WAIT_S = 10.0
+_WAL_BACKOFF = Backoff(first_s=0.02, cap_s=0.5)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,16 +100,18 @@ class FeatureStore:
         conn = getattr(self._local, "conn", None)
         if conn is None or getattr(self._local, "pid", None) != os.getpid():
             conn = sqlite3.connect(self._db_path, timeout=60.0, isolation_level=None, check_same_thread=False)
-            for attempt in range(100):
+            deadline, attempt = time.monotonic() + _WAL_WAIT_S, 0
+            while True:
                 try:
                     conn.execute("PRAGMA journal_mode=WAL")
                     break
                 except sqlite3.OperationalError as error:
                     # Roles starting together switch the same file to WAL: sqlite answers "locked" at once,
                     # without its busy handler (seen: a data role dying at start). Wait for the other one.
-                    if "locked" not in str(error) or attempt == 99:
+                    if "locked" not in str(error) or time.monotonic() >= deadline:
                         raise
-                    time.sleep(0.1)
+                    attempt += 1
+                    time.sleep(_WAL_BACKOFF.pause(attempt))
             conn.execute("PRAGMA synchronous=FULL")
             self._local.conn, self._local.pid = conn, os.getpid()
             self._keep(conn)

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import httpx
 
+from wire.transport import AsyncConnectRetry, ConnectRetry
+
 from .logs import current_request_id, current_traceparent
 
-__all__ = ["CONNECT_RETRIES", "SERVER_KEEP_ALIVE_S", "async_client", "auth_headers", "sync_client"]
+__all__ = ["CONNECT_RETRY_S", "SERVER_KEEP_ALIVE_S", "async_client", "auth_headers", "sync_client"]
 
 # A role the supervisor is starting again refuses connections for a few seconds (a restart on 2 cores: ~5-20 s).
-# httpcore retries a refused *connection* — nothing was sent, so any request is safe to retry — with exponential
-# backoff (0, 0.5, 1, 2, ... s): 7 retries wait ~32 s in all before the caller sees the error.
-CONNECT_RETRIES = 7
+# A refused *connection* — nothing was sent, so any request is safe to retry — is retried for this long, each
+# pause drawn with jitter (`wire.transport`, `wire.backoff`), before the caller sees the error.
+CONNECT_RETRY_S = 30.0
 # How long a role keeps an idle client connection open. uvicorn's default (5 s) equals httpx's client-side expiry
 # (5 s): a client reusing a connection just as the server closes it gets a ReadError on a request the server never
 # saw (measured: a rollout failed with "preprocess did not answer" 5.0 s after the previous call, under load). The
@@ -50,29 +52,29 @@ def async_client(
     token: str | None,
     timeout: float,
     max_connections: int | None = 100,
-    connect_retries: int = CONNECT_RETRIES,
+    connect_retry_s: float = CONNECT_RETRY_S,
 ) -> httpx.AsyncClient:
     """``max_connections`` bounds the requests in flight through this client (httpx's default, 100); None:
     the caller bounds them itself (the rollout role's engine calls: one per sample being generated).
-    ``connect_retries``: refused connections retried with backoff (`CONNECT_RETRIES`: through a role's restart;
-    0 where the caller fails over elsewhere at once, as the engine dispatcher does)."""
+    ``connect_retry_s``: how long refused connections are retried, with jittered backoff (`CONNECT_RETRY_S`:
+    through a role's restart; 0 where the caller fails over elsewhere at once, as the engine dispatcher does)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=20)
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=timeout,
         headers=auth_headers(token),
         event_hooks={"request": [_async_request_id]},
-        transport=httpx.AsyncHTTPTransport(limits=limits, retries=connect_retries),
+        transport=AsyncConnectRetry(httpx.AsyncHTTPTransport(limits=limits), retry_s=connect_retry_s),
     )
 
 
 def sync_client(
-    base_url: str = "", *, token: str | None, timeout: float, connect_retries: int = CONNECT_RETRIES
+    base_url: str = "", *, token: str | None, timeout: float, connect_retry_s: float = CONNECT_RETRY_S
 ) -> httpx.Client:
     return httpx.Client(
         base_url=base_url,
         timeout=timeout,
         headers=auth_headers(token),
         event_hooks={"request": [_add_request_id]},
-        transport=httpx.HTTPTransport(retries=connect_retries),
+        transport=ConnectRetry(httpx.HTTPTransport(), retry_s=connect_retry_s),
     )

@@ -3,7 +3,8 @@
 ``async`` (`RolloutDriver.start`): a background thread keeps up to ``in_flight`` single-group
 requests going — one request per group, so a long response holds back only its own group — and
 starts new ones only as far as ``GET /v1/admission`` allows (the data role holds the producer to
-what the trainer can use within the staleness bound). ``colocate`` (`RolloutDriver.generate`):
+what the trainer can use within the staleness bound; the driver sends its step, ``groups_per_step``, which
+sizes that queue). ``colocate`` (`RolloutDriver.generate`):
 one request with the whole batch, returning when its slowest sample has finished.
 
 A row is a rollout prompt: ``messages``, ``reward`` (default none) and, when it has them,
@@ -30,7 +31,9 @@ import httpx
 from experience.client import DataClient
 from rollout.api import RolloutPrompt, RolloutRequest
 from rollout.client import RolloutClient
+from wire.backoff import RESTART_BACKOFF
 from wire.client import RoleError, RoleUnavailable
+from wire.transport import ConnectRetry
 
 __all__ = ["RolloutDriver", "group_id", "row_of"]
 
@@ -66,20 +69,26 @@ class RolloutDriver:
         sampling_params: dict[str, Any],
         in_flight: int,
         token: str | None = None,
+        groups_per_step: int | None = None,
     ) -> None:
         self.rows, self.rollout_url, self.data_url = rows, rollout_url, data_url
         self.n, self.sampling_params, self.in_flight = n, sampling_params, in_flight
+        # The trainer's step in groups, told to the data role's admission (default: a step's groups in flight).
+        self.groups_per_step = groups_per_step if groups_per_step is not None else in_flight
         self.regenerated = 0
         self.failures: list[BaseException] = []
         self._order = itertools.cycle(range(len(rows)))
         self._client = httpx.Client(
             timeout=600,
             headers={"Authorization": f"Bearer {token}"} if token else None,
-            # a refused connection (the rollout or data role restarting) is retried with backoff, ~30 s in all,
-            # before its prompt is dropped. Connections unbounded (the in_flight threads bound them): under httpx's
-            # default pool of 100, groups past the 100th waited for a connection, not for an engine.
-            transport=httpx.HTTPTransport(
-                retries=7, limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, in_flight))
+            # a refused connection (the rollout or data role restarting) is retried with jittered backoff, 30 s in
+            # all, before its prompt is dropped. Connections unbounded (the in_flight threads bound them): under
+            # httpx's default pool of 100, groups past the 100th waited for a connection, not for an engine.
+            transport=ConnectRetry(
+                httpx.HTTPTransport(
+                    limits=httpx.Limits(max_connections=None, max_keepalive_connections=max(20, in_flight))
+                ),
+                retry_s=30.0,
             ),
         )
         self._rollout = RolloutClient(rollout_url, token=token, timeout_s=600, http=self._client)
@@ -131,6 +140,7 @@ class RolloutDriver:
 
     def _run(self) -> None:
         pending: set[Future[int]] = set()
+        unanswered = 0  # the data role's calls in a row that got no answer
         with ThreadPoolExecutor(max_workers=self.in_flight, thread_name_prefix="rollout") as pool:
             while not self._stop.is_set():
                 try:
@@ -141,8 +151,9 @@ class RolloutDriver:
                             logger.warning("a rollout request failed (%s); its prompt is dropped", error)
                         elif error is not None:
                             raise error
-                    allowed = self._data.admission().groups - len(pending)
+                    allowed = self._data.admission(groups_per_step=self.groups_per_step).groups - len(pending)
                     room = min(allowed, self.in_flight - len(pending))
+                    unanswered = 0
                     if room <= 0:
                         time.sleep(0.05)
                         continue
@@ -152,7 +163,9 @@ class RolloutDriver:
                     if error.status is not None:  # it answered, failing: as any other failure
                         self.failures.append(error)
                         return
-                    time.sleep(0.5)  # no answer: the data role restarting (its state is durable): wait
+                    # no answer: the data role restarting (its state is durable): wait, jittered (`wire.backoff`)
+                    unanswered += 1
+                    self._stop.wait(RESTART_BACKOFF.pause(unanswered))
                 except BaseException as error:  # noqa: BLE001 - reported to the training loop by check()
                     self.failures.append(error)
                     return

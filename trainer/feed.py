@@ -15,6 +15,7 @@ With ``inline_media=True`` each sequence's features come with the batch (``FeedB
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -29,9 +30,12 @@ from torch.utils.data import IterableDataset
 import preprocess as pp
 from experience.client import DataClient
 from experience.records import BatchMeta
+from wire.backoff import RESTART_BACKOFF
 from wire.client import RoleRefused, RoleUnauthorized, RoleUnavailable
 
 __all__ = ["AckRefused", "FeedBatch", "MicroBatchDataset", "MicroBatchFeed", "pack"]
+
+logger = logging.getLogger(__name__)
 
 
 class AckRefused(RuntimeError):
@@ -147,6 +151,7 @@ class MicroBatchFeed:
         # it is trained; prefetch>0 overlaps the fetch with training at the price of one more version.
         self._thread = threading.Thread(target=self._fetch, daemon=True) if prefetch > 0 else None
         self._fetched = 0
+        self._unanswered = 0  # long-polls in a row that got no answer (the data role restarting)
         if self._thread is not None:
             self._thread.start()
 
@@ -166,8 +171,14 @@ class MicroBatchFeed:
         except RoleUnavailable as error:
             if error.status is not None:  # it answered, with a 5xx
                 raise
-            self._stop.wait(min(wait_s, 1.0))  # the data role restarting: its state is durable, wait for it
+            # The data role restarting: its state is durable, wait for it. Jittered (`wire.backoff`): every rank
+            # lost it at once, and must not come back to it at once.
+            self._unanswered += 1
+            pause = min(wait_s, RESTART_BACKOFF.pause(self._unanswered))
+            logger.info("rank %d: no answer from the data role (%s); asking again in %.3f s", self.rank, error, pause)
+            self._stop.wait(pause)
             return None
+        self._unanswered = 0
         if delivery is None:
             return None
         table = delivery.table

@@ -135,6 +135,8 @@ def _driver(rows: list[dict[str, Any]], config: LoopConfig) -> RolloutDriver:
         sampling_params={"max_new_tokens": config.max_new_tokens, "temperature": config.temperature},
         in_flight=config.groups_per_step,
         token=config.token,
+        # the trainer's step in groups (a step per samples_per_step samples), which sizes the data role's admission
+        groups_per_step=-(-(config.samples_per_step or config.groups_per_step * config.n) // config.n),
     )
 
 

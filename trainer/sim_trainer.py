@@ -185,6 +185,12 @@ class SimTrainer:
         """Simulated seconds of forward + backward over ``tokens`` on the whole trainer."""
         return tokens / (self.gpus * self.profile.train_tokens_per_gpu_s)
 
+    def forward_seconds(self, tokens: int) -> float:
+        """Simulated seconds of one more forward pass over ``tokens`` on the whole trainer (2N FLOPs per token at
+        the profile's MFU): a reference model's log-probs where a recipe computes them on the trainer's GPUs."""
+        p = self.profile
+        return tokens * 2 * p.model_params / (self.gpus * p.peak_flops_per_gpu * p.mfu)
+
     def allreduce_seconds(self) -> float:
         """Simulated seconds of one step's gradient all-reduce over the data-parallel ranks (`sim_comm`)."""
         p = self.profile

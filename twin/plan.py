@@ -76,6 +76,13 @@ class Options(RunSize, total=False):
     trainer_overrides: Mapping[str, Any]
 
 
+class CornerChanges(TypedDict):
+    """The constants one corner of the ranges changes (`corner_options`)."""
+
+    overrides: Mapping[str, float]
+    trainer_overrides: Mapping[str, float]
+
+
 class Swing(TypedDict):
     share: float  # the knob's ± share
     low: float  # s/step at 1 - share
@@ -110,7 +117,8 @@ Job = tuple[Path, "Candidate", Options]
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A way to run ``engine_gpus + trainer_gpus`` GPUs: ``colocate`` (every GPU generates, then trains:
-    ``trainer_gpus`` is 0; ``hybrid``: the same with veRL's hybrid-engine swaps), or ``async-S`` with that split."""
+    ``trainer_gpus`` is 0; ``hybrid``: the same with veRL's hybrid-engine swaps), or ``async-S`` with that split
+    (``one-step-off``: veRL's batch pipeline, `twin.one_step_off`)."""
 
     mode: str
     engine_gpus: int
@@ -168,10 +176,16 @@ def predict(profile: Path, candidate: Candidate, **options: Unpack[Options]) -> 
     """The cost model's figures for one candidate (``options``: passed on to the cost model), labelled with it."""
     if candidate.mode in ("colocate", "hybrid"):
         out = colocate_cost_model(profile, candidate.gpus, hybrid=candidate.mode == "hybrid", **options)
+    elif candidate.mode == "one-step-off":
+        from .one_step_off import one_step_off_cost_model  # imports this module's neighbour `twin.model` only
+
+        out = one_step_off_cost_model(
+            profile, engine_gpus=candidate.engine_gpus, trainer_gpus=candidate.trainer_gpus, **options
+        )
     else:
         kind, _, bound = candidate.mode.partition("-")
         if kind != "async" or not bound.isdigit():
-            raise ValueError(f"the cost model runs colocate and async-S, not {candidate.mode!r}")
+            raise ValueError(f"the cost model runs colocate, hybrid, one-step-off and async-S, not {candidate.mode!r}")
         out = async_cost_model(
             profile,
             engine_gpus=candidate.engine_gpus,
@@ -221,16 +235,63 @@ def plan(
     on_done: Callable[[Prediction], None] | None = None,
     **size: Unpack[RunSize],
 ) -> list[Prediction]:
-    """Every candidate of ``gpus`` GPUs (`candidates`), each prediction of ``size`` (`RunSize`), fastest first (by
-    mean simulated s/step); each with ``overlaps_best``: whether its interval overlaps the best one's (the two are
-    then not told apart)."""
-    options: Options = {**size}
-    jobs: list[Job] = [(profile, c, options) for c in candidates(gpus, staleness)]
-    results = sorted(run_all(jobs, workers=workers, on_done=on_done), key=lambda r: r["s_per_step"])
+    """Every candidate of ``gpus`` GPUs (`candidates`), each prediction of ``size`` (`RunSize`), ranked by its worst
+    case over the profile's ranges: each candidate runs at every corner (`twin.ranges`; with the knob refitted there
+    when the profile's calibration holds the corners' fits, `weir twin calibrate`) and ``worst_s_per_step`` is the
+    slowest (``worst_corner`` says which); without ranges the worst is the profile's own point. Each result is the
+    profile's own point's prediction, with ``overlaps_best``: whether its worst case's interval overlaps the best
+    one's (the two are then not told apart)."""
+    base: Options = {**size}
+    points = corner_options(profile)
+    count = len(points)
+    jobs: list[Job] = [
+        (profile, c, {**base, "overrides": extra["overrides"], "trainer_overrides": extra["trainer_overrides"]})
+        for c in candidates(gpus, staleness)
+        for _, extra in points
+    ]
+    done = run_all(jobs, workers=workers, on_done=on_done)
+    results = []
+    for i in range(0, len(done), count):
+        runs = done[i : i + count]
+        worst = max(range(count), key=lambda k: runs[k]["s_per_step"])
+        best_of = runs[0]
+        best_of["worst_s_per_step"] = runs[worst]["s_per_step"]
+        best_of["worst_s_per_step_ci95"] = runs[worst]["s_per_step_ci95"]
+        best_of["worst_corner"] = points[worst][0]
+        results.append(best_of)
+    results.sort(key=lambda r: r["worst_s_per_step"])
     best = results[0]
+    reach = best["worst_s_per_step"] + best["worst_s_per_step_ci95"]
     for r in results:
-        r["overlaps_best"] = r["s_per_step"] - r["s_per_step_ci95"] <= best["s_per_step"] + best["s_per_step_ci95"]
+        r["overlaps_best"] = r["worst_s_per_step"] - r["worst_s_per_step_ci95"] <= reach
     return results
+
+
+def corner_options(profile: Path) -> list[tuple[str, CornerChanges]]:
+    """Each corner of the profile's ranges as the constants a prediction changes (its label first): the knob's
+    value refitted there where the profile's ``calibration.corners`` holds it, else the profile's own."""
+    from .ranges import corners, read_ranges
+
+    ranges = read_ranges(profile)
+    moves = ranges["decode_speed"].moves if "decode_speed" in ranges else ()
+    engine = SimProfile.load(profile)
+    fitted = _fitted_corners(profile)
+    out: list[tuple[str, CornerChanges]] = []
+    for corner in corners(ranges):
+        engine_changes, trainer_changes = corner.overrides(engine, moves)
+        if corner.label in fitted:
+            engine_changes["length_median"] = fitted[corner.label]
+        out.append((corner.label, {"overrides": engine_changes, "trainer_overrides": trainer_changes}))
+    return out
+
+
+def _fitted_corners(profile: Path) -> dict[str, float]:
+    """The knob's value fitted at each corner, by the corner's label, from the profile's ``calibration`` section."""
+    data = yaml.safe_load(profile.read_text())
+    found = (data.get("calibration") or {}).get("corners") if isinstance(data, dict) else None
+    if not isinstance(found, list):
+        return {}
+    return {str(c["label"]): float(c["length_median"]) for c in found if isinstance(c, dict) and "label" in c}
 
 
 def sensitivity(
@@ -265,38 +326,74 @@ def calibrate(
     steps: int = 8,
     knob: str = "length_median",
     tolerance: float = 0.002,
+    overrides: Mapping[str, float] | None = None,
+    trainer_overrides: Mapping[str, float] | None = None,
 ) -> Fit:
     """The one knob (the response length's median: the constant with no source that decides the async
-    prediction) fitted by bisection so the colocate cost model's s/step on ``gpus`` GPUs meets ``target_s``
-    (within ``tolerance``, relative); its fit (value, the s/step reached, the uncalibrated value and s/step)."""
+    prediction) fitted so the colocate cost model's s/step on ``gpus`` GPUs meets ``target_s`` (within
+    ``tolerance``, relative), with the other constants as the profile has them changed by ``overrides`` /
+    ``trainer_overrides`` (a corner of their ranges); its fit (value, the s/step reached, the uncalibrated value
+    and s/step).
+
+    The root is bracketed by steps of x1.5 from the profile's value (ValueError past x8 either way: the target is
+    out of the knob's reach) and found by regula falsi in log space with the Illinois rule — a step's time is
+    nearly linear in the median, so it takes a few colocate runs where bisection took a dozen."""
     if knob != "length_median":
         raise ValueError("the calibration knob is length_median")
     candidate = Candidate("colocate", gpus, 0)
     base = SimProfile.load(profile).length_median
+    fixed = dict(overrides or {})
 
-    def at(value: float) -> float:
-        figures = predict(profile, candidate, prompts=prompts, n=n, steps=steps, overrides={knob: value})
-        return float(figures["s_per_step"])
-
-    before = at(base)
-    low, high = base / 8, base * 8
-    reach = (at(low), at(high))
-    if not reach[0] <= target_s <= reach[1]:
-        raise ValueError(
-            f"{target_s} s/step is out of the knob's reach: {knob} from {low:g} to {high:g} gives "
-            f"{reach[0]:.1f}-{reach[1]:.1f} s/step (responses capped at max_response_tokens, or the target is wrong)"
+    def miss(log_value: float) -> float:
+        figures = predict(
+            profile,
+            candidate,
+            prompts=prompts,
+            n=n,
+            steps=steps,
+            overrides={**fixed, knob: math.exp(log_value)},
+            trainer_overrides=dict(trainer_overrides or {}),
         )
-    value, reached = base, before
-    for _ in range(40):
-        value = math.sqrt(low * high)  # lengths are log-normal: bisect in log space
-        reached = at(value)
-        if abs(reached / target_s - 1) <= tolerance:
+        seen[log_value] = float(figures["s_per_step"])
+        return seen[log_value] / target_s - 1
+
+    seen: dict[float, float] = {}
+    a = math.log(base)
+    fa = miss(a)
+    before = seen[a]
+    b, fb = a, fa
+    direction = -1.0 if fa > 0 else 1.0
+    while fa * fb > 0 and abs(fa) > tolerance:
+        a, fa = b, fb
+        b = a + direction * math.log(1.5)
+        if abs(b - math.log(base)) > math.log(8) + 1e-9:
+            raise ValueError(
+                f"{target_s} s/step is out of the knob's reach: {knob} from {base / 8:g} to {base * 8:g} gives "
+                f"{min(seen.values()):.1f}-{max(seen.values()):.1f} s/step (responses capped at max_response_tokens, "
+                "or the target is wrong)"
+            )
+        fb = miss(b)
+    value, error = (a, fa) if abs(fa) <= abs(fb) else (b, fb)
+    side = 0
+    for _ in range(30):
+        if abs(error) <= tolerance:
             break
-        low, high = (value, high) if reached < target_s else (low, value)
+        value = (a * fb - b * fa) / (fb - fa)
+        error = miss(value)
+        if error * fb > 0:  # the new point replaces b; a kept twice in a row has its value halved (Illinois)
+            b, fb = value, error
+            if side == -1:
+                fa /= 2
+            side = -1
+        else:
+            a, fa = value, error
+            if side == 1:
+                fb /= 2
+            side = 1
     return {
         "knob": knob,
-        "value": round(value, 1),
-        "s_per_step": reached,
+        "value": round(math.exp(value), 1),
+        "s_per_step": seen[value],
         "target_s_per_step": target_s,
         "uncalibrated_value": base,
         "uncalibrated_s_per_step": before,
@@ -307,9 +404,12 @@ def calibrate(
     }
 
 
-def write_calibration(profile: Path, fit: Fit, out: Path, *, source: str) -> Path:
+def write_calibration(
+    profile: Path, fit: Fit, out: Path, *, source: str, corners: Sequence[Mapping[str, object]] = ()
+) -> Path:
     """``profile`` with the fitted knob's value (a comment on its line keeps the estimate) and a ``calibration``
-    section holding the fit, written to ``out``; the file's other lines and comments are kept as they are."""
+    section holding the fit (and ``corners``: the knob fitted at each corner of the ranges, for `plan`'s worst
+    case), written to ``out``; the file's other lines and comments are kept as they are."""
     text = profile.read_text()
     # the constant's block: its lines indented deeper than the next constant's, its value among them
     pattern = re.compile(rf"^(  {re.escape(fit['knob'])}:\n(?:    [^\n]*\n)*?    value: )([^\n]*)$", re.MULTILINE)
@@ -322,7 +422,10 @@ def write_calibration(profile: Path, fit: Fit, out: Path, *, source: str) -> Pat
     # a previous fit is replaced: its head comment and its top-level block (indented lines up to the next key),
     # wherever it stands and whether or not a YAML dump has dropped the comment
     text = _PREVIOUS_FIT.sub("", text.replace(_CALIBRATION_HEAD, ""))
-    section = yaml.safe_dump({"calibration": {"fitted_on": source, **dict(fit)}}, sort_keys=False, width=120)
+    fitted: dict[str, object] = {"fitted_on": source, **dict(fit)}
+    if corners:
+        fitted["corners"] = [dict(c) for c in corners]
+    section = yaml.safe_dump({"calibration": fitted}, sort_keys=False, width=120)
     text = text.rstrip("\n") + "\n" + _CALIBRATION_HEAD + section
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -340,7 +443,8 @@ def print_predictions(
     console: Console,
     sensitivities: Mapping[str, Any] | None = None,
 ) -> None:
-    """A table of cost-model predictions (s/step with its 95 % interval, tokens/s per GPU, idle shares, drops),
+    """A table of cost-model predictions (s/step with its 95 % interval, tokens/s per GPU, idle shares, drops, the
+    engines' mean running batch and the trainer's data wait),
     and per row the s/step at each knob's ends where ``sensitivities`` (by label) has them; ``console``: the
     caller's terminal (the table is printed at least 200 columns wide, whatever its width)."""
     from rich.console import Console
@@ -348,7 +452,9 @@ def print_predictions(
 
     table = Table(title=title, title_justify="left")
     columns = ["run", "s/step ± 95 %", "tok/s/GPU", "engine idle", "trainer idle", "dropped", "staleness (trained)"]
-    columns += ["KV retractions", "peak KV"]
+    columns += ["KV retractions", "peak KV", "engine batch", "data wait"]
+    worst = any("worst_s_per_step" in r for r in rows)
+    columns += ["worst corner: s/step"] if worst else []
     columns += [f"{knob} ∓{share:.0%}" for knob, share in KNOBS.items()] if sensitivities else []
     for name in columns:
         table.add_column(name, justify="left" if name in ("run", "staleness (trained)") else "right")
@@ -363,7 +469,11 @@ def print_predictions(
             " ".join(f"{k}:{v}" for k, v in (r.get("staleness_histogram") or {}).items()) or "-",
             str(r.get("retractions", 0)),
             f"{r['peak_kv_share']:.0%}" if "peak_kv_share" in r else "-",
+            f"{r['engine_batch_mean']:.1f}" if "engine_batch_mean" in r else "-",
+            f"{r['trainer_data_wait_s']:.1f} s" if "trainer_data_wait_s" in r else "-",
         ]
+        if worst:
+            cells.append(f"{r['worst_s_per_step']:.1f} ({r['worst_corner']})" if "worst_s_per_step" in r else "-")
         found = (sensitivities or {}).get(r["label"])
         if sensitivities:
             cells += [f"{found[k]['low']:.1f} / {found[k]['high']:.1f}" if found else "-" for k in KNOBS]

@@ -13,6 +13,7 @@ __all__ = [
     "Calibration",
     "ControlPlane",
     "DataLoad",
+    "Occupancy",
     "Prediction",
     "RunFigures",
     "ScalingPoint",
@@ -20,6 +21,15 @@ __all__ = [
     "TwinRun",
     "TwinSummary",
 ]
+
+
+class Occupancy(TypedDict):
+    """How full engines ran over a span (`twin.model.occupancy`): an engine can be busy all the time with half the
+    batch it could run, which no idle share shows."""
+
+    engine_batch_mean: float  # running requests per engine, averaged over the span
+    engine_kv_share_mean: float  # the KV pool's share held, averaged likewise
+    engine_tokens_per_s: float  # generated tokens per second per engine
 
 
 class Prediction(TypedDict):
@@ -41,6 +51,12 @@ class Prediction(TypedDict):
     staleness_histogram: NotRequired[dict[str, int]]  # versions behind → trained samples
     retractions: NotRequired[int]  # SGLang-style KV retractions over the run
     peak_kv_share: NotRequired[float]  # the fullest engine's peak KV over its capacity
+    engine_batch_mean: NotRequired[float]  # async: `Occupancy`'s
+    engine_kv_share_mean: NotRequired[float]
+    engine_tokens_per_s: NotRequired[float]
+    trainer_data_wait_s: NotRequired[float]  # per step: the trainer found nothing to train (Relax: 0.11 s)
+    rollout_residual_s: NotRequired[float]  # one-step-off: the generation the training did not hide, per step
+    reference_forward_s: NotRequired[float]  # one-step-off: the reference model's forward, per step
     prompts: NotRequired[int]  # colocate: its step's decomposition
     s_per_step_stdev: NotRequired[float]
     generation_s: NotRequired[float]
@@ -50,6 +66,9 @@ class Prediction(TypedDict):
     mode: NotRequired[str]  # set by `twin.plan.predict`
     label: NotRequired[str]
     overlaps_best: NotRequired[bool]
+    worst_s_per_step: NotRequired[float]  # `twin.plan.plan`: the slowest corner of the constants' ranges
+    worst_s_per_step_ci95: NotRequired[float]
+    worst_corner: NotRequired[str]
 
 
 class DataLoad(TypedDict, total=False):

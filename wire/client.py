@@ -26,7 +26,6 @@ answer) are methods written for each.
 from __future__ import annotations
 
 import asyncio
-import random
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
@@ -40,6 +39,8 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 from typing_extensions import TypeVarTuple, Unpack
+
+from .backoff import Backoff
 
 __all__ = [
     "Acknowledged",
@@ -64,8 +65,7 @@ T = TypeVar("T")
 Http = TypeVar("Http", httpx.Client, httpx.AsyncClient)
 
 _TOKEN_CODES = (None, "unauthorized", "forbidden", "invalid_token")  # a 403's codes that refuse the token
-_FIRST_PAUSE_S = 0.1
-_LONGEST_PAUSE_S = 5.0
+_RETRY_BACKOFF = Backoff(first_s=0.1, cap_s=5.0)  # an idempotent call's pauses (`wire.backoff`: full jitter)
 
 
 class RoleError(Exception):
@@ -259,7 +259,7 @@ class _Attempts:
         if not mendable or time.monotonic() >= self.deadline:
             return None
         self.made += 1
-        return random.uniform(0, min(_LONGEST_PAUSE_S, _FIRST_PAUSE_S * 2 ** (self.made - 1)))
+        return _RETRY_BACKOFF.pause(self.made)
 
     def settle(self, outcome: httpx.Response | httpx.TransportError) -> httpx.Response:
         """The last outcome as the 2xx answer, or the error it means."""

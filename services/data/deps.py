@@ -20,7 +20,7 @@ from ..errors import ErrorBody
 from .settings import DataSettings
 from .state import DataState
 
-__all__ = ["BatchId", "Consumer", "FeatureCache", "Rank", "Settings", "Store", "refusals"]
+__all__ = ["BatchId", "Consumer", "FeatureCache", "GroupsPerStep", "Rank", "Settings", "Store", "refusals"]
 
 
 # `async def`, though nothing here awaits: FastAPI runs a plain `def` dependency in its thread pool, a thread
@@ -46,10 +46,20 @@ Store = Annotated[ExperienceStore, Depends(_store)]
 FeatureCache = Annotated[pp.FeatureStore | None, Depends(_features)]
 Settings = Annotated[DataSettings, Depends(_settings)]
 
+MAX_GROUPS_PER_STEP = 1 << 20  # a step of a million prompts; past it, a mistake (admission would be unbounded)
+
 Consumer = Annotated[
     str, Query(pattern=CONSUMER_PATTERN, description="the consumer (trainer) whose offsets and leases are meant")
 ]
 Rank = Annotated[int, Query(ge=0, le=4095, description="this rank, in [0, world_size)")]
+GroupsPerStep = Annotated[
+    int | None,
+    Query(
+        ge=1,
+        le=MAX_GROUPS_PER_STEP,
+        description="the producer's step: groups (prompts) per optimizer step; admission is sized from it",
+    ),
+]
 BatchId = Annotated[str, Path(pattern=BATCH_ID_PATTERN, description="the X-Weir-Batch-Id of a delivery")]
 
 _REFUSALS = {

@@ -1,6 +1,7 @@
 """The policy resource: the trainer announces its version (``POST /v1/policy``), the producer asks how
-much it may start (``GET /v1/admission``) and which prompts to send again (``POST /v1/regenerations``).
-The staleness bound and admission are `experience.staleness`'s, through the store.
+much it may start (``GET /v1/admission?groups_per_step``: sized from its step) and which prompts to send
+again (``POST /v1/regenerations``). The staleness bound and admission are `experience.staleness`'s, through
+the store.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from fastapi import APIRouter
 from experience.api import AdmissionOut, PolicyIn, PolicyOut, RegenerationsOut
 
 from ..wire_route import WireRoute
-from .deps import Consumer, Store, refusals
+from .deps import Consumer, GroupsPerStep, Store, refusals
 
 __all__ = ["router"]
 
@@ -38,7 +39,10 @@ async def policy(body: PolicyIn, store: Store) -> PolicyOut:
 
 
 @router.get("/v1/admission", responses=refusals(422))
-async def admission(store: Store, consumer: Consumer = "trainer") -> AdmissionOut:
-    """How many more groups the producer may start now (held to the staleness bound)."""
-    groups = await asyncio.to_thread(store.admission, consumer)
+async def admission(
+    store: Store, consumer: Consumer = "trainer", groups_per_step: GroupsPerStep = None
+) -> AdmissionOut:
+    """How many more groups the producer may start now: the queue is sized from the producer's step
+    (``groups_per_step``) and held to the staleness bound (`experience.staleness.admission_limit`)."""
+    groups = await asyncio.to_thread(store.admission, consumer, groups_per_step=groups_per_step)
     return AdmissionOut(groups=groups, policy_version=store.policy)

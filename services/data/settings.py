@@ -41,7 +41,12 @@ class DataSettings(RoleSettings):
         le=7 * 24 * 3600,
         description="seconds a fetched micro-batch may go unacknowledged before it is redelivered",
     )
-    max_queued_groups: int = Field(256, gt=0, description="admission never lets more groups wait for the trainer")
+    max_queued_groups: int | None = Field(
+        None,
+        gt=0,
+        description="caps the groups admission lets wait for the trainer; unset: sized from the producer's step "
+        "and the staleness bound (experience.staleness.admission_limit)",
+    )
     max_wait_s: float = Field(30.0, ge=0, le=3600, description="the longest a GET /v1/microbatches long-poll waits")
     cache_dir: Path | None = Field(
         None, description="the feature cache, to serve micro-batches with their media inline (inline_media=true)"

@@ -132,7 +132,7 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
     # No connection retries to engines: the dispatcher fails over to another engine at once, and its health
     # probes (`/readyz`) must see a dead engine as dead (a retry would hold each for ~30 s). With one engine, a
     # sample sent while it restarts fails (503 engines_unavailable) and `weir train` drops that prompt.
-    engines = async_client(token=token, timeout=timeout, max_connections=None, connect_retries=0)
+    engines = async_client(token=token, timeout=timeout, max_connections=None, connect_retry_s=0)
     # The request-id hook and connection retries are `async_client`'s; each role's client shares its pool.
     to_preprocess = async_client(settings.preprocess_url, token=token, timeout=timeout)
     preprocess = AsyncPreprocessClient(settings.preprocess_url, token=token, timeout_s=timeout, http=to_preprocess)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import httpx
@@ -16,6 +19,7 @@ from tests.experience.test_store import group
 from tests.services.conftest import RunningServer
 from trainer.feed import AckRefused, MicroBatchFeed, pack
 from trainer.losses import policy_loss
+from wire.backoff import RESTART_BACKOFF
 from wire.client import RoleUnavailable
 
 
@@ -202,3 +206,42 @@ def test_pack_routed_experts_aligned_with_tokens() -> None:
     assert t["routed_experts"].tolist() == [[-1] * 4] * 3 + [[1, 2, 3, 4], [-1] * 4]
     none = pa.array([[], []], pa.list_(pa.int16()))
     assert "routed_experts" not in pack(pa.table({**columns, "routed_experts": none}))
+
+
+def test_ranks_wait_out_a_restarting_data_role_apart(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Two ranks lose the data role at once (its port refuses them): each waits its own jittered pauses before
+    asking again, not the same fixed second, and both are answered once it is back."""
+    caplog.set_level(logging.INFO, logger="trainer.feed")
+    role = RunningServer(create_app(DataSettings(data_dir=tmp_path, lease_s=60)))  # its port; nothing listening yet
+    feeds = [MicroBatchFeed(role.url, rank=rank, world_size=2, prefetch=0, wait_s=0.5) for rank in (0, 1)]
+    answers: dict[int, list[object]] = defaultdict(list)
+
+    def ask(feed: MicroBatchFeed) -> None:  # a rank's loop while the role is down: three long-polls, no batch
+        answers[feed.rank] += [feed.next(2.0) for _ in range(3)]
+
+    threads = [threading.Thread(target=ask, args=(feed,)) for feed in feeds]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert answers == {0: [None] * 3, 1: [None] * 3}
+    pauses: dict[int, list[float]] = defaultdict(list)
+    for record in caplog.records:
+        if record.name == "trainer.feed":
+            assert isinstance(record.args, tuple)
+            rank, _, pause = record.args
+            assert isinstance(rank, int) and isinstance(pause, float)
+            pauses[rank].append(pause)
+    assert sorted(pauses) == [0, 1] and all(len(each) == 3 for each in pauses.values())
+    for each in pauses.values():
+        assert all(0 <= p <= min(2.0, RESTART_BACKOFF.ceiling(n)) for n, p in enumerate(each, 1))
+    assert pauses[0] != pauses[1]  # not in lockstep
+    role.__enter__()  # the role is back
+    try:
+        caplog.clear()
+        assert [feed.next(0.2) for feed in feeds] == [None, None]  # answered: nothing ready yet, no pause
+        assert not [r for r in caplog.records if r.name == "trainer.feed"]
+    finally:
+        role.__exit__()
+        for feed in feeds:
+            feed.close()

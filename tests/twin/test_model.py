@@ -17,7 +17,7 @@ from engines.sim_backend import SimEngine, SimProfile
 from launcher.cli import main
 from trainer.sim_trainer import SimTrainer, SimTrainerProfile
 from twin.intervals import interval, welch
-from twin.model import AsyncModel, async_cost_model, colocate_cost_model, prompt_ids
+from twin.model import AsyncModel, async_cost_model, colocate_cost_model, prompt_ids, trainer_profile
 from twin.plan import (
     Candidate,
     calibrate,
@@ -29,17 +29,7 @@ from twin.plan import (
     write_calibration,
 )
 
-RELAX = Path(__file__).resolve().parents[2] / "profiles" / "relax-qwen3-4b-h800.yaml"
-
-
-def _profile(path: Path, **constants: float) -> Path:
-    """Relax's profile with short responses (seconds of simulated time per step); ``constants`` changed too."""
-    data = yaml.safe_load(RELAX.read_text())
-    values = {"length_median": 60, "max_response_tokens": 256, **constants}
-    for name, value in values.items():
-        data["constants"][name]["value"] = value
-    path.write_text(yaml.safe_dump(data))
-    return path
+from .profiles import short_profile as _profile
 
 
 def test_the_virtual_clock_gives_the_wall_clocks_exact_sums(tmp_path: Path) -> None:
@@ -118,6 +108,28 @@ def test_async_meets_its_two_limits(tmp_path: Path) -> None:
     assert (fast.get("engine_idle_share") or 0.0) < 0.25 < (fast.get("trainer_idle_share") or 0.0)
 
 
+def test_async_admission_sized_from_the_step_beats_a_cap_of_half_a_step(tmp_path: Path) -> None:
+    """The cost model plans with the data role's own admission rule (`experience.staleness.admission_limit`),
+    told the step: at bound 1 a whole step may wait. The old fixed cap (``max_queued_groups``), here half a
+    step, lets only half the step's groups generate at once: with engines to spare and a fast trainer, each
+    step is longer (as 256 queued groups were at 512 prompts a step)."""
+    profile = _profile(tmp_path / "p.yaml")
+    engine = SimProfile.load(profile)
+
+    def run(cap: int | None) -> AsyncModel:
+        trainer = SimTrainer(
+            trainer_profile(profile, {"train_tokens_per_gpu_s": 1e6}), engine=engine, gpus=1, sleep=False
+        )
+        model = AsyncModel(
+            engine=engine, trainer=trainer, engines=8, prompts=8, n=4, staleness=1, max_queued_groups=cap
+        )
+        return model.run(6)
+
+    sized, capped = run(None), run(4)
+    assert sized.figures()["s_per_step"] < 0.9 * capped.figures()["s_per_step"]
+    assert max(sized.trained_staleness) <= 1 and max(capped.trained_staleness) <= 1
+
+
 def test_interval_is_students_t() -> None:
     mean, half = interval([10.0, 12.0, 11.0, 13.0, 9.0])
     assert mean == 11.0
@@ -176,7 +188,7 @@ def test_weir_twin_plan_and_the_cost_model_from_the_command_line(
     common = ["--profile", str(profile), "--n", "4", "--prompts-per-step", "4", "--model-steps", "3"]
     assert main(["twin", "plan", "--gpus", "4", "--staleness", "1", *common, "--home", str(tmp_path / "h")]) == 0
     printed = capsys.readouterr().out
-    assert "best: " in printed and "tokens/s/GPU" in printed
+    assert "best by its worst case: " in printed and "tokens/s/GPU" in printed
     assert len(json.loads((tmp_path / "h" / "plan.json").read_text())) == 4
     argv = ["twin", "--cost-model", "--engine-gpus", "3", "--trainer-gpus", "1", "--modes", "async-1", *common]
     assert main(argv) == 0

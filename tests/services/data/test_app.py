@@ -286,3 +286,23 @@ def test_a_group_with_a_non_finite_literal_is_malformed_json_and_nothing_is_stor
     assert store_of(client).stored_groups() == []
     stored = client.post("/v1/experience", content=text.encode(), headers=JSON).json()
     assert stored == {"stored": ["g"], "duplicates": []}
+
+
+def test_admission_is_sized_from_the_producers_step(tmp_path: Path) -> None:
+    settings = DataSettings(data_dir=tmp_path / "data", max_staleness=1, max_wait_s=0.2)
+    assert settings.max_queued_groups is None  # unset: sized from the step
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/v1/admission", params={"groups_per_step": 512}).json()["groups"] == 512
+        assert client.get("/v1/admission").json()["groups"] == 256  # no step said: the old default
+        client.post("/v1/experience", json=group("g", [0.0, 1.0]).to_json()).raise_for_status()
+        assert client.get("/v1/admission", params={"groups_per_step": 512}).json()["groups"] == 511
+        for bad in (0, -1, 2**20 + 1, 2**70, "x", 1.5, "", "true"):
+            response = client.get("/v1/admission", params={"groups_per_step": bad})
+            assert response.status_code == 422, bad
+            error = response.json()["error"]
+            assert error["code"] == "invalid_request" and "groups_per_step" in error["field"], (bad, error)
+        parameters = client.get("/openapi.json").json()["paths"]["/v1/admission"]["get"]["parameters"]
+        assert "groups_per_step" in {p["name"] for p in parameters}  # documented
+    capped = DataSettings(data_dir=tmp_path / "capped", max_staleness=1, max_queued_groups=100)
+    with TestClient(create_app(capped)) as client:  # an operator's cap still holds
+        assert client.get("/v1/admission", params={"groups_per_step": 512}).json()["groups"] == 100

@@ -60,6 +60,7 @@ def test_every_route_answers_its_record(data_role: str) -> None:
         stats = data.stats()
         assert isinstance(stats, StatsOut) and stats.groups == 3 and stats.queue_samples == 6
         assert data.admission() == AdmissionOut(groups=253, policy_version=0)
+        assert data.admission(groups_per_step=10) == AdmissionOut(groups=17, policy_version=0)  # no bound: 2 steps
         assert data.announce_policy(2) == PolicyOut(policy_version=2)
 
         first = data.microbatch(max_tokens=14, wait_s=0.5)
@@ -83,6 +84,7 @@ def test_the_async_client_answers_the_same_records(data_role: str) -> None:
             assert await data.health() == HealthOut(status="ok")
             assert await data.store(group("x", [0.0, 1.0])) == ExperienceOut(stored=["x"], duplicates=[])
             assert (await data.admission()).policy_version == 0
+            assert (await data.admission(groups_per_step=10)).groups == 19  # two steps, one group queued
             assert await data.announce_policy(1) == PolicyOut(policy_version=1)
             batch = await data.microbatch(wait_s=0.5)
             assert batch is not None and batch.table.column("sample_id").to_pylist() == ["x/0", "x/1"]
@@ -107,6 +109,9 @@ def test_a_refusal_keeps_the_roles_status_code_and_field(data_role: str) -> None
         assert (bad_id.value.status, bad_id.value.code) == (422, "invalid_request")
         assert bad_id.value.field == "batch_ids.1"
         data.announce_policy(3)
+        with pytest.raises(RoleRefused) as no_step:
+            data.admission(groups_per_step=0)  # the role judges the step, not the client
+        assert (no_step.value.status, no_step.value.code) == (422, "invalid_request")
         with pytest.raises(RoleRefused) as regression:
             data.announce_policy(2)
         assert (regression.value.status, regression.value.code) == (409, "policy_regression")
