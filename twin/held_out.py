@@ -67,16 +67,21 @@ class CornerRun(TypedDict):
     predictions: dict[str, dict[str, float]]  # mode → the kept figures
 
 
-class HeldOut(TypedDict):
-    date: str
-    revision: str
-    profile: str
+class _Layout(TypedDict):
+    """What every corner runs: colocate on ``gpus``, the held-out modes on the split, each ``steps`` long."""
+
     gpus: int
     engine_gpus: int
     trainer_gpus: int
     prompts: int
     n: int
     steps: int
+
+
+class HeldOut(_Layout):
+    date: str
+    revision: str
+    profile: str
     corners: list[CornerRun]
 
 
@@ -91,14 +96,8 @@ class Comparison(TypedDict):
     inside: bool
 
 
-class _Size(TypedDict):
+class _Size(_Layout):
     target_s: float
-    gpus: int
-    engine_gpus: int
-    trainer_gpus: int
-    prompts: int
-    n: int
-    steps: int
 
 
 _Job = tuple[Path, Corner, _Size]
