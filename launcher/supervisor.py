@@ -4,9 +4,10 @@
 supervisor one role's death was the stack's: ``weir up`` stopped every role, and ``weir train`` sat idle while
 each prompt failed on the dead role. `Supervisor` watches the children from a thread:
 
-* a role that exits (killed, crashed) is started again on its port, with the same settings, after a pause
-  drawn below a ceiling that doubles from ``backoff_s`` up to ``max_backoff_s`` while it keeps failing
-  (`wire.backoff`: full jitter); the restart is logged and
+* a role that exits (killed, crashed) is started again on its port, with the same settings, after a backoff
+  that doubles from ``backoff_s`` up to ``max_backoff_s`` while it keeps failing — not jittered: one supervisor
+  revives one role at a time (no crowd to spread), and ``max_failures`` tries must span the same time every run
+  before the role is called fatal; the restart is logged and
   counted — the new process exports the count as ``weir_role_restarts_total`` (``WEIR_ROLE_RESTARTS``), so a
   scraper sees it on the role itself;
 * traffic returns through readiness: a restarted role is counted as back once ``/readyz`` answers 200, and the
@@ -31,8 +32,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from wire.backoff import Backoff
 
 if TYPE_CHECKING:
     from .stack import LocalStack, RoleProcess
@@ -70,7 +69,6 @@ class Supervisor:
     ) -> None:
         self.stack = stack
         self.max_failures, self.backoff_s, self.max_backoff_s = max_failures, backoff_s, max_backoff_s
-        self._backoff = Backoff(first_s=backoff_s, cap_s=max_backoff_s)  # impossible bounds refused here
         self.ready_timeout_s, self.poll_s = ready_timeout_s, poll_s
         self.on_fatal = on_fatal
         self.env = env  # extra settings for a role started again (e.g. the engines' current weights)
@@ -109,8 +107,9 @@ class Supervisor:
         child = next(c for c in self.stack.children if c.role == role)
         code, log = child.process.returncode, child.log
         logger.warning("role %s exited (%s); starting it again (log: %s)", role, code, log)
+        delay = self.backoff_s
         for attempt in range(1, self.max_failures + 1):
-            if self._stop.wait(self._backoff.pause(attempt)):
+            if self._stop.wait(delay):
                 return False
             self.restarts[role] += 1
             extra = {"WEIR_ROLE_RESTARTS": str(self.restarts[role]), **(self.env(role) if self.env else {})}
@@ -125,6 +124,7 @@ class Supervisor:
                 return False
             logger.warning("role %s did not start (attempt %d of %d)", role, attempt, self.max_failures)
             self.stack.kill(role)
+            delay = min(2 * delay, self.max_backoff_s)
         self.fatal = (
             f"role {role} could not start {self.max_failures} times in a row; the last lines of {child.log}:\n"
             + last_lines(child.log)

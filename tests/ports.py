@@ -8,8 +8,10 @@ from), with its engines at base + 21900 below it too, so an outgoing connection 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
+from collections.abc import Iterator
 
 from launcher.stack import _port_in_use, stack_ports
 
@@ -23,6 +25,15 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A loopback port that refuses every connection while the block runs: bound, never listening. Held, no other
+    process nor an outgoing connection of this one can take it (a port only said free could be, mid-test)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield int(sock.getsockname()[1])
 
 
 def free_stack_base(engines: int = 1) -> int:

@@ -84,7 +84,8 @@ def one_step_off_cost_model(
         "trainer_data_wait_s": statistics.fmean(residuals[steady]),
         "rollout_residual_s": statistics.fmean(residuals[steady]),
         "reference_forward_s": statistics.fmean(references[steady]),
-        "staleness_histogram": {"1": prompts * n * max(1, steps - 1)},
+        # step 1 trains batch 0, generated under the first weights; every later step a batch one version old
+        "staleness_histogram": {"0": prompts * n, **({"1": prompts * n * (steps - 1)} if steps > 1 else {})},
         "retractions": sum(b.retractions for b in batches),
         "peak_kv_share": max(b.peak_kv_tokens for b in batches) / engine.kv_capacity_tokens,
     }

@@ -358,22 +358,23 @@ def calibrate(
         return seen[log_value] / target_s - 1
 
     seen: dict[float, float] = {}
-    a = math.log(base)
+    origin, reach = math.log(base), math.log(8)
+    a = origin
     fa = miss(a)
     before = seen[a]
     b, fb = a, fa
     direction = -1.0 if fa > 0 else 1.0
-    while fa * fb > 0 and abs(fa) > tolerance:
-        a, fa = b, fb
-        b = a + direction * math.log(1.5)
-        if abs(b - math.log(base)) > math.log(8) + 1e-9:
+    while fa * fb > 0 and abs(fb) > tolerance:  # step out from the profile's value until the target is bracketed
+        if abs(b - origin) >= reach - 1e-9:
             raise ValueError(
                 f"{target_s} s/step is out of the knob's reach: {knob} from {base / 8:g} to {base * 8:g} gives "
                 f"{min(seen.values()):.1f}-{max(seen.values()):.1f} s/step (responses capped at max_response_tokens, "
                 "or the target is wrong)"
             )
+        a, fa = b, fb
+        b = origin + direction * min(reach, abs(a - origin) + math.log(1.5))  # the last step lands on x8 exactly
         fb = miss(b)
-    value, error = (a, fa) if abs(fa) <= abs(fb) else (b, fb)
+    value, error = (b, fb) if abs(fb) <= abs(fa) else (a, fa)
     side = 0
     for _ in range(30):
         if abs(error) <= tolerance:
@@ -390,6 +391,7 @@ def calibrate(
             if side == 1:
                 fb /= 2
             side = 1
+    value = min(seen, key=lambda v: abs(seen[v] / target_s - 1))  # the best point run, should 30 tries not do
     return {
         "knob": knob,
         "value": round(math.exp(value), 1),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +15,6 @@ import uvicorn
 
 from services.http import SERVER_KEEP_ALIVE_S
 from services.preprocess import PreprocessSettings, create_app
-from tests.ports import free_port
 
 
 class RunningServer:
@@ -22,7 +22,11 @@ class RunningServer:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.port = free_port()
+        # The port is held (bound, not listening: connections are refused) until the server starts on it, so a test
+        # that starts the role late sees it down, and nothing else takes the port in between.
+        self._held: socket.socket | None = socket.socket()
+        self._held.bind(("127.0.0.1", 0))
+        self.port = int(self._held.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             self.app, host="127.0.0.1", port=self.port, log_level="warning", timeout_keep_alive=SERVER_KEEP_ALIVE_S
@@ -31,6 +35,7 @@ class RunningServer:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> RunningServer:
+        self._release()
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -40,8 +45,15 @@ class RunningServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._release()
         self.server.should_exit = True
-        self.thread.join(10)
+        if self.thread.is_alive():
+            self.thread.join(10)
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     @property
     def store(self):  # type: ignore[no-untyped-def]

@@ -78,7 +78,7 @@ def test_the_driver_tells_admission_its_step_and_keeps_to_it(tmp_path: Path) -> 
         finally:
             driver.close()
     driver.check()
-    assert rollouts.requests >= 9 and rollouts.most == 3
+    assert rollouts.requests >= 9 and 1 <= rollouts.most <= 3  # admission held it to the step, not in_flight=8
     assert asked and all(query.get("groups_per_step") == ["3"] for query in asked)
 
 

@@ -37,7 +37,7 @@ def test_one_step_off_engine_bound_is_its_generation_and_the_sync(tmp_path: Path
     )
     assert out["rollout_residual_s"] > 0 and out["trainer_data_wait_s"] == out["rollout_residual_s"]
     assert out["s_per_step"] == pytest.approx(out["generation_s"] + _sync(profile), rel=1e-9)
-    assert out["staleness_histogram"] == {"1": 4 * 4 * 4}  # every trained sample one version old
+    assert out["staleness_histogram"] == {"0": 4 * 4, "1": 4 * 4 * 4}  # after the first batch, one version old
     assert len(out["step_s"]) == 5 and out["step_s"][0] > out["s_per_step"]  # step 1 also fills the pipeline
 
 
@@ -188,3 +188,21 @@ def test_weir_twin_calibrate_writes_the_predictions_and_the_corners(
     assert main(["twin", "--cost-model", "--profile", str(profile), "--gpus", "4", "--modes", "one-step-off",
                  "--n", "2", "--prompts-per-step", "2", "--model-steps", "2"]) == 0  # fmt: skip
     assert "one-step-off 2:2" in capsys.readouterr().out
+
+
+def test_calibration_reaches_exactly_eight_times_either_way(tmp_path: Path) -> None:
+    """A target met by the last outward step is taken (not stepped past), x8 itself is reached, and past it the
+    target is refused with the s/step the knob's range gives."""
+    profile = short_profile(tmp_path / "p.yaml", max_response_tokens=4096)
+
+    def at(value: float) -> float:
+        changed = {"length_median": value}
+        return colocate_cost_model(profile, 2, prompts=4, n=4, steps=2, overrides=changed)["s_per_step"]
+
+    size = {"gpus": 2, "prompts": 4, "n": 4, "steps": 2}
+    near = calibrate(profile, target_s=at(60 * 1.5**5) * 1.001, **size)  # type: ignore[arg-type]
+    assert near["value"] == pytest.approx(60 * 1.5**5, rel=1e-3)
+    end = calibrate(profile, target_s=at(480) * 0.999, **size)  # type: ignore[arg-type]
+    assert end["s_per_step"] == pytest.approx(at(480) * 0.999, rel=0.002)
+    with pytest.raises(ValueError, match="from 7.5 to 480"):
+        calibrate(profile, target_s=at(480) * 1.2, **size)  # type: ignore[arg-type]

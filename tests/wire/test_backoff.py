@@ -9,7 +9,7 @@ import random
 import httpx
 import pytest
 
-from tests.ports import free_port
+from tests.ports import refused_port
 from wire.backoff import RESTART_BACKOFF, Backoff
 from wire.transport import ConnectRetry
 
@@ -71,7 +71,11 @@ def _pauses(caplog: pytest.LogCaptureFixture) -> list[float]:
 
 def test_a_refused_connection_is_retried_with_jitter_until_the_budget(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="wire.transport")
-    dead = f"http://127.0.0.1:{free_port()}/x"  # nothing listens: every connection is refused, for real
+    with refused_port() as port:
+        _retry_until_the_budget(f"http://127.0.0.1:{port}/x", caplog)  # every connection refused, for real
+
+
+def _retry_until_the_budget(dead: str, caplog: pytest.LogCaptureFixture) -> None:
     unretried = ConnectRetry(httpx.HTTPTransport(), retry_s=0)
     with httpx.Client(transport=unretried) as client, pytest.raises(httpx.ConnectError):
         client.get(dead)
