@@ -67,7 +67,8 @@ def decode_image(
     backend: ImageBackend = "pil",
     decode: ImageDecode = "exact",
 ) -> np.ndarray:
-    """uint8 (H', W', 3) pixels of the resized image the plan describes."""
+    """uint8 (H', W', 3) pixels of the resized image the plan describes (read-only with the ``pil`` backend: a view of
+    Pillow's memory, `resize.rgb_view`)."""
     assert plan.resized_size is not None
     image = load_image(data, plan, max_decode_pixels=max_decode_pixels, decode=decode)
     try:

@@ -84,6 +84,12 @@ SPEC_FAMILIES = ("qwen2_5_omni", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen
 TEXT_FAMILIES = ("qwen3", "qwen3_moe")
 
 
+# Fingerprints of the specs asked lately, by object: id → (the spec, kept so that its id is not reused; its
+# fingerprint). Not by value: specs equal as dataclasses (video_fps 2 and 2.0) can differ in their JSON.
+_FINGERPRINTS: dict[int, tuple[ProcessorSpec, str]] = {}
+_FINGERPRINTS_KEPT = 64
+
+
 class _VideoPixels(TypedDict):
     video_min_pixels: int
     video_max_pixels: int
@@ -322,8 +328,20 @@ class ProcessorSpec:
 
     @property
     def fingerprint(self) -> str:
-        """Stable across processes and runs: sha256 of the canonical JSON of every field."""
-        fields = {k: v for k, v in self.to_dict().items() if k not in _NOT_FINGERPRINTED}
+        """Stable across processes and runs: sha256 of the canonical JSON of every field. Computed once per spec
+        object (part of every item's cache key)."""
+        known = _FINGERPRINTS.get(id(self))
+        if known is not None and known[0] is self:
+            return known[1]
+        value = self._fingerprint()
+        if len(_FINGERPRINTS) >= _FINGERPRINTS_KEPT:
+            _FINGERPRINTS.clear()
+        _FINGERPRINTS[id(self)] = (self, value)
+        return value
+
+    def _fingerprint(self) -> str:
+        # The fields as they are (numbers, strings, tuples of floats: what `to_dict`'s deep copy gives, as JSON).
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in _NOT_FINGERPRINTED}
         if self.video_sampler == "qwen_vl_utils":
             # The native sampler's fields change no byte while it is off: leaving them out keeps the pinned
             # fingerprints (and every cache key made before they existed) as they were.
