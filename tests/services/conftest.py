@@ -15,6 +15,7 @@ import uvicorn
 
 from services.http import SERVER_KEEP_ALIVE_S
 from services.preprocess import PreprocessSettings, create_app
+from tests.ports import free_port  # noqa: F401 - several test modules import it from here
 
 
 class RunningServer:
