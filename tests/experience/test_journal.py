@@ -286,8 +286,18 @@ def fail_once(monkeypatch: pytest.MonkeyPatch, target: object, name: str, error:
     return failed
 
 
-def open_fds() -> set[str]:
-    return set(os.listdir("/proc/self/fd"))
+def open_fds(under: Path) -> set[str]:
+    """The files under ``under`` this process holds open (only those: other tests' threads open and close their
+    own descriptors meanwhile)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed between the listing and the read
+            continue
+        if target.startswith(str(under)):
+            found.add(target)
+    return found
 
 
 def test_a_segment_whose_name_did_not_become_durable_is_never_written(
@@ -325,7 +335,7 @@ def test_a_journal_that_cannot_open_its_first_segment_leaks_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "journal").mkdir()
-    before = open_fds()
+    before = open_fds(tmp_path)
     real = journal_module._fsync_directory
 
     def failing(path: Path) -> None:  # the parent's fsync works, the new segment's name never becomes durable
@@ -336,7 +346,7 @@ def test_a_journal_that_cannot_open_its_first_segment_leaks_nothing(
     monkeypatch.setattr(journal_module, "_fsync_directory", failing)
     with pytest.raises(OSError, match="injected"):
         Journal(tmp_path / "journal")
-    assert open_fds() == before and list((tmp_path / "journal").iterdir()) == []
+    assert open_fds(tmp_path) == before and list((tmp_path / "journal").iterdir()) == []
 
 
 @pytest.mark.parametrize("fault", ["write", "fsync", "fsync, and the cut back"])

@@ -27,6 +27,7 @@ class _ServerAt(RunningServer):
 
     def __init__(self, app: object, port: int) -> None:
         self.app, self.port, self.url = app, port, f"http://127.0.0.1:{port}"
+        self._held = None  # the stack's port is given, not held by the test
         self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
