@@ -17,10 +17,8 @@ Predicted, on Relax's split (half the GPUs generate, half train) unless the call
 from __future__ import annotations
 
 import datetime
-import os
 import subprocess
 from collections.abc import Callable, Mapping
-from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
 
@@ -28,7 +26,7 @@ from engines.sim_profile import SimProfile
 
 from .model import async_cost_model
 from .one_step_off import one_step_off_cost_model
-from .plan import Fit, calibrate
+from .plan import Fit, calibrate, pooled
 from .ranges import Corner, corners, read_ranges
 from .records import Prediction
 
@@ -170,7 +168,7 @@ def predict_held_out(
 ) -> HeldOut:
     """At each corner of the profile's ranges (its own point first): the knob fitted on colocate's ``target_s`` at
     ``gpus`` GPUs, then the held-out modes predicted on ``engine_gpus`` engines (default: half) and the rest
-    training. ``steps`` per run; the corners in a pool of ``workers`` processes (one per core by default)."""
+    training. ``steps`` per run; the corners in a pool of ``workers`` processes (`twin.plan.pooled`)."""
     engines = engine_gpus if engine_gpus is not None else max(1, gpus // 2)
     if not 1 <= engines < gpus:
         raise ValueError(f"{engines} engine GPUs of {gpus} leave no engine or no trainer GPU")
@@ -184,20 +182,7 @@ def predict_held_out(
         "steps": steps,
     }
     jobs: list[_Job] = [(profile, corner, size) for corner in corners(read_ranges(profile))]
-    workers = min(len(jobs), workers or os.cpu_count() or 1)
-    if workers == 1:
-        runs = []
-        for job in jobs:
-            runs.append(_run_corner(job))
-            if on_done is not None:
-                on_done(runs[-1])
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_run_corner, job) for job in jobs]
-            for future in futures:
-                if on_done is not None:
-                    future.add_done_callback(lambda f: on_done(f.result()))
-            runs = [f.result() for f in futures]
+    runs = pooled(_run_corner, jobs, workers=workers, on_done=on_done)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "revision": _revision(),

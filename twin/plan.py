@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Required, TypedDict, Unpack, cast
+from typing import TYPE_CHECKING, Any, Required, TypedDict, TypeVar, Unpack, cast
 
 import yaml
 
@@ -112,6 +112,8 @@ class Fit(TypedDict):
 
 
 Job = tuple[Path, "Candidate", Options]
+J = TypeVar("J")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,28 +204,39 @@ def _predict(job: Job) -> Prediction:
     return predict(profile, candidate, **options)
 
 
+def pooled(
+    run: Callable[[J], R],
+    jobs: list[J],
+    *,
+    workers: int | None = None,
+    on_done: Callable[[R], None] | None = None,
+) -> list[R]:
+    """``run`` of every job, in the jobs' order, on a process pool (``workers``: one per core by default; 1, or a
+    single job: in this process); ``on_done`` is called with each result as it comes."""
+    workers = workers or os.cpu_count() or 1
+    if workers == 1 or len(jobs) == 1:
+        results = []
+        for job in jobs:
+            results.append(run(job))
+            if on_done is not None:
+                on_done(results[-1])
+        return results
+    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        for future in futures:
+            if on_done is not None:
+                future.add_done_callback(lambda f: on_done(f.result()))
+        return [f.result() for f in futures]
+
+
 def run_all(
     jobs: list[Job],
     *,
     workers: int | None = None,
     on_done: Callable[[Prediction], None] | None = None,
 ) -> list[Prediction]:
-    """Every job's prediction, in the jobs' order, on a process pool (``workers``: one per core by default;
-    1: in this process)."""
-    workers = workers or os.cpu_count() or 1
-    if workers == 1 or len(jobs) == 1:
-        results = []
-        for job in jobs:
-            results.append(_predict(job))
-            if on_done is not None:
-                on_done(results[-1])
-        return results
-    with ProcessPoolExecutor(max_workers=min(workers, len(jobs))) as pool:
-        futures = [pool.submit(_predict, job) for job in jobs]
-        for future in futures:
-            if on_done is not None:
-                future.add_done_callback(lambda f: on_done(f.result()))
-        return [f.result() for f in futures]
+    """Every job's prediction, in the jobs' order (`pooled`)."""
+    return pooled(_predict, jobs, workers=workers, on_done=on_done)
 
 
 def plan(
