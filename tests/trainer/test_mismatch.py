@@ -4,6 +4,7 @@ library into a real feature cache), routing agreement, the warnings and the plot
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -249,6 +250,24 @@ def test_on_policy_scope_holds_the_sequences_the_current_weights_generated(media
     assert "(all)" in warning and "on-policy tokens alone" in warning and "drift" in warning
 
 
+def test_a_step_of_stale_tokens_alone_is_warned_as_drift(media: tuple, caplog: pytest.LogCaptureFixture) -> None:
+    """Asynchronous training's usual step: every token from the weights before the trainer's. Its warning says
+    the KL holds the policy's drift; with the versions unknown it says nothing of the kind."""
+    store, items = media
+    fed = media_batch(items, inline=False)
+    fed.tensors["policy_versions"] = torch.full_like(fed.tensors["policy_versions"], 6)
+    trainer = fed.tensors["rollout_logprobs"] - 2.0 * fed.tensors["loss_mask"]
+    monitor = MismatchMonitor(PLACEHOLDERS)
+    with caplog.at_level(logging.WARNING, logger="trainer.mismatch"):
+        monitor.watch(fed, trainer, 7)
+        assert f"mismatch/{ON_POLICY}/tokens" not in monitor.take(None)
+        monitor.watch(fed, trainer, None)  # versions unknown: no claim about where the tokens came from
+        monitor.take(None)
+    first, second = ([r.getMessage() for r in caplog.records if "(all): KL" in r.getMessage()] + ["", ""])[:2]
+    assert "every token came from older weights" in first
+    assert "(all): KL" in second and "older weights" not in second
+
+
 def test_placeholder_ids_from_a_config() -> None:
     class Config:
         image_token_id, video_token_id, audio_token_id = 496, 497, 498
@@ -310,6 +329,12 @@ def test_warnings_above_and_below_the_thresholds() -> None:
     assert check(drifting) == warnings[:2]  # routing is watched only when asked
     assert check(drifting, kl_threshold=0.1, diff_threshold=10.0) == []
     assert len(check({"mismatch/all/kl": float("nan")})) == 1
+    # An asynchronous step: every token from older weights, so the KL is the policy's drift as much as a mismatch.
+    stale = {"mismatch/all/kl": 0.5, "mismatch/all/max_abs_diff": 1.0, "mismatch/all/tokens": 100.0}
+    assert "older weights" not in check(stale)[0]
+    assert "every token came from older weights" in check(stale, all_stale=True)[0]
+    fresh_too = {**stale, "mismatch/on_policy/kl": 1e-6, "mismatch/on_policy/tokens": 10.0}
+    assert "on-policy tokens alone: 1e-06" in check(fresh_too, all_stale=False)[0]
     assert DEFAULT_KL_THRESHOLD == 1e-2 and DEFAULT_DIFF_THRESHOLD == 5.0
 
 
