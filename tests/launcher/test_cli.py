@@ -167,8 +167,19 @@ def test_train_help_states_the_task_defaults() -> None:
 
     text = " ".join(_weir("train", "--help").stdout.split())
     assert f"optimizer steps (default: {GENERIC_DEFAULTS['steps']}; with --demo: {DEMO_DEFAULTS['steps']};" in text
-    assert f"learning rate (default: {GENERIC_DEFAULTS['lr']}; with --demo: {DEMO_DEFAULTS['lr']})" in text
+    lr = f"learning rate (default: {GENERIC_DEFAULTS['lr']}; with --demo: {DEMO_DEFAULTS['lr']};"
+    lr += " --arch qwen3-vl-moe 0.0005)"
+    assert lr in text
     assert "launcher/config.py" not in text
+
+
+def test_an_architectures_demo_default_gives_way_to_the_command_line() -> None:
+    from launcher.config import DEMO_DEFAULTS, TrainConfig
+
+    assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl-moe").lr == 5e-4
+    assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl-moe", lr=2e-3).lr == 2e-3
+    assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl").lr == DEMO_DEFAULTS["lr"]
+    assert TrainConfig.with_defaults(arch="qwen3-vl-moe").lr == 1e-5  # not the demo: the generic default
 
 
 @pytest.mark.parametrize(
