@@ -57,6 +57,7 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
     lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2]
     assert json.loads(lines[0])["samples"] == 64  # 8 groups × n=8: one optimizer step
+    assert json.loads(lines[0])["mismatch/on_policy/kl"] < 1e-3  # the engine's log-probs, recomputed by the trainer
     assert (home / "train" / "async" / "reward.png").is_file()
 
 
@@ -66,7 +67,7 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
     [
         ("qwen3", []),
         ("qwen3-moe", ["--trainer", "megatron"]),
-        ("qwen2.5-vl", []),
+        ("qwen2.5-vl", ["--trainer", "megatron"]),  # pictures through Megatron's splice and 3-D positions
         ("qwen3-vl-moe", ["--r3"]),  # routing replay: the engine's experts replayed in the trainer
         ("qwen3.5", []),
     ],
@@ -74,7 +75,8 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
 def test_weir_train_demo_runs_on_every_new_family(
     arch: str, options: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`weir train --demo --arch A` through the whole stack, one step (the full runs that learn are ``slow``:
+    """`weir train --demo --arch A` through the whole stack, one step, whose log-probs the trainer recomputes as the
+    engine gave them (the full runs that learn are ``slow``:
     `tests/trainer/test_families_learning.py`). A text model's demo is the colour-word task: its preprocess and
     encoder roles start and are never given an item (nothing cached)."""
     home = tmp_path / "weir"
@@ -86,6 +88,9 @@ def test_weir_train_demo_runs_on_every_new_family(
     assert "Training summary" in out
     lines = (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1]
+    # The first step is on-policy: the engine's log-probs and the trainer's agree at fp32's error (issue #39, item 5)
+    first = json.loads(lines[0])
+    assert first["mismatch/on_policy/tokens"] > 0 and first["mismatch/on_policy/kl"] < 1e-3, first
     if text:  # no media: no feature or embedding was written
         assert not list((home / "cache").rglob("*.arrow"))
 
