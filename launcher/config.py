@@ -83,9 +83,9 @@ VIDEO_DEMO_DEFAULTS: TrainDefaults = {
     "max_tokens_per_batch": 4096,
 }
 
-# The demo's settings for a tiny architecture where the colour demo's overshoot: Qwen3-VL-MoE at lr 1e-3 rose to a
+# The colour demo's settings for a tiny architecture where its defaults overshoot: Qwen3-VL-MoE at lr 1e-3 rose to a
 # mean reward of 0.90 and fell back to 0.48 (held out 25 % → 50 %); at 5e-4 it learns, 0.183 → 0.827 and 25 % → 100 %
-# in 150 steps (641 s on 2 cores). Its policy moves 1-2.6 nats/token a step early on even at 5e-4, the dense
+# in 150 steps (641 s on 2 cores). Its policy moves 1.2-2.6 nats/token a step early on even at 5e-4, the dense
 # Qwen3-VL's 0.06 (`mismatch/all/kl` over stale samples).
 DEMO_ARCH_DEFAULTS: dict[str, dict[str, float]] = {"qwen3-vl-moe": {"lr": 5e-4}}
 
@@ -218,7 +218,7 @@ class TrainConfig:
             "visual-search": AGENT_DEMO_DEFAULTS,
             "video-audio": VIDEO_DEMO_DEFAULTS,
         }[task]
-        if task is not None:
+        if task == "colours":  # measured on the colour pictures only
             defaults = cast(TrainDefaults, {**defaults, **DEMO_ARCH_DEFAULTS.get(str(options.get("arch")), {})})
         names = {f.name for f in fields(cls)}
         unknown = set(options) - names

@@ -427,7 +427,9 @@ class MismatchMonitor:
     def __init__(self, placeholders: Mapping[str, int]) -> None:
         self.placeholders = dict(placeholders)
         self.sums = MismatchSums()
-        self.versions_known = False  # a watched batch said which weights generated its tokens
+        # Of the watched batches that said which weights generated their tokens: loss tokens the trainer's own
+        # weights generated (None: no batch said).
+        self.current_tokens: int | None = None
 
     def labels(self, batch: FeedBatch, version: int | None) -> list[tuple[str, ...]]:
         """Each sequence's scopes: its modalities, and `ON_POLICY` when policy ``version`` (the trainer's
@@ -435,7 +437,6 @@ class MismatchMonitor:
         labels = sequence_modalities(batch, placeholders=self.placeholders)
         if version is None or "policy_versions" not in batch.tensors:
             return labels
-        self.versions_known = True
         fresh = on_policy_sequences(batch, version)
         return [(*label, ON_POLICY) if on else label for label, on in zip(labels, fresh, strict=True)]
 
@@ -454,6 +455,9 @@ class MismatchMonitor:
         ``cu_seqlens``; its sequences past the batch's are padding, without loss tokens."""
         t = batch.tensors if layout is None else layout
         labels = self.labels(batch, version)
+        if version is not None and "policy_versions" in batch.tensors:
+            generated = batch.tensors["policy_versions"].reshape(-1)[batch.tensors["loss_mask"].reshape(-1) > 0]
+            self.current_tokens = (self.current_tokens or 0) + int((generated == version).sum())
         labels += [("text",)] * (int(t["cu_seqlens"].numel()) - 1 - len(labels))
         self.sums.add(
             token_mismatch(
@@ -478,7 +482,7 @@ class MismatchMonitor:
             # MAX over ranks through the integer collective, in micro-nats (|Δ| needs no finer grain)
             sums = MismatchSums.from_lists(ranks.total(totals), [ranks.most(round(v * 1e6)) / 1e6 for v in maxima])
         metrics = sums.metrics()
-        all_stale, self.versions_known = self.versions_known and f"mismatch/{ON_POLICY}/tokens" not in metrics, False
+        all_stale, self.current_tokens = self.current_tokens == 0, None  # this rank's batches (a warning's hint)
         if ranks is None or ranks.is_main:
             for warning in check(metrics, all_stale=all_stale):
                 logger.warning("%s", warning)

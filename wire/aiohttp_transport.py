@@ -15,6 +15,7 @@ which nobody resends blindly.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -24,18 +25,19 @@ from httpx_aiohttp import AiohttpTransport
 __all__ = ["AiohttpPoolTransport"]
 
 
-def _on_the_wire(error: httpx.TransportError, request: httpx.Request) -> httpx.TransportError:
-    """``error`` as the httpx error that says what its aiohttp cause means (itself when it has none)."""
-    cause = error.__cause__
+def _on_the_wire(error: Exception, request: httpx.Request) -> Exception:
+    """``error`` — raised by aiohttp, or by httpx-aiohttp with aiohttp's error as its cause — as the httpx error that
+    says what happened on the wire; any other error as it is."""
+    cause = error if isinstance(error, aiohttp.ClientError) else error.__cause__
     named: type[httpx.TransportError]
     if isinstance(cause, aiohttp.ClientConnectorError):  # refused, unreachable, no such host: not sent
         named = httpx.ConnectError
-    elif isinstance(cause, aiohttp.ConnectionTimeoutError):  # no connection in time (pool or connect): not sent
+    elif isinstance(cause, aiohttp.ConnectionTimeoutError):  # no connection, or no pool slot, in time: not sent
         named = httpx.ConnectTimeout
     elif isinstance(cause, aiohttp.ServerTimeoutError):  # sent; no answer in time
         named = httpx.ReadTimeout
-    elif isinstance(cause, aiohttp.ServerDisconnectedError):  # sent; closed before a whole answer
-        named = httpx.RemoteProtocolError
+    elif isinstance(cause, aiohttp.ServerDisconnectedError | aiohttp.ClientResponseError):  # sent; no whole answer
+        named = httpx.RemoteProtocolError  # (a malformed status line or headers: ClientResponseError)
     elif isinstance(cause, aiohttp.ClientError):  # sent, perhaps received: never "not sent"
         named = httpx.ReadError
     else:
@@ -55,8 +57,8 @@ class _Body(httpx.AsyncByteStream):
         try:
             async for chunk in self.stream:
                 yield chunk
-        except httpx.TransportError as error:
-            raise _on_the_wire(error, self.request) from error.__cause__
+        except (httpx.TransportError, aiohttp.ClientError) as error:
+            raise _on_the_wire(error, self.request) from error
 
     async def aclose(self) -> None:
         await self.stream.aclose()
@@ -74,17 +76,27 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
         self._pool = AiohttpTransport(client=self._session)
 
     def _session(self) -> aiohttp.ClientSession:
+        # No DNS cache (aiohttp's keeps names 10 s): a role restarted elsewhere under its name is found at once.
         connector = aiohttp.TCPConnector(
-            limit=self.max_connections or 0, limit_per_host=0, keepalive_timeout=self.keepalive_s
+            limit=self.max_connections or 0, limit_per_host=0, keepalive_timeout=self.keepalive_s, use_dns_cache=False
         )
         # trust_env off: a role calls the addresses it was configured with, never through an environment's proxy.
         return aiohttp.ClientSession(connector=connector, trust_env=False)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        # aiohttp has no write timeout (its read timer starts once the body is sent): a peer that stops reading a
+        # big body would hold the call for ever, where httpx raised WriteTimeout. The request and its answer's
+        # head are bounded by the connect, write and read timeouts together.
+        limits = request.extensions.get("timeout", {})
+        parts = [limits.get(name) for name in ("connect", "write", "read")]
+        bound = None if any(part is None for part in parts) else sum(parts)
         try:
-            response = await self._pool.handle_async_request(request)
-        except httpx.TransportError as error:
-            raise _on_the_wire(error, request) from error.__cause__
+            async with asyncio.timeout(bound):
+                response = await self._pool.handle_async_request(request)
+        except (httpx.TransportError, aiohttp.ClientError) as error:  # first: aiohttp's timeouts are TimeoutErrors
+            raise _on_the_wire(error, request) from error
+        except TimeoutError:  # the bound above: sent, or sending
+            raise httpx.WriteTimeout(f"no answer within {bound} s of sending", request=request) from None
         assert isinstance(response.stream, httpx.AsyncByteStream)
         response.stream = _Body(response.stream, request)
         return response

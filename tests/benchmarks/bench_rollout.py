@@ -21,7 +21,7 @@ home folder, stopped in a ``finally``; the tiny embedded model is made once and 
    sequential requests through the rollout role (``/v1/chat/completions`` and ``/v1/rollouts``) vs
    ``POST /generate`` on the engine directly with the same ``input_ids`` (the ``prompt_ids`` of a
    ``/v1/rollouts`` response); contenders take turns within each round. Goal: ≤ 10 % overhead at each
-   length (the added milliseconds are a fixed cost: at 16 tokens the tiny model's 20-35 ms weighs it most).
+   length (the added milliseconds are a fixed cost: at 16 tokens the tiny model's 20-37 ms weighs it most).
    Runs on the stack of 3.
 
 Timings are ``time.perf_counter``; medians and percentiles are reported.
@@ -73,7 +73,7 @@ N_SAMPLES = 8  # samples per prompt (measurement 1) and per image per step (meas
 ROLLOUT_MAX_NEW = 32
 CHAT_MAX_TOKENS = 16
 CONCURRENCY = 8
-# The rollout overhead at two answer lengths: 16 new tokens, where the tiny CPU model answers in 20-35 ms and every
+# The rollout overhead at two answer lengths: 16 new tokens, where the tiny CPU model answers in 20-37 ms and every
 # fixed cost of a hop weighs most, and 128, still short of an RL answer (hundreds to thousands of tokens) on a
 # real engine. The added milliseconds are the same fixed cost; the ratio is what a user sees.
 OVERHEAD_LENGTHS = (16, 128)

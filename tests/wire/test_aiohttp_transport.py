@@ -13,7 +13,8 @@ import pytest
 
 from services.http import async_client
 
-Handler = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]  # a request read whole, and its connection
+# a request read whole, and its connection (the reader: the rest of what the client sends)
+Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 async def _read_request(reader: asyncio.StreamReader) -> bytes:
@@ -35,7 +36,7 @@ async def _serving(handler: Handler, call: Callable[[str], Awaitable[object]]) -
             while True:
                 request = await _read_request(reader)
                 seen += 1
-                await handler(request, writer)
+                await handler(request, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -60,7 +61,7 @@ def _post(*, retry_s: float = 5.0, timeout: float = 10.0) -> Callable[[str], Cor
 
 
 def test_an_answer_comes_back_whole_with_the_token_and_body_sent() -> None:
-    async def answer(request: bytes, writer: asyncio.StreamWriter) -> None:
+    async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert b"authorization: Bearer t" in request.replace(b"Authorization", b"authorization")
         assert request.endswith(b'{"a": 1}')
         body = b'{"ok": true}'
@@ -75,7 +76,7 @@ def test_an_answer_comes_back_whole_with_the_token_and_body_sent() -> None:
 def test_a_server_that_reads_the_request_and_hangs_up_is_a_read_error_sent_once() -> None:
     received: list[bytes] = []
 
-    async def hang_up(request: bytes, writer: asyncio.StreamWriter) -> None:
+    async def hang_up(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         received.append(request)
         writer.close()
         raise ConnectionError("closed on purpose")
@@ -89,7 +90,7 @@ def test_a_server_that_reads_the_request_and_hangs_up_is_a_read_error_sent_once(
 
 
 def test_a_server_reset_mid_answer_is_a_read_error() -> None:
-    async def half(request: bytes, writer: asyncio.StreamWriter) -> None:
+    async def half(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"ok')
         await writer.drain()
         writer.close()
@@ -101,8 +102,8 @@ def test_a_server_reset_mid_answer_is_a_read_error() -> None:
 
 
 def test_a_silent_server_is_a_read_timeout() -> None:
-    async def silent(request: bytes, writer: asyncio.StreamWriter) -> None:
-        await asyncio.sleep(30)
+    async def silent(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client gives up and closes (a handler still open holds the server's close)
 
     with pytest.raises(httpx.ReadTimeout):
         asyncio.run(_serving(silent, _post(timeout=0.5)))
@@ -114,3 +115,33 @@ def test_a_refused_connection_is_a_connect_error() -> None:
         url = f"http://127.0.0.1:{held.getsockname()[1]}"
         with pytest.raises(httpx.ConnectError):
             asyncio.run(_post(retry_s=0)(url))
+
+
+def test_a_malformed_answer_is_a_protocol_error_not_an_aiohttp_one() -> None:
+    async def garbled(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 2x0 NOT A STATUS\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+
+    with pytest.raises(httpx.RemoteProtocolError):
+        asyncio.run(_serving(garbled, _post()))
+
+
+def test_a_peer_that_never_reads_the_body_times_the_call_out() -> None:
+    """aiohttp has no write timeout of its own; the call is bounded all the same, and not as a connect error."""
+
+    async def deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")  # the head, then nothing more is read: the body backs up
+        await asyncio.sleep(30)
+
+    async def run() -> None:
+        server = await asyncio.start_server(deaf, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        try:
+            async with async_client(url, token=None, timeout=0.5, connect_retry_s=5) as client:
+                await client.post("/big", content=b"x" * (64 << 20))
+        finally:
+            server.close()
+
+    with pytest.raises(httpx.TimeoutException) as caught:
+        asyncio.run(run())
+    assert not isinstance(caught.value, httpx.ConnectTimeout)
