@@ -17,10 +17,19 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2.5-omni", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3", "qwen3-moe"]
+    ("arch", "options"),
+    [
+        *(
+            (arch, [])
+            for arch in ("qwen2.5-omni", "qwen2.5-vl", "qwen3-vl", "qwen3-vl-moe", "qwen3.5", "qwen3", "qwen3-moe")
+        ),
+        ("qwen2.5-vl", ["--trainer", "megatron"]),  # measured: 0.178 → 0.946, held out 25 % → 100 %, 647 s
+    ],
 )
-def test_the_demo_learns_on_the_family(arch: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["train", "--demo", "--arch", arch, "--home", str(tmp_path / "weir")]
+def test_the_demo_learns_on_the_family(
+    arch: str, options: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--demo", "--arch", arch, *options, "--home", str(tmp_path / "weir")]
     assert main([*argv, "--base-port", str(free_stack_base())]) == 0
     out = capsys.readouterr().out
     found = re.search(r"greedy accuracy on held-out \w+\D+(\d+)% → (\d+)%", out)
