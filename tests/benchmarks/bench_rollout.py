@@ -41,7 +41,9 @@ from __future__ import annotations
 import base64
 import os
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -197,6 +199,37 @@ def post_json(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str,
         raise RuntimeError(f"POST {url}: HTTP {response.status_code}: {response.text[:500]}")
     result: dict[str, Any] = response.json()
     return result
+
+
+@contextmanager
+def floor_proxies(engine: str, folder: Path) -> Iterator[dict[str, str]]:
+    """The floor's two proxies in front of ``engine`` (`floor_proxy.py`): {"floor_proxy": url, plus the one that
+    fsyncs each answer before answering, "floor_proxy_recorded": url}; both stopped on leaving."""
+    script = Path(__file__).with_name("floor_proxy.py")
+    processes, urls = [], {}
+    try:
+        for name, journal in (("floor_proxy", None), ("floor_proxy_recorded", folder / "floor-journal.jsonl")):
+            with socket.socket() as probe:  # a port free now (a bench, not a test: a race here costs a rerun)
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            command = [sys.executable, str(script), "--port", str(port), "--engine", engine]
+            processes.append(subprocess.Popen(command + (["--journal", str(journal)] if journal else [])))
+            urls[name] = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        for url in urls.values():
+            while True:
+                try:
+                    httpx.get(url, timeout=1)
+                    break
+                except httpx.TransportError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the floor proxy at {url} did not start") from None
+                    time.sleep(0.2)
+        yield urls
+    finally:
+        for process in processes:
+            process.terminate()
+            process.wait(timeout=30)
 
 
 # -- 1. rollout throughput -----------------------------------------------------------------------
@@ -497,7 +530,11 @@ def bench_chat_latency(urls: dict[str, str], config: Config) -> dict[str, Any]:
 
 
 # -- 4. rollout overhead -------------------------------------------------------------------------
-def bench_overhead(urls: dict[str, str], config: Config, goals: Goals, max_new: int) -> dict[str, Any]:
+def bench_overhead(
+    urls: dict[str, str], floors: dict[str, str], config: Config, goals: Goals, max_new: int
+) -> dict[str, Any]:
+    """The rollout role's two routes against the engine's own ``/generate``, and beside them the floor
+    (``floors``: `floor_proxies`): the least a layer in between adds, bare and with one fsync'd record."""
     rollout, engine = urls["rollout"], urls["engine-30000"]
     messages = text_messages("what colour is the circle in the picture")
     rollouts_body = {
@@ -510,15 +547,14 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals, max_new: 
         first = Group.from_json(post_json(client, f"{rollout}/v1/rollouts", rollouts_body)["groups"][0])
         prompt_ids: list[int] = first.prompt_ids
 
-        def direct() -> int:
+        def engine_body() -> dict[str, Any]:
             # What the rollout role sends an engine for this prompt (see rollout.generation.engine_body).
-            body = {
-                "input_ids": prompt_ids,
-                "sampling_params": {"max_new_tokens": max_new, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True},
-                "return_logprob": True,
-                "rid": uuid.uuid4().hex,
-            }
-            ids: list[int] = post_json(client, f"{engine}/generate", body)["output_ids"]
+            sampling = {"max_new_tokens": max_new, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+            rid = uuid.uuid4().hex
+            return {"input_ids": prompt_ids, "sampling_params": sampling, "return_logprob": True, "rid": rid}
+
+        def direct() -> int:
+            ids: list[int] = post_json(client, f"{engine}/generate", engine_body())["output_ids"]
             outputs["engine_generate"] = ids
             return len(ids)
 
@@ -532,10 +568,17 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals, max_new: 
             outputs["rollout_rollouts"] = ids
             return len(ids)
 
+        def through(url: str) -> Callable[[], int]:
+            def call() -> int:  # the engine's body, through a floor proxy
+                return len(post_json(client, f"{url}/generate", engine_body())["output_ids"])
+
+            return call
+
         contenders: dict[str, Callable[[], int]] = {
             "engine_generate": direct,
             "rollout_chat_completions": chat,
             "rollout_rollouts": rollouts,
+            **{name: through(url) for name, url in floors.items()},
         }
         for call in contenders.values():
             call()  # warm-up
@@ -562,6 +605,10 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals, max_new: 
             "overhead_vs_engine": rounded(median / base - 1),
             "added_ms": rounded(1000 * (median - base)),
         }
+
+    def added(name: str) -> float:
+        return float(per[name]["added_ms"])
+
     record = {
         "bench": "rollout_overhead",
         "engines": 1,
@@ -570,6 +617,10 @@ def bench_overhead(urls: dict[str, str], config: Config, goals: Goals, max_new: 
         "rounds": config.overhead_rounds,
         "same_output_ids": outputs.get("engine_generate") == outputs.get("rollout_rollouts"),
         "contenders": per,
+        # what the floor itself adds, and Weir's milliseconds beyond it (a recorded rollout against a recorded floor)
+        "floor_recorded_added_ms": per["floor_proxy_recorded"]["added_ms"],
+        "rollouts_over_floor_ms": rounded(added("rollout_rollouts") - added("floor_proxy_recorded")),
+        "chat_over_floor_ms": rounded(added("rollout_chat_completions") - added("floor_proxy")),
     }
     emit(record)
     goals.check(
@@ -600,9 +651,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.only == "overhead":
         try:
             model = init_model(root / "model")
-            with running_stack(root / "stack-1", model, engines=1) as (urls, _):
+            with (
+                running_stack(root / "stack-1", model, engines=1) as (urls, _),
+                floor_proxies(urls["engine-30000"], root) as floors,
+            ):
                 for max_new in OVERHEAD_LENGTHS:
-                    bench_overhead(urls, config, goals, max_new)
+                    bench_overhead(urls, floors, config, goals, max_new)
         finally:
             shutil.rmtree(root, ignore_errors=True)
         emit(
@@ -624,7 +678,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         with running_stack(root / "stack-1", model, engines=1) as (urls, start_s):
             one = bench_rollout_throughput(urls, 1, start_s, config)
             latency = bench_chat_latency(urls, config)
-            overhead = [bench_overhead(urls, config, goals, max_new) for max_new in OVERHEAD_LENGTHS]
+            with floor_proxies(urls["engine-30000"], root) as floors:
+                overhead = [bench_overhead(urls, floors, config, goals, max_new) for max_new in OVERHEAD_LENGTHS]
         with running_stack(root / "stack-2", model, engines=2) as (urls, start_s):
             two = bench_rollout_throughput(urls, 2, start_s, config)
     finally:
