@@ -58,6 +58,7 @@ __all__ = [
     "Family",
     "FamilyName",
     "audio_tokens",
+    "checkpoint_names",
     "decoder_layers",
     "drop_language_model",
     "experts_laid_out_as",
@@ -205,6 +206,21 @@ def load_thinker(model_dir: str | Path, *, dtype: torch.dtype = torch.float32) -
     """The folder's model, in the class its config names (not a hard-coded one)."""
     model = thinker_class(model_dir).from_pretrained(model_dir, dtype=dtype)
     return model  # type: ignore[no-any-return]
+
+
+def checkpoint_names(model_dir: str | Path) -> dict[str, str]:
+    """Each parameter's name in the folder's model class (a trainer's state dict, its weight broadcast) → its name
+    in the checkpoint the folder stores, which is what SGLang's weight loader reads: transformers renames on load
+    (Qwen2.5-VL's ``visual.*`` is its module's ``model.visual.*``, ``model.*`` its ``model.language_model.*``) and
+    renames back on save; transformers' own reverse renaming, on the meta device (no weights read). A name whose
+    tensor transformers converts on load (a MoE model's experts fused one way, stored another) maps to itself."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = thinker_class(model_dir)._from_config(thinker_config(model_dir))
+    state = model.state_dict()
+    renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}
+    return {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor
 
 
 def has_deepstack(model: torch.nn.Module) -> bool:

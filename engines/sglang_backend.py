@@ -110,6 +110,7 @@ class SGLangEngine:
         self._tokenizer_manager = self.engine.tokenizer_manager
         self.weight_version = str(args["weight_version"])
         self._parallel = {name: int(args.get(name, 1)) for name in ("pp_size", "dp_size")}
+        self._renames: dict[str, str] | None = None  # `_checkpoint_names`, on the first update by name
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids; changed on the loop thread only
@@ -302,7 +303,9 @@ class SGLangEngine:
     ) -> str:
         """SGLang's in-process tensor update (a trainer in the same process): the tensors serialised per
         tensor-parallel rank by the Engine's own helper, then loaded between two decode steps."""
-        serialized = self._loop.run(self.engine._serialize_tensors_per_rank, list(named_tensors), None)
+        names = self._checkpoint_names([name for name, _ in named_tensors])
+        named = [(name, tensor) for name, (_, tensor) in zip(names, named_tensors, strict=True)]
+        serialized = self._loop.run(self.engine._serialize_tensors_per_rank, named, None)
         self._weights(
             "update_weights_from_tensor",
             "UpdateWeightsFromTensorReqInput",
@@ -334,7 +337,7 @@ class SGLangEngine:
             "update_weights_from_distributed",
             "UpdateWeightsFromDistributedReqInput",
             session=True,
-            names=names,
+            names=self._checkpoint_names(names),
             dtypes=dtypes,
             shapes=shapes,
             group_name=group_name,
@@ -342,6 +345,20 @@ class SGLangEngine:
         )
         self.weight_version = version or self.weight_version
         return self.weight_version
+
+    def _checkpoint_names(self, names: list[str]) -> list[str]:
+        """Weights named as a trainer's model names them (transformers' module), renamed as the checkpoint SGLang
+        loaded names them (`encoders.architectures.checkpoint_names`): SGLang's loader knows only those, and a
+        name it does not know stops its scheduler (Qwen2.5-VL's ``model.visual.*``, measured: a KeyError, the
+        engine gone). A folder of no family Weir loads keeps its names."""
+        if self._renames is None:
+            from encoders.architectures import checkpoint_names
+
+            try:
+                self._renames = checkpoint_names(self.model_dir)
+            except ValueError:  # not a family Weir loads: the names as they come
+                self._renames = {}
+        return [self._renames.get(name, name) for name in names]
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)

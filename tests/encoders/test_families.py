@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from encoders.architectures import FAMILIES, family_of, load_thinker, supported
+from encoders.architectures import FAMILIES, checkpoint_names, family_of, load_thinker, supported
 from encoders.embedded_model import ARCHITECTURES, MODEL_CLASSES, init_model
 from engines import InvalidMedia
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
@@ -51,6 +52,26 @@ def test_init_model_writes_the_real_class_recognised_by_its_config(folders: dict
     assert family.name == FAMILY_OF_ARCH[arch]
     assert type(load_thinker(folder)).__name__ == MODEL_CLASSES[arch]
     assert family.media == (arch not in ("qwen3", "qwen3-moe"))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_checkpoint_names_are_the_folders_own(folders: dict[str, Path], arch: str) -> None:
+    """A trainer's parameter names, renamed as the folder's checkpoint stores them (what SGLang's loader reads):
+    every renamed name is in the folder's files; only a tensor transformers converts on load keeps its name."""
+    folder = folders[arch]
+    stored: set[str] = set()
+    for file in folder.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as weights:
+            stored |= set(weights.keys())
+    names = checkpoint_names(folder)
+    assert set(names) == set(load_thinker(folder).state_dict())
+    converted = {module for module, stored_as in names.items() if stored_as not in stored}
+    assert all(module == names[module] and ".experts." in module for module in converted), sorted(converted)[:3]
+    if arch == "qwen2.5-vl":  # released before transformers' module layout: renamed
+        assert names["model.visual.patch_embed.proj.weight"] == "visual.patch_embed.proj.weight"
+        assert names["model.language_model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    if arch == "qwen3-vl":  # released in it: as they are
+        assert all(module == stored_as for module, stored_as in names.items())
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -34,17 +34,19 @@ def _weir(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("arch", [None, "qwen3"])
+@pytest.mark.parametrize("arch", [None, "qwen3", "qwen2.5-vl"])
 def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str | None) -> None:
-    """Two RL steps of the demo served by SGLang — its default model (a Qwen3-VL, which SGLang serves natively) and
-    a text model (Qwen3: the colour-word task) —: every sample trained, the weights published to SGLang (retract,
-    update, continue) between steps, and SGLang's log-probs the trainer's (the mismatch monitor's KL under 1e-3;
-    its banned media tokens' mass aside: `engines.sglang_request.build_request`)."""
+    """Two RL steps of the demo served by SGLang — its default model (a Qwen3-VL, which SGLang serves natively), a
+    text model (Qwen3: the colour-word task) and Qwen2.5-VL (whose module names are not its checkpoint's) —: every
+    sample trained, the weights broadcast to SGLang (retract, update, continue) between steps, never falling back to
+    disk, and SGLang's log-probs the trainer's (the mismatch monitor's KL under 1e-3; its banned media tokens' mass
+    aside: `engines.sglang_request.build_request`)."""
     home = tmp_path / "home"
     argv = ["train", "--demo", *(["--arch", arch] if arch else []), "--backend", "sglang", "--sglang-args", CPU_ARGS]
     argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
     done = _weir(*argv, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "weights by broadcast stop" not in done.stdout + done.stderr  # Qwen2.5-VL's names, as SGLang loads them
     steps = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and all(s["samples"] > 0 for s in steps)
     assert steps[-1]["policy_version"] >= 2  # published to the engine, which generated under it
