@@ -121,9 +121,7 @@ def _train(args: argparse.Namespace) -> str | None:
             return said
     if config.ray:
         return _ray_refusal(config.address or ("auto" if config.attach else None), config.serve_port)  # as RayStack
-    if not config.attach and "WORLD_SIZE" not in os.environ:  # a rank attaches to the stack its launcher started
-        return _stack_ports_refusal(config.base_port, config.engines)
-    return None
+    return None  # the local stack's ports: the last check of all (`train_refusal`)
 
 
 def _up(args: argparse.Namespace) -> str | None:
@@ -327,4 +325,8 @@ def train_refusal(config: TrainConfig) -> str | None:
             f"--ep {config.ep}: expert parallelism needs a mixture-of-experts model "
             "(--arch qwen3-moe, qwen3-vl-moe or qwen3-omni-moe)"
         )
+    # Last: what this machine holds at the moment, after everything the run itself gets wrong (a run refused for
+    # its model says so whatever holds its ports). A rank attaches to the stack its launcher started.
+    if not config.ray and not config.attach and "WORLD_SIZE" not in os.environ:
+        return _stack_ports_refusal(config.base_port, config.engines)
     return None
