@@ -106,7 +106,7 @@ def test_a_silent_server_is_a_read_timeout() -> None:
         await reader.read()  # until the client gives up and closes (a handler still open holds the server's close)
 
     with pytest.raises(httpx.ReadTimeout):
-        asyncio.run(_serving(silent, _post(timeout=0.5)))
+        asyncio.run(_serving(silent, _post(timeout=1.0)))
 
 
 def test_a_refused_connection_is_a_connect_error() -> None:
@@ -137,7 +137,7 @@ def test_a_peer_that_never_reads_the_body_times_the_call_out() -> None:
         server = await asyncio.start_server(deaf, "127.0.0.1", 0)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         try:
-            async with async_client(url, token=None, timeout=0.5, connect_retry_s=5) as client:
+            async with async_client(url, token=None, timeout=1.0, connect_retry_s=5) as client:
                 await client.post("/big", content=b"x" * (64 << 20))
         finally:
             server.close()
