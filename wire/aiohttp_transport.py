@@ -42,9 +42,7 @@ def _on_the_wire(error: Exception, request: httpx.Request) -> Exception:
         named = httpx.ReadError
     else:
         return error
-    renamed = named(str(cause) or type(cause).__name__, request=request)
-    renamed.__cause__ = cause
-    return renamed
+    return named(str(cause) or type(cause).__name__, request=request)  # raised by the caller from ``error``
 
 
 class _Body(httpx.AsyncByteStream):
