@@ -83,6 +83,11 @@ class RolloutContext:
     def context_length(self) -> int:
         return self.prompts.context_length
 
+    async def start(self) -> None:
+        """In the serving event loop, before the first request: the sink's own work (a spool ships what a
+        previous run left)."""
+        await self.sink.start()
+
     async def close(self) -> None:
         await self.dispatcher.close()
         await self.sink.close()

@@ -24,6 +24,8 @@ __all__ = ["HttpSink", "JsonlSink", "Sink"]
 
 
 class Sink(Protocol):
+    async def start(self) -> None: ...
+
     async def append(self, group: Group) -> None: ...
 
     async def close(self) -> None: ...
@@ -42,6 +44,9 @@ class JsonlSink:
             fh.write(line)
             fh.flush()
             os.fsync(fh.fileno())
+
+    async def start(self) -> None:
+        return None
 
     async def append(self, group: Group) -> None:
         line = wire.dumps(group.to_json()) + b"\n"
@@ -64,6 +69,9 @@ class HttpSink:
     def __init__(self, client: AsyncDataClient, *, retry_s: float = 60.0) -> None:
         self._client = client
         self.retry_s = retry_s
+
+    async def start(self) -> None:
+        return None
 
     async def append(self, group: Group) -> None:
         body = wire.dumps(group.to_json())  # once, whatever the retries

@@ -70,6 +70,7 @@ def build_app(
     ready: ReadyCheck,
     metrics: RoleMetrics | None = None,
     library_errors: Mapping[type[Exception], int] | None = None,
+    on_start: Closer | None = None,
     on_close: Closer | None = None,
     state: Any = None,
     description: str = "",
@@ -86,6 +87,8 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if on_start is not None:
+            await on_start()
         yield
         if on_close is not None:
             await on_close()

@@ -19,6 +19,7 @@ from engines.errors import InvalidSampling
 from rollout import errors as rollout_errors
 from rollout.context import RolloutFunction
 from rollout.plugins import load_coroutine_function
+from rollout.spool import SpooledSink
 
 from ..errors import ErrorShapes
 from ..metrics import RoleMetrics
@@ -54,6 +55,8 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
     tools, environments = build_plugins(settings)
     metrics = RoleMetrics("rollout")
     figures = RolloutMetrics(metrics, context.admission)
+    if isinstance(context.sink, SpooledSink):
+        figures.watch_spool(metrics, context.sink)
 
     async def ready() -> Readiness:
         """At least one engine answers and none refuses this role's token (a request landing on such
@@ -75,6 +78,9 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             return Readiness(False, detail, reason=f"no engine answers (0 of {len(states)} up)")
         return Readiness(True, detail)
 
+    async def start() -> None:
+        await context.start()
+
     async def close() -> None:
         await context.close()
         tools.close()
@@ -87,6 +93,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         ready=ready,
         metrics=metrics,
         library_errors=LIBRARY_ERRORS,
+        on_start=start,
         on_close=close,
         state=context,
         description="Rollout requests (groups of rewarded trajectories) and OpenAI-compatible chat over the "

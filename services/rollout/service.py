@@ -6,7 +6,7 @@ routes here (the route modules: `rollouts`, `chat`, `completions`, `models`, `re
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -38,6 +38,7 @@ from rollout.messages import FunctionTool, function_tool
 from rollout.prompts import RESERVED_TEMPLATE_VARIABLES, PromptBuilder
 from rollout.rewards import RewardRegistry
 from rollout.sink import HttpSink, JsonlSink, Sink
+from rollout.spool import SpooledSink
 from rollout.tools import Tool, ToolRegistry
 
 from ..errors import ApiError
@@ -98,6 +99,16 @@ class RolloutMetrics:
         inflight_bytes = metrics.gauge("weir_rollout_inflight_bytes", "Request bytes admitted and not finished")
         inflight_bytes.set_function(lambda: admission.bytes)
 
+    def watch_spool(self, metrics: RoleMetrics, spool: SpooledSink) -> None:
+        """The spool's figures: what waits for the data role, and what it took or refused since start."""
+        figures: list[tuple[str, str, Callable[[], float]]] = [
+            ("weir_rollout_spool_backlog", "Groups spooled and not yet taken by the data role", lambda: spool.backlog),
+            ("weir_rollout_spool_shipped", "Groups the data role took from the spool", lambda: spool.shipped),
+            ("weir_rollout_spool_refused", "Groups the data role refused (in refused.jsonl)", lambda: spool.refused),
+        ]
+        for name, help_text, read in figures:
+            metrics.gauge(name, help_text).set_function(read)
+
     def finished(self, group: Group, seconds: float, *, recorded: bool) -> None:
         self.groups.inc()
         if recorded:
@@ -150,7 +161,12 @@ def build_context(settings: RolloutSettings) -> tuple[RolloutContext, list[Any]]
         store = AsyncDataClient(
             settings.data_url, token=token, timeout_s=timeout, retry_s=settings.sink_retry_s, http=data
         )
-        sink = HttpSink(store, retry_s=settings.sink_retry_s)
+        if settings.spool_dir is None:
+            sink = HttpSink(store, retry_s=settings.sink_retry_s)
+        else:
+            sink = SpooledSink(
+                store, settings.spool_dir, max_backlog=settings.spool_backlog, retry_s=settings.sink_retry_s
+            )
     else:
         sink = JsonlSink(settings.experience_path)
     context = RolloutContext(

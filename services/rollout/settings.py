@@ -72,6 +72,16 @@ class RolloutSettings(RoleSettings):
     )
     health_timeout_s: float = Field(2.0, gt=0, le=60, description="the engine health probe of /readyz")
     reward_timeout_s: float = Field(30.0, gt=0, le=3600, description="the longest one sample's reward may take")
+    spool_dir: Path | None = Field(
+        None,
+        description="with a data role: acknowledge a recorded group once it is fsync'd in this folder (on the rollout "
+        "role's own disk) and ship it to the data role behind the answer, saving a round trip per rollout; "
+        "groups left there by a crash go out at the next start. Empty: the data role stores each group before "
+        "the rollout is answered",
+    )
+    spool_backlog: int = Field(
+        1024, gt=0, le=1_000_000, description="groups the spool holds for the data role before appends wait"
+    )
     sink_retry_s: float = Field(
         60.0, ge=0, le=3600, description="how long a group is retried on a data role that does not answer"
     )
@@ -171,7 +181,7 @@ class RolloutSettings(RoleSettings):
                 raise ValueError(f"WEIR_ENGINE_URLS: {url!r} is not http(s)://host:port or sglang+http(s)://host:port")
         return value
 
-    @field_validator("encoder_url", "data_url", mode="before")
+    @field_validator("encoder_url", "data_url", "spool_dir", mode="before")
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if value == "" else value

@@ -719,3 +719,32 @@ def test_in_flight_media_is_bounded(stack) -> None:  # type: ignore[no-untyped-d
     thread.join(120)
     assert holder["r"].status_code == 200 and admission.media_tokens == 0 and admission.bytes == 0
     assert httpx.post(f"{rollout.url}/v1/rollouts", json=body(2), timeout=60).status_code == 200
+
+
+def test_a_spooled_rollout_role_acknowledges_from_its_spool_and_the_group_reaches_the_data_role(
+    stack,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    from services.data.app import create_app as data_app
+    from services.data.settings import DataSettings
+
+    test_stack, _ = stack
+    with RunningServer(data_app(DataSettings(data_dir=tmp_path / "data"))) as data:
+        spooled = test_stack.rollout(data_url=data.url, spool_dir=tmp_path / "spool")
+        try:
+            body = {
+                "prompts": [{"messages": [{"role": "user", "content": "hi"}], "n": 2, "id": "spooled-1"}],
+                "sampling_params": {"max_new_tokens": 2},
+            }
+            httpx.post(f"{spooled.url}/v1/rollouts", json=body, timeout=60).raise_for_status()
+            assert b'"group_id":"spooled-1"' in (tmp_path / "spool" / "spool.jsonl").read_bytes()  # durable there
+            deadline = time.monotonic() + 30
+            while not httpx.get(f"{data.url}/v1/stats").json()["drops"].get("dropped_empty"):  # shipped behind
+                # (stored as dropped: the group has no reward)
+                assert time.monotonic() < deadline, "the spooled group never reached the data role"
+                time.sleep(0.05)
+            metrics = httpx.get(f"{spooled.url}/metrics").text
+            assert "weir_rollout_spool_backlog 0.0" in metrics and "weir_rollout_spool_shipped 1.0" in metrics
+        finally:
+            spooled.__exit__()
+            test_stack.servers.remove(spooled)

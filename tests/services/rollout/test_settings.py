@@ -28,10 +28,12 @@ def test_from_the_environment(model: Path, monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setenv("WEIR_MODEL", str(model))
     monkeypatch.setenv("WEIR_ENGINE_URLS", "http://a:1, sglang+http://b:2,")
     monkeypatch.setenv("WEIR_ENCODER_URL", "")
+    monkeypatch.setenv("WEIR_SPOOL_DIR", "")  # empty: no spool, as an unset variable
     monkeypatch.setenv("WEIR_REWARD_FUNCTIONS", "flaky=tests.services.rewards_for_tests:flaky, mine=builtins:len")
     monkeypatch.setenv("WEIR_ROLLOUT_FUNCTION", f"{__name__}:an_async_rollout")
     settings = load_settings(RolloutSettings)
     assert settings.engine_urls == ["http://a:1", "sglang+http://b:2"] and settings.encoder_url is None
+    assert settings.spool_dir is None
     assert settings.reward_functions == {"flaky": "tests.services.rewards_for_tests:flaky", "mine": "builtins:len"}
     assert settings.rollout_function == f"{__name__}:an_async_rollout"
     assert load_settings(RolloutSettings, rollout_function="rollout.group:rollout_group")
