@@ -3,18 +3,20 @@ to the data role behind the answer.
 
 `HttpSink` answers a rollout only when the data role has the group durable: a second HTTP round trip on every
 recorded rollout (~2-4 ms on a CPU host, a tenth of a short answer's time). The spool keeps the promise —
-durable before acknowledged — on the rollout role's disk instead, and keeps the other: every group reaches the
-data role exactly once, since the data role stores by group id and a group shipped twice (a crash between
-shipping and noting it) is a duplicate it drops.
+durable before acknowledged — on the rollout role's disk instead, and keeps the other: every acknowledged group
+is stored once. It is shipped at least once, and the data role stores by group id, so a group shipped twice (a
+crash between shipping and noting it) is a duplicate it drops. One process holds the folder (a lock file).
 
 The folder holds three files:
 
 * ``spool.jsonl`` — one group's wire form per line, appended and fsync'd before `append` returns. A last line
-  without its newline was never acknowledged (the process died inside the write) and is cut off at start.
+  without its newline was never acknowledged (the process died inside the write) and is cut off at start; a write
+  that fails is cut off at once, so the next line starts clean.
 * ``shipped.txt`` — the group ids the data role has taken, one per line (not fsync'd: a lost line means the
   group is shipped again, and dropped there as a duplicate).
-* ``refused.jsonl`` — groups the data role refused (a 4xx: the group's fault, which a retry cannot mend), each
-  with the refusal, fsync'd; kept for a person to read, never shipped again.
+* ``refused.jsonl`` — groups the data role refused as the group's fault (400, 413 alone, 422: a retry cannot mend
+  them), each with the refusal, fsync'd; kept for a person to read, never shipped again. Any other refusal (a
+  proxy's 404 or 429, a token refused) is retried, as a data role that does not answer is.
 
 At start the groups of the spool not in ``shipped.txt`` are shipped first, in order. When every group is
 shipped and the spool has grown past ``compact_bytes``, both files start again empty.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import threading
@@ -41,7 +44,7 @@ from experience import wire
 from experience.client import AsyncDataClient
 from experience.records import Group
 from wire.backoff import RESTART_BACKOFF, Backoff
-from wire.client import RoleError, RoleRefused, RoleUnauthorized
+from wire.client import AnswerMismatch, RoleRefused, RoleUnauthorized
 
 from .errors import UpstreamUnauthorized, UpstreamUnavailable
 
@@ -49,7 +52,8 @@ __all__ = ["SpooledSink"]
 
 logger = logging.getLogger(__name__)
 
-SPOOL, SHIPPED, REFUSED = "spool.jsonl", "shipped.txt", "refused.jsonl"
+SPOOL, SHIPPED, REFUSED, LOCK = "spool.jsonl", "shipped.txt", "refused.jsonl", ".lock"
+GROUPS_FAULT = frozenset({400, 413, 422})  # the data role's refusals of a body it read: not mended by a retry
 BATCH_GROUPS = 64  # groups per POST /v1/experience (the data role takes up to experience.api.MAX_GROUPS)
 BATCH_BYTES = 4 << 20  # and bytes per POST: well under any body limit the data role is given
 COMPACT_BYTES = 64 << 20  # the spool starts again empty past this, once every group in it is shipped
@@ -69,13 +73,22 @@ def _durable_append(fd: int, data: bytes) -> None:
     os.fsync(fd)
 
 
+def _fsync_folder(folder: Path) -> None:
+    """A file created in ``folder`` survives a power cut once the folder's entry for it is durable too."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class SpooledSink:
     """Groups fsync'd to ``folder`` before `append` returns, then shipped to the data role by ``client``.
 
     ``retry_s``: how long one shipment is retried inside the client before the shipper pauses and tries again
-    (it never gives a group up: a data role down for an hour receives the hour's groups when it is back), and
-    how long an append waits for room in a full backlog. Call `start` in the serving event loop (at start-up:
-    groups spooled before a crash go out then); `append` starts it too.
+    (it never gives a group up: a data role down for an hour receives the hour's groups when it is back, as long as
+    the backlog holds them), and how long an append waits for room in a full backlog. Call `start` in the serving
+    event loop (at start-up: groups spooled before a crash go out then); `append` starts it too.
     """
 
     def __init__(
@@ -97,15 +110,18 @@ class SpooledSink:
         self._backoff = backoff
         self._compact_bytes = compact_bytes
         self._pending: deque[_Spooled] = deque()  # spooled, not yet taken by the data role, in spool order
+        self._singly = 0  # the next groups go one by one: a batch of them was refused, and only its culprit is
         self._writing = 0  # appends between their write and their place in _pending (compaction waits for 0)
         self._disk = threading.Lock()  # the spool's fd: one writer at a time, and never during compaction
         self._fd: int | None = None
+        self._lock_fd: int | None = None
         self._spool_bytes = 0
+        self._starting = asyncio.Lock()
         self._room: asyncio.Condition | None = None
         self._work: asyncio.Event | None = None
         self._shipper: asyncio.Task[None] | None = None
         self._closing = False
-        self._last_error: RoleError | None = None
+        self._last_error: Exception | None = None
         self.shipped = 0  # groups the data role took since start (duplicates included)
         self.refused = 0  # groups it refused (kept in refused.jsonl)
 
@@ -115,30 +131,44 @@ class SpooledSink:
         return len(self._pending)
 
     async def start(self) -> None:
-        """Open the spool, queue what a previous run left unshipped, and start shipping (idempotent)."""
-        if self._shipper is not None:
-            return
-        self._room, self._work = asyncio.Condition(), asyncio.Event()
-        left = await asyncio.to_thread(self._open)
-        self._pending.extend(left)
-        if left:
-            logger.info("shipping %d groups spooled before this start to the data role", len(left))
-            self._work.set()
-        self._shipper = asyncio.create_task(self._ship_forever(), name="weir-spool-shipper")
+        """Open the spool, queue what a previous run left unshipped, and start shipping (idempotent, and safe to
+        call from several tasks at once: one opens the spool)."""
+        async with self._starting:
+            if self._shipper is not None:
+                return
+            left = await asyncio.to_thread(self._open)
+            self._room, self._work = asyncio.Condition(), asyncio.Event()
+            self._pending.extend(left)
+            if left:
+                logger.info("shipping %d groups spooled before this start to the data role", len(left))
+                self._work.set()
+            self._shipper = asyncio.create_task(self._ship_forever(), name="weir-spool-shipper")
 
     def _open(self) -> list[_Spooled]:
         self.folder.mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.folder / LOCK, os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise RuntimeError(f"another process spools to {self.folder}: give each rollout role its own") from None
         spool = self.folder / SPOOL
         data = spool.read_bytes() if spool.exists() else b""
         complete = data[: data.rfind(b"\n") + 1]  # a torn last line was never acknowledged
         shipped_path = self.folder / SHIPPED
         shipped = set(shipped_path.read_text().split()) if shipped_path.exists() else set()
         left = []
-        for line in complete.splitlines():
-            group_id = orjson.loads(line)["group_id"]
+        for number, line in enumerate(complete.splitlines(), 1):
+            try:
+                group_id = orjson.loads(line)["group_id"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):  # not a line this sink acknowledged
+                logger.error("line %d of %s is not a spooled group: skipped", number, spool)
+                continue
             if group_id not in shipped:
                 left.append(_Spooled(group_id, line))
         self._fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        _fsync_folder(self.folder)
         if len(complete) != len(data) or (not left and data):  # cut the torn line; or nothing to keep at all
             keep = complete if left else b""
             os.ftruncate(self._fd, len(keep))
@@ -153,21 +183,31 @@ class SpooledSink:
         if self._closing:
             raise UpstreamUnavailable("the rollout role is shutting down", code="data_unavailable")
         await self.start()
-        assert self._room is not None and self._work is not None
         line = wire.dumps(group.to_json())
         await self._wait_for_room(group.group_id)
         self._writing += 1
+        # Shielded: a caller that goes away mid-write leaves a group on disk, which is then shipped like any other
+        # (not left for the next start, nor cut away by a compaction).
+        await asyncio.shield(self._spool(_Spooled(group.group_id, line)))
+
+    async def _spool(self, spooled: _Spooled) -> None:
+        assert self._work is not None
         try:
-            await asyncio.to_thread(self._write, line + b"\n")
-            self._pending.append(_Spooled(group.group_id, line))
+            await asyncio.to_thread(self._write, spooled.line + b"\n")
+            self._pending.append(spooled)
+            self._work.set()
         finally:
             self._writing -= 1
-        self._work.set()
+            await self._wake()  # a failed write frees its place: appends waiting for room
 
     def _write(self, line: bytes) -> None:
         with self._disk:
             assert self._fd is not None
-            _durable_append(self._fd, line)
+            try:
+                _durable_append(self._fd, line)
+            except BaseException:
+                os.ftruncate(self._fd, self._spool_bytes)  # what was written of it: the next line starts clean
+                raise
             self._spool_bytes += len(line)
 
     def _has_room(self) -> bool:
@@ -185,9 +225,14 @@ class SpooledSink:
                     raise UpstreamUnauthorized("data", self._last_error.status or 401) from None
                 raise UpstreamUnavailable(
                     f"group {group_id}: {len(self._pending)} groups wait for the data role, which has not taken one "
-                    f"within {self.retry_s} s ({self._last_error})",
+                    f"within {self.retry_s} s (last: {self._last_error or 'still trying'})",
                     code="data_unavailable",
                 ) from None
+
+    async def _wake(self) -> None:
+        assert self._room is not None
+        async with self._room:  # appends waiting for room, and close() waiting for the last
+            self._room.notify_all()
 
     # -- shipping ---------------------------------------------------------------------------------------------
     async def _ship_forever(self) -> None:
@@ -201,7 +246,7 @@ class SpooledSink:
             batch = self._next_batch()
             try:
                 await self._ship(batch)
-            except RoleError as error:  # not taken and not refused: the same batch again after a pause
+            except Exception as error:  # noqa: BLE001 - neither taken nor refused: the same batch after a pause
                 self._last_error = error
                 failures += 1
                 level = logging.ERROR if isinstance(error, RoleUnauthorized) else logging.WARNING
@@ -212,6 +257,8 @@ class SpooledSink:
             await self._taken(len(batch))
 
     def _next_batch(self) -> list[_Spooled]:
+        if self._singly:
+            return [self._pending[0]]
         batch: list[_Spooled] = []
         size = 0
         for spooled in self._pending:
@@ -222,17 +269,20 @@ class SpooledSink:
         return batch
 
     async def _ship(self, batch: list[_Spooled]) -> None:
-        """Ship ``batch``; a refused batch is shipped again one group at a time, so only the group at fault is
-        set aside. Raises what the client raised for a batch neither taken nor refused."""
+        """Ship ``batch``, or set its one group aside when the data role refuses it as the group's fault; a batch
+        of several so refused is left for `_ship_forever` to ship one by one. Raises what leaves it unshipped."""
         body = batch[0].line if len(batch) == 1 else b'{"groups":[' + b",".join(s.line for s in batch) + b"]}"
         try:
             await self._client.store(body, retry_s=self.retry_s)
-        except RoleRefused as error:  # not RoleUnauthorized (this role's token) nor RoleUnavailable: retried
+        except AnswerMismatch as error:  # a 2xx: stored, whatever the data role said beside it
+            logger.warning("the data role took %d spooled groups with an answer not its own: %s", len(batch), error)
+        except RoleRefused as error:
+            if error.status not in GROUPS_FAULT:
+                raise  # a proxy's 404 or 429, a conflict: not the group's doing, so tried again
             if len(batch) > 1:
-                for spooled in batch:
-                    await self._ship([spooled])
-            else:
-                await asyncio.to_thread(self._set_aside, batch[0], error)
+                self._singly = len(batch)
+                raise
+            await asyncio.to_thread(self._set_aside, batch[0], error)
             return
         await asyncio.to_thread(self._note_shipped, batch)
 
@@ -251,7 +301,7 @@ class SpooledSink:
         }
         with open(self.folder / REFUSED, "ab") as fh:
             _durable_append(fh.fileno(), orjson.dumps(record) + b"\n")
-        self._note_shipped([spooled])  # done with: a refusal is final
+        self._note_shipped([spooled])  # done with: a refusal of the group itself is final
         self.shipped -= 1
         self.refused += 1
         logger.error(
@@ -263,23 +313,24 @@ class SpooledSink:
         )
 
     async def _taken(self, count: int) -> None:
-        assert self._room is not None
         for _ in range(count):
             self._pending.popleft()
+        self._singly = max(0, self._singly - count)
         if not self._pending and not self._writing and self._spool_bytes > self._compact_bytes:
-            self._compact()
-        async with self._room:  # appends waiting for room, and close() waiting for the last
-            self._room.notify_all()
+            await asyncio.to_thread(self._compact)
+        await self._wake()
 
     def _compact(self) -> None:
-        """Both files empty again: every group in the spool is shipped, and no append is between its write and
-        its place in the backlog (the caller checked, in this event loop, so none can start one meanwhile)."""
+        """Both files empty again: every group in the spool is shipped, and no append is between its write and its
+        place in the backlog (checked in the event loop before; one that starts meanwhile waits for the lock)."""
         with self._disk:
             assert self._fd is not None
+            if self._spool_bytes == 0 or self._pending or self._writing:  # an append came meanwhile: its line stays
+                return
             os.ftruncate(self._fd, 0)
             os.fsync(self._fd)
             self._spool_bytes = 0
-        (self.folder / SHIPPED).write_bytes(b"")
+            (self.folder / SHIPPED).write_bytes(b"")
 
     async def close(self, drain_s: float = 10.0) -> None:
         """Stop taking groups, ship what waits for up to ``drain_s``, then stop; what is left stays spooled."""
@@ -296,6 +347,7 @@ class SpooledSink:
         if self._pending:
             logger.warning("%d groups stay spooled in %s for the next start", len(self._pending), self.folder)
         with self._disk:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            for fd in (self._fd, self._lock_fd):
+                if fd is not None:
+                    os.close(fd)  # the lock goes with its descriptor
+            self._fd = self._lock_fd = None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -174,7 +175,7 @@ def test_a_full_backlog_holds_appends_and_then_says_the_data_role_is_unavailable
 def test_a_refused_token_shows_when_the_backlog_is_full(tmp_path: Path, data_role: str) -> None:
     async def run() -> None:
         async with AsyncDataClient(data_role, token="not-the-token") as client:
-            spool = sink(client, tmp_path / "spool", max_backlog=1, retry_s=0.3)
+            spool = sink(client, tmp_path / "spool", max_backlog=1, retry_s=5)  # its 401 comes well within 5 s
             await spool.append(group("a"))
             with pytest.raises(UpstreamUnauthorized) as refused:
                 await spool.append(group("b"))
@@ -197,3 +198,71 @@ def test_a_shipped_spool_starts_again_empty(tmp_path: Path, data_role: str) -> N
 
     asyncio.run(run())
     assert (folder / SPOOL).read_bytes() == b"" and (folder / SHIPPED).read_text() == ""
+
+
+def test_a_failed_write_is_cut_off_and_the_next_group_starts_clean(
+    tmp_path: Path, data_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    folder = tmp_path / "spool"
+    real_fsync, failures = os.fsync, [OSError(28, "No space left on device")]
+
+    def fsync_failing_once(fd: int) -> None:
+        if failures:
+            raise failures.pop()
+        real_fsync(fd)
+
+    async def run() -> None:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
+            spool = sink(client, folder)
+            await spool.start()
+            monkeypatch.setattr(os, "fsync", fsync_failing_once)
+            with pytest.raises(OSError, match="No space"):
+                await spool.append(group("lost"))  # not acknowledged: the caller hears of it
+            await spool.append(group("kept"))
+            monkeypatch.setattr(os, "fsync", real_fsync)
+            await spool.close()
+            assert await stored(client) == 1
+
+    asyncio.run(run())
+    assert [json.loads(line)["group_id"] for line in (folder / SPOOL).read_bytes().splitlines()] == ["kept"]
+
+
+def test_one_process_spools_to_a_folder(tmp_path: Path, data_role: str) -> None:
+    async def run() -> None:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
+            first, second = sink(client, tmp_path / "spool"), sink(client, tmp_path / "spool")
+            await first.start()
+            with pytest.raises(RuntimeError, match="another process spools to"):
+                await second.start()
+            await first.close()
+            await second.start()  # the folder is free again
+            await second.close()
+
+    asyncio.run(run())
+
+
+def test_concurrent_first_appends_open_the_spool_once(tmp_path: Path, data_role: str) -> None:
+    async def run() -> None:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
+            spool = sink(client, tmp_path / "spool")
+            await asyncio.gather(*(spool.append(group(f"g{i}")) for i in range(10)))
+            await spool.close()
+            assert spool.shipped == 10 and await stored(client) == 10
+
+    asyncio.run(run())
+
+
+def test_a_refusal_that_is_not_the_groups_fault_is_tried_again_not_set_aside(tmp_path: Path, data_role: str) -> None:
+    async def run() -> None:
+        async with AsyncDataClient(f"{data_role}/behind-a-proxy", token=TOKEN) as client:  # 404 on every path
+            spool = sink(client, tmp_path / "spool")
+            await spool.append(group("a"))
+            deadline = asyncio.get_running_loop().time() + 30
+            while spool._last_error is None:  # the first try refused
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.01)
+            assert spool.refused == 0 and spool.backlog == 1  # kept, for the next try
+            await spool.close(drain_s=0)
+
+    asyncio.run(run())
+    assert not (tmp_path / "spool" / REFUSED).exists()

@@ -738,13 +738,13 @@ def test_a_spooled_rollout_role_acknowledges_from_its_spool_and_the_group_reache
             }
             httpx.post(f"{spooled.url}/v1/rollouts", json=body, timeout=60).raise_for_status()
             assert b'"group_id":"spooled-1"' in (tmp_path / "spool" / "spool.jsonl").read_bytes()  # durable there
-            deadline = time.monotonic() + 30
-            while not httpx.get(f"{data.url}/v1/stats").json()["drops"].get("dropped_empty"):  # shipped behind
-                # (stored as dropped: the group has no reward)
+            deadline = time.monotonic() + 60
+            while "weir_rollout_spool_shipped 1.0" not in httpx.get(f"{spooled.url}/metrics").text:  # shipped behind
                 assert time.monotonic() < deadline, "the spooled group never reached the data role"
                 time.sleep(0.05)
-            metrics = httpx.get(f"{spooled.url}/metrics").text
-            assert "weir_rollout_spool_backlog 0.0" in metrics and "weir_rollout_spool_shipped 1.0" in metrics
+            assert "weir_rollout_spool_backlog 0.0" in httpx.get(f"{spooled.url}/metrics").text
+            # stored there (as dropped: the group has no reward)
+            assert httpx.get(f"{data.url}/v1/stats").json()["drops"] == {"dropped_empty": 1}
         finally:
             spooled.__exit__()
             test_stack.servers.remove(spooled)
