@@ -59,6 +59,7 @@ __all__ = [
     "FamilyName",
     "audio_tokens",
     "checkpoint_names",
+    "converted_names",
     "decoder_layers",
     "drop_language_model",
     "experts_laid_out_as",
@@ -213,14 +214,27 @@ def checkpoint_names(model_dir: str | Path) -> dict[str, str]:
     in the checkpoint the folder stores, which is what SGLang's weight loader reads: transformers renames on load
     (Qwen2.5-VL's ``visual.*`` is its module's ``model.visual.*``, ``model.*`` its ``model.language_model.*``) and
     renames back on save; transformers' own reverse renaming, on the meta device (no weights read). A name whose
-    tensor transformers converts on load (a MoE model's experts fused one way, stored another) maps to itself."""
+    tensor transformers converts on load (a MoE model's experts fused one way, stored another) maps to itself:
+    `converted_names` lists those."""
+    return _reverse_renaming(model_dir)[0]
+
+
+def converted_names(model_dir: str | Path) -> frozenset[str]:
+    """The parameters of the folder's model class that its checkpoint stores as other tensors, not renamed but
+    converted (transformers fuses a MoE model's per-expert weights on load): a loader reading the checkpoint's
+    tensors, as SGLang's does, knows no tensor by these names."""
+    return _reverse_renaming(model_dir)[1]
+
+
+def _reverse_renaming(model_dir: str | Path) -> tuple[dict[str, str], frozenset[str]]:
     from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = thinker_class(model_dir)._from_config(thinker_config(model_dir))
     state = model.state_dict()
     renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}
-    return {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor
+    names = {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor
+    return names, frozenset(name for name, tensor in state.items() if id(tensor) not in renamed)
 
 
 def has_deepstack(model: torch.nn.Module) -> bool:

@@ -328,6 +328,13 @@ class SGLangEngine:
                 "group ranks are rank_offset + tp_rank); publish from disk instead (weir train --weights disk)",
                 code="weights_rejected",
             )
+        if converted := self._converted():
+            raise WeightsError(
+                f"weights by broadcast would send {len(converted)} tensors as transformers holds them (e.g. "
+                f"{min(converted)}), which the checkpoint SGLang loaded stores as other tensors (a MoE model's "
+                "experts, one by one) and SGLang's loader does not know: publish from disk (weir train --weights disk)",
+                code="weights_rejected",
+            )
         self._weights("init_weights_update_group", "InitWeightsUpdateGroupReqInput", **group)
 
     def update_weights_from_distributed(
@@ -359,6 +366,16 @@ class SGLangEngine:
             except ValueError:  # not a family Weir loads: the names as they come
                 self._renames = {}
         return [self._renames.get(name, name) for name in names]
+
+    def _converted(self) -> frozenset[str]:
+        """The trainer's names no tensor of SGLang's checkpoint answers to (`encoders.architectures.converted_names`):
+        refused before a broadcast group forms, since a name SGLang's loader does not know stops its scheduler."""
+        from encoders.architectures import converted_names
+
+        try:
+            return converted_names(self.model_dir)
+        except ValueError:  # not a family Weir loads: nothing known to convert
+            return frozenset()
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)

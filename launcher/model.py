@@ -96,7 +96,7 @@ def engine_refusal(config: TrainConfig) -> str | None:
             "--served-model-name names the model of the stack `weir train` starts: with --attach the stack serves "
             "it under its own names (`weir up --served-model-name …`)"
         )
-    backend = config.backend or os.environ.get("WEIR_BACKEND") or "transformers"
+    backend = engine_backend(config)
     if config.sglang_args is not None and backend != "sglang":
         return f"--sglang-args are SGLang's server arguments: use them with --backend sglang (not {backend})"
     if backend != "sglang" or config.attach:
@@ -111,7 +111,38 @@ def engine_refusal(config: TrainConfig) -> str | None:
     except ValueError as error:
         return f"--sglang-args: {error}"
     refusal = unserved_refusal(_architectures(config), args, served_architectures())
-    return f"--backend sglang: {refusal}" if refusal else None
+    if refusal:
+        return f"--backend sglang: {refusal}"
+    if config.r3 and args.get("device") == "cpu":
+        return (
+            "--r3 with SGLang on the CPU: SGLang pins its buffer of routed experts with cudaHostRegister, so it "
+            "starts with enable_return_routed_experts only on a GPU (R3 on the CPU: --backend transformers)"
+        )
+    return None
+
+
+def engine_backend(config: TrainConfig) -> str:
+    """The engines' backend: ``--backend``, else ``WEIR_BACKEND``, else transformers."""
+    return config.backend or os.environ.get("WEIR_BACKEND") or "transformers"
+
+
+def engines_report_routes(config: TrainConfig) -> bool:
+    """Whether the run's engines are asked for each token's experts: for R3 to replay them, and for any MoE model
+    the mismatch monitor's routing agreement — except on SGLang on the CPU (``"device": "cpu"`` in its server
+    arguments), which cannot return them (`engine_refusal` refuses R3 there): that run's monitor goes without."""
+    if config.r3:
+        return True
+    if not trains_moe(config):
+        return False
+    if engine_backend(config) != "sglang" or config.attach:
+        return True
+    from engines.sglang_args import parse_server_args
+
+    try:
+        args = parse_server_args(config.sglang_args or os.environ.get("WEIR_SGLANG_ARGS", ""))
+    except ValueError:  # refused at start (`engine_refusal`)
+        return True
+    return args.get("device") != "cpu"
 
 
 def _architectures(config: TrainConfig) -> list[str]:

@@ -63,9 +63,9 @@ from .demo.plot import plot_runs
 from .model import (
     attach_refusal,
     engine_env,
+    engines_report_routes,
     ensure_arch,
     run_model,
-    trains_moe,
 )
 from .placement import single_rank_device, training_plan
 from .run_config import save_run_config
@@ -228,8 +228,8 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
     if config.max_staleness is not None:
         settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
     # The rollout role asks the engines for each token's experts: R3 replays them; without R3 the mismatch
-    # monitor compares the trainer's routers with them (routing agreement, R3 on and off).
-    if config.r3 or trains_moe(config):
+    # monitor compares the trainer's routers with them (routing agreement, R3 on and off; not SGLang on the CPU).
+    if engines_report_routes(config):
         settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
     settings.update(engine_env(config))
     if config.engine_gpus is not None:  # engine i takes the i-th run of them (`launcher.stack.engine_devices`)

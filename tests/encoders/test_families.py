@@ -12,7 +12,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer
 
-from encoders.architectures import FAMILIES, checkpoint_names, family_of, load_thinker, supported
+from encoders.architectures import (
+    FAMILIES,
+    checkpoint_names,
+    converted_names,
+    family_of,
+    load_thinker,
+    supported,
+)
 from encoders.embedded_model import ARCHITECTURES, MODEL_CLASSES, init_model
 from engines import InvalidMedia
 from engines.protocol import GenerateRequest, MediaInput, SamplingParams
@@ -67,6 +74,7 @@ def test_checkpoint_names_are_the_folders_own(folders: dict[str, Path], arch: st
     assert set(names) == set(load_thinker(folder).state_dict())
     converted = {module for module, stored_as in names.items() if stored_as not in stored}
     assert all(module == names[module] and ".experts." in module for module in converted), sorted(converted)[:3]
+    assert converted_names(folder) == converted  # what the SGLang engine role refuses to broadcast
     if arch == "qwen2.5-vl":  # released before transformers' module layout: renamed
         assert names["model.visual.patch_embed.proj.weight"] == "visual.patch_embed.proj.weight"
         assert names["model.language_model.embed_tokens.weight"] == "model.embed_tokens.weight"

@@ -55,6 +55,23 @@ def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str 
     assert "sglang.srt" in log.read_text()  # the engine role ran SGLang
 
 
+def test_a_moe_demo_runs_on_sglang_without_routes_and_publishes_through_disk(tmp_path: Path) -> None:
+    """Qwen3-MoE's demo on SGLang on the CPU: no routes asked (SGLang cannot return them without CUDA), and its
+    weights through disk — the engine role refuses the broadcast before a group forms, since transformers' fused
+    experts are tensors SGLang's loader of the per-expert checkpoint does not know (a name it does not know stops
+    its scheduler)."""
+    home = tmp_path / "home"
+    argv = ["train", "--demo", "--arch", "qwen3-moe", "--backend", "sglang", "--sglang-args", CPU_ARGS]
+    argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
+    done = _weir(*argv, timeout=1200)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said[-6000:]
+    assert "weights by broadcast stop" in said and ".mlp.experts." in said  # refused by name, then disk
+    steps = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in steps] == [1, 2] and steps[-1]["policy_version"] >= 2
+    assert all(s["mismatch/all/kl"] < 1e-3 for s in steps)
+
+
 @pytest.mark.parametrize(
     ("options", "refusal"),
     [
@@ -65,6 +82,7 @@ def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str 
         (["--arch", "qwen3-vl", "--sglang-args", '{"tp_sise": 2}'], "tp_sise: not a server argument of this SGLang"),
         (["--arch", "qwen3-vl", "--sglang-args", "[1]"], "SGLang server arguments must be a JSON object"),
         (["--arch", "qwen3-vl", "--attach"], "with --attach the stack's engines are its own"),
+        (["--arch", "qwen3-moe", "--r3", "--sglang-args", CPU_ARGS], "--r3 with SGLang on the CPU"),
     ],
 )
 def test_what_sglang_cannot_serve_is_refused_in_one_line_before_anything_starts(

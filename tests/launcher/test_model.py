@@ -142,3 +142,23 @@ def test_a_stack_serves_a_hub_id_s_snapshot(tmp_path: Path, monkeypatch: pytest.
     assert run_model(TrainConfig(home=tmp_path / "w", model=REPO)) == snapshot.absolute()
     with pytest.raises(SettingsError, match="^--model weir-test/absent .*hf download weir-test/absent"):
         stack_model(tmp_path / "w", "weir-test/absent")
+
+
+@pytest.mark.parametrize(
+    ("arch", "options", "asked"),
+    [
+        ("qwen3", {}, False),  # a dense model has no experts to report
+        ("qwen3", {"r3": True}, True),  # (refused elsewhere: R3 needs a MoE model)
+        ("qwen3-moe", {}, True),  # the routing monitor's, R3 off
+        ("qwen3-moe", {"backend": "sglang", "sglang_args": '{"device": "cpu"}'}, False),  # SGLang cannot on the CPU
+        ("qwen3-moe", {"backend": "sglang", "sglang_args": "{}"}, True),  # on a GPU it can
+        ("qwen3-moe", {"backend": "sglang", "sglang_args": '{"device": "cpu"}', "r3": True}, True),  # refused at start
+    ],
+)
+def test_which_runs_ask_the_engines_for_their_routes(
+    tmp_path: Path, arch: str, options: dict[str, object], asked: bool
+) -> None:
+    from launcher.model import engines_report_routes
+
+    config = TrainConfig(home=tmp_path / "w", arch=arch, **options)  # type: ignore[arg-type]
+    assert engines_report_routes(config) is asked
