@@ -220,17 +220,39 @@ def checkpoint_names(model_dir: str | Path) -> dict[str, str]:
 
 
 def converted_names(model_dir: str | Path) -> frozenset[str]:
-    """The parameters of the folder's model class that its checkpoint stores as other tensors, not renamed but
-    converted (transformers fuses a MoE model's per-expert weights on load): a loader reading the checkpoint's
-    tensors, as SGLang's does, knows no tensor by these names."""
-    return _reverse_renaming(model_dir)[1]
+    """The parameters of the folder's model class that its checkpoint stores as other tensors: converted, not
+    renamed (transformers fuses a MoE model's per-expert weights on load), or stored in another shape (Qwen3-VL-MoE's
+    fused experts, (experts, in, out) in its checkpoint, (experts, out, in) in transformers' module). A loader of the
+    checkpoint's tensors, as SGLang's is, knows no tensor by these names, or not in this shape."""
+    names, converted = _reverse_renaming(model_dir)
+    stored = _stored_shapes(Path(model_dir))
+    state = _meta_model(model_dir).state_dict()
+    reshaped = {name for name, ckpt in names.items() if ckpt in stored and stored[ckpt] != tuple(state[name].shape)}
+    return converted | reshaped
+
+
+def _meta_model(model_dir: str | Path) -> Any:
+    """The folder's model class on the meta device: its parameters' names and shapes, no weights."""
+    with torch.device("meta"):
+        return thinker_class(model_dir)._from_config(thinker_config(model_dir))
+
+
+def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Each tensor's shape in the folder's safetensors files (their headers: no weights read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as weights:
+            for key in weights.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
+                shapes[key] = tuple(weights.get_slice(key).get_shape())
+    return shapes
 
 
 def _reverse_renaming(model_dir: str | Path) -> tuple[dict[str, str], frozenset[str]]:
     from transformers.core_model_loading import revert_weight_conversion
 
-    with torch.device("meta"):
-        model = thinker_class(model_dir)._from_config(thinker_config(model_dir))
+    model = _meta_model(model_dir)
     state = model.state_dict()
     renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}
     names = {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor

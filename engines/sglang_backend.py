@@ -331,8 +331,9 @@ class SGLangEngine:
         if converted := self._converted():
             raise WeightsError(
                 f"weights by broadcast would send {len(converted)} tensors as transformers holds them (e.g. "
-                f"{min(converted)}), which the checkpoint SGLang loaded stores as other tensors (a MoE model's "
-                "experts, one by one) and SGLang's loader does not know: publish from disk (weir train --weights disk)",
+                f"{min(converted)}), which the checkpoint SGLang loaded stores as other tensors or in another "
+                "shape (a MoE model's experts), which SGLang's loader cannot take: publish from disk "
+                "(weir train --weights disk)",
                 code="weights_rejected",
             )
         self._weights("init_weights_update_group", "InitWeightsUpdateGroupReqInput", **group)

@@ -55,13 +55,14 @@ def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str 
     assert "sglang.srt" in log.read_text()  # the engine role ran SGLang
 
 
-def test_a_moe_demo_runs_on_sglang_without_routes_and_publishes_through_disk(tmp_path: Path) -> None:
-    """Qwen3-MoE's demo on SGLang on the CPU: no routes asked (SGLang cannot return them without CUDA), and its
-    weights through disk — the engine role refuses the broadcast before a group forms, since transformers' fused
-    experts are tensors SGLang's loader of the per-expert checkpoint does not know (a name it does not know stops
-    its scheduler)."""
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-vl-moe"])
+def test_a_moe_demo_runs_on_sglang_without_routes_and_publishes_through_disk(tmp_path: Path, arch: str) -> None:
+    """A MoE demo on SGLang on the CPU: no routes asked (SGLang cannot return them without CUDA), and its weights
+    through disk — the engine role refuses the broadcast before a group forms, since transformers holds the experts
+    as tensors SGLang's loader does not know (Qwen3-MoE's fused, where the checkpoint has one per expert: a name it
+    does not know stops its scheduler) or in another shape (Qwen3-VL-MoE's, transposed: a partial update)."""
     home = tmp_path / "home"
-    argv = ["train", "--demo", "--arch", "qwen3-moe", "--backend", "sglang", "--sglang-args", CPU_ARGS]
+    argv = ["train", "--demo", "--arch", arch, "--backend", "sglang", "--sglang-args", CPU_ARGS]
     argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
     done = _weir(*argv, timeout=1200)
     said = done.stdout + done.stderr
@@ -70,6 +71,8 @@ def test_a_moe_demo_runs_on_sglang_without_routes_and_publishes_through_disk(tmp
     steps = [json.loads(line) for line in (home / "train" / "async" / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2] and steps[-1]["policy_version"] >= 2
     assert all(s["mismatch/all/kl"] < 1e-3 for s in steps)
+    (log,) = (home / "logs").glob("engine-*.log")
+    assert "Failed to update parameter online" not in log.read_text()  # nothing sent SGLang could not load
 
 
 @pytest.mark.parametrize(
