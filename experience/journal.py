@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-__all__ = ["MAGIC", "Journal", "JournalRecord", "Location"]
+__all__ = ["MAGIC", "Journal", "JournalRecord", "Location", "fsync_directory"]
 
 MAGIC = b"WRJ1"
 _HEADER = struct.Struct("<4sIIIQ")  # magic, crc32 of the lengths, meta and payload; meta length; 0; payload length
@@ -83,7 +83,7 @@ class Journal:
         self.root.mkdir(parents=True, exist_ok=True)
         # The journal's directory itself survives a power cut: on every open, as a run that created it may have
         # crashed before this fsync.
-        _fsync_directory(self.root.parent)
+        fsync_directory(self.root.parent)
         self._fd: int | None = None
         self._segment = ""
         self._size = 0
@@ -129,7 +129,7 @@ class Journal:
         path = self.root / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _fsync_directory(self.root)  # the new file's name survives a power cut before any record in it is acked
+            fsync_directory(self.root)  # the new file's name survives a power cut before any record in it is acked
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
@@ -216,7 +216,8 @@ def _write_all(fd: int, parts: list[bytes]) -> None:
             pending[0] = pending[0][written:]
 
 
-def _fsync_directory(path: Path) -> None:
+def fsync_directory(path: Path) -> None:
+    """A file created in ``path`` (a folder) survives a power cut once the folder's entry for it is durable too."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -42,6 +42,7 @@ import orjson
 
 from experience import wire
 from experience.client import AsyncDataClient
+from experience.journal import fsync_directory
 from experience.records import Group
 from wire.backoff import RESTART_BACKOFF, Backoff
 from wire.client import AnswerMismatch, RoleRefused, RoleUnauthorized
@@ -72,15 +73,6 @@ def _durable_append(fd: int, data: bytes) -> None:
     while view:
         view = view[os.write(fd, view) :]
     os.fsync(fd)
-
-
-def _fsync_folder(folder: Path) -> None:
-    """A file created in ``folder`` survives a power cut once the folder's entry for it is durable too."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class SpooledSink:
@@ -169,7 +161,7 @@ class SpooledSink:
             if group_id not in shipped:
                 left.append(_Spooled(group_id, line))
         self._fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        _fsync_folder(self.folder)
+        fsync_directory(self.folder)
         if len(complete) != len(data) or (not left and data):  # cut the torn line; or nothing to keep at all
             keep = complete if left else b""
             os.ftruncate(self._fd, len(keep))

@@ -310,7 +310,7 @@ def test_a_segment_whose_name_did_not_become_durable_is_never_written(
     assert store.append(group("g0"))
     files = sorted((tmp_path / "journal").iterdir())
     store._journal.segment_bytes = 1  # the next append starts a segment
-    fail_once(monkeypatch, journal_module, "_fsync_directory", OSError(5, "injected EIO"))
+    fail_once(monkeypatch, journal_module, "fsync_directory", OSError(5, "injected EIO"))
     with pytest.raises(OSError, match="injected"):
         store.append(group("g1"))
     assert sorted((tmp_path / "journal").iterdir()) == files  # the new file closed and removed
@@ -319,7 +319,7 @@ def test_a_segment_whose_name_did_not_become_durable_is_never_written(
     fail_once(monkeypatch, journal_module.os, "fsync", OSError(5, "injected EIO"))  # no segment open after it
     with pytest.raises(OSError, match="injected"):
         store.append(group("g2"))
-    fail_once(monkeypatch, journal_module, "_fsync_directory", OSError(5, "injected EIO"))
+    fail_once(monkeypatch, journal_module, "fsync_directory", OSError(5, "injected EIO"))
     with pytest.raises(OSError, match="injected"):
         store.append(group("g2"))
     assert store.append(group("g2")) and store.append(group("g3"))
@@ -336,14 +336,14 @@ def test_a_journal_that_cannot_open_its_first_segment_leaks_nothing(
 ) -> None:
     (tmp_path / "journal").mkdir()
     before = open_fds(tmp_path)
-    real = journal_module._fsync_directory
+    real = journal_module.fsync_directory
 
     def failing(path: Path) -> None:  # the parent's fsync works, the new segment's name never becomes durable
         real(path)
         if path != tmp_path:
             raise OSError(5, "injected EIO")
 
-    monkeypatch.setattr(journal_module, "_fsync_directory", failing)
+    monkeypatch.setattr(journal_module, "fsync_directory", failing)
     with pytest.raises(OSError, match="injected"):
         Journal(tmp_path / "journal")
     assert open_fds(tmp_path) == before and list((tmp_path / "journal").iterdir()) == []
@@ -487,13 +487,13 @@ def test_the_journal_directory_is_fsynced_in_its_parent_on_every_open(
 ) -> None:
     (tmp_path / "journal").mkdir()  # a run that created it may have crashed before its fsync
     synced: list[Path] = []
-    real = journal_module._fsync_directory
+    real = journal_module.fsync_directory
 
     def recorded(path: Path) -> None:
         synced.append(path)
         real(path)
 
-    monkeypatch.setattr(journal_module, "_fsync_directory", recorded)
+    monkeypatch.setattr(journal_module, "fsync_directory", recorded)
     Journal(tmp_path / "journal").close()
     assert tmp_path in synced
 
