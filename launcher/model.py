@@ -113,7 +113,7 @@ def engine_refusal(config: TrainConfig) -> str | None:
     refusal = unserved_refusal(_architectures(config), args, served_architectures())
     if refusal:
         return f"--backend sglang: {refusal}"
-    if config.r3 and args.get("device") == "cpu":
+    if config.r3 and _sglang_device(args) == "cpu":
         return (
             "--r3 with SGLang on the CPU: SGLang pins its buffer of routed experts with cudaHostRegister, so it "
             "starts with enable_return_routed_experts only on a GPU (R3 on the CPU: --backend transformers)"
@@ -142,7 +142,13 @@ def engines_report_routes(config: TrainConfig) -> bool:
         args = parse_server_args(config.sglang_args or os.environ.get("WEIR_SGLANG_ARGS", ""))
     except ValueError:  # refused at start (`engine_refusal`)
         return True
-    return args.get("device") != "cpu"
+    return _sglang_device(args) != "cpu"
+
+
+def _sglang_device(args: dict[str, object]) -> object:
+    """The device the stack's SGLang engines run on: their server arguments', else ``WEIR_DEVICE`` (the engine
+    role gives SGLang that, `engines.factory`), else SGLang's own default (CUDA)."""
+    return args.get("device") or os.environ.get("WEIR_DEVICE") or "cuda"
 
 
 def _architectures(config: TrainConfig) -> list[str]:

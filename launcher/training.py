@@ -229,8 +229,8 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
         settings["WEIR_MAX_STALENESS"] = str(config.max_staleness)
     # The rollout role asks the engines for each token's experts: R3 replays them; without R3 the mismatch
     # monitor compares the trainer's routers with them (routing agreement, R3 on and off; not SGLang on the CPU).
-    if engines_report_routes(config):
-        settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true"
+    # Said both ways: a WEIR_RETURN_ROUTED_EXPERTS=true left in the shell would stop SGLang on the CPU at start.
+    settings["WEIR_RETURN_ROUTED_EXPERTS"] = "true" if engines_report_routes(config) else "false"
     settings.update(engine_env(config))
     if config.engine_gpus is not None:  # engine i takes the i-th run of them (`launcher.stack.engine_devices`)
         settings["CUDA_VISIBLE_DEVICES"] = config.engine_gpus
