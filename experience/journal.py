@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-__all__ = ["MAGIC", "Journal", "JournalRecord", "Location", "fsync_directory"]
+__all__ = ["MAGIC", "Journal", "JournalRecord", "Location", "fsync_directory", "write_all"]
 
 MAGIC = b"WRJ1"
 _HEADER = struct.Struct("<4sIIIQ")  # magic, crc32 of the lengths, meta and payload; meta length; 0; payload length
@@ -113,7 +113,7 @@ class Journal:
         parts = [head, meta, _padding(len(meta)), payload, _padding(len(payload))]
         offset = self._size + len(head) + len(meta) + len(parts[2])
         try:
-            _write_all(self._fd, parts)
+            write_all(self._fd, parts)
             os.fsync(self._fd)
         except BaseException:
             self._abandon()
@@ -204,7 +204,7 @@ class Journal:
             position = end
 
 
-def _write_all(fd: int, parts: list[bytes]) -> None:
+def write_all(fd: int, parts: list[bytes]) -> None:
     """Write ``parts`` in order; a short write (a full disk, a signal) goes on from where it stopped."""
     pending = [p for p in parts if p]
     while pending:

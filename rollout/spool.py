@@ -42,7 +42,7 @@ import orjson
 
 from experience import wire
 from experience.client import AsyncDataClient
-from experience.journal import fsync_directory
+from experience.journal import fsync_directory, write_all
 from experience.records import Group
 from wire.backoff import RESTART_BACKOFF, Backoff
 from wire.client import AnswerMismatch, RoleRefused, RoleUnauthorized
@@ -68,10 +68,8 @@ class _Spooled:
 
 
 def _durable_append(fd: int, data: bytes) -> None:
-    """Write all of ``data`` at the file's end and fsync it (a short write is continued, never left torn)."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+    """Write all of ``data`` at the file's end (a short write goes on: the journal's `write_all`) and fsync it."""
+    write_all(fd, [data])
     os.fsync(fd)
 
 
