@@ -224,11 +224,7 @@ def converted_names(model_dir: str | Path) -> frozenset[str]:
     renamed (transformers fuses a MoE model's per-expert weights on load), or stored in another shape (Qwen3-VL-MoE's
     fused experts, (experts, in, out) in its checkpoint, (experts, out, in) in transformers' module). A loader of the
     checkpoint's tensors, as SGLang's is, knows no tensor by these names, or not in this shape."""
-    names, converted = _reverse_renaming(model_dir)
-    stored = _stored_shapes(Path(model_dir))
-    state = _meta_model(model_dir).state_dict()
-    reshaped = {name for name, ckpt in names.items() if ckpt in stored and stored[ckpt] != tuple(state[name].shape)}
-    return converted | reshaped
+    return _reverse_renaming(model_dir)[1]
 
 
 def _meta_model(model_dir: str | Path) -> Any:
@@ -252,11 +248,18 @@ def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 def _reverse_renaming(model_dir: str | Path) -> tuple[dict[str, str], frozenset[str]]:
     from transformers.core_model_loading import revert_weight_conversion
 
+    """(`checkpoint_names`, `converted_names`) from one model on the meta device."""
     model = _meta_model(model_dir)
     state = model.state_dict()
     renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}
     names = {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor
-    return names, frozenset(name for name, tensor in state.items() if id(tensor) not in renamed)
+    stored = _stored_shapes(Path(model_dir))
+    converted = {
+        name
+        for name, tensor in state.items()
+        if id(tensor) not in renamed or stored.get(names[name], tuple(tensor.shape)) != tuple(tensor.shape)
+    }
+    return names, frozenset(converted)
 
 
 def has_deepstack(model: torch.nn.Module) -> bool:

@@ -111,6 +111,7 @@ class SGLangEngine:
         self.weight_version = str(args["weight_version"])
         self._parallel = {name: int(args.get(name, 1)) for name in ("pp_size", "dp_size")}
         self._renames: dict[str, str] | None = None  # `_checkpoint_names`, on the first update by name
+        self._unloadable: frozenset[str] | None = None  # `_converted`, on the first broadcast group
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids; changed on the loop thread only
@@ -371,12 +372,14 @@ class SGLangEngine:
     def _converted(self) -> frozenset[str]:
         """The trainer's names no tensor of SGLang's checkpoint answers to (`encoders.architectures.converted_names`):
         refused before a broadcast group forms, since a name SGLang's loader does not know stops its scheduler."""
-        from encoders.architectures import converted_names
+        if self._unloadable is None:
+            from encoders.architectures import converted_names
 
-        try:
-            return converted_names(self.model_dir)
-        except ValueError:  # not a family Weir loads: nothing known to convert
-            return frozenset()
+            try:
+                self._unloadable = converted_names(self.model_dir)
+            except ValueError:  # not a family Weir loads: nothing known to convert
+                self._unloadable = frozenset()
+        return self._unloadable
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)

@@ -282,9 +282,13 @@ class SpooledSink:
         await asyncio.to_thread(self._note_shipped, batch)
 
     def _note_shipped(self, batch: list[_Spooled]) -> None:
+        self._done_with(batch)
+        self.shipped += len(batch)
+
+    def _done_with(self, batch: list[_Spooled]) -> None:
+        """Never shipped again (taken, or refused for good)."""
         with open(self.folder / SHIPPED, "ab") as fh:
             fh.write(b"".join(s.group_id.encode() + b"\n" for s in batch))
-        self.shipped += len(batch)
 
     def _set_aside(self, spooled: _Spooled, error: RoleRefused) -> None:
         record = {
@@ -296,8 +300,7 @@ class SpooledSink:
         }
         with open(self.folder / REFUSED, "ab") as fh:
             _durable_append(fh.fileno(), orjson.dumps(record) + b"\n")
-        self._note_shipped([spooled])  # done with: a refusal of the group itself is final
-        self.shipped -= 1
+        self._done_with([spooled])  # a refusal of the group itself is final
         self.refused += 1
         logger.error(
             "the data role refused spooled group %s (HTTP %s %s): set aside in %s",

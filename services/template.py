@@ -60,7 +60,7 @@ class Readiness:
 
 
 ReadyCheck = Callable[[], Awaitable[Readiness]]
-Closer = Callable[[], Awaitable[None]]
+Hook = Callable[[], Awaitable[None]]  # a start-up or shutdown step of the role
 
 
 def build_app(
@@ -70,8 +70,8 @@ def build_app(
     ready: ReadyCheck,
     metrics: RoleMetrics | None = None,
     library_errors: Mapping[type[Exception], int] | None = None,
-    on_start: Closer | None = None,
-    on_close: Closer | None = None,
+    on_start: Hook | None = None,
+    on_close: Hook | None = None,
     state: Any = None,
     description: str = "",
     error_shapes: Mapping[str, ErrorShaper] | None = None,

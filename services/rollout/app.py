@@ -78,9 +78,6 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
             return Readiness(False, detail, reason=f"no engine answers (0 of {len(states)} up)")
         return Readiness(True, detail)
 
-    async def start() -> None:
-        await context.start()
-
     async def close() -> None:
         await context.close()
         tools.close()
@@ -93,7 +90,7 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         ready=ready,
         metrics=metrics,
         library_errors=LIBRARY_ERRORS,
-        on_start=start,
+        on_start=context.start,  # a spool ships what a previous run left
         on_close=close,
         state=context,
         description="Rollout requests (groups of rewarded trajectories) and OpenAI-compatible chat over the "
