@@ -246,9 +246,9 @@ def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def _reverse_renaming(model_dir: str | Path) -> tuple[dict[str, str], frozenset[str]]:
+    """(`checkpoint_names`, `converted_names`) from one model on the meta device."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    """(`checkpoint_names`, `converted_names`) from one model on the meta device."""
     model = _meta_model(model_dir)
     state = model.state_dict()
     renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}

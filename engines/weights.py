@@ -23,6 +23,8 @@ from .weights_group import WEIGHTS_GROUP_TIMEOUT_S, join_weights_group
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from .checkpoint_layout import CheckpointLayout
+
 __all__ = ["WeightGroups", "check_lengths", "read_folder"]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,49 @@ def check_lengths(names: list[str], dtypes: list[str], shapes: list[list[int]]) 
         )
 
 
+def _wanted(
+    name: str, own: dict[str, torch.Tensor], layout: CheckpointLayout | None
+) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """The shape and dtype ``name`` must have: the module's parameter, else the checkpoint's tensor."""
+    if name in own:
+        return tuple(own[name].shape), own[name].dtype
+    return None if layout is None else layout.expects(name)
+
+
+def _fits(name: str, dims: tuple[int, ...], dtype: torch.dtype, want: tuple[tuple[int, ...], torch.dtype]) -> bool:
+    """``dims`` and ``dtype`` are ``want``'s — or, for fused experts, its (1, 2) transpose: Qwen3-VL-MoE's released
+    layout, (experts, in, out), which `experts_laid_out_as` turns."""
+    from encoders.architectures import FUSED_EXPERTS
+
+    shape, own_dtype = want
+    if dtype != own_dtype:
+        return False
+    transposed = len(dims) == 3 and name.endswith(FUSED_EXPERTS) and (dims[0], dims[2], dims[1]) == shape
+    return dims == shape or transposed
+
+
+def _as_module(
+    received: dict[str, torch.Tensor], own: dict[str, torch.Tensor], layout: CheckpointLayout | None, *, last: bool
+) -> dict[str, torch.Tensor]:
+    """The received tensors as the module's: fused experts turned to its layout, checkpoint tensors converted."""
+    from encoders.architectures import experts_laid_out_as
+
+    module = {name: tensor for name, tensor in received.items() if name in own}
+    module = experts_laid_out_as(module, {name: tuple(own[name].shape) for name in module})
+    if layout is None:
+        return module
+    module.update(layout.to_module({name: t for name, t in received.items() if name not in own}))
+    waiting = layout.waiting() if last else []
+    if waiting:
+        layout.forget()
+        raise WeightsError(
+            f"the weights do not fit the model: {len(waiting)} of its tensors came in part, {waiting[:3]} (every "
+            "piece of a converted tensor, e.g. each expert of a layer, must be sent in the same update)",
+            code="weights_mismatch",
+        )
+    return module
+
+
 class WeightGroups:
     """The weight-update groups an engine on ``device`` has joined, by SGLang's group name (one rank each: no
     tensor parallelism here). ``gloo`` on a CPU engine, ``nccl`` on a CUDA one — NCCL cannot move CPU tensors,
@@ -137,15 +182,19 @@ class WeightGroups:
         shapes: list[list[int]],
         *,
         group_name: str,
+        layout: CheckpointLayout | None = None,
+        last: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Every tensor, in order, as rank 0 of ``group_name`` broadcasts them, checked against ``own`` (the
-        model's state): all of them, or `WeightsError` ``weights_mismatch``.
+        model's state) — or, for a name the module lacks, against the checkpoint's ``layout``, as SGLang takes
+        them — and given back as the module's tensors: all of them, or `WeightsError` ``weights_mismatch``.
 
         A name the model lacks, or a shape or dtype other than its parameter's, fails — after the tensors
         are received, so the sender is not left waiting and the group can be used again. The dtype must be
         the parameter's own: a cast would make the engine serve other weights than the trainer sent. A dtype
         or shape that cannot be received at all (an unknown dtype, a negative size) leaves the group, as the
-        sender's broadcasts can no longer be matched."""
+        sender's broadcasts can no longer be matched. The pieces of a converted tensor (a layer's experts) may
+        come in several calls; on the ``last`` (the update's version), one still incomplete fails."""
         import torch.distributed as dist
 
         with self._lock:
@@ -169,12 +218,13 @@ class WeightGroups:
             specs.append((dtype, tuple(shape)))
         problems = []
         for name, (dtype, dims) in zip(names, specs, strict=True):
-            if name not in own:
-                problems.append(f"{name}: not a parameter of the model")
-            elif tuple(own[name].shape) != dims or own[name].dtype != dtype:
+            want = _wanted(name, own, layout)
+            if want is None:
+                problems.append(f"{name}: not a parameter of the model nor a tensor of its checkpoint")
+            elif not _fits(name, dims, dtype, want):
                 problems.append(
                     f"{name}: sent {str(dtype).removeprefix('torch.')} {list(dims)}, the model's is "
-                    f"{str(own[name].dtype).removeprefix('torch.')} {list(own[name].shape)}"
+                    f"{str(want[1]).removeprefix('torch.')} {list(want[0])}"
                 )
         received = {}
         pending = []
@@ -186,12 +236,14 @@ class WeightGroups:
             if work is not None:  # async_op always gives one; None is only the synchronous call's
                 work.wait()
         if problems:
+            if layout is not None:
+                layout.forget()  # a refused update is sent again whole, or through disk
             raise WeightsError(
                 f"the weights do not fit the model ({len(problems)} of {len(names)}; none loaded): "
                 + "; ".join(problems[:3]),
                 code="weights_mismatch",
             )
-        return received
+        return _as_module(received, own, layout, last=last)
 
     def leave(self, group_name: str) -> None:
         """`WeightsError` ``weights_group`` for a group it is not in."""

@@ -207,6 +207,60 @@ def test_a_dead_engine_is_left_out_until_it_answers_again_then_a_refusal_falls_b
             process.wait(30)
 
 
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-vl-moe"])
+def test_a_moe_model_sent_as_its_files_hold_it_is_what_loading_the_files_gives(tmp_path: Path, arch: str) -> None:
+    """As SGLang takes them (its loaders read the checkpoint's names and layout): Qwen3-MoE's experts one by one,
+    Qwen3-VL-MoE's fused in the released (experts, in, out) layout, each layer's spread over several buckets. The
+    engine turns them into its module's as loading the files would: its greedy log-probs equal those after loading
+    the same weights from disk. For experts sent one by one, an update whose last bucket leaves a layer's experts
+    in part is refused by name, and the group still works."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from trainer.hf_folder import base_weights, in_base_layout
+
+    model = init_model(tmp_path / "model", arch=arch)
+    process, url = start_engine(model, tmp_path)
+    try:
+        wait_healthy(process, url)
+        trainer = ReferenceTrainer(model)
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for parameter in trainer.model.parameters():
+                parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+        files = base_weights(model)
+        stored = in_base_layout(revert_weight_conversion(trainer.model, trainer.full_state_dict()), files)
+        assert {name: tuple(t.shape) for name, t in stored.items()} == {n: w.shape for n, w in files.items()}
+        # A group name of its own: the module's fixture holds the default one in this process.
+        sync = BroadcastWeightSync(
+            [url], master_address="127.0.0.1", master_port=free_port(), bucket_bytes=8 << 10, group_name=f"moe-{arch}"
+        )
+        sync.connect()
+        try:
+            before = greedy(url)
+            sync.publish(stored.items(), version=5)
+            assert version(url) == "5"
+            broadcast = greedy(url)
+            assert broadcast != before
+            folder = trainer.export(tmp_path / "exported")
+            loaded = httpx.post(f"{url}/update_weights_from_disk", json={"model_path": str(folder)}, timeout=120)
+            assert loaded.json()["success"] is True
+            assert greedy(url) == broadcast  # bit for bit what the files give
+
+            expert = next((name for name in stored if name.endswith("experts.2.up_proj.weight")), None)
+            if expert is not None:  # experts one by one: an update with one missing is refused whole
+                partial = [(name, tensor) for name, tensor in stored.items() if name != expert]
+                with pytest.raises(RuntimeError, match="came in part") as refused:
+                    sync.publish(partial, version=6)
+                assert expert.rsplit(".mlp.", 1)[0] in str(refused.value) and version(url) == "5"
+                sync.publish(stored.items(), version=7)  # the pieces of the refused update are not kept
+                assert version(url) == "7" and greedy(url) == broadcast
+        finally:
+            sync.close()
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
 def test_the_group_gives_each_engine_as_many_ranks_as_its_tensor_parallel_size() -> None:
     """SGLang's workers join as rank_offset + tp_rank: engines of tp 2 take two ranks each. The publisher asks
     every engine its tp_size (it built a group of 1 + engines ranks, whatever their sizes, before)."""

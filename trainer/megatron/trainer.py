@@ -57,6 +57,7 @@ import preprocess as pp
 from encoders.architectures import drop_language_model, thinker_config
 
 from ..feed import FeedBatch, pack
+from ..hf_folder import base_weights, in_base_layout
 from ..losses import LossConfig
 from ..memory import MemoryEstimate, Precision, estimate_megatron_memory
 from ..mismatch import MismatchMonitor, placeholder_ids
@@ -72,7 +73,17 @@ from .media import QwenMedia
 from .model import build_gpt
 from .passes import label_logprobs, on_device
 from .ranks import close_megatron_ranks, megatron_ranks
-from .weights import QwenLayout, export_hf, gather_ep, gather_tp, hf_to_megatron, megatron_to_hf, shard_ep, shard_tp
+from .weights import (
+    QwenLayout,
+    export_hf,
+    fused_in,
+    gather_ep,
+    gather_tp,
+    hf_to_megatron,
+    megatron_to_hf,
+    shard_ep,
+    shard_tp,
+)
 
 __all__ = ["MegatronTrainer"]
 
@@ -510,8 +521,10 @@ class MegatronTrainer(SupervisedPairs):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The language model's weights under Hugging Face names, on the CPU, whole (gathered over the tensor-
-        and expert-parallel groups: a collective)."""
-        return megatron_to_hf(self._whole(), self.layout)
+        and expert-parallel groups: a collective). A MoE model's experts as its files hold them (one by one, or
+        fused in their layout): what an engine takes by broadcast, SGLang's loaders and Weir's alike."""
+        known = base_weights(self.model_dir)
+        return in_base_layout(megatron_to_hf(self._whole(), self.layout, fused_experts=fused_in(known)), known)
 
     def export(self, folder: str | Path) -> Path:
         """A Hugging Face folder an engine loads (rank 0 writes; every rank calls it)."""

@@ -36,6 +36,7 @@ import torch
 
 from ..hf_folder import (
     DEFAULT_MAX_SHARD_SIZE,
+    WeightInfo,
     base_weights,
     check_fits,
     in_base_layout,
@@ -46,6 +47,7 @@ from ..hf_folder import (
 __all__ = [
     "QwenLayout",
     "export_hf",
+    "fused_in",
     "gather_ep",
     "gather_tp",
     "hf_to_megatron",
@@ -516,6 +518,12 @@ def gather_ep(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) 
     return out
 
 
+def fused_in(known: Mapping[str, WeightInfo]) -> bool:
+    """Whether a model's files hold its experts fused (Qwen3-VL-MoE's) rather than one by one (Qwen3-MoE's,
+    Qwen3-Omni's): `megatron_to_hf`'s ``fused_experts`` for tensors named as those files name them."""
+    return any(name.endswith("mlp.experts.gate_up_proj") for name in known)
+
+
 def export_hf(
     state: Mapping[str, torch.Tensor],
     layout: QwenLayout,
@@ -534,16 +542,14 @@ def export_hf(
     base = Path(base_model)
     known = base_weights(base)
     layout = layout.named_as(known)
-    # Experts as the base files hold them: per expert (Qwen3-MoE, Qwen3-Omni) or fused (Qwen3-VL-MoE's files).
-    fused = any(name.endswith("mlp.experts.gate_up_proj") for name in known)
-    converted = megatron_to_hf(state, layout, fused_experts=fused)
+    # Experts as the base files hold them: one by one, or fused in the released (experts, in, out) layout
+    converted = in_base_layout(megatron_to_hf(state, layout, fused_experts=fused_in(known)), known)
     if layout.lm_head not in known:  # tied in the base model: the head is the embedding, written once
         converted.pop(layout.lm_head, None)
     unknown = converted.keys() - known.keys()
     if unknown:
         raise ValueError(f"{sorted(unknown)[:3]} are not weights of {base}: a different architecture?")
     tensors = {name: value.detach().to("cpu", known[name].dtype) for name, value in converted.items()}
-    tensors = in_base_layout(tensors, known)  # Qwen3-VL-MoE's fused experts as its released files hold them
     for file in weight_files(base):  # the rest (towers) as the base model has them
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (a safe_open handle is not a mapping)

@@ -1,0 +1,61 @@
+"""A checkpoint's tensors turned into the module's (`engines.checkpoint_layout`), against transformers' own
+reverse conversion (what ``save_pretrained`` writes) on every tiny family: converted forward in pieces, in any
+order, they give back the module's state bit for bit; the real broadcast through an engine process is in
+``tests/trainer/test_weight_broadcast.py``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers.core_model_loading import revert_weight_conversion
+
+from encoders.architectures import load_thinker
+from encoders.embedded_model import ARCHITECTURES, init_model
+from engines.checkpoint_layout import CheckpointLayout
+
+# The families whose checkpoints hold tensors the module fuses (per-expert projections); the others only rename.
+PER_EXPERT = ("qwen3-moe", "qwen3-omni-moe")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.nn.Module]:
+    root = tmp_path_factory.mktemp("layout")
+    return {arch: load_thinker(init_model(root / arch, arch=arch), dtype=torch.float32) for arch in ARCHITECTURES}
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_checkpoints_tensors_in_pieces_give_the_modules_state_bit_for_bit(
+    models: dict[str, torch.nn.Module], arch: str
+) -> None:
+    model = models[arch]
+    own = model.state_dict()
+    stored = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
+    layout = CheckpointLayout(model)
+    for name, tensor in stored.items():
+        assert layout.expects(name) == (tuple(tensor.shape), tensor.dtype), name
+    assert layout.expects("model.layers.0.mlp.experts.99.gate_proj.weight") is None
+    names = [name for name in stored if name not in own]  # what the module lacks: the converted ones
+    random.Random(0).shuffle(names)  # a trainer's buckets need not follow the checkpoint's order
+    half = len(names) // 2
+    first = layout.to_module({name: stored[name] for name in names[:half]})
+    second = layout.to_module({name: stored[name] for name in names[half:]})
+    assert layout.waiting() == []
+    made = {**first, **second}
+    assert set(made) == {name for name in own if name not in stored}
+    for name, tensor in made.items():
+        assert torch.equal(tensor, own[name]), name
+
+
+@pytest.mark.parametrize("arch", PER_EXPERT)
+def test_pieces_wait_for_the_rest_and_are_forgotten_on_request(models: dict[str, torch.nn.Module], arch: str) -> None:
+    model = models[arch]
+    own = model.state_dict()
+    stored = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
+    layout = CheckpointLayout(model)
+    piece = next(name for name in stored if "experts.0." in name)
+    assert layout.to_module({piece: stored[piece]}) == {}
+    assert len(layout.waiting()) == 1  # the piece's tensor, waiting for the rest of its pieces
+    layout.forget()
+    assert layout.waiting() == []
