@@ -91,6 +91,10 @@ def test_weir_train_demo_runs_on_every_new_family(
     # The first step is on-policy: the engine's log-probs and the trainer's agree at fp32's error (issue #39, item 5)
     first = json.loads(lines[0])
     assert first["mismatch/on_policy/tokens"] > 0 and first["mismatch/on_policy/kl"] < 1e-3, first
+    # Every publish went by broadcast (a fall-back to disk writes a model folder, weights/vN/config.json; a broadcast
+    # writes at most the towers for the encoder role): a MoE model's experts included, which the Megatron trainer
+    # names one by one, as Qwen3-MoE's files do, and the engine fuses (`engines.checkpoint_layout`)
+    assert not list((home / "train" / "async").glob("weights/v*/config.json")), "the weights fell back to disk"
     if text:  # no media: no feature or embedding was written
         assert not list((home / "cache").rglob("*.arrow"))
 
