@@ -7,15 +7,16 @@ too: `CheckpointLayout` knows each checkpoint tensor of the model (its name, sha
 module's tensors with transformers' own conversion (the class's checkpoint conversion mapping, run forward, as
 ``from_pretrained`` runs it on the files), so a broadcast loads exactly what loading the files would.
 
-A converted tensor is made of several checkpoint tensors (a layer's fused experts of every expert's three
-projections), which a trainer may send in different buckets: the pieces are held until the last one comes.
-Nothing here loads a tensor into the model (`engines.weights`, the engine).
+A converted tensor is made of several checkpoint tensors (a layer's fused experts of every expert's projections),
+and a trainer may send them in different buckets. As SGLang's loaders do (each expert's weights copied into its
+slice of the fused parameter as they come), each piece takes effect when it arrives: the pieces not sent are the
+module's current ones (its tensor converted back), so nothing is held between updates and a partial one changes
+exactly what it sends. Nothing here loads a tensor into the model (`engines.weights`, the engine).
 """
 
 from __future__ import annotations
 
 import copy
-import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ class _Stored:
 
 class CheckpointLayout:
     """The checkpoint tensors of ``model`` (a transformers model: its class's conversion mapping) and the way from
-    them to the module's. Built on the meta device (no weights copied). Safe to call from any thread."""
+    them to the module's. Built on the meta device (no weights copied); holds nothing between calls."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -62,28 +63,31 @@ class CheckpointLayout:
             self._stored[name] = _Stored(tuple(tensor.shape), tensor.dtype, target, pattern)
             if pattern is not None:
                 self._members[target].append(name)
-        self._pieces: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)  # target → its pieces received so far
-        self._lock = threading.Lock()
 
     def expects(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """The checkpoint tensor ``name``'s shape and dtype, or None when the checkpoint has no such tensor."""
         stored = self._stored.get(name)
         return None if stored is None else (stored.shape, stored.dtype)
 
-    def to_module(self, received: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The module's tensors made from ``received`` (checkpoint tensors `expects` knows): each renamed one at
-        once, each converted one when its last piece is in (earlier calls' pieces held until then)."""
+    def to_module(self, received: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The module's tensors made from ``received`` (checkpoint tensors `expects` knows): a renamed one as it is;
+        a converted one from its pieces, those not received taken from ``own`` (the module's current state)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
         out: dict[str, torch.Tensor] = {}
-        with self._lock:
-            for name, tensor in received.items():
-                stored = self._stored[name]
-                if stored.pattern is None:
-                    out[stored.target] = tensor
-                    continue
-                pieces = self._pieces[stored.target]
-                pieces[name] = tensor
-                if len(pieces) == len(self._members[stored.target]):
-                    out.update(self._convert(stored.target, self._pieces.pop(stored.target)))
+        touched: dict[str, dict[str, torch.Tensor]] = {}  # a converted tensor → its pieces received now
+        for name, tensor in received.items():
+            stored = self._stored[name]
+            if stored.pattern is None:
+                out[stored.target] = tensor
+            else:
+                touched.setdefault(stored.target, {})[name] = tensor
+        for target, pieces in touched.items():
+            members = self._members[target]
+            if len(pieces) < len(members):  # the others as the module holds them now
+                current = revert_weight_conversion(self._model, {target: own[target]})
+                pieces = {name: pieces.get(name, current[name]) for name in members}
+            out.update(self._convert(target, pieces))
         return out
 
     def _convert(self, target: str, pieces: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -97,13 +101,3 @@ class CheckpointLayout:
         assert converter is not None
         made = converter.convert(target, model=self._model, config=getattr(self._model, "config", None))
         return {key: value[0] if isinstance(value, list) else value for key, value in made.items()}
-
-    def waiting(self) -> list[str]:
-        """The module's tensors some of whose pieces came and others not yet."""
-        with self._lock:
-            return sorted(target for target, pieces in self._pieces.items() if pieces)
-
-    def forget(self) -> None:
-        """Drop every piece held (an update refused, or a group left: its pieces will not be completed)."""
-        with self._lock:
-            self._pieces.clear()

@@ -128,6 +128,7 @@ class TransformersEngine(ScheduledEngine):
         self.model_lock = threading.Lock()  # held per forward step, never across a generation
         self._groups = WeightGroups(self.device, timeout_s=weights_group_timeout_s)
         self._layout: CheckpointLayout | None = None  # the checkpoint's tensors, once a broadcast names them
+        self._layout_lock = threading.Lock()
         self.started = time.monotonic()
         self._stepper = TransformersStepper(self)
         self._scheduler = Scheduler(self._stepper, max_running=max_running, name="transformers")
@@ -184,27 +185,21 @@ class TransformersEngine(ScheduledEngine):
     ) -> str:
         """Receive every tensor (in order, as rank 0 broadcasts them), then load them all or none
         (`engines.weights.WeightGroups.receive`). Names the module lacks are read as the checkpoint names them,
-        as SGLang reads them (`engines.checkpoint_layout`); a converted tensor whose pieces are not all in yet
-        waits for them, up to the update that gives the version."""
+        as SGLang reads them (`engines.checkpoint_layout`); of a converted tensor some pieces only may be sent: the
+        others stay as the module holds them, as SGLang's loaders leave them."""
         own = self.model.state_dict()
-        # Built for the first update that names a tensor the module lacks; kept for the later ones (the last bucket
-        # may name none, and must still see pieces left waiting).
-        layout = self._checkpoint_layout() if any(name not in own for name in names) else self._layout
-        received = self._groups.receive(
-            own, names, dtypes, shapes, group_name=group_name, layout=layout, last=version is not None
-        )
+        layout = self._checkpoint_layout() if any(name not in own for name in names) else None
+        received = self._groups.receive(own, names, dtypes, shapes, group_name=group_name, layout=layout)
         return self._load(received, version)
 
     def _checkpoint_layout(self) -> CheckpointLayout:
-        with self.model_lock:  # built once, on the first update that names a checkpoint's tensors
+        with self._layout_lock:  # built once, on the first update that names a checkpoint's tensors
             if self._layout is None:
                 self._layout = CheckpointLayout(self.model)
             return self._layout
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._groups.leave(group_name)
-        if self._layout is not None:
-            self._layout.forget()  # pieces of an update the group left will not complete
 
     def close(self) -> None:
         super().close()

@@ -107,24 +107,15 @@ def _fits(name: str, dims: tuple[int, ...], dtype: torch.dtype, want: tuple[tupl
 
 
 def _as_module(
-    received: dict[str, torch.Tensor], own: dict[str, torch.Tensor], layout: CheckpointLayout | None, *, last: bool
+    received: dict[str, torch.Tensor], own: dict[str, torch.Tensor], layout: CheckpointLayout | None
 ) -> dict[str, torch.Tensor]:
     """The received tensors as the module's: fused experts turned to its layout, checkpoint tensors converted."""
     from encoders.architectures import experts_laid_out_as
 
     module = {name: tensor for name, tensor in received.items() if name in own}
     module = experts_laid_out_as(module, {name: tuple(own[name].shape) for name in module})
-    if layout is None:
-        return module
-    module.update(layout.to_module({name: t for name, t in received.items() if name not in own}))
-    waiting = layout.waiting() if last else []
-    if waiting:
-        layout.forget()
-        raise WeightsError(
-            f"the weights do not fit the model: {len(waiting)} of its tensors came in part, {waiting[:3]} (every "
-            "piece of a converted tensor, e.g. each expert of a layer, must be sent in the same update)",
-            code="weights_mismatch",
-        )
+    if layout is not None:
+        module.update(layout.to_module({name: t for name, t in received.items() if name not in own}, own))
     return module
 
 
@@ -183,7 +174,6 @@ class WeightGroups:
         *,
         group_name: str,
         layout: CheckpointLayout | None = None,
-        last: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Every tensor, in order, as rank 0 of ``group_name`` broadcasts them, checked against ``own`` (the
         model's state) — or, for a name the module lacks, against the checkpoint's ``layout``, as SGLang takes
@@ -193,8 +183,8 @@ class WeightGroups:
         are received, so the sender is not left waiting and the group can be used again. The dtype must be
         the parameter's own: a cast would make the engine serve other weights than the trainer sent. A dtype
         or shape that cannot be received at all (an unknown dtype, a negative size) leaves the group, as the
-        sender's broadcasts can no longer be matched. The pieces of a converted tensor (a layer's experts) may
-        come in several calls; on the ``last`` (the update's version), one still incomplete fails."""
+        sender's broadcasts can no longer be matched. Of a converted tensor (a layer's experts) a call may send
+        some pieces only: the others are the module's current ones (`CheckpointLayout.to_module`)."""
         import torch.distributed as dist
 
         with self._lock:
@@ -236,14 +226,12 @@ class WeightGroups:
             if work is not None:  # async_op always gives one; None is only the synchronous call's
                 work.wait()
         if problems:
-            if layout is not None:
-                layout.forget()  # a refused update is sent again whole, or through disk
             raise WeightsError(
                 f"the weights do not fit the model ({len(problems)} of {len(names)}; none loaded): "
                 + "; ".join(problems[:3]),
                 code="weights_mismatch",
             )
-        return _as_module(received, own, layout, last=last)
+        return _as_module(received, own, layout)
 
     def leave(self, group_name: str) -> None:
         """`WeightsError` ``weights_group`` for a group it is not in."""

@@ -21,7 +21,6 @@ bit for bit, so a change there is caught.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -71,16 +70,10 @@ def load_onto(
         weight_mapping=conversions,  # type: ignore[arg-type]  # what from_pretrained passes it
     )
     info, _ = cls._load_pretrained_model(model, None, files, config)
-    # transformers prints every unexpected weight as a warning table; here the parts ``prepare`` removed are
-    # unexpected by design, and what is wrong is raised below, by name.
-    report = logging.getLogger("transformers.modeling_utils")
-    level = report.level
-    report.setLevel(logging.ERROR)
-    try:
-        info = cls._finalize_model_loading(model, config, info)
-    finally:
-        report.setLevel(level)
-    unexpected = sorted(name for name in info.unexpected_keys if skip is None or not skip(name))
+    if skip is not None:  # the parts ``prepare`` removed: unread by design, not for transformers' warning table
+        info.unexpected_keys = {name for name in info.unexpected_keys if not skip(name)}
+    info = cls._finalize_model_loading(model, config, info)
+    unexpected = sorted(info.unexpected_keys)
     wrong = sorted(info.missing_keys) + unexpected + sorted(str(k) for k in info.mismatched_keys)
     if wrong:
         raise ModelLoadError(f"{model_dir}: the weights do not match the model: {wrong[:5]}")
