@@ -26,14 +26,18 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, PreTrainedMode
     return {arch: load_thinker(init_model(root / arch, arch=arch), dtype=torch.float32) for arch in ARCHITECTURES}
 
 
+def checkpoint_of(model: PreTrainedModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], CheckpointLayout]:
+    """The module's state, the checkpoint's tensors transformers makes of it (what ``save_pretrained`` writes), and
+    the layout under test."""
+    own = model.state_dict()
+    return own, revert_weight_conversion(model, dict(own)), CheckpointLayout(model)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_the_checkpoints_tensors_in_pieces_give_the_modules_state_bit_for_bit(
     models: dict[str, PreTrainedModel], arch: str
 ) -> None:
-    model = models[arch]
-    own = model.state_dict()
-    stored = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
-    layout = CheckpointLayout(model)
+    own, stored, layout = checkpoint_of(models[arch])
     for name, tensor in stored.items():
         assert layout.expects(name) == (tuple(tensor.shape), tensor.dtype), name
     assert layout.expects("model.layers.0.mlp.experts.99.gate_proj.weight") is None
@@ -54,10 +58,7 @@ def test_the_checkpoints_tensors_in_pieces_give_the_modules_state_bit_for_bit(
 def test_one_expert_sent_alone_changes_its_slice_of_the_fused_tensor_and_nothing_else(
     models: dict[str, PreTrainedModel], arch: str
 ) -> None:
-    model = models[arch]
-    own = model.state_dict()
-    stored = revert_weight_conversion(model, dict(own))  # type: ignore[arg-type]
-    layout = CheckpointLayout(model)
+    own, stored, layout = checkpoint_of(models[arch])
     up = next(name for name in stored if name.endswith("mlp.experts.2.up_proj.weight"))
     fused = up.replace("2.up_proj.weight", "gate_up_proj")
     new = torch.full_like(stored[up], 7.0)
