@@ -77,6 +77,7 @@ __all__ = [
     "thinker_class",
     "thinker_config",
     "towers_of",
+    "transposed_experts",
 ]
 
 FamilyName = Literal[
@@ -399,8 +400,12 @@ def experts_laid_out_as(
     out = dict(tensors)
     for name, tensor in tensors.items():
         want = shapes.get(name)
-        if not name.endswith(FUSED_EXPERTS) or want is None or tensor.ndim != 3 or tuple(tensor.shape) == want:
-            continue
-        if tuple(tensor.transpose(1, 2).shape) == want:
+        if want is not None and transposed_experts(name, tuple(tensor.shape), want):
             out[name] = tensor.transpose(1, 2).contiguous()
     return out
+
+
+def transposed_experts(name: str, shape: tuple[int, ...], want: tuple[int, ...]) -> bool:
+    """Whether ``name`` is a fused expert tensor of ``shape`` that is ``want``'s (1, 2) transpose and not ``want``
+    itself (the released (experts, in, out) layout against the module's (experts, out, in), or the reverse)."""
+    return name.endswith(FUSED_EXPERTS) and len(shape) == 3 and shape != want and (shape[0], shape[2], shape[1]) == want

@@ -97,13 +97,10 @@ def _wanted(
 def _fits(name: str, dims: tuple[int, ...], dtype: torch.dtype, want: tuple[tuple[int, ...], torch.dtype]) -> bool:
     """``dims`` and ``dtype`` are ``want``'s — or, for fused experts, its (1, 2) transpose: Qwen3-VL-MoE's released
     layout, (experts, in, out), which `experts_laid_out_as` turns."""
-    from encoders.architectures import FUSED_EXPERTS
+    from encoders.architectures import transposed_experts
 
     shape, own_dtype = want
-    if dtype != own_dtype:
-        return False
-    transposed = len(dims) == 3 and name.endswith(FUSED_EXPERTS) and (dims[0], dims[2], dims[1]) == shape
-    return dims == shape or transposed
+    return dtype == own_dtype and (dims == shape or transposed_experts(name, dims, shape))
 
 
 def _as_module(

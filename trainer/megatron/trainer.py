@@ -40,6 +40,7 @@ folder and renamed into place once every rank has written. Export: a Hugging Fac
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ import preprocess as pp
 from encoders.architectures import drop_language_model, thinker_config
 
 from ..feed import FeedBatch, pack
-from ..hf_folder import base_weights, in_base_layout
+from ..hf_folder import WeightInfo, base_weights
 from ..losses import LossConfig
 from ..memory import MemoryEstimate, Precision, estimate_megatron_memory
 from ..mismatch import MismatchMonitor, placeholder_ids
@@ -76,11 +77,10 @@ from .ranks import close_megatron_ranks, megatron_ranks
 from .weights import (
     QwenLayout,
     export_hf,
-    fused_in,
     gather_ep,
     gather_tp,
     hf_to_megatron,
-    megatron_to_hf,
+    megatron_to_files,
     shard_ep,
     shard_tp,
 )
@@ -523,8 +523,12 @@ class MegatronTrainer(SupervisedPairs):
         """The language model's weights under Hugging Face names, on the CPU, whole (gathered over the tensor-
         and expert-parallel groups: a collective). A MoE model's experts as its files hold them (one by one, or
         fused in their layout): what an engine takes by broadcast, SGLang's loaders and Weir's alike."""
-        known = base_weights(self.model_dir)
-        return in_base_layout(megatron_to_hf(self._whole(), self.layout, fused_experts=fused_in(known)), known)
+        return megatron_to_files(self._whole(), self.layout, self._files)
+
+    @functools.cached_property
+    def _files(self) -> dict[str, WeightInfo]:
+        """The model folder's weights (their names, shapes and dtypes: headers only), read once, not every publish."""
+        return base_weights(self.model_dir)
 
     def export(self, folder: str | Path) -> Path:
         """A Hugging Face folder an engine loads (rank 0 writes; every rank calls it)."""

@@ -47,10 +47,10 @@ from ..hf_folder import (
 __all__ = [
     "QwenLayout",
     "export_hf",
-    "fused_in",
     "gather_ep",
     "gather_tp",
     "hf_to_megatron",
+    "megatron_to_files",
     "megatron_to_hf",
     "shard_ep",
     "shard_tp",
@@ -518,10 +518,13 @@ def gather_ep(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) 
     return out
 
 
-def fused_in(known: Mapping[str, WeightInfo]) -> bool:
-    """Whether a model's files hold its experts fused (Qwen3-VL-MoE's) rather than one by one (Qwen3-MoE's,
-    Qwen3-Omni's): `megatron_to_hf`'s ``fused_experts`` for tensors named as those files name them."""
-    return any(name.endswith("mlp.experts.gate_up_proj") for name in known)
+def megatron_to_files(
+    state: Mapping[str, torch.Tensor], layout: QwenLayout, known: Mapping[str, WeightInfo]
+) -> dict[str, torch.Tensor]:
+    """`megatron_to_hf` with a MoE model's experts as the files ``known`` (`base_weights`) hold them: one by one
+    (Qwen3-MoE's, Qwen3-Omni's) or fused in the released (experts, in, out) layout (Qwen3-VL-MoE's)."""
+    fused = any(name.endswith("mlp.experts.gate_up_proj") for name in known)
+    return in_base_layout(megatron_to_hf(state, layout, fused_experts=fused), known)
 
 
 def export_hf(
@@ -542,8 +545,7 @@ def export_hf(
     base = Path(base_model)
     known = base_weights(base)
     layout = layout.named_as(known)
-    # Experts as the base files hold them: one by one, or fused in the released (experts, in, out) layout
-    converted = in_base_layout(megatron_to_hf(state, layout, fused_experts=fused_in(known)), known)
+    converted = megatron_to_files(state, layout, known)
     if layout.lm_head not in known:  # tied in the base model: the head is the embedding, written once
         converted.pop(layout.lm_head, None)
     unknown = converted.keys() - known.keys()
