@@ -71,9 +71,15 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
 
     def __init__(self, *, max_connections: int | None, keepalive_s: float) -> None:
         self.max_connections, self.keepalive_s = max_connections, keepalive_s
-        self._pool = AiohttpTransport(client=self._session)
+        self._client: aiohttp.ClientSession | None = None
+        self._pool = AiohttpTransport(client=self._session)  # the streamed path's; the same session as `read_whole`
 
     def _session(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            self._client = self._new_session()
+        return self._client
+
+    def _new_session(self) -> aiohttp.ClientSession:
         # No DNS cache (aiohttp's keeps names 10 s): a role restarted elsewhere under its name is found at once.
         connector = aiohttp.TCPConnector(
             limit=self.max_connections or 0, limit_per_host=0, keepalive_timeout=self.keepalive_s, use_dns_cache=False
@@ -82,12 +88,7 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
         return aiohttp.ClientSession(connector=connector, trust_env=False)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        # aiohttp has no write timeout (its read timer starts once the body is sent): a peer that stops reading a
-        # big body would hold the call for ever, where httpx raised WriteTimeout. The request and its answer's
-        # head are bounded by the connect, write and read timeouts together.
-        limits = request.extensions.get("timeout", {})
-        parts = [limits.get(name) for name in ("connect", "write", "read")]
-        bound = None if any(part is None for part in parts) else sum(parts)
+        bound = _bound(request)
         try:
             async with asyncio.timeout(bound):
                 response = await self._pool.handle_async_request(request)
@@ -99,5 +100,48 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
         response.stream = _Body(response.stream, request)
         return response
 
+    async def read_whole(self, request: httpx.Request) -> httpx.Response:
+        """The answer to ``request`` (its body bytes, not a stream), read whole: what `handle_async_request` and
+        ``aread`` give, through aiohttp alone — httpx-aiohttp's request conversion and its three layers of
+        streamed chunks cost about as much again as aiohttp's own call. Errors and timeouts as there."""
+        limits = request.extensions.get("timeout", {})
+        bound = _bound(request)
+        try:
+            async with asyncio.timeout(bound):
+                async with self._session().request(
+                    request.method,
+                    str(request.url),
+                    headers=request.headers,
+                    data=request.content or None,
+                    allow_redirects=False,
+                    auto_decompress=False,  # httpx decodes the body by its Content-Encoding, as on the streamed path
+                    compress=False,
+                    timeout=aiohttp.ClientTimeout(
+                        sock_connect=limits.get("connect"), sock_read=limits.get("read"), connect=limits.get("pool")
+                    ),
+                ) as answer:
+                    body = await answer.read()
+        except aiohttp.ClientError as error:  # first: aiohttp's timeouts are TimeoutErrors
+            raise _on_the_wire(error, request) from error
+        except TimeoutError:  # the bound above: sent, or sending
+            raise httpx.WriteTimeout(f"no answer within {bound} s of sending", request=request) from None
+        extensions = {"http_version": b"HTTP/1.1"}
+        if answer.reason:
+            extensions["reason_phrase"] = answer.reason.encode()
+        return httpx.Response(
+            answer.status, headers=answer.raw_headers, content=body, request=request, extensions=extensions
+        )
+
     async def aclose(self) -> None:
-        await self._pool.aclose()
+        if self._client is not None:  # the one session both paths use (httpx-aiohttp's aclose would close it too)
+            await self._client.close()
+            self._client = None
+
+
+def _bound(request: httpx.Request) -> float | None:
+    """How long a request and its answer's head may take: aiohttp has no write timeout (its read timer starts once
+    the body is sent), so a peer that stops reading a big body would hold the call for ever, where httpx raised
+    WriteTimeout. The connect, write and read timeouts together bound it."""
+    limits = request.extensions.get("timeout", {})
+    parts = [limits.get(name) for name in ("connect", "write", "read")]
+    return None if any(part is None for part in parts) else sum(parts)

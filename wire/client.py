@@ -41,6 +41,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from typing_extensions import TypeVarTuple, Unpack
 
 from .backoff import Backoff
+from .pooled_client import PooledAsyncClient
 
 __all__ = [
     "Acknowledged",
@@ -365,12 +366,16 @@ class AsyncRoleClient(_Base[httpx.AsyncClient]):
         return read_answer(self.role, await self.send(method, path, **options), answer)
 
     async def send(self, method: str, path: str, **options: Unpack[CallOptions]) -> httpx.Response:
-        """As `RoleClient.send`."""
+        """As `RoleClient.send`; through a `PooledAsyncClient` (every role's), by its short way for an answer read
+        whole (`wire.pooled_client`)."""
         attempts = self._attempts(method, path, options)
+        pooled = self.http if isinstance(self.http, PooledAsyncClient) else None
         while True:
             try:
-                outcome: httpx.Response | httpx.TransportError = await self.http.request(
-                    method, attempts.url, **attempts.args
+                outcome: httpx.Response | httpx.TransportError = await (
+                    pooled.read_whole(method, attempts.url, **attempts.args)
+                    if pooled is not None
+                    else self.http.request(method, attempts.url, **attempts.args)
                 )
             except httpx.TransportError as error:
                 outcome = error

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -69,10 +70,17 @@ class AsyncConnectRetry(httpx.AsyncBaseTransport):
         self.transport, self.retry_s, self.backoff = transport, retry_s, backoff
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.retried(request, self.transport.handle_async_request)
+
+    async def retried(
+        self, request: httpx.Request, send: Callable[[httpx.Request], Awaitable[httpx.Response]]
+    ) -> httpx.Response:
+        """``send(request)``, its refused connections retried (``send``: this transport's, or another way of
+        sending through the same one, `wire.pooled_client`'s)."""
         budget = _Budget(self.retry_s, self.backoff)
         while True:
             try:
-                return await self.transport.handle_async_request(request)
+                return await send(request)
             except _REFUSED as error:
                 if (pause := budget.pause(request, error)) is None:
                     raise

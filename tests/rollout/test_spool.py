@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -225,6 +227,45 @@ def test_a_failed_write_is_cut_off_and_the_next_group_starts_clean(
 
     asyncio.run(run())
     assert [json.loads(line)["group_id"] for line in (folder / SPOOL).read_bytes().splitlines()] == ["kept"]
+
+
+def test_writes_leave_the_event_loop_while_the_disk_is_slow_and_come_back_when_it_is_quick(
+    tmp_path: Path, data_role: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group is fsync'd on the event loop itself (the floor's way: no thread hand-over) while the disk is quick; a
+    disk whose fsyncs take milliseconds sends the writes to a thread, so the loop is not held, until it is quick
+    again. The disk's speed is a stand-in's: ``os.fsync`` taking 5 ms, or returning at once."""
+    loop_thread, slow, spool_fd = threading.get_ident(), [False], [-1]
+    on_loop: list[bool] = []  # per spooled group: whether its fsync ran on the event loop's thread
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if fd != spool_fd[0]:  # the data role's own, in this process
+            real_fsync(fd)
+            return
+        on_loop.append(threading.get_ident() == loop_thread)
+        if slow[0]:
+            time.sleep(0.005)
+
+    async def run() -> None:
+        async with AsyncDataClient(data_role, token=TOKEN) as client:
+            spool = sink(client, tmp_path / "spool")
+            await spool.start()
+            spool_fd[0] = spool._fd or -1
+            monkeypatch.setattr(os, "fsync", fsync)
+            for phase, count in (("quick", 3), ("slow", 30), ("quick-again", 60)):
+                slow[0] = phase == "slow"
+                for i in range(count):
+                    await spool.append(group(f"{phase}-{i}"))
+            monkeypatch.undo()
+            await spool.close()
+            assert await stored(client) == 93  # every group, whichever way it was written
+
+    asyncio.run(run())
+    assert len(on_loop) == 93
+    assert all(on_loop[:3])
+    assert not any(on_loop[3 + 15 : 33])  # a few slow writes move the recent average past ON_LOOP_FSYNC_S
+    assert all(on_loop[-30:])  # quick again: back on the loop
 
 
 def test_one_process_spools_to_a_folder(tmp_path: Path, data_role: str) -> None:

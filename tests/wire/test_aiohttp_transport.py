@@ -5,6 +5,7 @@ read the request and hung up. Real sockets on loopback: a plain asyncio server t
 from __future__ import annotations
 
 import asyncio
+import gzip
 import socket
 from collections.abc import Awaitable, Callable, Coroutine
 
@@ -12,6 +13,8 @@ import httpx
 import pytest
 
 from services.http import async_client
+from services.logs import REQUEST_ID
+from wire.pooled_client import PooledAsyncClient
 
 # a request read whole, and its connection (the reader: the rest of what the client sends)
 Handler = Callable[[bytes, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -51,16 +54,30 @@ async def _serving(handler: Handler, call: Callable[[str], Awaitable[object]]) -
             server.close()
 
 
-def _post(*, retry_s: float = 5.0, timeout: float = 10.0) -> Callable[[str], Coroutine[None, None, object]]:
+# Each call goes out both ways a role's client sends: httpx's own (`client.post`, streams and any other call) and the
+# short way a role client's call answered whole takes (`PooledAsyncClient.read_whole`); they must fail alike.
+WAYS = ("httpx", "read_whole")
+
+
+async def _send(client: httpx.AsyncClient, way: str, url: str, path: str, content: bytes) -> httpx.Response:
+    headers = {"content-type": "application/json"}
+    if way == "httpx":
+        return await client.post(path, content=content, headers=headers)
+    assert isinstance(client, PooledAsyncClient)
+    return await client.read_whole("POST", f"{url}{path}", headers=headers, content=content)
+
+
+def _post(way: str, *, retry_s: float = 5.0, timeout: float = 10.0) -> Callable[[str], Coroutine[None, None, object]]:
     async def call(url: str) -> object:
         async with async_client(url, token="t", timeout=timeout, connect_retry_s=retry_s) as client:
-            response = await client.post("/v1/x", content=b'{"a": 1}', headers={"content-type": "application/json"})
+            response = await _send(client, way, url, "/v1/x", b'{"a": 1}')
             return response.status_code, response.json()
 
     return call
 
 
-def test_an_answer_comes_back_whole_with_the_token_and_body_sent() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_an_answer_comes_back_whole_with_the_token_and_body_sent(way: str) -> None:
     async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         assert b"authorization: Bearer t" in request.replace(b"Authorization", b"authorization")
         assert request.endswith(b'{"a": 1}')
@@ -69,11 +86,12 @@ def test_an_answer_comes_back_whole_with_the_token_and_body_sent() -> None:
         writer.write(head + body)
         await writer.drain()
 
-    result, seen = asyncio.run(_serving(answer, _post()))
+    result, seen = asyncio.run(_serving(answer, _post(way)))
     assert result == (200, {"ok": True}) and seen == 1
 
 
-def test_a_server_that_reads_the_request_and_hangs_up_is_a_read_error_sent_once() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_server_that_reads_the_request_and_hangs_up_is_a_read_error_sent_once(way: str) -> None:
     received: list[bytes] = []
 
     async def hang_up(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -82,14 +100,15 @@ def test_a_server_that_reads_the_request_and_hangs_up_is_a_read_error_sent_once(
         raise ConnectionError("closed on purpose")
 
     with pytest.raises(httpx.TransportError) as caught:
-        asyncio.run(_serving(hang_up, _post(retry_s=5.0)))
+        asyncio.run(_serving(hang_up, _post(way, retry_s=5.0)))
     # not a connect error: the request went out, so the retry budget (5 s) must not send it again
     assert not isinstance(caught.value, httpx.ConnectError | httpx.ConnectTimeout)
     assert isinstance(caught.value, httpx.RemoteProtocolError | httpx.ReadError)
     assert len(received) == 1
 
 
-def test_a_server_reset_mid_answer_is_a_read_error() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_server_reset_mid_answer_is_a_read_error(way: str) -> None:
     async def half(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{"ok')
         await writer.drain()
@@ -97,36 +116,40 @@ def test_a_server_reset_mid_answer_is_a_read_error() -> None:
         raise ConnectionError("closed on purpose")
 
     with pytest.raises(httpx.TransportError) as caught:
-        asyncio.run(_serving(half, _post()))
+        asyncio.run(_serving(half, _post(way)))
     assert not isinstance(caught.value, httpx.ConnectError | httpx.ConnectTimeout)
 
 
-def test_a_silent_server_is_a_read_timeout() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_silent_server_is_a_read_timeout(way: str) -> None:
     async def silent(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.read()  # until the client gives up and closes (a handler still open holds the server's close)
 
     with pytest.raises(httpx.ReadTimeout):
-        asyncio.run(_serving(silent, _post(timeout=1.0)))
+        asyncio.run(_serving(silent, _post(way, timeout=1.0)))
 
 
-def test_a_refused_connection_is_a_connect_error() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_refused_connection_is_a_connect_error(way: str) -> None:
     with socket.socket() as held:  # bound, never listening: connections to it are refused
         held.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{held.getsockname()[1]}"
         with pytest.raises(httpx.ConnectError):
-            asyncio.run(_post(retry_s=0)(url))
+            asyncio.run(_post(way, retry_s=0)(url))
 
 
-def test_a_malformed_answer_is_a_protocol_error_not_an_aiohttp_one() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_malformed_answer_is_a_protocol_error_not_an_aiohttp_one(way: str) -> None:
     async def garbled(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 2x0 NOT A STATUS\r\ncontent-length: 0\r\n\r\n")
         await writer.drain()
 
     with pytest.raises(httpx.RemoteProtocolError):
-        asyncio.run(_serving(garbled, _post()))
+        asyncio.run(_serving(garbled, _post(way)))
 
 
-def test_a_peer_that_never_reads_the_body_times_the_call_out() -> None:
+@pytest.mark.parametrize("way", WAYS)
+def test_a_peer_that_never_reads_the_body_times_the_call_out(way: str) -> None:
     """aiohttp has no write timeout of its own; the call is bounded all the same, and not as a connect error."""
 
     async def deaf(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -138,10 +161,77 @@ def test_a_peer_that_never_reads_the_body_times_the_call_out() -> None:
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         try:
             async with async_client(url, token=None, timeout=1.0, connect_retry_s=5) as client:
-                await client.post("/big", content=b"x" * (64 << 20))
+                await _send(client, way, url, "/big", b"x" * (64 << 20))
         finally:
             server.close()
 
     with pytest.raises(httpx.TimeoutException) as caught:
         asyncio.run(run())
     assert not isinstance(caught.value, httpx.ConnectTimeout)
+
+
+def test_the_short_way_sends_and_answers_as_httpx_does() -> None:
+    """The same call both ways: the same request on the wire (the client's headers, the request hook's id, the query),
+    and the same answer — status, headers and the body decoded by its Content-Encoding (a 4xx is an answer, not an
+    error: reading it is the role client's)."""
+    body = gzip.compress(b'{"error": {"code": "nope"}}')
+    requests: list[bytes] = []
+
+    async def answer(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(request)
+        head = b"HTTP/1.1 409 Conflict\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(body)
+        writer.write(head + body)
+        await writer.drain()
+
+    async def both(url: str) -> list[tuple[int, str, bytes, str]]:
+        REQUEST_ID.set("req-1")
+        answers = []
+        async with async_client(url, token="t", timeout=10.0) as client:
+            assert isinstance(client, PooledAsyncClient)
+            json = {"content-type": "application/json"}
+            for response in (
+                await client.post("/v1/x", content=b"{}", params={"a": 1}, headers=json),
+                await client.read_whole("POST", f"{url}/v1/x", content=b"{}", params={"a": 1}, headers=json),
+            ):
+                answers.append(
+                    (response.status_code, response.reason_phrase, response.content, response.request.url.path)
+                )
+        return answers
+
+    (httpx_way, short_way), seen = asyncio.run(_serving(answer, both))
+    assert seen == 2 and httpx_way == short_way == (409, "Conflict", b'{"error": {"code": "nope"}}', "/v1/x")
+
+    def heads(request: bytes) -> set[bytes]:
+        lines = request.split(b"\r\n\r\n")[0].lower().split(b"\r\n")
+        return set(lines)
+
+    assert heads(requests[0]) == heads(requests[1])
+    assert {b"post /v1/x?a=1 http/1.1", b"authorization: bearer t", b"x-request-id: req-1"} <= heads(requests[1])
+
+
+def test_the_short_way_retries_a_refused_connection_until_the_role_listens() -> None:
+    async def run() -> object:
+        with socket.socket() as held:  # bound, not yet listening: refused until the "restarted" role listens
+            held.bind(("127.0.0.1", 0))
+            url = f"http://127.0.0.1:{held.getsockname()[1]}"
+
+            async def listen_later() -> asyncio.Server:
+                await asyncio.sleep(0.5)
+                return await asyncio.start_server(_answer_ok, sock=held)
+
+            later = asyncio.create_task(listen_later())
+            async with async_client(url, token=None, timeout=10.0, connect_retry_s=30) as client:
+                assert isinstance(client, PooledAsyncClient)
+                response = await client.read_whole("GET", f"{url}/ready", headers={})
+            (await later).close()
+            return response.status_code, response.json()
+
+    assert asyncio.run(run()) == (200, {"ok": True})
+
+
+async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    await _read_request(reader)
+    body = b'{"ok": true}'
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    writer.close()
