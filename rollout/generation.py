@@ -308,6 +308,8 @@ async def generate_n(
 ) -> list[Sample]:
     """``n`` samples of one prepared prompt, concurrently, in index order; with a ``sampling_seed``,
     each sample has its own seed derived from it (`sample_seed`): reproducible, not identical."""
+    if n == 1:  # awaited here: gather would make it a task of its own
+        return [await generate(ctx, prepared, sample_sampling(sampling, 0), group_id=group_id, index=0)]
     return list(
         await asyncio.gather(
             *(generate(ctx, prepared, sample_sampling(sampling, i), group_id=group_id, index=i) for i in range(n))

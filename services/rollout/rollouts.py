@@ -54,18 +54,18 @@ async def rollouts(body: RolloutRequest, request: Request, role: RolloutRoleDep)
     budget = budget_of(body)
     held = contextlib.ExitStack()  # the request's bytes, held until its last group is out
     held.enter_context(role.context.admission.admit(nbytes=await request_bytes(request)))
-    tasks = [
-        asyncio.ensure_future(_group(role, s, i, sampling, budget, record=body.record))
-        for i, (s, sampling) in enumerate(checked)
-    ]
     if body.stream:
-        return StreamingResponse(_lines(tasks, held), media_type=NDJSON)
+        return StreamingResponse(_lines(_started(role, checked, budget, body.record), held), media_type=NDJSON)
     with held:
-        try:
-            groups = await asyncio.gather(*tasks)
-        finally:  # one group's error fails the request: the others stop
-            for task in tasks:
-                task.cancel()
+        if len(checked) == 1:  # one group (the usual call): awaited here, without a task of its own
+            groups = [await _group(role, *checked[0], 0, budget, record=body.record)]
+        else:
+            tasks = _started(role, checked, budget, body.record)
+            try:
+                groups = await asyncio.gather(*tasks)
+            finally:  # one group's error fails the request: the others stop
+                for task in tasks:
+                    task.cancel()
     return Response(wire.dumps({"groups": [g.to_json() for g in groups]}), media_type="application/json")
 
 
@@ -92,11 +92,21 @@ def _check(role: RolloutRole, body: RolloutRequest) -> list[tuple[PromptSpec, Sa
     return checked
 
 
+def _started(
+    role: RolloutRole, checked: list[tuple[PromptSpec, SamplingParams]], budget: TokenBudget | None, record: bool
+) -> list[asyncio.Future[Group]]:
+    """One task per group, started now."""
+    return [
+        asyncio.ensure_future(_group(role, s, sampling, i, budget, record=record))
+        for i, (s, sampling) in enumerate(checked)
+    ]
+
+
 async def _group(
     role: RolloutRole,
     spec: PromptSpec,
-    index: int,
     sampling: SamplingParams,
+    index: int,
     budget: TokenBudget | None,
     *,
     record: bool,
