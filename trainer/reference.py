@@ -295,6 +295,13 @@ class ReferenceTrainer(SupervisedPairs):
 
     def _logprobs(self, batch: FeedBatch) -> torch.Tensor:
         """The policy's log-probs of a micro-batch's tokens, packed (data-parallel: one forward, a collective)."""
+        if self.replay is not None and self.replay.enforce and "routed_experts" not in batch.tensors:
+            # Replaying nothing would train on the trainer's own routing under the name of R3.
+            raise ValueError(
+                "routing replay (R3) is on, and this micro-batch carries no routed experts: the rollout role "
+                "does not ask its engines for them (WEIR_RETURN_ROUTED_EXPERTS=true, which `weir train --r3` "
+                "sets on the stack it starts; a stack attached to with --attach must have been started so)"
+            )
         if self.parallel is not None:  # one forward per micro-batch: forwards are collectives here
             return self.batch_logprobs(batch)
         t = batch.tensors

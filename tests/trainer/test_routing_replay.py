@@ -4,6 +4,7 @@ token exactly as the rollout did (a bfloat16 engine against a float32 trainer: t
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -159,6 +160,11 @@ def test_r3_step_and_refusals(model_dir: Path, rollouts: tuple[list[int], list[G
     assert trainer.replay.compared == trainer.replay.replaced == 0  # counted into this step, started again
     with pytest.raises(ValueError, match="routes of shape"), trainer.replay.replaying(torch.zeros(4, LAYERS, 3)):
         pass
+    # Samples without routes (a rollout role not asking its engines for them): refused by name, not trained on the
+    # trainer's own routing under R3's name.
+    unrouted = [dataclasses.replace(result, routed_experts=None) for result in results]
+    with pytest.raises(ValueError, match="carries no routed experts.*WEIR_RETURN_ROUTED_EXPERTS"):
+        trainer.step(feed_batch(prompt, unrouted))
     dense = init_model(model_dir.parent / "dense")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         ReferenceTrainer(dense, routing_replay=True)
