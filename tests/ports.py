@@ -20,11 +20,23 @@ from launcher.stack import _port_in_use, stack_ports
 STACK_BASES = range(9100, 10861, 10)
 
 
+# Single ports (a rendezvous, a one-off server): at random between the stacks' windows, below the ephemeral range.
+FREE_PORTS = range(11000, 30000)
+
+
 def free_port() -> int:
-    """A port the kernel says is free now (bound to 0 and released)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A loopback port free now, drawn at random below the kernel's ephemeral range. A port the kernel picks (bind to
+    0) is one it may hand the very next outgoing connection of any process on the host; between this call and the
+    test's use of the port, that connection would take it. Here only a bind of another's at the same random port can."""
+    for _ in range(1000):
+        port = random.choice(FREE_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:  # held (or in TIME_WAIT): another
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {FREE_PORTS}")
 
 
 @contextlib.contextmanager
