@@ -61,12 +61,16 @@ BATCH_GROUPS = 64  # groups per POST /v1/experience (the data role takes up to e
 BATCH_BYTES = 4 << 20  # and bytes per POST: well under any body limit the data role is given
 LINGER_S = 0.005  # how long an idle shipper waits, once woken, before it ships
 # A group is written and fsync'd on the event loop itself, as the cheapest durable record is (a thread's hand-over
-# each way cost ~0.4 ms of a 16-token rollout's answer, the fsync itself ~0.1 ms on a local disk), while the recent
-# writes' average (weighted FSYNC_WEIGHT to the latest) stays under ON_LOOP_FSYNC_S; a slower disk (network storage,
-# one under load) sends the writes to a thread until it is quick again, so the loop is never held for long. One
-# slow fsync alone (a file's first, ~7 ms here) moves the average, not the writes, for long.
+# each way cost ~0.4 ms of a 16-token rollout's answer, the fsync itself ~0.1-0.4 ms on a local disk), while the
+# average of the recent writes timed there (weighted FSYNC_WEIGHT to the latest) stays under ON_LOOP_FSYNC_S: one
+# slow fsync alone (a file's first, ~7 ms here) moves the average, not the writes. A slower disk (network storage,
+# one under load) sends the writes to a thread, so it does not hold the loop write after write; every
+# PROBE_EVERY-th write then goes on the loop again, and one quick there brings the writes back. Writes timed in
+# the thread do not count: they include waiting for the interpreter's lock, which a busy loop holds for
+# milliseconds. (A single stall of a quick disk still holds the loop once, for its length.)
 ON_LOOP_FSYNC_S = 0.002
 FSYNC_WEIGHT = 0.1
+PROBE_EVERY = 16
 COMPACT_BYTES = 64 << 20  # the spool starts again empty past this, once every group in it is shipped
 
 
@@ -113,7 +117,8 @@ class SpooledSink:
         self._singly = 0  # the next groups go one by one: a batch of them was refused, and only its culprit is
         self._writing = 0  # appends between their write and their place in _pending (compaction waits for 0)
         self._disk = threading.Lock()  # the spool's fd: one writer at a time, and never during compaction
-        self._write_s = 0.0  # recent writes' time, write and fsync, weighted to the latest (`ON_LOOP_FSYNC_S`)
+        self._write_s = 0.0  # recent on-loop writes' time, write and fsync, weighted to the latest (`ON_LOOP_FSYNC_S`)
+        self._off_loop = 0  # writes sent to the thread since the last one on the loop
         self._fd: int | None = None
         self._lock_fd: int | None = None
         self._spool_bytes = 0
@@ -204,7 +209,12 @@ class SpooledSink:
         come between the write and the group's place in the backlog."""
         assert self._work is not None
         try:
+            start = time.perf_counter()
             self._write_held(spooled.line + b"\n")
+            took = time.perf_counter() - start
+            # A probe's time stands for the disk as it is now; otherwise each write moves the average a little.
+            probe, self._off_loop = self._off_loop >= PROBE_EVERY, 0
+            self._write_s = took if probe else self._write_s + FSYNC_WEIGHT * (took - self._write_s)
             self._pending.append(spooled)
             self._work.set()
         finally:
@@ -213,6 +223,7 @@ class SpooledSink:
 
     async def _spool(self, spooled: _Spooled) -> None:
         assert self._work is not None
+        self._off_loop += 1
         try:
             await asyncio.to_thread(self._write, spooled.line + b"\n")
             self._pending.append(spooled)
@@ -227,19 +238,18 @@ class SpooledSink:
 
     def _write_held(self, line: bytes) -> None:
         assert self._fd is not None
-        start = time.perf_counter()
         try:
             _durable_append(self._fd, line)
         except BaseException:
             os.ftruncate(self._fd, self._spool_bytes)  # what was written of it: the next line starts clean
             raise
         self._spool_bytes += len(line)
-        self._write_s += FSYNC_WEIGHT * (time.perf_counter() - start - self._write_s)
 
     @property
     def _on_loop(self) -> bool:
-        """Whether the next write goes on the event loop: while the disk's recent fsyncs are quick."""
-        return self._write_s < ON_LOOP_FSYNC_S
+        """Whether the next write goes on the event loop: while the disk's recent fsyncs there are quick, and every
+        `PROBE_EVERY`-th write while they are not (`ON_LOOP_FSYNC_S`)."""
+        return self._write_s < ON_LOOP_FSYNC_S or self._off_loop >= PROBE_EVERY
 
     def _has_room(self) -> bool:
         return len(self._pending) + self._writing < self.max_backlog

@@ -22,6 +22,9 @@ STACK_BASES = range(9100, 10861, 10)
 
 # Single ports (a rendezvous, a one-off server): at random between the stacks' windows, below the ephemeral range.
 FREE_PORTS = range(11000, 30000)
+# The system's randomness, not the module's: a test that seeds `random` would otherwise make two suites on one host
+# draw the same ports in the same order.
+_RANDOM = random.SystemRandom()
 
 
 def free_port() -> int:
@@ -29,7 +32,7 @@ def free_port() -> int:
     0) is one it may hand the very next outgoing connection of any process on the host; between this call and the
     test's use of the port, that connection would take it. Here only a bind of another's at the same random port can."""
     for _ in range(1000):
-        port = random.choice(FREE_PORTS)
+        port = _RANDOM.choice(FREE_PORTS)
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
@@ -51,7 +54,7 @@ def refused_port() -> Iterator[int]:
 def free_stack_base(engines: int = 1) -> int:
     """A base port whose stack (``stack_ports(base, engines)``) is free now, at random in `STACK_BASES`."""
     bases = list(STACK_BASES)
-    random.shuffle(bases)
+    _RANDOM.shuffle(bases)
     for base in bases:
         if not any(_port_in_use("127.0.0.1", port) for _, _, port in stack_ports(base, engines)):
             return base

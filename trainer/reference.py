@@ -127,6 +127,23 @@ class SupervisedPairs:
         return self.tokenizer.encode(str(text), add_special_tokens=False), self.answer_ids(answer), []
 
 
+def _check_routed(batch: FeedBatch) -> None:
+    """Under R3, every sequence of ``batch`` carries the engine's routes (a row of -1 routes that token freely: the
+    feed's filler for a sequence without them). Replaying none would train on the trainer's own routing under the
+    name of R3."""
+    t = batch.tensors
+    cu = t["cu_seqlens"].tolist()
+    routes = t.get("routed_experts")
+    missing = [i for i in range(len(cu) - 1) if routes is None or not bool((routes[cu[i] : cu[i + 1]] >= 0).any())]
+    if missing:
+        raise ValueError(
+            f"routing replay (R3) is on, and {len(missing)} of the {len(cu) - 1} sequences of this micro-batch carry "
+            "no routed experts: the rollout role does not ask its engines for them (WEIR_RETURN_ROUTED_EXPERTS=true, "
+            "which `weir train --r3` sets on the stack it starts; a stack attached to with --attach must have been "
+            "started so)"
+        )
+
+
 class ReferenceTrainer(SupervisedPairs):
     def __init__(
         self,
@@ -295,13 +312,8 @@ class ReferenceTrainer(SupervisedPairs):
 
     def _logprobs(self, batch: FeedBatch) -> torch.Tensor:
         """The policy's log-probs of a micro-batch's tokens, packed (data-parallel: one forward, a collective)."""
-        if self.replay is not None and self.replay.enforce and "routed_experts" not in batch.tensors:
-            # Replaying nothing would train on the trainer's own routing under the name of R3.
-            raise ValueError(
-                "routing replay (R3) is on, and this micro-batch carries no routed experts: the rollout role "
-                "does not ask its engines for them (WEIR_RETURN_ROUTED_EXPERTS=true, which `weir train --r3` "
-                "sets on the stack it starts; a stack attached to with --attach must have been started so)"
-            )
+        if self.replay is not None and self.replay.enforce:
+            _check_routed(batch)
         if self.parallel is not None:  # one forward per micro-batch: forwards are collectives here
             return self.batch_logprobs(batch)
         t = batch.tensors

@@ -107,7 +107,7 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
         limits = request.extensions.get("timeout", {})
         bound = _bound(request)
         try:
-            async with asyncio.timeout(bound):
+            async with asyncio.timeout(bound) as head:
                 async with self._session().request(
                     request.method,
                     str(request.url),
@@ -120,6 +120,7 @@ class AiohttpPoolTransport(httpx.AsyncBaseTransport):
                         sock_connect=limits.get("connect"), sock_read=limits.get("read"), connect=limits.get("pool")
                     ),
                 ) as answer:
+                    head.reschedule(None)  # as on the streamed path: the bound ends at the head; the body has sock_read
                     body = await answer.read()
         except aiohttp.ClientError as error:  # first: aiohttp's timeouts are TimeoutErrors
             raise _on_the_wire(error, request) from error

@@ -55,7 +55,10 @@ class PooledAsyncClient(httpx.AsyncClient):
         timeout: float | None = None,
     ) -> httpx.Response:
         """What ``await self.request(method, url, ...)`` answers for an absolute ``url`` and a body given as bytes,
-        by the short way (module doc). No cookies go or are kept: no role sets any."""
+        by the short way (module doc). No cookies go or are kept: no role sets any. Response hooks run once the body
+        is read (httpx runs them before; none of Weir's clients has one)."""
+        if self.is_closed:  # as httpx refuses: a new aiohttp session would be made, and never closed
+            raise RuntimeError("Cannot send a request, as the client has been closed.")
         merged = self.headers.copy()
         merged.update(headers)
         limits = self.timeout if timeout is None else httpx.Timeout(timeout)

@@ -163,8 +163,10 @@ def test_r3_step_and_refusals(model_dir: Path, rollouts: tuple[list[int], list[G
     # Samples without routes (a rollout role not asking its engines for them): refused by name, not trained on the
     # trainer's own routing under R3's name.
     unrouted = [dataclasses.replace(result, routed_experts=None) for result in results]
-    with pytest.raises(ValueError, match="carries no routed experts.*WEIR_RETURN_ROUTED_EXPERTS"):
+    with pytest.raises(ValueError, match=f"{len(results)} of the {len(results)} sequences.*WEIR_RETURN_ROUTED"):
         trainer.step(feed_batch(prompt, unrouted))
+    with pytest.raises(ValueError, match=f"1 of the {len(results)} sequences"):  # one sample without: refused too
+        trainer.step(feed_batch(prompt, [*results[:-1], unrouted[-1]]))
     dense = init_model(model_dir.parent / "dense")
     with pytest.raises(ValueError, match="mixture-of-experts"):
         ReferenceTrainer(dense, routing_replay=True)

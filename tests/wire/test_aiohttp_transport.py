@@ -235,3 +235,31 @@ async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
     writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
     await writer.drain()
     writer.close()
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_a_slow_but_steady_body_is_read_past_the_bound_on_the_head(way: str) -> None:
+    """The call's bound (connect + write + read: 1.5 s under a 0.5 s timeout) ends at the answer's head; its body is
+    bounded by each read alone, both ways: 12 bytes, one every 0.2 s, 2.4 s in all."""
+
+    async def trickle(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n")
+        await writer.drain()
+        for byte in b'{"a":"xxxx"}':
+            await asyncio.sleep(0.2)
+            writer.write(bytes([byte]))
+            await writer.drain()
+
+    result, seen = asyncio.run(_serving(trickle, _post(way, timeout=0.5)))
+    assert result == (200, {"a": "xxxx"}) and seen == 1
+
+
+def test_a_closed_client_refuses_the_short_way_as_httpx_does() -> None:
+    async def run() -> None:
+        client = async_client("http://127.0.0.1:9", token=None, timeout=1.0)
+        assert isinstance(client, PooledAsyncClient)
+        await client.aclose()
+        with pytest.raises(RuntimeError, match="client has been closed"):
+            await client.read_whole("GET", "http://127.0.0.1:9/", headers={})
+
+    asyncio.run(run())
