@@ -239,18 +239,19 @@ async def _answer_ok(reader: asyncio.StreamReader, writer: asyncio.StreamWriter)
 
 @pytest.mark.parametrize("way", WAYS)
 def test_a_slow_but_steady_body_is_read_past_the_bound_on_the_head(way: str) -> None:
-    """The call's bound (connect + write + read: 1.5 s under a 0.5 s timeout) ends at the answer's head; its body is
-    bounded by each read alone, both ways: 12 bytes, one every 0.2 s, 2.4 s in all."""
+    """The call's bound (connect + write + read: 3 s under a 1 s timeout) ends at the answer's head; its body is
+    bounded by each read alone, both ways: 12 bytes, one every 0.3 s, 3.6 s in all (a stall of the loop under 0.7 s
+    still reads each in time)."""
 
     async def trickle(request: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n")
         await writer.drain()
         for byte in b'{"a":"xxxx"}':
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(0.3)
             writer.write(bytes([byte]))
             await writer.drain()
 
-    result, seen = asyncio.run(_serving(trickle, _post(way, timeout=0.5)))
+    result, seen = asyncio.run(_serving(trickle, _post(way, timeout=1.0)))
     assert result == (200, {"a": "xxxx"}) and seen == 1
 
 
