@@ -41,7 +41,7 @@ from pydantic import BaseModel, TypeAdapter, ValidationError
 from typing_extensions import TypeVarTuple, Unpack
 
 from .backoff import Backoff
-from .pooled_client import PooledAsyncClient
+from .pooled_client import Params, PooledAsyncClient
 
 __all__ = [
     "Acknowledged",
@@ -229,7 +229,7 @@ class CallOptions(TypedDict, total=False):
 
     body: BaseModel | Mapping[str, object] | None
     content: bytes | None
-    params: Mapping[str, str | int | float | bool] | None
+    params: Params | None
     timeout_s: float | None
     retry_s: float | None
 
@@ -237,7 +237,7 @@ class CallOptions(TypedDict, total=False):
 class _RequestArgs(TypedDict, total=False):
     headers: dict[str, str]
     content: bytes | None
-    params: Mapping[str, str | int | float | bool] | None
+    params: Params | None
     timeout: float
 
 

@@ -22,9 +22,9 @@ from .aiohttp_transport import AiohttpPoolTransport
 from .backoff import RESTART_BACKOFF, Backoff
 from .transport import AsyncConnectRetry
 
-__all__ = ["PooledAsyncClient"]
+__all__ = ["Params", "PooledAsyncClient"]
 
-Params = Mapping[str, str | int | float | bool]
+Params = Mapping[str, str | int | float | bool]  # a call's query parameters
 
 
 class PooledAsyncClient(httpx.AsyncClient):
