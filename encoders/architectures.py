@@ -73,6 +73,7 @@ __all__ = [
     "pack_visual",
     "rope_index",
     "split_visual",
+    "stored_shapes",
     "supported",
     "thinker_class",
     "thinker_config",
@@ -234,12 +235,12 @@ def _meta_model(model_dir: str | Path) -> Any:
         return thinker_class(model_dir)._from_config(thinker_config(model_dir))
 
 
-def _stored_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+def stored_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in the folder's safetensors files (their headers: no weights read)."""
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(model_dir.glob("*.safetensors")):
+    for file in sorted(Path(model_dir).glob("*.safetensors")):
         with safe_open(str(file), "pt") as weights:
             for key in weights.keys():  # noqa: SIM118 - a safetensors handle is not a mapping
                 shapes[key] = tuple(weights.get_slice(key).get_shape())
@@ -254,7 +255,7 @@ def _reverse_renaming(model_dir: str | Path) -> tuple[dict[str, str], frozenset[
     state = model.state_dict()
     renamed = {id(tensor): name for name, tensor in revert_weight_conversion(model, dict(state)).items()}
     names = {name: renamed.get(id(tensor), name) for name, tensor in state.items()}  # renamed: the same tensor
-    stored = _stored_shapes(Path(model_dir))
+    stored = stored_shapes(Path(model_dir))
     converted = {
         name
         for name, tensor in state.items()

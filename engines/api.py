@@ -321,6 +321,14 @@ class InitWeightsGroupBody(BaseModel):
     world_size: int = Field(ge=2, description="1 (the trainer) + every engine rank")
     group_name: str = Field("weight_update_group", min_length=1)
     backend: Literal["gloo", "nccl"] = Field("nccl", description="SGLang's default; a CPU engine takes gloo only")
+    checkpoint_layout: bool = Field(
+        False,
+        description=(
+            "Weir's: the group's tensors come named and laid out as the model folder's files hold them (what "
+            "SGLang's loaders read: a MoE model's experts included), not as transformers' module holds them; a "
+            "plain SGLang server ignores it"
+        ),
+    )
 
 
 class UpdateWeightsFromDistributedBody(BaseModel):

@@ -369,11 +369,12 @@ class Engine(Protocol):
 
     def update_weights(self, path: str, version: str | None = None) -> str: ...
 
-    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
+    def init_weights_update_group(self, *, checkpoint_layout: bool = False, **group: Unpack[WeightsGroupArgs]) -> None:
         """SGLang's ``/init_weights_update_group``: join a process group of its own (not the default one)
         rendezvoused at ``tcp://master_address:master_port``, the trainer rank 0 and this engine's ranks
         from ``rank_offset``. Blocks until every rank has joined (call it from a thread); `WeightsError`
-        (``weights_group``) when it cannot join."""
+        (``weights_group``) when it cannot join. ``checkpoint_layout``: the trainer sends the group's tensors
+        as the model folder's files hold them (names, layout), not as transformers' module holds them."""
         ...
 
     def update_weights_from_distributed(

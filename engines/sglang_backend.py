@@ -69,6 +69,7 @@ from .sglang_request import (
     result_from,
     token_step,
 )
+from .weights import check_lengths
 
 __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mapping re-exported for its callers
 
@@ -110,8 +111,11 @@ class SGLangEngine:
         self._tokenizer_manager = self.engine.tokenizer_manager
         self.weight_version = str(args["weight_version"])
         self._parallel = {name: int(args.get(name, 1)) for name in ("pp_size", "dp_size")}
+        self._drafted = bool(args.get("speculative_algorithm"))  # a draft model beside the target (`_drain`)
         self._renames: dict[str, str] | None = None  # `_checkpoint_names`, on the first update by name
         self._unloadable: frozenset[str] | None = None  # `_converted`, on the first broadcast group
+        self._stored: dict[str, tuple[int, ...]] | None = None  # `_check_stored`, on the first such update
+        self._in_checkpoint_layout: set[str] = set()  # the groups whose trainer sends the files' layout
         self.started = time.monotonic()
         self._lock = threading.Lock()
         self._inflight: set[str] = set()  # rids; changed on the loop thread only
@@ -266,20 +270,21 @@ class SGLangEngine:
 
     # -- weights -----------------------------------------------------------------------------------
 
-    def _weights(self, method: str, record: str, *, session: bool = False, **fields: Any) -> None:
+    def _weights(self, method: str, record: str, *, session: bool = False, runners: str = "all", **fields: Any) -> None:
         """The tokenizer manager's ``method`` with an ``io_struct.<record>``; its refusal (``success``
         false, SGLang's message) is `WeightsError` ``weights_rejected``.
 
         ``session``: inside a weight-update session of its own. sglang 0.5.23 loads tensors (the caller's or a
         broadcast's) only between ``begin_weight_update`` and ``end_weight_update`` (its scheduler's weight
         updater refuses them otherwise; a disk update needs none), so each such update here is one whole
-        session, opened and closed on the engine's loop with nothing in between."""
+        session, opened and closed on the engine's loop with nothing in between; ``runners``: the session's
+        (SGLang's ``selector``: which models it restores before and finalizes after)."""
         manager, io = self._tokenizer_manager, self._io
 
         async def on_loop() -> Any:
             if not session:
                 return await getattr(manager, method)(getattr(io, record)(**fields), None)
-            opened = await manager.begin_weight_update(io.BeginWeightUpdateReqInput(), None)
+            opened = await manager.begin_weight_update(io.BeginWeightUpdateReqInput(selector=runners), None)
             if not _succeeded(opened)[0]:
                 return opened
             try:
@@ -317,10 +322,16 @@ class SGLangEngine:
         self.weight_version = version or self.weight_version
         return self.weight_version
 
-    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
+    def init_weights_update_group(self, *, checkpoint_layout: bool = False, **group: Unpack[WeightsGroupArgs]) -> None:
         """Join the trainer's broadcast group. Refused by name for an engine with pp_size or dp_size over 1:
         sglang 0.5.23 ranks each scheduler in the group as ``rank_offset + tp_rank`` (pipeline stages would
-        share ranks) and asserts one data-parallel replica for the broadcast update."""
+        share ranks) and asserts one data-parallel replica for the broadcast update.
+
+        ``checkpoint_layout``: the trainer sends the tensors as the model folder's files hold them, which is
+        what SGLang's loaders read (a MoE model's experts too); each update is then checked against the files
+        (`_check_stored`) and goes to SGLang as it comes. Without it the tensors are the module's: renamed here
+        (`_checkpoint_names`), and a model whose module holds tensors its files do not (MoE experts) is refused
+        before the group forms."""
         split = {name: size for name, size in self._parallel.items() if size > 1}
         if split:
             sizes = ", ".join(f"{name} {size}" for name, size in split.items())
@@ -329,24 +340,42 @@ class SGLangEngine:
                 "group ranks are rank_offset + tp_rank); publish from disk instead (weir train --weights disk)",
                 code="weights_rejected",
             )
-        if converted := self._converted():
+        if checkpoint_layout and self._drafted:
+            raise WeightsError(
+                "weights by broadcast in the checkpoint's layout need an engine without a draft model (its "
+                "speculative_algorithm): a refused update is drained into the draft's loader; publish from disk",
+                code="weights_rejected",
+            )
+        if not checkpoint_layout and (converted := self._converted()):
             raise WeightsError(
                 f"weights by broadcast would send {len(converted)} tensors as transformers holds them (e.g. "
                 f"{min(converted)}), which the checkpoint SGLang loaded stores as other tensors or in another "
-                "shape (a MoE model's experts), which SGLang's loader cannot take: publish from disk "
+                "shape (a MoE model's experts), which SGLang's loader cannot take: send them as the model's "
+                "files hold them (checkpoint_layout: true; Weir's trainers do) or publish from disk "
                 "(weir train --weights disk)",
                 code="weights_rejected",
             )
         self._weights("init_weights_update_group", "InitWeightsUpdateGroupReqInput", **group)
+        if checkpoint_layout:
+            self._in_checkpoint_layout.add(group["group_name"])
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
     ) -> str:
+        check_lengths(names, dtypes, shapes)
+        if group_name in self._in_checkpoint_layout:
+            try:
+                self._check_stored(names, shapes)
+            except WeightsError:
+                self._drain(names, dtypes, shapes, group_name)
+                raise
+        else:
+            names = self._checkpoint_names(names)
         self._weights(
             "update_weights_from_distributed",
             "UpdateWeightsFromDistributedReqInput",
             session=True,
-            names=self._checkpoint_names(names),
+            names=names,
             dtypes=dtypes,
             shapes=shapes,
             group_name=group_name,
@@ -381,8 +410,48 @@ class SGLangEngine:
                 self._unloadable = frozenset()
         return self._unloadable
 
+    def _check_stored(self, names: list[str], shapes: list[list[int]]) -> None:
+        """Tensors said to be laid out as the model's files hold them must be tensors of those files, in their
+        shapes: a name SGLang's loader does not know stops its scheduler, and one in another shape is copied
+        into a parameter it does not fit. `WeightsError` ``weights_mismatch`` before SGLang loads anything."""
+        if self._stored is None:
+            from encoders.architectures import stored_shapes
+
+            self._stored = stored_shapes(self.model_dir)
+        wrong = [
+            f"{name} {tuple(shape)}"
+            for name, shape in zip(names, shapes, strict=True)
+            if self._stored.get(name) != tuple(shape)
+        ]
+        if wrong:
+            raise WeightsError(
+                f"{len(wrong)} tensors are not tensors of the model's files in their shapes (e.g. {wrong[0]}); a "
+                "name SGLang's loader does not know would stop its scheduler",
+                code="weights_mismatch",
+            )
+
+    def _drain(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> None:
+        """Receive a refused update's tensors and load none: the trainer broadcasts them whatever the answer, and
+        a broadcast nobody receives holds the trainer until the group's timeout. SGLang receives them for its
+        target model and loads them into the runners ``selector`` picks (its session's too: those it restores
+        before and finalizes after): ``draft`` picks none on an engine without a draft model
+        (`init_weights_update_group` refuses one). No version, no cache flush."""
+        self._weights(
+            "update_weights_from_distributed",
+            "UpdateWeightsFromDistributedReqInput",
+            session=True,
+            runners="draft",
+            names=names,
+            dtypes=dtypes,
+            shapes=shapes,
+            group_name=group_name,
+            flush_cache=False,
+            selector="draft",
+        )
+
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)
+        self._in_checkpoint_layout.discard(group_name)
 
     def close(self) -> None:
         if self._closed:

@@ -246,9 +246,9 @@ class SimEngine:
     def update_weights(self, path: str, version: str | None = None) -> str:
         return str(self._everywhere(lambda r: r.update_weights(path, version))[0])
 
-    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
+    def init_weights_update_group(self, *, checkpoint_layout: bool = False, **group: Unpack[WeightsGroupArgs]) -> None:
         for r in self.replicas:
-            r.init_weights_update_group(**group)
+            r.init_weights_update_group(checkpoint_layout=checkpoint_layout, **group)
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None

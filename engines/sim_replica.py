@@ -104,8 +104,8 @@ class SimReplica(ScheduledEngine):
         """Take ``weight_update_s`` between two steps, then serve ``version`` (``path`` is not read)."""
         return self._scheduler.call(lambda: self._stepper.update_weights(self._scheduler, version)) or ""
 
-    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
-        """Recorded by name only: nothing is joined."""
+    def init_weights_update_group(self, *, checkpoint_layout: bool = False, **group: Unpack[WeightsGroupArgs]) -> None:
+        """Recorded by name only: nothing is joined (nor read: the layout is not looked at)."""
         rank_offset, world_size, group_name = group["rank_offset"], group["world_size"], group["group_name"]
         if not 1 <= rank_offset < world_size:
             raise WeightsError(

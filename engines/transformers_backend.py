@@ -175,9 +175,11 @@ class TransformersEngine(ScheduledEngine):
                 self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
 
-    def init_weights_update_group(self, **group: Unpack[WeightsGroupArgs]) -> None:
+    def init_weights_update_group(self, *, checkpoint_layout: bool = False, **group: Unpack[WeightsGroupArgs]) -> None:
         """Join ``group_name`` as rank ``rank_offset`` (one rank: no tensor parallelism here). ``gloo`` on a
-        CPU engine, ``nccl`` on a CUDA one — NCCL cannot move CPU tensors, so it is refused on CPU."""
+        CPU engine, ``nccl`` on a CUDA one — NCCL cannot move CPU tensors, so it is refused on CPU.
+        ``checkpoint_layout`` changes nothing here: each update takes either layout, tensor by tensor
+        (`update_weights_from_distributed`)."""
         self._groups.join(**group)
 
     def update_weights_from_distributed(

@@ -18,12 +18,17 @@ import shutil
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from encoders.file_modes import as_umask_allows
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = [
+    "as_files_hold",
     "in_base_layout",
     "DEFAULT_MAX_SHARD_SIZE",
     "WeightInfo",
@@ -91,6 +96,18 @@ def in_base_layout(tensors: Mapping[str, torch.Tensor], base: Mapping[str, Weigh
     from encoders.architectures import experts_laid_out_as
 
     return experts_laid_out_as(dict(tensors), {name: info.shape for name, info in base.items()})
+
+
+def as_files_hold(
+    model: PreTrainedModel, state: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo]
+) -> dict[str, torch.Tensor]:
+    """``state`` (``model``'s own tensors: its module's names and layout) named and laid out as the base folder's
+    files hold them — transformers' reverse conversion (the checkpoint's names; a MoE model's fused experts one by
+    one where its files hold them so), then `in_base_layout` — which is what SGLang's loaders read, by broadcast
+    as from the files. No tensor is copied that need not be (views, where the layouts agree)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return in_base_layout(revert_weight_conversion(model, dict(state)), base)
 
 
 def check_fits(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo], where: str | Path) -> None:

@@ -126,17 +126,20 @@ class WeightRecipients:
             for dead in result["unreachable"]:
                 self._leave_out(dead)
 
-    def send(self, state: dict[str, torch.Tensor], version: int, *, towers: Path | None) -> bool:
+    def send(
+        self, state: dict[str, torch.Tensor], version: int, *, towers: Path | None, checkpoint_layout: bool = False
+    ) -> bool:
         """``state`` broadcast to the engines as ``version`` (the encoder role pointed at ``towers`` when
         given, the data role told); False when broadcasting stopped (`fall_back`): the caller then
         publishes this version through disk. A failed publish with engines gone from ``/health`` is tried
-        once more without them."""
+        once more without them. ``checkpoint_layout``: ``state`` is laid out as the model's files hold it
+        (said to the engines when a group forms: `BroadcastWeightSync`)."""
         why = "no engine left"
         self.back()
         for attempt in (1, 2):
             try:
                 if self.sync is None:
-                    self.sync = self._connect()
+                    self.sync = self._connect(checkpoint_layout)
                 self.sync.publish(state.items(), version, pause_mode=self.pause_mode, towers=towers)
                 return True
             # DistError is a RuntimeError; a role client's failure (an engine's, the encoder role's) a RoleError
@@ -152,7 +155,7 @@ class WeightRecipients:
         self.fall_back(why)
         return False
 
-    def _connect(self) -> BroadcastWeightSync:
+    def _connect(self, checkpoint_layout: bool) -> BroadcastWeightSync:
         hosts = {urlsplit(url).hostname or "" for url in self.engines}
         address = "127.0.0.1" if hosts <= set(_LOOPBACK) else socket.gethostname()  # where the engines reach us
         with socket.socket() as probe:
@@ -167,6 +170,7 @@ class WeightRecipients:
             data_url=self.data_url,
             encoder_url=self.encoder_url,
             token=self.token,
+            checkpoint_layout=checkpoint_layout,
         )
         try:
             sync.connect()
@@ -230,7 +234,11 @@ class PolicyOwner:
             sent = True
             if self.main:
                 towers = self._towers(state, folder) if self.recipients.encoder_url else None
-                sent = self.recipients.send(state, version, towers=towers)
+                # as the model's files hold it where the trainer says how (SGLang's loaders read that layout)
+                as_files = getattr(self.trainer, "in_checkpoint_layout", None)
+                sent = self.recipients.send(
+                    as_files(state) if as_files else state, version, towers=towers, checkpoint_layout=bool(as_files)
+                )
             del state
             if not self._main_says(not sent):
                 return version

@@ -210,6 +210,10 @@ class BroadcastWeightSync:
     group stays usable — and the engines are continued with what they loaded so far. Unlike
     `publish_weights`, an engine that cannot be reached fails the publish: it is a rank of the group.
     Weir's engine role and SGLang servers answer alike; the test against SGLang is marked ``gpu``.
+
+    ``checkpoint_layout``: the tensors published are laid out as the model folder's files hold them (a trainer's
+    ``in_checkpoint_layout``), said at the join (``checkpoint_layout`` in its body, Weir's: a plain SGLang server
+    ignores it). Weir's SGLang engine role then takes a MoE model's experts, which it refuses in the module's layout.
     """
 
     def __init__(
@@ -226,8 +230,10 @@ class BroadcastWeightSync:
         encoder_url: str | None = None,
         timeout_s: float = 600.0,
         token: str | None = None,
+        checkpoint_layout: bool = False,
     ) -> None:
         self.engine_urls, self.group_name = list(engine_urls), group_name
+        self.checkpoint_layout = checkpoint_layout
         self.master_address, self.master_port = master_address, master_port
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         self.bucket_bytes = bucket_bytes
@@ -282,6 +288,7 @@ class BroadcastWeightSync:
                     "world_size": self.world_size,
                     "group_name": self.group_name,
                     "backend": self.backend,
+                    "checkpoint_layout": self.checkpoint_layout,
                 }
             )
             for offset in self.rank_offsets

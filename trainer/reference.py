@@ -59,6 +59,7 @@ from encoders.routing import RoutingReplay, is_moe
 
 from .data_parallel import DataParallel, default_device
 from .feed import FeedBatch
+from .hf_folder import as_files_hold, base_weights
 from .losses import LossConfig
 from .memory import MemoryEstimate, Precision, estimate_memory
 from .mismatch import MismatchMonitor, placeholder_ids
@@ -186,6 +187,7 @@ class ReferenceTrainer(SupervisedPairs):
             prepare=lambda model: self._prepare(model, routing_replay, model_dir),
         )
         self.model.train()
+        self.model_dir = Path(model_dir)
         self.omni = OmniRope.of(self.model.config)  # an Omni model's positions, per media item
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.features = features
@@ -562,6 +564,10 @@ class ReferenceTrainer(SupervisedPairs):
             for name, value in get_model_state_dict(self.model, options=options).items()
             if isinstance(value, torch.Tensor)
         }
+
+    def in_checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` (`full_state_dict`) as the model folder's files hold it: SGLang's loaders read that."""
+        return as_files_hold(self.model, state, base_weights(self.model_dir))  # headers only: no weights read
 
     def export(self, folder: str | Path) -> Path:
         """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk

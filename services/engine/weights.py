@@ -68,6 +68,7 @@ async def init_weights_update_group(body: InitWeightsGroupBody, engine: EngineDe
         world_size=body.world_size,
         group_name=body.group_name,
         backend=body.backend,
+        checkpoint_layout=body.checkpoint_layout,
     )
     if isinstance(refused, JSONResponse):
         return refused

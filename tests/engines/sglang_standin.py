@@ -132,6 +132,7 @@ class UpdateWeightsFromDistributedReqInput:
     abort_all_requests: bool = False
     weight_version: str | None = None
     load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
 
 
 @dataclass(kw_only=True)
@@ -199,6 +200,7 @@ SERVER_ARGS = {
     "chunked_prefill_size": None,
     "max_running_requests": 1024,
     "enable_return_routed_experts": False,
+    "speculative_algorithm": None,
     "device": None,
     "weight_version": "default",
     "log_level": "error",
@@ -373,6 +375,7 @@ class TokenizerManager:
         self.groups: set[str] = set()
         self.session_open = False  # the scheduler's weight-update session (begin / end_weight_update)
         self.calls: list[str] = []  # control calls, in order (what a test checks)
+        self.broadcast_names: list[list[str]] = []  # each broadcast update's names, as SGLang got them
         self._outputs: asyncio.Queue[list[Any]] | None = None
 
     # The loop rule: the handle loop starts on the first request's loop, and only that loop may await.
@@ -570,7 +573,7 @@ class TokenizerManager:
 
     async def begin_weight_update(self, obj: BeginWeightUpdateReqInput, request: Any = None) -> tuple[bool, str]:
         self.auto_create_handle_loop()
-        self.calls.append("begin_weight_update")
+        self.calls.append("begin_weight_update" + ("" if obj.selector == "all" else f":{obj.selector}"))
         if self.session_open:
             return False, SESSION_ALREADY_OPEN
         await self._under_update_lock(lambda s: None)
@@ -610,7 +613,9 @@ class TokenizerManager:
         self, obj: UpdateWeightsFromDistributedReqInput, request: Any = None
     ) -> tuple[bool, str]:
         self.auto_create_handle_loop()
-        self.calls.append(f"update_weights_from_distributed:{obj.group_name}:{len(obj.names)}")
+        selector = "" if obj.selector == "all" else f":{obj.selector}"
+        self.calls.append(f"update_weights_from_distributed:{obj.group_name}:{len(obj.names)}{selector}")
+        self.broadcast_names.append(list(obj.names))
         if not self.session_open:
             return False, OUTSIDE_SESSION.format(method="update_weights_from_distributed")
         if obj.group_name not in self.groups:

@@ -447,3 +447,73 @@ def test_a_video_with_its_own_audio_track_is_refused_by_name(tmp_path: Path) -> 
     whole = {"model_type": "qwen3_omni_moe", "thinker_config": thinker}  # a whole Omni model's config
     assert sglang_request.ModelLayout.of(whole).video_tracks == (10, 11, 12)
     assert sglang_request.ModelLayout.of({"model_type": "qwen3_vl"}).video_tracks is None
+
+
+def _moe_engine(tmp_path: Path, **server_args: object) -> tuple[SGLangEngine, dict[str, tuple[int, ...]]]:
+    """The engine over a real tiny Qwen3-MoE folder (its experts stored one by one, fused in transformers' module),
+    and the folder's tensors' shapes."""
+    from encoders.architectures import stored_shapes
+    from encoders.embedded_model import init_model
+
+    folder = init_model(tmp_path / "moe", arch="qwen3-moe")
+    engine = SGLangEngine(
+        folder,
+        server_args=server_args,
+        engine_class=functools.partial(standin.Engine, vocab=VOCAB),
+        io_struct=standin.io_struct,
+    )
+    return engine, stored_shapes(folder)
+
+
+GROUP = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+
+
+def test_a_moe_models_experts_go_by_broadcast_only_as_its_files_hold_them(tmp_path: Path) -> None:
+    """Without ``checkpoint_layout`` the group is refused before it forms (the module's fused experts are names
+    SGLang's loader does not know); with it, the files' tensors go to SGLang as they come (not renamed), and one
+    that is not a tensor of the files, or not in its shape, is refused by name — its broadcast drained by SGLang
+    into no model (``selector`` draft, no draft model: nothing loaded, no version), so the trainer is not left
+    holding a broadcast nobody receives."""
+    engine, stored = _moe_engine(tmp_path)
+    try:
+        with pytest.raises(WeightsError, match="checkpoint_layout: true") as refused:
+            engine.init_weights_update_group(group_name="module", **GROUP)  # type: ignore[arg-type]
+        assert refused.value.code == "weights_rejected" and calls(engine) == []
+
+        engine.init_weights_update_group(group_name="files", checkpoint_layout=True, **GROUP)  # type: ignore[arg-type]
+        expert = next(name for name in stored if name.endswith("layers.0.mlp.experts.3.up_proj.weight"))
+        names = [expert, "model.embed_tokens.weight"]
+        shapes = [list(stored[name]) for name in names]
+        assert engine.update_weights_from_distributed(names, ["float32"] * 2, shapes, group_name="files", version="4")
+        assert engine.engine.tokenizer_manager.broadcast_names == [names] and engine.weight_version == "4"
+
+        fused = "model.layers.0.mlp.experts.gate_up_proj"  # the module's, not the files'
+        wrong_shape = [list(reversed(stored[expert]))]
+        for bad_names, bad_shapes in (([fused], [[8, 64, 32]]), ([expert], wrong_shape)):
+            before = len(calls(engine))
+            with pytest.raises(WeightsError, match="not tensors of the model's files") as mismatch:
+                engine.update_weights_from_distributed(
+                    bad_names, ["float32"], bad_shapes, group_name="files", version="5"
+                )
+            assert mismatch.value.code == "weights_mismatch" and engine.weight_version == "4"
+            assert calls(engine)[before:] == [
+                "begin_weight_update:draft",
+                "update_weights_from_distributed:files:1:draft",
+                "end_weight_update",
+            ]
+        engine.destroy_weights_update_group("files")
+        assert engine.generate(request(), timeout=30).weight_version == "4"
+    finally:
+        engine.close()
+
+
+def test_a_broadcast_in_the_files_layout_is_refused_beside_a_draft_model(tmp_path: Path) -> None:
+    """A refused update is drained into the draft runners only (SGLang's ``selector``): an engine with a draft
+    model would load it there, so such an engine takes no group in the files' layout."""
+    engine, _ = _moe_engine(tmp_path, speculative_algorithm="EAGLE")
+    try:
+        with pytest.raises(WeightsError, match="without a draft model") as refused:
+            engine.init_weights_update_group(group_name="files", checkpoint_layout=True, **GROUP)  # type: ignore[arg-type]
+        assert refused.value.code == "weights_rejected" and calls(engine) == []
+    finally:
+        engine.close()

@@ -15,7 +15,9 @@ Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipp
 from __future__ import annotations
 
 import importlib.util
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,3 +151,73 @@ def _check_routes(engine: object, model: Path) -> None:
             )
     without = engine.generate(GenerateRequest(input_ids=ids, sampling=request.sampling), timeout=300)  # type: ignore[attr-defined]
     assert without.routed_experts is None  # only when asked
+
+
+def test_experts_sent_as_the_files_hold_them_load_and_a_tensor_of_the_module_is_drained(model: Path) -> None:
+    """Weights by broadcast in the files' layout (``checkpoint_layout``, as Weir's trainers send): Qwen3-MoE's
+    experts one by one, loaded by SGLang's own loader — the engine then gives transformers' greedy tokens with the
+    same change. A tensor the files do not hold (the module's fused experts) is refused by name and its broadcast
+    drained (SGLang receives it and loads it into no model): nothing loaded, the version kept, the group usable."""
+    import torch.distributed as dist
+    from transformers import Qwen3MoeForCausalLM
+
+    from engines.errors import WeightsError
+    from engines.weights_group import join_weights_group
+    from tests.ports import free_port
+
+    engine: Any = _engine(model, routed_experts=False)
+    pool = ThreadPoolExecutor(1)
+    port = free_port()
+    try:
+        joined = pool.submit(
+            engine.init_weights_update_group,
+            **{"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2},
+            group_name="files",
+            backend="gloo",
+            checkpoint_layout=True,
+        )
+        group = join_weights_group("127.0.0.1", port, 0, 2, "files", "gloo")
+        joined.result(timeout=300)
+
+        def send(named: list[tuple[str, torch.Tensor]], version: str) -> str:
+            names, shapes = [n for n, _ in named], [list(t.shape) for _, t in named]
+            answer = pool.submit(
+                engine.update_weights_from_distributed,
+                names,
+                ["float32"] * len(named),
+                shapes,
+                group_name="files",
+                version=version,
+            )
+            for _, tensor in named:
+                dist.broadcast(tensor, group=group, group_src=0)
+            return str(answer.result(timeout=300))
+
+        hf = Qwen3MoeForCausalLM.from_pretrained(model).eval()
+        fused = hf.model.layers[0].mlp.experts.gate_up_proj  # (experts, gate's rows then up's, hidden)
+        with pytest.raises(WeightsError, match="not tensors of the model's files") as refused:
+            send([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(fused.shape))], "1")
+        assert refused.value.code == "weights_mismatch" and engine.weight_version == "0"
+
+        generator = torch.Generator().manual_seed(3)
+        half = fused.shape[1] // 2
+        name = "model.layers.0.mlp.experts.{}.up_proj.weight"
+        ups = [(name.format(e), torch.randn(half, fused.shape[2], generator=generator)) for e in range(EXPERTS)]
+        assert send(ups, "2") == "2"
+        with torch.no_grad():
+            for e, (_, up) in enumerate(ups):
+                fused[e, half:] = up
+        for text in ("Route me.", "Which experts?"):
+            ids = _chat(model, text)
+            request = GenerateRequest(
+                input_ids=ids, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+            )
+            ours = engine.generate(request, timeout=300)
+            with torch.no_grad():
+                theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+            assert ours.output_ids == theirs[0, len(ids) :].tolist() and ours.weight_version == "2", text
+        engine.destroy_weights_update_group("files")
+        dist.destroy_process_group(group)
+    finally:
+        pool.shutdown(wait=False)
+        engine.close()

@@ -249,3 +249,24 @@ def test_published_qwen3_vl_moe_weights_are_in_the_released_layout(folders: dict
             assert torch.equal(engine.model.state_dict()[key], value), key
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_what_the_trainer_broadcasts_is_what_its_export_writes(
+    folders: dict[str, Path], arch: str, tmp_path: Path
+) -> None:
+    """`ReferenceTrainer.in_checkpoint_layout` (what it broadcasts to the engines, declared as the files' layout:
+    SGLang's loaders read it) is, tensor for tensor and bit for bit, what its export writes (what a disk publish
+    loads): the same names, shapes and values — a MoE model's experts one by one or in the released layout."""
+    from safetensors.torch import load_file
+
+    trainer = ReferenceTrainer(folders[arch])
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.01)
+    sent = trainer.in_checkpoint_layout(trainer.full_state_dict())
+    written: dict[str, torch.Tensor] = {}
+    for file in sorted(trainer.export(tmp_path / "v1").glob("*.safetensors")):
+        written |= load_file(str(file))
+    assert sent.keys() == written.keys()
+    assert all(torch.equal(sent[name], written[name]) for name in written), arch

@@ -525,6 +525,10 @@ class MegatronTrainer(SupervisedPairs):
         fused in their layout): what an engine takes by broadcast, SGLang's loaders and Weir's alike."""
         return megatron_to_files(self._whole(), self.layout, self._files)
 
+    def in_checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` as the model folder's files hold it: `full_state_dict` already is."""
+        return state
+
     @functools.cached_property
     def _files(self) -> dict[str, WeightInfo]:
         """The model folder's weights (their names, shapes and dtypes: headers only), read once, not every publish."""
