@@ -394,15 +394,16 @@ FUSED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def experts_laid_out_as(
-    tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
+    tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], *, copy: bool = True
 ) -> dict[str, torch.Tensor]:
     """``tensors`` with each fused expert tensor whose shape is ``shapes[name]`` transposed (1, 2) turned to it; every
-    other tensor as it is (a shape that fits neither way is left for the caller to refuse by name)."""
+    other tensor as it is (a shape that fits neither way is left for the caller to refuse by name). ``copy``: each
+    turned tensor made contiguous; else a view (no second copy of a model's experts at once)."""
     out = dict(tensors)
     for name, tensor in tensors.items():
         want = shapes.get(name)
         if want is not None and transposed_experts(name, tuple(tensor.shape), want):
-            out[name] = tensor.transpose(1, 2).contiguous()
+            out[name] = tensor.transpose(1, 2).contiguous() if copy else tensor.transpose(1, 2)
     return out
 
 

@@ -270,21 +270,22 @@ class SGLangEngine:
 
     # -- weights -----------------------------------------------------------------------------------
 
-    def _weights(self, method: str, record: str, *, session: bool = False, runners: str = "all", **fields: Any) -> None:
+    def _weights(self, method: str, record: str, *, session: bool = False, **fields: Any) -> None:
         """The tokenizer manager's ``method`` with an ``io_struct.<record>``; its refusal (``success``
         false, SGLang's message) is `WeightsError` ``weights_rejected``.
 
         ``session``: inside a weight-update session of its own. sglang 0.5.23 loads tensors (the caller's or a
         broadcast's) only between ``begin_weight_update`` and ``end_weight_update`` (its scheduler's weight
         updater refuses them otherwise; a disk update needs none), so each such update here is one whole
-        session, opened and closed on the engine's loop with nothing in between; ``runners``: the session's
-        (SGLang's ``selector``: which models it restores before and finalizes after)."""
+        session, opened and closed on the engine's loop with nothing in between, for the models the update's
+        ``selector`` picks (the session restores them before and finalizes them after; by default all)."""
         manager, io = self._tokenizer_manager, self._io
 
         async def on_loop() -> Any:
             if not session:
                 return await getattr(manager, method)(getattr(io, record)(**fields), None)
-            opened = await manager.begin_weight_update(io.BeginWeightUpdateReqInput(selector=runners), None)
+            runners = io.BeginWeightUpdateReqInput(selector=fields.get("selector", "all"))
+            opened = await manager.begin_weight_update(runners, None)
             if not _succeeded(opened)[0]:
                 return opened
             try:
@@ -356,18 +357,25 @@ class SGLangEngine:
                 code="weights_rejected",
             )
         self._weights("init_weights_update_group", "InitWeightsUpdateGroupReqInput", **group)
-        if checkpoint_layout:
-            self._in_checkpoint_layout.add(group["group_name"])
+        with self._lock:  # a name joined again is in the layout said now
+            if checkpoint_layout:
+                self._in_checkpoint_layout.add(group["group_name"])
+            else:
+                self._in_checkpoint_layout.discard(group["group_name"])
 
     def update_weights_from_distributed(
         self, names: list[str], dtypes: list[str], shapes: list[list[int]], *, group_name: str, version: str | None
     ) -> str:
+        # Nothing SGLang could receive (no drain possible): lists that do not pair up, a dtype torch does not name.
         check_lengths(names, dtypes, shapes)
+        unknown = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if unknown:
+            raise WeightsError(f"dtype {unknown[0][:32]!r} is not a torch dtype", code="weights_mismatch")
         if group_name in self._in_checkpoint_layout:
             try:
                 self._check_stored(names, shapes)
-            except WeightsError:
-                self._drain(names, dtypes, shapes, group_name)
+            except WeightsError as refused:
+                self._drain(names, dtypes, shapes, group_name, refused)
                 raise
         else:
             names = self._checkpoint_names(names)
@@ -412,8 +420,9 @@ class SGLangEngine:
 
     def _check_stored(self, names: list[str], shapes: list[list[int]]) -> None:
         """Tensors said to be laid out as the model's files hold them must be tensors of those files, in their
-        shapes: a name SGLang's loader does not know stops its scheduler, and one in another shape is copied
-        into a parameter it does not fit. `WeightsError` ``weights_mismatch`` before SGLang loads anything."""
+        shapes: depending on the model, SGLang's loader skips a name it does not know without a word (Qwen3-MoE's,
+        Qwen3-VL-MoE's: the update half done) or stops its scheduler on it, and copies one in another shape into a
+        parameter it does not fit. `WeightsError` ``weights_mismatch`` before SGLang loads anything."""
         if self._stored is None:
             from encoders.architectures import stored_shapes
 
@@ -425,33 +434,41 @@ class SGLangEngine:
         ]
         if wrong:
             raise WeightsError(
-                f"{len(wrong)} tensors are not tensors of the model's files in their shapes (e.g. {wrong[0]}); a "
-                "name SGLang's loader does not know would stop its scheduler",
+                f"{len(wrong)} tensors are not tensors of the model's files in their shapes (e.g. {wrong[0]}): "
+                "SGLang's loader would skip them or stop on them; nothing of the update loaded",
                 code="weights_mismatch",
             )
 
-    def _drain(self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str) -> None:
+    def _drain(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, refused: WeightsError
+    ) -> None:
         """Receive a refused update's tensors and load none: the trainer broadcasts them whatever the answer, and
         a broadcast nobody receives holds the trainer until the group's timeout. SGLang receives them for its
         target model and loads them into the runners ``selector`` picks (its session's too: those it restores
         before and finalizes after): ``draft`` picks none on an engine without a draft model
-        (`init_weights_update_group` refuses one). No version, no cache flush."""
-        self._weights(
-            "update_weights_from_distributed",
-            "UpdateWeightsFromDistributedReqInput",
-            session=True,
-            runners="draft",
-            names=names,
-            dtypes=dtypes,
-            shapes=shapes,
-            group_name=group_name,
-            flush_cache=False,
-            selector="draft",
-        )
+        (`init_weights_update_group` refuses one). No version, no cache flush. A drain SGLang refuses (the group
+        unknown to it, a session left open) is said in ``refused``, whose reason stays the first."""
+        try:
+            self._weights(
+                "update_weights_from_distributed",
+                "UpdateWeightsFromDistributedReqInput",
+                session=True,
+                names=names,
+                dtypes=dtypes,
+                shapes=shapes,
+                group_name=group_name,
+                flush_cache=False,
+                selector="draft",
+            )
+        except WeightsError as error:
+            refused.args = (f"{refused}; and its broadcast could not be drained: {error}",)
 
     def destroy_weights_update_group(self, group_name: str) -> None:
-        self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)
-        self._in_checkpoint_layout.discard(group_name)
+        try:
+            self._weights("destroy_weights_update_group", "DestroyWeightsUpdateGroupReqInput", group_name=group_name)
+        finally:  # SGLang forgets the name before it destroys the group: gone here too, whatever its answer
+            with self._lock:
+                self._in_checkpoint_layout.discard(group_name)
 
     def close(self) -> None:
         if self._closed:

@@ -90,12 +90,15 @@ def base_weights(folder: str | Path) -> dict[str, WeightInfo]:
     return out
 
 
-def in_base_layout(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo]) -> dict[str, torch.Tensor]:
+def in_base_layout(
+    tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo], *, copy: bool = True
+) -> dict[str, torch.Tensor]:
     """``tensors`` laid out as the base folder's files lay them: Qwen3-VL-MoE's fused experts in the released
-    (experts, in, out) layout where the base has it (`encoders.architectures.experts_laid_out_as`)."""
+    (experts, in, out) layout where the base has it (`encoders.architectures.experts_laid_out_as`; ``copy``: as
+    contiguous tensors, else as views)."""
     from encoders.architectures import experts_laid_out_as
 
-    return experts_laid_out_as(dict(tensors), {name: info.shape for name, info in base.items()})
+    return experts_laid_out_as(dict(tensors), {name: info.shape for name, info in base.items()}, copy=copy)
 
 
 def as_files_hold(
@@ -104,10 +107,11 @@ def as_files_hold(
     """``state`` (``model``'s own tensors: its module's names and layout) named and laid out as the base folder's
     files hold them — transformers' reverse conversion (the checkpoint's names; a MoE model's fused experts one by
     one where its files hold them so), then `in_base_layout` — which is what SGLang's loaders read, by broadcast
-    as from the files. No tensor is copied that need not be (views, where the layouts agree)."""
+    as from the files. Turned experts are views (no second copy of a model's experts at once): the broadcast makes
+    each contiguous as it sends it."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return in_base_layout(revert_weight_conversion(model, dict(state)), base)
+    return in_base_layout(revert_weight_conversion(model, dict(state)), base, copy=False)
 
 
 def check_fits(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo], where: str | Path) -> None:

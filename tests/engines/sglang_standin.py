@@ -60,6 +60,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Literal
 
+import torch
+
 
 class WrongLoop(RuntimeError):
     """An SGLang coroutine awaited on a loop other than the one its tokenizer manager runs on."""
@@ -620,6 +622,9 @@ class TokenizerManager:
             return False, OUTSIDE_SESSION.format(method="update_weights_from_distributed")
         if obj.group_name not in self.groups:
             return False, f"Group {obj.group_name} not in the weight update groups"
+        for dtype in obj.dtypes:  # the receive makes torch.empty(shape, dtype=getattr(torch, dtype)) of each
+            if not isinstance(getattr(torch, dtype, None), torch.dtype):
+                return False, f"Failed to receive weights: module 'torch' has no dtype {dtype!r}"
         await self._under_update_lock(lambda s: None)
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version

@@ -517,3 +517,47 @@ def test_a_broadcast_in_the_files_layout_is_refused_beside_a_draft_model(tmp_pat
         assert refused.value.code == "weights_rejected" and calls(engine) == []
     finally:
         engine.close()
+
+
+def test_what_sglang_could_not_receive_is_refused_and_a_failed_drain_keeps_the_first_reason(tmp_path: Path) -> None:
+    """Lists that do not pair up and a dtype torch does not name are refused before SGLang hears of them (it could
+    not receive such a broadcast, so there is nothing to drain). A drain SGLang refuses (a weight-update session
+    left open by someone else) is said after the update's own reason, which stays first."""
+    engine, stored = _moe_engine(tmp_path)
+    try:
+        engine.init_weights_update_group(group_name="files", checkpoint_layout=True, **GROUP)  # type: ignore[arg-type]
+        embed = "model.embed_tokens.weight"
+        before = len(calls(engine))
+        with pytest.raises(WeightsError, match="differ in length"):
+            engine.update_weights_from_distributed([embed], [], [list(stored[embed])], group_name="files", version="2")
+        with pytest.raises(WeightsError, match="'notadtype' is not a torch dtype"):
+            engine.update_weights_from_distributed(
+                [embed], ["notadtype"], [list(stored[embed])], group_name="files", version="2"
+            )
+        assert calls(engine)[before:] == []
+
+        raw = engine.engine
+        opened = engine._loop.call(raw.tokenizer_manager.begin_weight_update(standin.BeginWeightUpdateReqInput(), None))
+        assert opened[0]
+        with pytest.raises(WeightsError) as refused:
+            engine.update_weights_from_distributed(["bogus"], ["float32"], [[2]], group_name="files", version="2")
+        assert str(refused.value).startswith("1 tensors are not tensors of the model's files")
+        assert "could not be drained: a weight-update session is already open" in str(refused.value)
+        assert refused.value.code == "weights_mismatch" and engine.weight_version == "0"
+    finally:
+        engine.close()
+
+
+def test_a_group_name_joined_again_is_in_the_layout_said_then(model_dir: Path) -> None:
+    """A group left (SGLang forgets its name whatever it answers) and joined again under the same name without
+    ``checkpoint_layout``: its updates are the module's again (renamed, not checked against the files)."""
+    engine = start(model_dir)  # a config without weights: every name would be refused in the files' layout
+    try:
+        engine.init_weights_update_group(group_name="g", checkpoint_layout=True, **GROUP)  # type: ignore[arg-type]
+        with pytest.raises(WeightsError, match="not tensors of the model's files"):
+            engine.update_weights_from_distributed(["a"], ["float32"], [[2]], group_name="g", version="1")
+        engine.destroy_weights_update_group("g")
+        engine.init_weights_update_group(group_name="g", **GROUP)  # type: ignore[arg-type]
+        assert engine.update_weights_from_distributed(["a"], ["float32"], [[2]], group_name="g", version="1") == "1"
+    finally:
+        engine.close()

@@ -222,6 +222,65 @@ def test_an_image_as_pixels_and_as_the_encoder_stages_embedding_equals_the_trans
     _assert_same([embedded], want, f"{served.arch}, image as embedding", LOGPROB_TOLERANCE)
 
 
+def test_a_trainers_weights_by_broadcast_are_what_the_same_weights_from_disk_give(
+    served: Served, tmp_path: Path
+) -> None:
+    """Every weight of the reference trainer (changed) broadcast as `weir train` sends it — as the model's files hold
+    it (`ReferenceTrainer.in_checkpoint_layout`), said at the join (``checkpoint_layout``) —: SGLang's own loader
+    takes all of it (Qwen3-MoE's experts one by one, Qwen3-VL-MoE's fused in the released layout, Qwen2.5-VL's
+    checkpoint names), and the engine's greedy tokens and log-probs are the transformers engine's on the trainer's
+    export of the same weights. The folder's weights are loaded back after, for the module's other tests."""
+    import shutil
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+
+    from engines.weights_group import join_weights_group
+    from tests.ports import free_port
+    from trainer.reference import ReferenceTrainer
+
+    trainer = ReferenceTrainer(served.model)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for parameter in trainer.model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    sent = trainer.in_checkpoint_layout(trainer.full_state_dict())
+    exported = trainer.export(tmp_path / "exported")
+    for file in served.model.iterdir():  # the tokenizer and the rest beside the weights
+        if file.is_file() and not (exported / file.name).exists():
+            shutil.copy(file, exported / file.name)
+    requests = [_request(_prompt(served.model, text)) for text in ("What colour is it?", "Name a shape.")]
+    before = [served.engine.generate(r, timeout=300).output_logprobs for r in requests]
+    name, port, pool = f"files-{served.arch}", free_port(), ThreadPoolExecutor(1)
+    group = dict(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2, group_name=name)
+    joined = pool.submit(served.engine.init_weights_update_group, **group, backend="gloo", checkpoint_layout=True)
+    process_group = join_weights_group("127.0.0.1", port, 0, 2, name, "gloo")
+    try:
+        joined.result(timeout=300)
+        names = list(sent)
+        dtypes = [str(sent[n].dtype).removeprefix("torch.") for n in names]
+        answer = pool.submit(
+            served.engine.update_weights_from_distributed,
+            names,
+            dtypes,
+            [list(sent[n].shape) for n in names],
+            group_name=name,
+            version="3",
+        )
+        for n in names:
+            dist.broadcast(sent[n].contiguous(), group=process_group, group_src=0)
+        assert answer.result(timeout=300) == "3"
+        ours = [served.engine.generate(r, timeout=300) for r in requests]
+        _assert_same(ours, _on_transformers(exported, requests), f"{served.arch}, by broadcast", LOGPROB_TOLERANCE)
+        assert [r.output_logprobs for r in ours] != before and ours[0].weight_version == "3"
+    finally:
+        served.engine.destroy_weights_update_group(name)
+        dist.destroy_process_group(process_group)
+        pool.shutdown(wait=False)
+        served.engine.update_weights(str(served.model), version="0")
+
+
 _RESOLVE_IN_A_SCHEDULER = """
 import ctypes, sys
 from tests.engines import sglang_cpu

@@ -153,11 +153,13 @@ def _check_routes(engine: object, model: Path) -> None:
     assert without.routed_experts is None  # only when asked
 
 
-def test_experts_sent_as_the_files_hold_them_load_and_a_tensor_of_the_module_is_drained(model: Path) -> None:
+def test_experts_sent_as_the_files_hold_them_load_and_a_refused_bucket_is_drained(model: Path) -> None:
     """Weights by broadcast in the files' layout (``checkpoint_layout``, as Weir's trainers send): Qwen3-MoE's
     experts one by one, loaded by SGLang's own loader — the engine then gives transformers' greedy tokens with the
-    same change. A tensor the files do not hold (the module's fused experts) is refused by name and its broadcast
-    drained (SGLang receives it and loads it into no model): nothing loaded, the version kept, the group usable."""
+    same change. A bucket holding one tensor the files do not have (beside every expert's new weights: SGLang's
+    loader would skip the unknown name and load the rest) is refused by name and its broadcast drained — SGLang
+    receives it and loads it into no model: the tokens are the unchanged model's, the version kept, the group
+    usable."""
     import torch.distributed as dist
     from transformers import Qwen3MoeForCausalLM
 
@@ -194,28 +196,33 @@ def test_experts_sent_as_the_files_hold_them_load_and_a_tensor_of_the_module_is_
             return str(answer.result(timeout=300))
 
         hf = Qwen3MoeForCausalLM.from_pretrained(model).eval()
-        fused = hf.model.layers[0].mlp.experts.gate_up_proj  # (experts, gate's rows then up's, hidden)
-        with pytest.raises(WeightsError, match="not tensors of the model's files") as refused:
-            send([("model.layers.0.mlp.experts.gate_up_proj", torch.zeros(fused.shape))], "1")
-        assert refused.value.code == "weights_mismatch" and engine.weight_version == "0"
 
+        def same_greedy_tokens(version: str) -> None:
+            for text in ("Route me.", "Which experts?"):
+                ids = _chat(model, text)
+                request = GenerateRequest(
+                    input_ids=ids, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
+                )
+                ours = engine.generate(request, timeout=300)
+                with torch.no_grad():
+                    theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
+                assert ours.output_ids == theirs[0, len(ids) :].tolist() and ours.weight_version == version, text
+
+        fused = hf.model.layers[0].mlp.experts.gate_up_proj  # (experts, gate's rows then up's, hidden)
         generator = torch.Generator().manual_seed(3)
         half = fused.shape[1] // 2
         name = "model.layers.0.mlp.experts.{}.up_proj.weight"
         ups = [(name.format(e), torch.randn(half, fused.shape[2], generator=generator)) for e in range(EXPERTS)]
+        with pytest.raises(WeightsError, match="not tensors of the model's files") as refused:
+            send([*((n, 5 * t) for n, t in ups), ("model.layers.0.mlp.experts.gate_up_proj", fused.detach())], "1")
+        assert refused.value.code == "weights_mismatch" and engine.weight_version == "0"
+        same_greedy_tokens("0")  # nothing of the refused bucket loaded
+
         assert send(ups, "2") == "2"
         with torch.no_grad():
             for e, (_, up) in enumerate(ups):
                 fused[e, half:] = up
-        for text in ("Route me.", "Which experts?"):
-            ids = _chat(model, text)
-            request = GenerateRequest(
-                input_ids=ids, sampling=SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=0.0)
-            )
-            ours = engine.generate(request, timeout=300)
-            with torch.no_grad():
-                theirs = hf.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, min_new_tokens=8)
-            assert ours.output_ids == theirs[0, len(ids) :].tolist() and ours.weight_version == "2", text
+        same_greedy_tokens("2")
         engine.destroy_weights_update_group("files")
         dist.destroy_process_group(group)
     finally:
