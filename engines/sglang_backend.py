@@ -379,6 +379,15 @@ class SGLangEngine:
                 raise
         else:
             names = self._checkpoint_names(names)
+        self._receive(names, dtypes, shapes, group_name, weight_version=version)
+        self.weight_version = version or self.weight_version
+        return self.weight_version
+
+    def _receive(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str, **fields: Any
+    ) -> None:
+        """SGLang's ``update_weights_from_distributed`` in a session of its own: the broadcast received, then loaded
+        into the models ``fields``' ``selector`` picks."""
         self._weights(
             "update_weights_from_distributed",
             "UpdateWeightsFromDistributedReqInput",
@@ -387,10 +396,8 @@ class SGLangEngine:
             dtypes=dtypes,
             shapes=shapes,
             group_name=group_name,
-            weight_version=version,
+            **fields,
         )
-        self.weight_version = version or self.weight_version
-        return self.weight_version
 
     def _checkpoint_names(self, names: list[str]) -> list[str]:
         """Weights named as a trainer's model names them (transformers' module), renamed as the checkpoint SGLang
@@ -449,17 +456,7 @@ class SGLangEngine:
         (`init_weights_update_group` refuses one). No version, no cache flush. A drain SGLang refuses (the group
         unknown to it, a session left open) is said in ``refused``, whose reason stays the first."""
         try:
-            self._weights(
-                "update_weights_from_distributed",
-                "UpdateWeightsFromDistributedReqInput",
-                session=True,
-                names=names,
-                dtypes=dtypes,
-                shapes=shapes,
-                group_name=group_name,
-                flush_cache=False,
-                selector="draft",
-            )
+            self._receive(names, dtypes, shapes, group_name, flush_cache=False, selector="draft")
         except WeightsError as error:
             refused.args = (f"{refused}; and its broadcast could not be drained: {error}",)
 
