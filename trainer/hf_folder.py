@@ -28,12 +28,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 __all__ = [
-    "as_files_hold",
-    "in_base_layout",
     "DEFAULT_MAX_SHARD_SIZE",
     "WeightInfo",
+    "as_files_hold",
     "base_weights",
     "check_fits",
+    "in_base_layout",
     "parse_size",
     "weight_files",
     "write_hf_folder",
@@ -107,11 +107,16 @@ def as_files_hold(
     """``state`` (``model``'s own tensors: its module's names and layout) named and laid out as the base folder's
     files hold them — transformers' reverse conversion (the checkpoint's names; a MoE model's fused experts one by
     one where its files hold them so), then `in_base_layout` — which is what SGLang's loaders read, by broadcast
-    as from the files. Turned experts are views (no second copy of a model's experts at once): the broadcast makes
-    each contiguous as it sends it."""
+    as from the files. A tied weight the files hold once (a tied model's head: the embedding) is left out, as
+    ``save_pretrained`` leaves it out. Turned experts are views (no second copy of a model's experts at once): the
+    broadcast makes each contiguous as it sends it."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    return in_base_layout(revert_weight_conversion(model, dict(state)), base, copy=False)
+    stored = in_base_layout(revert_weight_conversion(model, dict(state)), base, copy=False)
+    for tied in getattr(model, "all_tied_weights_keys", None) or {}:
+        if tied not in base:
+            stored.pop(tied, None)
+    return stored
 
 
 def check_fits(tensors: Mapping[str, torch.Tensor], base: Mapping[str, WeightInfo], where: str | Path) -> None:

@@ -270,3 +270,28 @@ def test_what_the_trainer_broadcasts_is_what_its_export_writes(
         written |= load_file(str(file))
     assert sent.keys() == written.keys()
     assert all(torch.equal(sent[name], written[name]) for name in written), arch
+
+
+def test_a_tied_models_broadcast_leaves_out_the_head_its_files_hold_once(
+    folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A model whose head is its embedding (``tie_word_embeddings``: Qwen3's small sizes, Qwen2.5-VL-3B) has files
+    without ``lm_head.weight``; its module has both names. The broadcast is the files' tensors, as its export is —
+    a name they lack would be refused by the SGLang engine role (`engines.sglang_backend`), every publish."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = tmp_path / "tied"
+    shutil.copytree(folders["qwen3"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    for file in folder.glob("*.safetensors"):
+        file.unlink()
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    trainer = ReferenceTrainer(folder)
+    sent = trainer.in_checkpoint_layout(trainer.full_state_dict())
+    written = load_file(str(trainer.export(tmp_path / "v1") / "model.safetensors"))
+    assert "lm_head.weight" not in sent and sent.keys() == written.keys()
