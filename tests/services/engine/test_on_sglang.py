@@ -113,3 +113,28 @@ def test_sglangs_refusals_are_4xx_json(role: tuple[httpx.Client, Any, Path]) -> 
     )
     assert missing.status_code == 400 and missing.json()["success"] is False
     assert client.get("/get_weight_version").json()["weight_version"] != "2"
+
+
+def test_a_group_in_the_files_layout_is_checked_against_them_over_http(role: tuple[httpx.Client, Any, Path]) -> None:
+    """``checkpoint_layout`` in ``/init_weights_update_group``'s body reaches the SGLang backend: that group's
+    updates are checked against the model's files (a name they lack: 400, ``success`` false, the broadcast
+    drained); another group's go to SGLang as before (renamed as the checkpoint names them, not checked)."""
+    client, engine, _ = role
+    group = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "gloo"}
+    for name, layout in (("files", True), ("module", False)):
+        body = {**group, "group_name": name, "checkpoint_layout": layout}
+        joined = client.post("/init_weights_update_group", json=body)
+        assert joined.status_code == 200 and joined.json()["success"], joined.text
+    manager = engine.engine.tokenizer_manager
+    before = len(manager.calls)
+    bogus = {"names": ["bogus.weight"], "dtypes": ["float32"], "shapes": [[64]], "group_name": "files"}
+    refused = client.post("/update_weights_from_distributed", json=bogus)
+    assert refused.status_code == 400 and refused.json()["success"] is False
+    assert "not tensors of the model's files" in refused.json()["message"]
+    assert manager.calls[before:] == ["begin_weight_update:draft", "update_weights_from_distributed:files:1:draft",
+                                      "end_weight_update"]  # fmt: skip
+    loaded = client.post("/update_weights_from_distributed", json={**bogus, "group_name": "module"})
+    assert loaded.status_code == 200 and loaded.json()["success"], loaded.text  # SGLang's to judge, as before
+    assert manager.broadcast_names[-1] == ["bogus.weight"]
+    for name in ("files", "module"):
+        assert client.post("/destroy_weights_update_group", json={"group_name": name}).json()["success"]
