@@ -50,7 +50,7 @@ from typing import Literal, Protocol, TypedDict
 
 import torch
 from PIL import Image
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import PreTrainedModel, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from encoders.embedded_model import save_released
 from encoders.file_modes import as_umask_allows
@@ -59,6 +59,7 @@ from experience.records import Group, Sample
 from rollout.api import RolloutRequest
 from rollout.client import RolloutClient
 
+from .hf_folder import WeightInfo, as_files_hold, base_weights, weight_files
 from .publish import BroadcastWeightSync, publish_weights
 
 __all__ = ["PublishWeights", "TrlRollout", "TrlTrainer", "WeirRollout", "engine_weight_versions", "weir_messages"]
@@ -264,7 +265,9 @@ class PublishWeights(TrainerCallback):  # type: ignore[misc]
     ``via="disk"``: written as safetensors under ``folder`` (a temporary folder when None) and loaded with
     ``update_weights_from_disk`` (`trainer.publish.publish_weights`: engines paused meanwhile, an unreachable
     one skipped). ``via="broadcast"``: the tensors broadcast from this process (`trainer.publish.BroadcastWeightSync`:
-    gloo on the CPU, NCCL on CUDA) to engines that join a group at ``master_address:master_port``.
+    gloo on the CPU, NCCL on CUDA) to engines that join a group at ``master_address:master_port`` — as the model's
+    files hold them (and said so at the join: what SGLang's loaders read, a MoE model's experts included) when the
+    model was read from a local folder of safetensors, else as transformers' module holds them.
 
     ``encoder_url``: the encoder role, pointed at the new weights (a folder, either way) while the engines are
     paused — needed for a model with media whose towers TRL trains (it does unless they are frozen): the encoder
@@ -300,6 +303,7 @@ class PublishWeights(TrainerCallback):  # type: ignore[misc]
         """``model``'s weights (unwrapped from DDP) to every engine as ``version``."""
         model = getattr(model, "module", model)
         if self.via == "broadcast":
+            files = _files_of(model)
             if self.sync is None:
                 self.sync = BroadcastWeightSync(
                     self.engine_urls,
@@ -309,9 +313,12 @@ class PublishWeights(TrainerCallback):  # type: ignore[misc]
                     encoder_url=self.encoder_url,
                     timeout_s=self.timeout_s,
                     token=self.token,
+                    checkpoint_layout=files is not None,
                 )
                 self.sync.connect()
             state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+            if files is not None and isinstance(model, PreTrainedModel):
+                state = as_files_hold(model, state, files)
             self.sync.publish(state.items(), version, towers=self._written(model) if self.encoder_url else None)
         else:
             root = self._written(model)
@@ -370,3 +377,11 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _files_of(model: torch.nn.Module) -> dict[str, WeightInfo] | None:
+    """The weights (headers) of the local folder ``model`` was read from, or None (a hub id, no safetensors)."""
+    folder = Path(str(getattr(model, "name_or_path", "") or ""))
+    if not isinstance(model, PreTrainedModel) or not folder.is_dir() or not weight_files(folder):
+        return None
+    return base_weights(folder)

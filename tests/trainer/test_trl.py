@@ -112,6 +112,8 @@ def train(stack: Stack, tmp_path: Path, *, steps: int, seed: int, via: str = "di
                         "sampled_by": sorted(set(weir.versions)),
                         "engines": engine_weight_versions(engines, token=token),
                         "gap": max(gaps[-2:]),
+                        # broadcast: sent as the model folder's files hold it, said at the join
+                        "files_layout": publish.sync.checkpoint_layout if publish.sync is not None else None,
                     }
                 )
 
@@ -165,7 +167,9 @@ def test_trl_grpo_trainer_learns_through_weir(stack: Stack, tmp_path: Path) -> N
 
 def test_trl_weights_by_broadcast(stack: Stack, tmp_path: Path) -> None:
     """The same through ``via="broadcast"`` (gloo, no files): the engine serves each step's weights."""
-    _check_in_step(train(stack, tmp_path, steps=2, seed=1, via="broadcast"), 2)
+    records = train(stack, tmp_path, steps=2, seed=1, via="broadcast")
+    _check_in_step(records, 2)
+    assert all(r["files_layout"] for r in records)  # a model read from a local folder: as its files hold it
 
 
 @pytest.mark.slow
