@@ -381,7 +381,7 @@ def _free_port() -> int:
 
 def _files_of(model: torch.nn.Module) -> dict[str, WeightInfo] | None:
     """The weights (headers) of the local folder ``model`` was read from, or None (a hub id, no safetensors)."""
-    folder = Path(str(getattr(model, "name_or_path", "") or ""))
-    if not isinstance(model, PreTrainedModel) or not folder.is_dir() or not weight_files(folder):
-        return None
-    return base_weights(folder)
+    where = str(getattr(model, "name_or_path", "") or "")
+    if not where or not isinstance(model, PreTrainedModel) or not Path(where).is_dir() or not weight_files(Path(where)):
+        return None  # ("" would be the working directory)
+    return base_weights(where)
