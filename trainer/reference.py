@@ -38,6 +38,7 @@ CPU offload (FSDP2 only) keeps the shards, gradients and AdamW state in host mem
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -59,7 +60,7 @@ from encoders.routing import RoutingReplay, is_moe
 
 from .data_parallel import DataParallel, default_device
 from .feed import FeedBatch
-from .hf_folder import as_files_hold, base_weights
+from .hf_folder import WeightInfo, as_files_hold, base_weights
 from .losses import LossConfig
 from .memory import MemoryEstimate, Precision, estimate_memory
 from .mismatch import MismatchMonitor, placeholder_ids
@@ -567,7 +568,12 @@ class ReferenceTrainer(SupervisedPairs):
 
     def in_checkpoint_layout(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``state`` (`full_state_dict`) as the model folder's files hold it: SGLang's loaders read that."""
-        return as_files_hold(self.model, state, base_weights(self.model_dir))  # headers only: no weights read
+        return as_files_hold(self.model, state, self._files)
+
+    @functools.cached_property
+    def _files(self) -> dict[str, WeightInfo]:
+        """The model folder's weights (names, shapes, dtypes: headers only), read once, not at every publish."""
+        return base_weights(self.model_dir)
 
     def export(self, folder: str | Path) -> Path:
         """Hugging Face weights (safetensors) an engine can load with update_weights_from_disk

@@ -297,14 +297,15 @@ class PublishWeights(TrainerCallback):  # type: ignore[misc]
         self._temporary = tempfile.TemporaryDirectory(prefix="weir-trl-") if folder is None and files else None
         self.folder = Path(folder) if folder is not None else Path(self._temporary.name) if self._temporary else None
         self.sync: BroadcastWeightSync | None = None
+        self._files: dict[str, WeightInfo] | None = None  # the model folder's weights, when broadcast in its layout
         self.published: list[int] = []
 
     def publish(self, model: torch.nn.Module, version: int) -> None:
         """``model``'s weights (unwrapped from DDP) to every engine as ``version``."""
         model = getattr(model, "module", model)
         if self.via == "broadcast":
-            files = _files_of(model)
             if self.sync is None:
+                self._files = _files_of(model)  # read once a group: the model and its folder stay
                 self.sync = BroadcastWeightSync(
                     self.engine_urls,
                     master_address=self.master_address,
@@ -313,12 +314,12 @@ class PublishWeights(TrainerCallback):  # type: ignore[misc]
                     encoder_url=self.encoder_url,
                     timeout_s=self.timeout_s,
                     token=self.token,
-                    checkpoint_layout=files is not None,
+                    checkpoint_layout=self._files is not None,
                 )
                 self.sync.connect()
             state = {name: tensor.detach() for name, tensor in model.state_dict().items()}
-            if files is not None and isinstance(model, PreTrainedModel):
-                state = as_files_hold(model, state, files)
+            if self._files is not None and isinstance(model, PreTrainedModel):
+                state = as_files_hold(model, state, self._files)
             self.sync.publish(state.items(), version, towers=self._written(model) if self.encoder_url else None)
         else:
             root = self._written(model)

@@ -624,7 +624,7 @@ class TokenizerManager:
             return False, f"Group {obj.group_name} not in the weight update groups"
         for dtype in obj.dtypes:  # the receive makes torch.empty(shape, dtype=getattr(torch, dtype)) of each
             if not isinstance(getattr(torch, dtype, None), torch.dtype):
-                return False, f"Failed to receive weights: module 'torch' has no dtype {dtype!r}"
+                return False, f"Failed to receive weights: module 'torch' has no attribute '{dtype}'"
         await self._under_update_lock(lambda s: None)
         if obj.weight_version is not None:
             self.weight_version = obj.weight_version
