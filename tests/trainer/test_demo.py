@@ -70,6 +70,7 @@ def test_weir_train_demo_runs_warm_up_loop_checks_and_plot(tmp_path: Path, capsy
         ("qwen2.5-vl", ["--trainer", "megatron"]),  # pictures through Megatron's splice and 3-D positions
         ("qwen3-vl-moe", ["--r3"]),  # routing replay: the engine's experts replayed in the trainer
         ("qwen3.5", []),
+        ("qwen3.5", ["--trainer", "megatron"]),  # its delta-net layers on megatron-core (`trainer.megatron.delta_net`)
     ],
 )
 def test_weir_train_demo_runs_on_every_new_family(

@@ -2,7 +2,7 @@
 `MegatronTrainer` with the reference trainer's loss and export back to a folder the family loads; Qwen2.5-VL's
 files name its language model otherwise than its loaded module (`QwenLayout.named_as`), and its 3-D rotary
 gives each of time / height / width a block of channels (megatron's own ``MultimodalRotaryEmbedding``), not
-Qwen3's interleave; Qwen3.5's gated delta-net layers are refused by name. (The mapping's round trips, shards
+Qwen3's interleave (Qwen3.5: `tests/trainer/test_megatron_qwen3_5.py`). (The mapping's round trips, shards
 and text log-probs of every family: `tests/trainer/test_megatron_weights.py`.)"""
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from tests.trainer.test_megatron_weights import hf_logprobs, text_batch
 from trainer.feed import FeedBatch, pack
 from trainer.megatron import QwenLayout, build_gpt, forward_step, megatron_batch
 from trainer.model_loading import CheckpointTensors
-
-REFUSAL = "Qwen3.5's gated delta-net"
 
 
 @pytest.fixture(scope="module")
@@ -59,22 +57,6 @@ def test_a_text_model_trains_on_megatron_as_on_the_reference_trainer(
         assert all(torch.equal(value, written[name]) for name, value in trained.items())
     finally:
         trainer.close()
-
-
-def test_qwen3_5_is_refused_by_name(folders: dict[str, Path]) -> None:
-    """megatron-core 0.16's only gated delta-net layer is experimental (flash-linear-attention's Triton kernels,
-    no packed sequences) and nothing maps Qwen3.5's weights to it: the layout and the trainer's start refuse the
-    family by name, before any weight is read, rather than with "no weight mapping for model_type"."""
-    from transformers import AutoConfig
-
-    from trainer.megatron.trainer import MegatronTrainer
-
-    config = AutoConfig.from_pretrained(folders["qwen3.5"])
-    for which in (config, config.get_text_config()):
-        with pytest.raises(ValueError, match=f"{REFUSAL}.*--trainer fsdp"):
-            QwenLayout.from_hf_config(which)
-    with pytest.raises(ValueError, match=REFUSAL):
-        MegatronTrainer(folders["qwen3.5"], lr=1e-3, seed=0)
 
 
 def test_qwen2_5_vl_files_and_module_name_the_language_model_apart(folders: dict[str, Path]) -> None:

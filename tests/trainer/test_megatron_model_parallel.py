@@ -1,7 +1,8 @@
 """`MegatronTrainer` under megatron's model parallelism, two gloo ranks on CPU, through the loop's own
 `Lockstep`: a tensor-parallel group of two trains what one rank trains (one lease, the second rank fed by
-the first), expert parallelism over two data-parallel ranks of the MoE model too (a rank without a batch
-runs a padding batch for the dispatcher), and both checkpoint, restore and export whole weights.
+the first; Qwen3.5's delta-net layers too), expert parallelism over two data-parallel ranks of the MoE model
+too (a rank without a batch runs a padding batch for the dispatcher), and both checkpoint, restore and export
+whole weights.
 
 Each configuration is one pair of spawned processes (start-up is most of the cost); the tests read what
 they wrote and compare it with one rank of the same trainer over the same micro-batches."""
@@ -107,6 +108,11 @@ def tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
 
 
 @pytest.fixture(scope="module")
+def hybrid_tensor_parallel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return _spawn(tmp_path_factory, "tp", "qwen3.5")  # the delta-net's stacked parts, cut part by part
+
+
+@pytest.fixture(scope="module")
 def expert_parallel(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return _spawn(tmp_path_factory, "ep", "qwen3-omni-moe")
 
@@ -156,6 +162,17 @@ def test_a_tensor_parallel_group_trains_one_stream_as_one_rank(tensor_parallel: 
     assert (first["main"], second["main"]) == (True, False)
     assert first["got"] == second["got"] == ["A", "B"]  # the second rank trained the first's batches
     assert first["feed_state"] == {"step": 1, "commit": ["A", "B"]}
+    a, b, _ = batches()
+    _same_step(out, model_dir, [a, b])
+
+
+def test_qwen3_5s_delta_nets_under_tensor_parallelism_train_as_one_rank(
+    hybrid_tensor_parallel: tuple[Path, Path],
+) -> None:
+    """Qwen3.5 on a tensor-parallel pair: each rank's delta-nets hold their share of every head-group part (its
+    convolution, its recurrence over its heads), the gated attention its query groups; the step, the checkpoint
+    (megatron's GatedDeltaNet's sharded keys) and the export equal one rank's."""
+    model_dir, out = hybrid_tensor_parallel
     a, b, _ = batches()
     _same_step(out, model_dir, [a, b])
 

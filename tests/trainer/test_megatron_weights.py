@@ -1,6 +1,6 @@
 """Hugging Face ↔ Megatron weights and models for every family Weir serves on Megatron (the tiny Qwen2.5-Omni
-thinker, Qwen3-VL, Qwen3-Omni-MoE thinker, Qwen2.5-VL, Qwen3-VL-MoE, Qwen3 and Qwen3-MoE of
-`encoders.embedded_model`; Qwen3.5 is refused: `tests/trainer/test_megatron_families.py`): the mapping
+thinker, Qwen3-VL, Qwen3-Omni-MoE thinker, Qwen2.5-VL, Qwen3-VL-MoE, Qwen3, Qwen3-MoE and Qwen3.5 of
+`encoders.embedded_model`; Qwen3.5's own parts: `tests/trainer/test_megatron_qwen3_5.py`): the mapping
 round-trips bit-exactly (also through tensor- and expert-parallel shards), a weight it does not know is an
 error naming it, and the GPTModel `trainer.megatron.build_gpt` makes holds the mapped weights and gives the
 Hugging Face model's per-token log-probs on packed text — and with media through `QwenMedia`: Qwen3-VL with an
@@ -36,11 +36,14 @@ from trainer.megatron import (
 )
 from trainer.model_loading import CheckpointTensors
 
-# the families whose language model the Megatron mapping knows (Qwen3.5 is refused)
-ARCHITECTURES = ("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe", "qwen2.5-vl", "qwen3-vl-moe", "qwen3", "qwen3-moe")
+# the families whose language model the Megatron mapping knows
+ARCHITECTURES = (
+    *("qwen2.5-omni", "qwen3-vl", "qwen3-omni-moe", "qwen2.5-vl", "qwen3-vl-moe", "qwen3", "qwen3-moe", "qwen3.5"),
+)
 MOE = ("qwen3-omni-moe", "qwen3-vl-moe", "qwen3-moe")
 LANGUAGE_MODEL_AT = {"qwen3-vl": "model.language_model.", "qwen3-vl-moe": "model.language_model."}
 LANGUAGE_MODEL_AT["qwen2.5-vl"] = "model.language_model."  # loaded; its files say "model." (`named_as`)
+LANGUAGE_MODEL_AT["qwen3.5"] = "model.language_model."
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +125,12 @@ def test_tensor_parallel_shards_gather_back_exactly(models: dict[str, Any], arch
     hf = {k: v for k, v in models[arch].state_dict().items() if layout.classify(k) == "language"}
     full = hf_to_megatron(hf, layout, fused_norms=False)
     shards = [shard_tp(full, layout, tp=2, rank=r) for r in range(2)]
-    qkv = "decoder.layers.0.self_attention.linear_qkv.weight"
-    rows = (layout.num_heads // layout.num_kv_heads + 2) * layout.head_dim  # one query group: q q k v
+    attention = min(set(range(layout.num_layers)) - set(layout.linear_layers))  # Qwen3.5's first is a delta-net
+    qkv = f"decoder.layers.{attention}.self_attention.linear_qkv.weight"
+    # one query group: q q k v, or with Qwen3.5's output gate q q g g k v
+    rows = ((1 + layout.output_gate) * layout.num_heads // layout.num_kv_heads + 2) * layout.head_dim
     assert torch.equal(shards[0][qkv], full[qkv][:rows]) and torch.equal(shards[1][qkv], full[qkv][rows:])
-    proj = "decoder.layers.0.self_attention.linear_proj.weight"
+    proj = f"decoder.layers.{attention}.self_attention.linear_proj.weight"
     assert torch.equal(shards[1][proj], full[proj][:, full[proj].shape[1] // 2 :])
     fc1 = (
         "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
@@ -164,8 +169,11 @@ def test_a_weight_the_mapping_does_not_know_is_an_error_naming_it(models: dict[s
     stray = f"{layout.hf_prefix}layers.1.self_attn.rotary_scale"
     with pytest.raises(ValueError, match=stray.replace(".", r"\.")):
         hf_to_megatron({**hf, stray: torch.ones(1)}, layout)
-    with pytest.raises(ValueError, match="mtp.weight"):
-        hf_to_megatron({**hf, "mtp.weight": torch.ones(1)}, layout)
+    if arch == "qwen3.5":  # its files' multi-token-prediction head: not Megatron's, passed through as a tower
+        assert "mtp.weight" in hf_to_megatron({**hf, "mtp.weight": torch.ones(1)}, layout, keep_towers=True)
+    else:
+        with pytest.raises(ValueError, match="mtp.weight"):
+            hf_to_megatron({**hf, "mtp.weight": torch.ones(1)}, layout)
     megatron = hf_to_megatron(hf, layout, fused_norms=False)
     with pytest.raises(ValueError, match=r"decoder\.layers\.0\.mlp\.extra\.weight"):
         megatron_to_hf({**megatron, "decoder.layers.0.mlp.extra.weight": torch.ones(1)}, layout)

@@ -53,7 +53,8 @@ those experts. Limits: activation recomputation of MoE layers (``REPLAY_BACKWARD
 parallelism (each tensor-parallel rank routes its own slice of tokens) are not wired.
 
 Models and weights for every family Weir serves: `transformer_config` / `build_gpt` make the language model
-of a Qwen2/2.5 (QKV bias), Qwen3 (q/k norms) or Qwen3-MoE (experts, router as Hugging Face's) Hugging Face
+of a Qwen2/2.5 (QKV bias), Qwen3 (q/k norms), Qwen3-MoE (experts, router as Hugging Face's) or Qwen3.5 (gated
+delta-net layers, `delta_net.PackedGatedDeltaNet`, among gated full-attention ones) Hugging Face
 config as a local-spec GPTModel (``core_attention=SegmentAttention`` for packed sequences without
 transformer-engine; Qwen3's interleaved 3-D rotary with ``mrope=True``); `hf_to_megatron` /
 `megatron_to_hf` map every language-model weight, pass the towers through and refuse a weight they do not
@@ -72,8 +73,9 @@ one gets, through an mrope GPTModel, the reference trainer's log-probs, and the 
 
 The modules: `batch` (packed batches, the context-parallel cut, the leasing iterator), `media` (towers'
 embeddings and 3-D positions), `loss` (`forward_step`, `loss_func`, routing replay), `weights` (megatron-core
-↔ Hugging Face names for every family, tensor/expert-parallel shards, `export_hf`), `model` (the family's
-``TransformerConfig`` and a local-spec GPTModel: `transformer_config`, `build_gpt`), `attention`
+↔ Hugging Face names for every family, `export_hf`; Qwen3.5's own parts in `hybrid_weights`), `shards`
+(tensor/expert-parallel parts), `model` (the family's ``TransformerConfig`` and a local-spec GPTModel:
+`transformer_config`, `build_gpt`), `delta_net` (Qwen3.5's linear-attention layer and norms), `attention`
 (`SegmentAttention`, packed attention without transformer-engine), `deepstack` (Qwen3-VL's visual
 features added to the first layers' hidden states).
 """
@@ -86,15 +88,12 @@ from .deepstack import deepstack
 from .loss import forward_step, loss_func, replay_routes
 from .media import QwenMedia, decoder_input, mrope_section
 from .model import build_gpt, transformer_config
+from .shards import gather_ep, gather_tp, shard_ep, shard_tp
 from .weights import (
     QwenLayout,
     export_hf,
-    gather_ep,
-    gather_tp,
     hf_to_megatron,
     megatron_to_hf,
-    shard_ep,
-    shard_tp,
 )
 
 __all__ = [

@@ -1,8 +1,9 @@
 """The language model of a Hugging Face Qwen family as a megatron-core GPTModel: `transformer_config` (its
 ``TransformerConfig``) and `build_gpt` (a GPTModel on megatron-core's local layer spec, on CPU, with
 Qwen3's interleaved 3-D rotary where the family has it). Qwen2/2.5 (QKV bias), Qwen3 dense (per-head q/k
-RMSNorm, explicit head_dim) and Qwen3-MoE (softmax top-k router, SequentialMLP experts, a shared expert
-where the config has one) are covered.
+RMSNorm, explicit head_dim), Qwen3-MoE (softmax top-k router, SequentialMLP experts, a shared expert
+where the config has one) and Qwen3.5's hybrid (gated delta-net layers, `trainer.megatron.delta_net`, between
+full-attention layers with an output gate and partial rotary; zero-centred RMS norms) are covered.
 
 It builds no towers and loads no weights: the weights are `trainer.megatron.weights` (`hf_to_megatron`),
 the towers' outputs come in through `trainer.megatron.media`, and Qwen3-VL's DeepStack through
@@ -12,13 +13,20 @@ transformer-engine builds its own GPTModel from `transformer_config`.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .delta_net import GatedRMSNorm, PackedGatedDeltaNet, ZeroCenteredRMSNorm
 from .weights import QwenLayout, text_config
 
-__all__ = ["InterleavedMRope", "build_gpt", "rope_theta", "transformer_config"]
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+__all__ = ["InterleavedMRope", "build_gpt", "hybrid_block_spec", "rope_theta", "transformer_config"]
 
 
 def rope_theta(hf_config: Any) -> float:
@@ -107,6 +115,17 @@ def transformer_config(
                 moe_shared_expert_intermediate_size=int(text.shared_expert_intermediate_size),
                 moe_shared_expert_gate=True,
             )
+    if layout.linear_layers:
+        fields.update(
+            attention_output_gate=True,
+            # layers unlike each other: checkpointed one by one (megatron's own flag, so spelt)
+            hetereogenous_dist_checkpoint=True,
+            linear_conv_kernel_dim=int(text.linear_conv_kernel_dim),
+            linear_key_head_dim=int(text.linear_key_head_dim),
+            linear_value_head_dim=int(text.linear_value_head_dim),
+            linear_num_key_heads=int(text.linear_num_key_heads),
+            linear_num_value_heads=int(text.linear_num_value_heads),
+        )
     if recompute:
         fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fields.update(overrides)
@@ -153,10 +172,16 @@ def build_gpt(hf_config: Any, *, core_attention: type[torch.nn.Module] | None = 
 
     config = transformer_config(hf_config, **config_kwargs)
     text = text_config(hf_config)
+    linear_layers = QwenLayout.from_hf_config(hf_config).linear_layers
     spec: Any
     layers: list[Any]
     freq = config.moe_layer_freq
-    if config.num_moe_experts and isinstance(freq, list) and not all(freq):
+    if linear_layers:
+        spec = hybrid_block_spec(config, linear_layers)
+        layers = [
+            layer for layer in spec.layer_specs if layer.submodules.self_attention.module is not PackedGatedDeltaNet
+        ]
+    elif config.num_moe_experts and isinstance(freq, list) and not all(freq):
         # Dense and MoE layers mixed (``mlp_only_layers``, ``decoder_sparse_step``): one local spec per layer.
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         layers = list(spec.layer_specs)
@@ -170,20 +195,52 @@ def build_gpt(hf_config: Any, *, core_attention: type[torch.nn.Module] | None = 
             layer.submodules.self_attention.submodules.core_attention = core_attention
     tp = config.tensor_model_parallel_size
     mrope = config.mrope_section is not None
+    rotary_percent = float(_rope_params(hf_config).get("partial_rotary_factor", 1.0))
     gpt = GPTModel(
         config,
         spec,
         vocab_size=-(-int(text.vocab_size) // tp) * tp,
         max_sequence_length=int(getattr(text, "max_position_embeddings", 4096)),
         position_embedding_type="mrope" if mrope else "rope",
+        rotary_percent=rotary_percent,
         rotary_base=int(rope_theta(hf_config)),
         # Untied even where HF ties (both copies start equal; `megatron_to_hf` writes the head it trained).
         share_embeddings_and_output_weights=False,
     )
     if mrope and _interleaved_mrope(hf_config):
-        gpt.rotary_pos_emb = InterleavedMRope(config.kv_channels, rope_theta(hf_config))
+        gpt.rotary_pos_emb = InterleavedMRope(int(config.kv_channels * rotary_percent), rope_theta(hf_config))
     _mask_padded_vocab(gpt, int(text.vocab_size))
     return gpt
+
+
+def hybrid_block_spec(config: TransformerConfig, linear_layers: Sequence[int]) -> TransformerBlockSubmodules:
+    """Qwen3.5's decoder on the local spec: `PackedGatedDeltaNet` at ``linear_layers``, gated full attention
+    (q/k norms) elsewhere, a dense MLP in each, and every norm zero-centred (`ZeroCenteredRMSNorm`) but the
+    delta-net's gated output norm (`GatedRMSNorm`), as Hugging Face's model."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    def layer(linear: bool) -> ModuleSpec:
+        spec = get_gpt_layer_local_spec(qk_layernorm=True)
+        sub = spec.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
+        if linear:
+            sub.self_attention = ModuleSpec(
+                module=PackedGatedDeltaNet,
+                submodules=GatedDeltaNetSubmodules(
+                    in_proj=ColumnParallelLinear, out_norm=GatedRMSNorm, out_proj=RowParallelLinear
+                ),
+            )
+        else:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = ZeroCenteredRMSNorm
+        return spec
+
+    return TransformerBlockSubmodules(
+        layer_specs=[layer(i in linear_layers) for i in range(config.num_layers)], layer_norm=ZeroCenteredRMSNorm
+    )
 
 
 def _mask_padded_vocab(gpt: Any, vocab_size: int) -> None:

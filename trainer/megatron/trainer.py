@@ -69,20 +69,18 @@ from ..reference import SupervisedPairs, write_synced
 from .attention import SegmentAttention
 from .batch import MegatronBatch, megatron_batch
 from .cpu import cuda_kwargs_to_cpu, megatron_on_cpu
+from .delta_net import sum_partial_gradients
 from .loss import forward_step
 from .media import QwenMedia
 from .model import build_gpt
 from .passes import label_logprobs, on_device
 from .ranks import close_megatron_ranks, megatron_ranks
+from .shards import gather_ep, gather_tp, shard_ep, shard_tp
 from .weights import (
     QwenLayout,
     export_hf,
-    gather_ep,
-    gather_tp,
     hf_to_megatron,
     megatron_to_files,
-    shard_ep,
-    shard_tp,
 )
 
 __all__ = ["MegatronTrainer"]
@@ -123,7 +121,7 @@ class MegatronTrainer(SupervisedPairs):
                 "--precision bf16 with --trainer megatron needs CUDA (megatron's mixed-precision optimizer)"
             )
         self.model_dir = Path(model_dir)
-        # Before any process group or weight: a family GPTModel cannot hold (Qwen3.5) is refused by name here.
+        # Before any process group or weight: a family GPTModel cannot hold (Qwen3.5-MoE) is refused by name here.
         self.layout = QwenLayout.from_hf_config(thinker_config(model_dir))
         self.parallel = megatron_ranks(tp=tp, pp=pp, cp=cp, ep=ep)  # joined already by `weir train`: as it is
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -396,6 +394,7 @@ class MegatronTrainer(SupervisedPairs):
             units = torch.tensor(int(mine.units), dtype=torch.int, device=self.device)
             with self._cuda_names():
                 finalize_model_grads([self.model], units if self.loss_config.aggregation != "sum" else None)
+                sum_partial_gradients(self.model)  # Qwen3.5's delta-net output norms (none elsewhere)
             norm = self._optimizer_step()
         else:
             self.model.zero_grad_buffer()  # an expert group's padding batches: zeros, left as they were

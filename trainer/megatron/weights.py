@@ -1,8 +1,8 @@
 """Weights: megatron-core GPT naming ↔ Hugging Face naming for the language model of every family Weir
 serves (Qwen2/2.5 with QKV bias, Qwen3 dense with per-head q/k norms, Qwen3-MoE with routed experts and,
-where the config has one, a shared expert), tensor- and expert-parallel shards of a Megatron state
-(`shard_tp` / `gather_tp`, `shard_ep` / `gather_ep`), and `export_hf`, a Megatron state dict written as a
-Hugging Face folder an engine can load. Nothing here builds or runs a model (`trainer.megatron.model`).
+where the config has one, a shared expert; Qwen3.5's hybrid), and `export_hf`, a Megatron state dict written
+as a Hugging Face folder an engine can load (its tensor- and expert-parallel parts: `trainer.megatron.shards`).
+Nothing here builds or runs a model (`trainer.megatron.model`).
 
 Every Hugging Face weight is classified (`QwenLayout.classify`): a language-model weight is mapped; a tower
 weight (vision / audio towers, mergers, DeepStack mergers; an Omni model's talker) is not Megatron's — the
@@ -19,15 +19,14 @@ Qwen2.5-VL's is ``model.language_model.layers.N…`` with towers ``model.visual.
 MoE experts come in two forms: per-expert ``mlp.experts.J.{gate,up,down}_proj.weight`` (Qwen3-MoE's and
 Qwen3-Omni's files; the default of `megatron_to_hf`) and the transformers-5 module's fused
 ``mlp.experts.gate_up_proj`` (E, 2I, H) / ``mlp.experts.down_proj`` (E, H, I) (every loaded MoE model's
-``state_dict``, and Qwen3-VL-MoE's files; ``fused_experts=True``). `hf_to_megatron` reads either. Qwen3.5
-(gated delta-net layers) is refused by name.
+``state_dict``, and Qwen3-VL-MoE's files; ``fused_experts=True``). `hf_to_megatron` reads either. Qwen3.5's
+gated delta-net layers and gated attention: `trainer.megatron.hybrid_weights`; Qwen3.5-MoE is refused by name.
 """
 
 from __future__ import annotations
 
 import functools
-import re
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -43,17 +42,20 @@ from ..hf_folder import (
     weight_files,
     write_hf_folder,
 )
+from .hybrid_weights import (
+    DELTA_NET_HF,
+    delta_net_to_hf,
+    delta_net_to_megatron,
+    join_query_gate,
+    split_query_gate,
+)
 
 __all__ = [
     "QwenLayout",
     "export_hf",
-    "gather_ep",
-    "gather_tp",
     "hf_to_megatron",
     "megatron_to_files",
     "megatron_to_hf",
-    "shard_ep",
-    "shard_tp",
     "text_config",
 ]
 
@@ -70,6 +72,9 @@ _VL: _Naming = ("model.language_model.", "lm_head.weight", ("model.visual.",))
 # transformers renames them on load and back on save, so the loaded module and the files differ.
 _VL_SAVED: _Naming = ("model.", "lm_head.weight", ("visual.",))
 _TEXT: _Naming = ("model.", "lm_head.weight", ())
+# Qwen3.5's checkpoints hold a multi-token-prediction head (``mtp.…``) transformers does not load: not Megatron's
+# either (no MTP layer is built), written back from the base model as a tower is.
+_QWEN3_5: _Naming = ("model.language_model.", "lm_head.weight", ("model.visual.", "mtp."))
 # model_type → its namings: the loaded module's first, then any other a checkpoint of it may use (`named_as`).
 _FAMILIES: dict[str, tuple[_Naming, ...]] = {
     "qwen2_5_omni_thinker": (_THINKER,),
@@ -84,16 +89,17 @@ _FAMILIES: dict[str, tuple[_Naming, ...]] = {
     "qwen3": (_TEXT,),
     "qwen3_moe": (_TEXT,),
     "qwen2_moe": (_TEXT,),
+    "qwen3_5": (_QWEN3_5,),
+    "qwen3_5_text": (("model.", "lm_head.weight", ("mtp.",)),),
 }
 # Families whose language model GPTModel cannot hold: refused by name rather than "no weight mapping".
 _REFUSED = {
-    "qwen3_5": (
-        "Qwen3.5's gated delta-net (linear attention) layers: megatron-core 0.16's only such layer is the "
-        "experimental GatedDeltaNet, which needs flash-linear-attention's Triton kernels and refuses packed "
-        "sequences, and Weir maps no weights to it; use --trainer fsdp"
+    "qwen3_5_moe": (
+        "Qwen3.5-MoE: its experts beside gated delta-net layers are not mapped to megatron-core (Qwen3.5's dense "
+        "models are); use --trainer fsdp"
     ),
 }
-_REFUSED["qwen3_5_text"] = _REFUSED["qwen3_5_moe"] = _REFUSED["qwen3_5_moe_text"] = _REFUSED["qwen3_5"]
+_REFUSED["qwen3_5_moe_text"] = _REFUSED["qwen3_5_moe"]
 
 
 def text_config(config: Any) -> Any:
@@ -121,6 +127,11 @@ class QwenLayout:
     shared_expert: bool = False  # Qwen2-MoE's: an MLP beside the routed experts, with a sigmoid gate
     vocab_size: int | None = None  # to drop the padding rows `shard_tp` adds when tp does not divide it
     other_namings: tuple[_Naming, ...] = ()  # how the family's checkpoints may name it instead (`named_as`)
+    # Qwen3.5's hybrid: its gated delta-net layers, their in_proj's [q k v z b a] rows, and the full-attention
+    # layers' output gate (`trainer.megatron.hybrid_weights`).
+    linear_layers: tuple[int, ...] = ()
+    delta_net_widths: tuple[int, ...] = ()
+    output_gate: bool = False
 
     @classmethod
     def from_hf_config(cls, config: Any) -> QwenLayout:
@@ -138,6 +149,16 @@ class QwenLayout:
             skip = set(getattr(text, "mlp_only_layers", None) or ())
             step = int(getattr(text, "decoder_sparse_step", 1) or 1)
             moe_layers = tuple(i for i in range(text.num_hidden_layers) if i not in skip and (i + 1) % step == 0)
+        linear = tuple(
+            i for i, kind in enumerate(getattr(text, "layer_types", None) or ()) if kind == "linear_attention"
+        )
+        widths: tuple[int, ...] = ()
+        if linear:
+            qk, v = (
+                text.linear_num_key_heads * text.linear_key_head_dim,
+                text.linear_num_value_heads * text.linear_value_head_dim,
+            )
+            widths = (qk, qk, v, v, text.linear_num_value_heads, text.linear_num_value_heads)
         return cls(
             num_layers=text.num_hidden_layers,
             num_heads=text.num_attention_heads,
@@ -152,6 +173,9 @@ class QwenLayout:
             shared_expert=bool(experts and getattr(text, "shared_expert_intermediate_size", 0)),
             vocab_size=int(text.vocab_size),
             other_namings=tuple(others),
+            linear_layers=linear,
+            delta_net_widths=widths,
+            output_gate=model_type.startswith("qwen3_5"),
         )
 
     def named_as(self, names: Container[str]) -> QwenLayout:
@@ -179,9 +203,13 @@ def _hf_names(layout: QwenLayout) -> frozenset[str]:
     names = {f"{p}embed_tokens.weight", f"{p}norm.weight", layout.lm_head}
     for i in range(layout.num_layers):
         h = f"{p}layers.{i}."
-        names |= {f"{h}input_layernorm.weight", f"{h}post_attention_layernorm.weight", f"{h}self_attn.o_proj.weight"}
-        names |= {f"{h}self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")}
-        if layout.qk_norm:
+        names |= {f"{h}input_layernorm.weight", f"{h}post_attention_layernorm.weight"}
+        if i in layout.linear_layers:
+            names |= {f"{h}{x}" for x in DELTA_NET_HF}
+        else:
+            names.add(f"{h}self_attn.o_proj.weight")
+            names |= {f"{h}self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")}
+        if layout.qk_norm and i not in layout.linear_layers:
             names |= {f"{h}self_attn.q_norm.weight", f"{h}self_attn.k_norm.weight"}
         if i in layout.moe_layers:
             names |= {f"{h}mlp.gate.weight", f"{h}mlp.experts.gate_up_proj", f"{h}mlp.experts.down_proj"}
@@ -197,23 +225,28 @@ def _hf_names(layout: QwenLayout) -> frozenset[str]:
 
 
 def _split_qkv(fused: torch.Tensor, layout: QwenLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """megatron-core stores QKV grouped per KV head: [q (heads/groups rows of head_dim), k, v] × groups."""
+    """megatron-core stores QKV grouped per KV head: [q (heads/groups rows of head_dim), k, v] × groups; with
+    an output gate, [q, gate, k, v] × groups — the gate returned inside Hugging Face's ``q_proj``."""
     per_group = layout.num_heads // layout.num_kv_heads
-    grouped = fused.reshape(layout.num_kv_heads, (per_group + 2) * layout.head_dim, *fused.shape[1:])
-    q, k, v = torch.split(grouped, [per_group * layout.head_dim, layout.head_dim, layout.head_dim], dim=1)
-    return (
-        q.reshape(-1, *fused.shape[1:]),
-        k.reshape(-1, *fused.shape[1:]),
-        v.reshape(-1, *fused.shape[1:]),
-    )
+    d, rest = layout.head_dim, fused.shape[1:]
+    queries = (2 if layout.output_gate else 1) * per_group * d
+    grouped = fused.reshape(layout.num_kv_heads, queries + 2 * d, *rest)
+    q, k, v = (x.reshape(-1, *rest) for x in torch.split(grouped, [queries, d, d], dim=1))
+    if layout.output_gate:
+        q, gate = (x.reshape(-1, *rest) for x in torch.chunk(grouped[:, :queries], 2, dim=1))
+        q = join_query_gate(q, gate, layout.num_heads)
+    return q, k, v
 
 
 def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: QwenLayout) -> torch.Tensor:
     groups, d = layout.num_kv_heads, layout.head_dim
     per_group = layout.num_heads // groups
     rest = q.shape[1:]
+    queries = [q] if not layout.output_gate else list(split_query_gate(q, layout.num_heads))
     fused = torch.cat(
-        [q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)], dim=1
+        [x.reshape(groups, per_group * d, *rest) for x in queries]
+        + [k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
+        dim=1,
     )
     return fused.reshape(-1, *rest)
 
@@ -243,9 +276,6 @@ class _Source:
         return [name for name in self.state if name not in self.used]
 
 
-_EXPERT = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
-
-
 def megatron_to_hf(
     state: Mapping[str, torch.Tensor], layout: QwenLayout, *, fused_experts: bool = False
 ) -> dict[str, torch.Tensor]:
@@ -261,17 +291,22 @@ def megatron_to_hf(
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"{p}layers.{i}."
         out[f"{h}input_layernorm.weight"] = src.either(
-            f"{m}self_attention.linear_qkv.layer_norm_weight", f"{m}input_layernorm.weight"
+            f"{m}self_attention.linear_qkv.layer_norm_weight",
+            f"{m}self_attention.in_proj.layer_norm_weight",
+            f"{m}input_layernorm.weight",
         )
-        for kind in ("weight", "bias"):
+        if i in layout.linear_layers:
+            out |= delta_net_to_hf(src.take, m, h, layout.delta_net_widths)
+        for kind in ("weight", "bias") if i not in layout.linear_layers else ():
             if f"{m}self_attention.linear_qkv.{kind}" in src:
                 q, k, v = _split_qkv(src.take(f"{m}self_attention.linear_qkv.{kind}"), layout)
                 out[f"{h}self_attn.q_proj.{kind}"], out[f"{h}self_attn.k_proj.{kind}"] = q, k
                 out[f"{h}self_attn.v_proj.{kind}"] = v
-        if layout.qk_norm:
+        if layout.qk_norm and i not in layout.linear_layers:
             out[f"{h}self_attn.q_norm.weight"] = src.take(f"{m}self_attention.q_layernorm.weight")
             out[f"{h}self_attn.k_norm.weight"] = src.take(f"{m}self_attention.k_layernorm.weight")
-        out[f"{h}self_attn.o_proj.weight"] = src.take(f"{m}self_attention.linear_proj.weight")
+        if i not in layout.linear_layers:
+            out[f"{h}self_attn.o_proj.weight"] = src.take(f"{m}self_attention.linear_proj.weight")
         out[f"{h}post_attention_layernorm.weight"] = src.either(
             f"{m}mlp.linear_fc1.layer_norm_weight", f"{m}pre_mlp_layernorm.weight"
         )
@@ -340,10 +375,15 @@ def hf_to_megatron(
     for i in range(layout.num_layers):
         m, h = f"decoder.layers.{i}.", f"{p}layers.{i}."
         moe = i in layout.moe_layers
-        qkv_norm = "self_attention.linear_qkv.layer_norm_weight" if fused_norms else "input_layernorm.weight"
+        linear = i in layout.linear_layers
+        qkv = "in_proj" if linear else "linear_qkv"
+        qkv_norm = f"self_attention.{qkv}.layer_norm_weight" if fused_norms else "input_layernorm.weight"
         mlp_norm = "mlp.linear_fc1.layer_norm_weight" if fused_norms and not moe else "pre_mlp_layernorm.weight"
         out[f"{m}{qkv_norm}"] = src.take(f"{h}input_layernorm.weight")
-        for kind in ("weight", "bias"):
+        if linear:  # one by one: ``out`` may be `_Parts`, whose cut is in ``__setitem__`` (``update`` skips it)
+            for name, tensor in delta_net_to_megatron(src.take, h, m).items():
+                out[name] = tensor
+        for kind in ("weight", "bias") if not linear else ():
             if f"{h}self_attn.q_proj.{kind}" in src:
                 out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
                     src.take(f"{h}self_attn.q_proj.{kind}"),
@@ -351,10 +391,11 @@ def hf_to_megatron(
                     src.take(f"{h}self_attn.v_proj.{kind}"),
                     layout,
                 )
-        if layout.qk_norm:
+        if layout.qk_norm and not linear:
             out[f"{m}self_attention.q_layernorm.weight"] = src.take(f"{h}self_attn.q_norm.weight")
             out[f"{m}self_attention.k_layernorm.weight"] = src.take(f"{h}self_attn.k_norm.weight")
-        out[f"{m}self_attention.linear_proj.weight"] = src.take(f"{h}self_attn.o_proj.weight")
+        if not linear:
+            out[f"{m}self_attention.linear_proj.weight"] = src.take(f"{h}self_attn.o_proj.weight")
         out[f"{m}{mlp_norm}"] = src.take(f"{h}post_attention_layernorm.weight")
         if moe:
             out[f"{m}mlp.router.weight"] = src.take(f"{h}mlp.gate.weight")
@@ -407,115 +448,6 @@ class _Parts(dict[str, torch.Tensor]):
 
     def __setitem__(self, name: str, tensor: torch.Tensor) -> None:
         self.update({kept: value.clone() for kept, value in self.part({name: tensor}).items()})
-
-
-# Tensor parallelism: how megatron-core's parallel layers cut each weight.
-_COLUMN = ("linear_qkv.weight", "linear_qkv.bias", "word_embeddings.weight", "output_layer.weight")
-_GATED = ("linear_fc1.weight", "linear_fc1.bias")  # [gate; up], each half cut by rows
-_ROW = ("linear_proj.weight", "linear_fc2.weight")
-_REPLICATED = (
-    "layernorm.weight",  # input_layernorm, pre_mlp_layernorm, final_layernorm, q/k_layernorm
-    "layer_norm_weight",  # transformer-engine's fused pre-norms
-    "layer_norm_bias",
-    "router.weight",
-    "router.expert_bias",
-    "shared_experts.gate_weight",
-    "linear_proj.bias",
-    "linear_fc2.bias",
-    "_extra_state",
-)
-
-
-def _tp_kind(name: str) -> Literal["column", "gated", "row", "replicated"]:
-    if name.endswith(_REPLICATED):
-        return "replicated"
-    if name.endswith(_COLUMN):
-        return "column"
-    if name.endswith(_GATED):
-        return "gated"
-    if name.endswith(_ROW):
-        return "row"
-    raise ValueError(f"{name}: no tensor-parallel rule for this Megatron weight")
-
-
-def _vocab(name: str) -> bool:
-    return name.endswith(("word_embeddings.weight", "output_layer.weight"))
-
-
-def shard_tp(state: Mapping[str, torch.Tensor], layout: QwenLayout, *, tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """Tensor-parallel rank ``rank``'s part of a full Megatron state, as megatron-core's layers hold it:
-    column-parallel weights (fused QKV, whose rows are grouped per query group, so ranks get whole groups;
-    vocab rows of the embedding and output layer) cut by rows, each half of a gated ``linear_fc1``
-    ([gate; up]) cut by rows, row-parallel weights (``linear_proj``, ``linear_fc2``) by columns, norms and
-    routers replicated. Experts are cut as dense MLPs (expert tensor parallelism = tp, megatron-core's
-    default); cut experts across ranks with `shard_ep` first. A vocabulary tp does not divide is padded
-    with zero rows (build the GPTModel with the padded size; `gather_tp` drops them given
-    ``layout.vocab_size``)."""
-    if layout.num_kv_heads % tp:
-        raise ValueError(f"tp={tp} does not divide the {layout.num_kv_heads} query groups")
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        kind = _tp_kind(name)
-        if kind == "replicated":
-            out[name] = tensor
-            continue
-        if kind == "column" and _vocab(name) and tensor.shape[0] % tp:
-            pad = tp - tensor.shape[0] % tp
-            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
-        if kind == "gated":
-            halves = torch.chunk(tensor, 2, dim=0)
-            out[name] = torch.cat([torch.tensor_split(half, tp, dim=0)[rank] for half in halves]).contiguous()
-        else:
-            out[name] = torch.tensor_split(tensor, tp, dim=0 if kind == "column" else 1)[rank].contiguous()
-    return out
-
-
-def gather_tp(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) -> dict[str, torch.Tensor]:
-    """The full Megatron state from every tensor-parallel rank's `shard_tp` part, in rank order."""
-    out: dict[str, torch.Tensor] = {}
-    for name, first in shards[0].items():
-        kind = _tp_kind(name)
-        parts = [shard[name] for shard in shards]
-        if kind == "replicated":
-            out[name] = first
-        elif kind == "gated":
-            halves = [torch.chunk(part, 2, dim=0) for part in parts]
-            out[name] = torch.cat([h[0] for h in halves] + [h[1] for h in halves])
-        else:
-            out[name] = torch.cat(parts, dim=0 if kind == "column" else 1)
-            if _vocab(name) and layout.vocab_size is not None:
-                out[name] = out[name][: layout.vocab_size]
-    return out
-
-
-def shard_ep(state: Mapping[str, torch.Tensor], layout: QwenLayout, *, ep: int, rank: int) -> dict[str, torch.Tensor]:
-    """Expert-parallel rank ``rank``'s part: experts ``rank·E/ep … (rank+1)·E/ep - 1`` renumbered from 0
-    (megatron-core's ``local_experts``), everything else whole."""
-    if layout.num_experts % ep:
-        raise ValueError(f"ep={ep} does not divide the {layout.num_experts} experts")
-    per = layout.num_experts // ep
-    out: dict[str, torch.Tensor] = {}
-    for name, tensor in state.items():
-        match = _EXPERT.match(name)
-        if match is None:
-            out[name] = tensor
-        elif rank * per <= int(match[2]) < (rank + 1) * per:
-            out[f"{match[1]}{int(match[2]) - rank * per}{match[3]}"] = tensor
-    return out
-
-
-def gather_ep(shards: Sequence[Mapping[str, torch.Tensor]], layout: QwenLayout) -> dict[str, torch.Tensor]:
-    """The inverse of `shard_ep`, given every expert-parallel rank's part in rank order."""
-    per = layout.num_experts // len(shards)
-    out: dict[str, torch.Tensor] = {}
-    for rank, shard in enumerate(shards):
-        for name, tensor in shard.items():
-            match = _EXPERT.match(name)
-            if match is not None:
-                out[f"{match[1]}{int(match[2]) + rank * per}{match[3]}"] = tensor
-            elif rank == 0:
-                out[name] = tensor
-    return out
 
 
 def megatron_to_files(
