@@ -171,3 +171,14 @@ def test_qwen3_5_moe_is_refused_by_name() -> None:
     for which in (config, config.get_text_config()):
         with pytest.raises(ValueError, match="Qwen3.5-MoE.*--trainer fsdp"):
             QwenLayout.from_hf_config(which)
+
+
+def test_a_checkpoint_keys_each_layers_pre_norm_as_megatrons_specs_do(megatron_world: None, model: Any) -> None:
+    """The distributed checkpoint names a delta-net layer's pre-norm as megatron's delta-net spec fuses it
+    (``self_attention.in_proj.layer_norm_weight``) and an attention layer's as its own (``linear_qkv``'s), one
+    key per layer (the layers differ), and cuts the delta-net's stacked input projection into its parts."""
+    gpt = gpt_from_hf(model)
+    keys = {tensor.key for tensor in gpt.sharded_state_dict(prefix="").values()}  # the checkpoint's, not the module's
+    assert "decoder.layers.0.self_attention.in_proj.layer_norm_weight" in keys
+    assert "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight" in keys
+    assert "decoder.layers.0.input_layernorm.weight" not in keys and "decoder.layers.0.self_attention.A_log" in keys

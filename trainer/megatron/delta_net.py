@@ -18,6 +18,7 @@ sequence or context parallelism and no inference cache (the trainer needs neithe
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -64,6 +65,7 @@ class GatedRMSNorm(torch.nn.Module):
         return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
 
 
+@functools.cache
 def _fla_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]] | None:
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -79,11 +81,16 @@ def delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     cu_seqlens: list[int],
+    *,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """The chunked gated delta rule over packed segments, each from a zero state: ``query`` / ``key`` (L2
     normalised, heads repeated to the value heads) and ``value`` are (1, t, heads, d), ``g`` / ``beta`` (1, t,
-    heads). flash-linear-attention's kernel on a GPU where installed, else megatron-core's torch one."""
-    fla = _fla_kernel() if query.is_cuda else None
+    heads). flash-linear-attention's kernel on a GPU where installed and the tensors are half precision (it
+    refuses fp32), else — and under megatron's ``deterministic_mode``, as its own layer — megatron-core's torch
+    one."""
+    half = query.dtype in (torch.bfloat16, torch.float16)
+    fla = _fla_kernel() if query.is_cuda and half and not deterministic else None
     if fla is not None:
         cu = torch.tensor(cu_seqlens, dtype=torch.long, device=query.device)
         out, _ = fla(query, key, value, g=g, beta=beta, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
@@ -93,12 +100,22 @@ def delta_rule(
     # One call over the segments as a batch, each padded at its end (a causal recurrence: the padding changes
     # nothing before it), not one call per segment (a step's pack holds dozens).
     padded = [_batched(x[0], cu_seqlens) for x in (query, key, value, g, beta)]
-    # Chunks of 16, not 64: the kernel solves within a chunk in a Python loop of chunk − 1 steps, which dominates
-    # on short sequences (forward + backward measured 5× faster on 20 × 100 tokens; results within 4e-7).
     out, _ = torch_chunk_gated_delta_rule(
-        *padded[:3], g=padded[3], beta=padded[4], chunk_size=16, use_qk_l2norm_in_kernel=False
+        *padded[:3],
+        g=padded[3],
+        beta=padded[4],
+        chunk_size=_chunk_size(padded[0].shape[1]),
+        use_qk_l2norm_in_kernel=False,
     )
     return _unbatched(out, cu_seqlens)[None]
+
+
+def _chunk_size(longest: int) -> int:
+    """The torch kernel's chunk for segments of up to ``longest`` tokens: it solves within a chunk in a Python
+    loop of chunk − 1 steps and crosses chunks in another of longest / chunk, so ~√longest (16, 32 or 64) keeps
+    both short. Exact either way (measured within 4e-7 of 64); forward + backward on 20 × 100 tokens 5× faster
+    at 16 than at 64."""
+    return 16 if longest <= 256 else 32 if longest <= 1024 else 64
 
 
 def _batched(x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
@@ -116,18 +133,21 @@ def _unbatched(x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
 
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    """flash-linear-attention's (and Hugging Face's) L2 norm: ``x / sqrt(Σx² + 1e-6)``."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+    """flash-linear-attention's (and Hugging Face's) L2 norm ``x / sqrt(Σx² + 1e-6)``, in fp32 as the kernel
+    computes it, returned in ``x``'s dtype."""
+    y = x.float()
+    return (y * torch.rsqrt((y * y).sum(dim=-1, keepdim=True) + 1e-6)).to(x.dtype)
 
 
 class PackedGatedDeltaNet(torch.nn.Module):
     """A gated delta-net layer for megatron-core's ``TransformerLayer`` (put it in a layer spec's
-        ``self_attention`` with ``GatedDeltaNetSubmodules``: ``in_proj`` column-parallel, ``out_norm``
-        `GatedRMSNorm`, ``out_proj`` row-parallel). Takes megatron's [s, 1, hidden] with ``packed_seq_params``
-        (THD) and returns (output, bias) as its attention does; rows past the last segment give zeros. Its
-        distributed checkpoint is megatron's ``GatedDeltaNet``'s (each stacked part a tensor of its own, so a
-        checkpoint reshards across tensor-parallel sizes). A plain torch module, as `SegmentAttention`: importing
-    this module needs no megatron-core."""
+    ``self_attention`` with ``GatedDeltaNetSubmodules``: ``in_proj`` column-parallel, ``out_norm``
+    `GatedRMSNorm`, ``out_proj`` row-parallel). Takes megatron's [s, 1, hidden] with ``packed_seq_params``
+    (THD) and returns (output, bias) as its attention does; rows past the last segment give zeros. Its
+    distributed checkpoint uses megatron's ``GatedDeltaNet``'s keys within the module (each stacked part a
+    tensor of its own, so a checkpoint reshards across tensor-parallel sizes) — but ``out_norm`` holds Hugging
+    Face's weight, where megatron's zero-centred norm holds it minus one. A plain torch module, as
+    `SegmentAttention`: importing this module needs no megatron-core."""
 
     def __init__(
         self,
@@ -246,7 +266,8 @@ class PackedGatedDeltaNet(torch.nn.Module):
         repeat = self.num_value_heads // self.num_key_heads
         q, k = q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2)
         g = -self.A_log.float().exp() * F.softplus(a[:t].float() + self.dt_bias)  # fp32, as the reference
-        out = delta_rule(q, k, v, g[None], b[:t].sigmoid()[None], cu)  # (1, t, heads, dv)
+        deterministic = bool(getattr(self.config, "deterministic_mode", False))
+        out = delta_rule(q, k, v, g[None], b[:t].sigmoid()[None], cu, deterministic=deterministic)  # (1, t, heads, dv)
         gate = z[:t].reshape(-1, self.value_head_dim)
         normed = self.out_norm(out.reshape(-1, self.value_head_dim), gate).reshape(t, 1, -1)
         if t < rows:  # rows past the last segment (none from megatron_batch)
@@ -254,11 +275,19 @@ class PackedGatedDeltaNet(torch.nn.Module):
         return self.out_proj(normed)
 
     def _convolve(self, qkv: torch.Tensor, cu: list[int]) -> torch.Tensor:
-        """The causal depth-wise convolution and SiLU of each segment (zero history at its start), the segments
-        as one batch padded at their ends."""
-        x = _batched(qkv, cu).transpose(1, 2)  # (segments, channels, longest)
-        y = F.conv1d(x, self.conv1d.weight, padding=self.conv1d.kernel_size[0] - 1, groups=x.shape[1])
-        return _unbatched(F.silu(y[..., : x.shape[-1]]).transpose(1, 2), cu)
+        """The causal depth-wise convolution and SiLU of each segment (zero history at its start), on the packed
+        rows [t, channels]: tap s adds row r − s where r is at least s rows into its segment (O(t), no padding)."""
+        t = cu[-1]
+        x, weight = qkv[:t], self.conv1d.weight[:, 0]  # (t, channels), (channels, width)
+        starts = torch.tensor(cu[:-1], device=x.device)
+        lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], device=x.device)
+        position = torch.arange(t, device=x.device) - starts.repeat_interleave(lengths)  # within its segment
+        width = weight.shape[1]
+        out = x * weight[:, width - 1]
+        for s in range(1, width):
+            shifted = F.pad(x[: t - s], (0, 0, s, 0)) * (position >= s)[:, None].to(x.dtype)
+            out = out + shifted * weight[:, width - 1 - s]
+        return F.silu(out)
 
 
 def sum_partial_gradients(model: torch.nn.Module) -> None:

@@ -42,9 +42,11 @@ def _rope_params(hf_config: Any) -> dict[str, Any]:
 
 
 def _interleaved_mrope(hf_config: Any) -> bool:
-    """Qwen3's 3-D rotary interleaves time/height/width over the channels (Qwen2.5's gives each a block)."""
+    """Qwen3's 3-D rotary interleaves time/height/width over the channels (Qwen2.5's gives each a block);
+    Qwen3.5's always does (its rotary module reads no flag)."""
     params = _rope_params(hf_config)
-    return bool(params.get("mrope_interleaved") or params.get("interleaved"))
+    qwen3_5 = str(getattr(text_config(hf_config), "model_type", "")).startswith("qwen3_5")
+    return qwen3_5 or bool(params.get("mrope_interleaved") or params.get("interleaved"))
 
 
 def transformer_config(
@@ -67,7 +69,10 @@ def transformer_config(
     MoE: HF's router (softmax over all experts, top-k, renormalised when ``norm_topk_prob``) is
     megatron-core's softmax router with top-k before the softmax (renormalised) or after it (not);
     megatron's allgather token dispatcher (runs on gloo); no auxiliary loss (HF's is off unless
-    ``output_router_logits``) — ``overrides`` (any ``TransformerConfig`` field) change any of this."""
+    ``output_router_logits``) — ``overrides`` (any ``TransformerConfig`` field) change any of this.
+    Qwen3.5: the delta-net sizes and the attention's output gate; its norms are `hybrid_block_spec`'s modules,
+    so only `build_gpt`'s spec computes it right (a transformer-engine spec built from this config would want
+    ``layernorm_zero_centered_gamma`` and the output norm's weight minus one, as Megatron-Bridge maps it)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from .media import mrope_section
@@ -228,6 +233,11 @@ def hybrid_block_spec(config: TransformerConfig, linear_layers: Sequence[int]) -
         sub = spec.submodules
         sub.input_layernorm = sub.pre_mlp_layernorm = ZeroCenteredRMSNorm
         if linear:
+            # checkpointed under the key megatron's delta-net spec gives its fused pre-norm
+            sub.sharded_state_dict_keys_map = {
+                **sub.sharded_state_dict_keys_map,
+                "input_layernorm.": "self_attention.in_proj.layer_norm_",
+            }
             sub.self_attention = ModuleSpec(
                 module=PackedGatedDeltaNet,
                 submodules=GatedDeltaNetSubmodules(

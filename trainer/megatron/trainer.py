@@ -384,21 +384,26 @@ class MegatronTrainer(SupervisedPairs):
         over ranks), clipped, one optimizer step — none when no rank trained a micro-batch since the last (an
         empty mini-batch: Adam would move the weights on its momentum alone; the reference trainer, without
         gradients, skips it too)."""
-        from megatron.core.distributed import finalize_model_grads
-
         mine, self._sums = self._sums, StepSums(self.loss_config.aggregation)
         sums = mine.over(self.parallel)
         norm = 0.0
         if sums.trained:
             # this rank's units: megatron sums them over ranks itself; ``sum`` asks it for no scaling
             units = torch.tensor(int(mine.units), dtype=torch.int, device=self.device)
-            with self._cuda_names():
-                finalize_model_grads([self.model], units if self.loss_config.aggregation != "sum" else None)
-                sum_partial_gradients(self.model)  # Qwen3.5's delta-net output norms (none elsewhere)
+            self._finalize_gradients(units if self.loss_config.aggregation != "sum" else None)
             norm = self._optimizer_step()
         else:
             self.model.zero_grad_buffer()  # an expert group's padding batches: zeros, left as they were
         return sums.result(norm)
+
+    def _finalize_gradients(self, units: torch.Tensor | None) -> None:
+        """megatron's end of a step (data-parallel reduction, divided by ``units`` summed over ranks), then the
+        gradients of Qwen3.5's delta-net output norms summed over the tensor-parallel group (none elsewhere)."""
+        from megatron.core.distributed import finalize_model_grads
+
+        with self._cuda_names():
+            finalize_model_grads([self.model], units)
+            sum_partial_gradients(self.model)
 
     def _optimizer_step(self, lr: float | None = None) -> float:
         saved = [group["lr"] for group in self.optimizer.param_groups]
@@ -456,10 +461,7 @@ class MegatronTrainer(SupervisedPairs):
             if batch is not None:
                 total += float(metrics["nll"][0])
         count = self.parallel.total([float(len(mine)), total]) if self.parallel is not None else [len(mine), total]
-        from megatron.core.distributed import finalize_model_grads
-
-        with self._cuda_names():
-            finalize_model_grads([self.model], torch.tensor(len(mine), dtype=torch.int, device=self.device))
+        self._finalize_gradients(torch.tensor(len(mine), dtype=torch.int, device=self.device))
         self._optimizer_step(lr=lr)
         return count[1] / max(1.0, count[0])
 
