@@ -133,6 +133,32 @@ def test_inline_media_are_used_as_the_cached_ones(setup: Any) -> None:
         assert torch.equal(cached[name], given[name])
 
 
+def test_an_item_sequences_share_goes_through_the_towers_once(setup: Any) -> None:
+    """A group's samples share their prompt's media: the same image and clip in both sequences of a pack are
+    encoded once (one call, each item once), and both sequences get those rows — the batch as with two copies."""
+    trainer, store, items = setup
+    one = media_batch(trainer.model.config, items)
+    prompt = one.tensors["input_ids"][: int(one.tensors["cu_seqlens"][1])].tolist()
+    keys = [items[0].key, items[1].key]
+    both = pair_batch([prompt[:-3], prompt[:-3]], [prompt[-3:], prompt[-3:]], [keys, keys], batch_id="shared")
+    media = QwenMedia.from_thinker(trainer.model, features=store)
+    calls: list[list[str]] = []
+    encode = media.encode
+
+    def counted(given: Any) -> Any:
+        calls.append([item.key for item in given])
+        return encode(given)
+
+    media.encode = counted
+    batch = megatron_batch(both, media=media)
+    assert calls == [keys]  # one call, each distinct item once
+    alone = megatron_batch(one, media=QwenMedia.from_thinker(trainer.model, features=store))
+    rows = alone["media_embeds"].shape[0]
+    assert batch["media_embeds"].shape[0] == 2 * rows
+    assert torch.equal(batch["media_embeds"][:rows], alone["media_embeds"])
+    assert torch.equal(batch["media_embeds"][rows:], alone["media_embeds"])
+
+
 def test_the_towers_go_to_the_trainers_device_in_its_precision(setup: Any) -> None:
     """`MegatronTrainer` hands its device and precision to the towers (they stayed on the host in fp32, so every
     image of a GPU trainer ran through the CPU): bf16 towers encode in bf16 (spliced in as the GPT's dtype)."""

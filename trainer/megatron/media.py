@@ -227,9 +227,9 @@ class QwenMedia:
     def embeddings(self, batch: FeedBatch) -> MediaRows:
         """The towers' outputs and the pack positions of the placeholder tokens they replace — per
         sequence, images fill the image placeholders in order, videos the video ones, audio the audio ones,
-        as the thinker's forward does. A DeepStack model's visual rows are split
-        (`encoders.architectures.split_visual`): the merged output goes into ``embeds``, the maps into
-        ``deepstack`` (empty, [n_deepstack, 0, H], for a pack without images or videos)."""
+        as the thinker's forward does; an item several sequences share is encoded once. A DeepStack model's
+        visual rows are split (`encoders.architectures.split_visual`): the merged output goes into ``embeds``,
+        the maps into ``deepstack`` (empty, [n_deepstack, 0, H], for a pack without images or videos)."""
         from encoders.architectures import split_visual
         from preprocess import AudioFeatures, ImageFeatures, VideoFeatures
 
@@ -243,10 +243,15 @@ class QwenMedia:
         where: list[torch.Tensor] = []
         maps: list[list[torch.Tensor]] = []  # per visual item: its n_deepstack maps
         visual_where: list[torch.Tensor] = []
-        for i, items in enumerate(self.sequence_media(batch)):
+        media = self.sequence_media(batch)
+        # Each distinct item through the towers once, all in one call: they are frozen here, and a group's n
+        # samples, packed together, share their prompt's media (a key names an item's content).
+        distinct = {item.key: item for items in media for item in items}
+        by_key = dict(zip(distinct, self.encode(list(distinct.values())), strict=True)) if distinct else {}
+        for i, items in enumerate(media):
             if not items:
                 continue
-            encoded = self.encode(items)
+            encoded = [by_key[item.key] for item in items]
             sequence = ids[cu[i] : cu[i + 1]]
             for kind, token_id in token.items():
                 mine = [e for item, e in zip(items, encoded, strict=True) if isinstance(item, kind)]
