@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 if TYPE_CHECKING:
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -37,32 +38,23 @@ __all__ = ["GatedRMSNorm", "PackedGatedDeltaNet", "ZeroCenteredRMSNorm", "delta_
 _PARTIAL = "weir_gradient_partial_over_tp"
 
 
-class ZeroCenteredRMSNorm(torch.nn.Module):
-    """Qwen3.5's RMS norm, ``x̂ · (1 + w)`` with ``w`` starting at zero, computed in fp32 as Hugging Face's
-    ``Qwen3_5RMSNorm`` (megatron's local norms have no zero-centred gamma; its fused one needs apex). The
-    weight is the checkpoint's own: the round trip stays bit-exact (no ``1 + w`` stored)."""
+class ZeroCenteredRMSNorm(Qwen3_5RMSNorm):
+    """Hugging Face's ``Qwen3_5RMSNorm`` (``x̂ · (1 + w)``, ``w`` starting at zero, in fp32) under megatron's
+    norm signature: megatron's local norms have no zero-centred gamma (its fused one needs apex). The weight
+    is the checkpoint's own, so the round trip stays bit-exact (no ``1 + w`` stored)."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        super().__init__(hidden_size, eps=eps)
+        self.to(config.params_dtype)
 
 
-class GatedRMSNorm(torch.nn.Module):
-    """The delta-net's output norm, ``w · x̂`` then × SiLU(gate), as Hugging Face's ``Qwen3_5RMSNormGated``."""
+class GatedRMSNorm(Qwen3_5RMSNormGated):
+    """Hugging Face's ``Qwen3_5RMSNormGated`` (the delta-net's output norm: ``w · x̂``, then × SiLU(gate)) under
+    megatron's norm signature."""
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: object) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * normed.to(x.dtype) * F.silu(gate.float())).to(x.dtype)
+        super().__init__(hidden_size, eps=eps)
+        self.to(config.params_dtype)
 
 
 @functools.cache
@@ -120,11 +112,8 @@ def _chunk_size(longest: int) -> int:
 
 def _batched(x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
     """The packed rows ``x`` [t, …] as one row per segment, zero-padded at the end: [segments, longest, …]."""
-    bounds = list(zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True))
-    out = x.new_zeros(len(bounds), max(b - a for a, b in bounds), *x.shape[1:])
-    for i, (a, b) in enumerate(bounds):
-        out[i, : b - a] = x[a:b]
-    return out
+    segments = [x[a:b] for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:], strict=True)]
+    return torch.nn.utils.rnn.pad_sequence(segments, batch_first=True)
 
 
 def _unbatched(x: torch.Tensor, cu_seqlens: list[int]) -> torch.Tensor:
