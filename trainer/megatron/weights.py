@@ -209,8 +209,8 @@ def _hf_names(layout: QwenLayout) -> frozenset[str]:
         else:
             names.add(f"{h}self_attn.o_proj.weight")
             names |= {f"{h}self_attn.{x}_proj.{kind}" for x in "qkv" for kind in ("weight", "bias")}
-        if layout.qk_norm and i not in layout.linear_layers:
-            names |= {f"{h}self_attn.q_norm.weight", f"{h}self_attn.k_norm.weight"}
+            if layout.qk_norm:
+                names |= {f"{h}self_attn.q_norm.weight", f"{h}self_attn.k_norm.weight"}
         if i in layout.moe_layers:
             names |= {f"{h}mlp.gate.weight", f"{h}mlp.experts.gate_up_proj", f"{h}mlp.experts.down_proj"}
             names |= {
@@ -297,15 +297,15 @@ def megatron_to_hf(
         )
         if i in layout.linear_layers:
             out |= delta_net_to_hf(src.take, m, h, layout.delta_net_widths)
-        for kind in ("weight", "bias") if i not in layout.linear_layers else ():
-            if f"{m}self_attention.linear_qkv.{kind}" in src:
-                q, k, v = _split_qkv(src.take(f"{m}self_attention.linear_qkv.{kind}"), layout)
-                out[f"{h}self_attn.q_proj.{kind}"], out[f"{h}self_attn.k_proj.{kind}"] = q, k
-                out[f"{h}self_attn.v_proj.{kind}"] = v
-        if layout.qk_norm and i not in layout.linear_layers:
-            out[f"{h}self_attn.q_norm.weight"] = src.take(f"{m}self_attention.q_layernorm.weight")
-            out[f"{h}self_attn.k_norm.weight"] = src.take(f"{m}self_attention.k_layernorm.weight")
-        if i not in layout.linear_layers:
+        else:
+            for kind in ("weight", "bias"):
+                if f"{m}self_attention.linear_qkv.{kind}" in src:
+                    q, k, v = _split_qkv(src.take(f"{m}self_attention.linear_qkv.{kind}"), layout)
+                    out[f"{h}self_attn.q_proj.{kind}"], out[f"{h}self_attn.k_proj.{kind}"] = q, k
+                    out[f"{h}self_attn.v_proj.{kind}"] = v
+            if layout.qk_norm:
+                out[f"{h}self_attn.q_norm.weight"] = src.take(f"{m}self_attention.q_layernorm.weight")
+                out[f"{h}self_attn.k_norm.weight"] = src.take(f"{m}self_attention.k_layernorm.weight")
             out[f"{h}self_attn.o_proj.weight"] = src.take(f"{m}self_attention.linear_proj.weight")
         out[f"{h}post_attention_layernorm.weight"] = src.either(
             f"{m}mlp.linear_fc1.layer_norm_weight", f"{m}pre_mlp_layernorm.weight"
@@ -383,18 +383,18 @@ def hf_to_megatron(
         if linear:  # one by one: ``out`` may be `_Parts`, whose cut is in ``__setitem__`` (``update`` skips it)
             for name, tensor in delta_net_to_megatron(src.take, h, m).items():
                 out[name] = tensor
-        for kind in ("weight", "bias") if not linear else ():
-            if f"{h}self_attn.q_proj.{kind}" in src:
-                out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
-                    src.take(f"{h}self_attn.q_proj.{kind}"),
-                    src.take(f"{h}self_attn.k_proj.{kind}"),
-                    src.take(f"{h}self_attn.v_proj.{kind}"),
-                    layout,
-                )
-        if layout.qk_norm and not linear:
-            out[f"{m}self_attention.q_layernorm.weight"] = src.take(f"{h}self_attn.q_norm.weight")
-            out[f"{m}self_attention.k_layernorm.weight"] = src.take(f"{h}self_attn.k_norm.weight")
-        if not linear:
+        else:
+            for kind in ("weight", "bias"):
+                if f"{h}self_attn.q_proj.{kind}" in src:
+                    out[f"{m}self_attention.linear_qkv.{kind}"] = _fuse_qkv(
+                        src.take(f"{h}self_attn.q_proj.{kind}"),
+                        src.take(f"{h}self_attn.k_proj.{kind}"),
+                        src.take(f"{h}self_attn.v_proj.{kind}"),
+                        layout,
+                    )
+            if layout.qk_norm:
+                out[f"{m}self_attention.q_layernorm.weight"] = src.take(f"{h}self_attn.q_norm.weight")
+                out[f"{m}self_attention.k_layernorm.weight"] = src.take(f"{h}self_attn.k_norm.weight")
             out[f"{m}self_attention.linear_proj.weight"] = src.take(f"{h}self_attn.o_proj.weight")
         out[f"{m}{mlp_norm}"] = src.take(f"{h}post_attention_layernorm.weight")
         if moe:
