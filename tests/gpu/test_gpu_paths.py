@@ -55,14 +55,14 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
-def test_the_megatron_trainer_steps_on_its_device_with_its_towers_and_exports(
-    model: Path, one_rank: None, tmp_path: Path
-) -> None:
+def _steps_and_export(model: Path, out: Path) -> set[str]:
+    """The Megatron trainer on the device, its towers included: two steps on an image batch (finite losses),
+    then exported; the names of the weights that moved."""
     import preprocess as pp
     from encoders.architectures import load_thinker
     from trainer.megatron.trainer import MegatronTrainer
 
-    store = pp.FeatureStore(tmp_path / "cache", 1 << 30)
+    store = pp.FeatureStore(out.parent / "cache", 1 << 30)
     trainer = MegatronTrainer(model, features=store, lr=1e-3, precision=PRECISION)  # type: ignore[arg-type]
     try:
         assert trainer.device.type == DEVICE
@@ -74,41 +74,28 @@ def test_the_megatron_trainer_steps_on_its_device_with_its_towers_and_exports(
             trainer.accumulate(batch)  # type: ignore[arg-type]
             losses.append(trainer.apply().loss)
         assert all(torch.isfinite(torch.tensor(losses)))
-        folder = trainer.export(tmp_path / "export")
+        folder = trainer.export(out)
     finally:
         trainer.close()
     exported = load_thinker(folder, dtype=torch.float32).state_dict()
     original = load_thinker(model, dtype=torch.float32).state_dict()
-    moved = [name for name in original if not torch.equal(exported[name], original[name])]
+    return {name for name in original if not torch.equal(exported[name], original[name])}
+
+
+def test_the_megatron_trainer_steps_on_its_device_with_its_towers_and_exports(
+    model: Path, one_rank: None, tmp_path: Path
+) -> None:
+    moved = _steps_and_export(model, tmp_path / "export")
     assert moved and all("visual" not in name for name in moved)  # the language model trained, the towers kept
 
 
 def test_qwen3_5s_delta_nets_train_on_the_device(one_rank: None, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Qwen3.5 on the Megatron trainer on the device: its gated delta-net layers (`trainer.megatron.delta_net`:
-    flash-linear-attention's kernel where installed, else megatron-core's torch one, on the device either way),
-    gated attention and an image through its tower; two steps of finite loss, and the export moves the language
-    model's weights, the delta-nets' included, and keeps the tower's."""
-    import preprocess as pp
-    from encoders.architectures import load_thinker
-    from trainer.megatron.trainer import MegatronTrainer
-
+    flash-linear-attention's kernel where installed and in half precision, else megatron-core's torch one, on the
+    device either way), gated attention and an image through its tower; the export moves the language model's
+    weights, the delta-nets' included, and keeps the tower's."""
     folder = init_model(tmp_path_factory.mktemp("gpu-qwen3.5") / "model", arch="qwen3.5")
-    store = pp.FeatureStore(folder.parent / "cache", 1 << 30)
-    trainer = MegatronTrainer(folder, features=store, lr=1e-3, precision=PRECISION)  # type: ignore[arg-type]
-    try:
-        assert {p.device.type for p in trainer.gpt.parameters()} == {DEVICE}
-        batch = _batch(folder, store)
-        losses = []
-        for _ in range(2):
-            trainer.accumulate(batch)  # type: ignore[arg-type]
-            losses.append(trainer.apply().loss)
-        assert all(torch.isfinite(torch.tensor(losses)))
-        exported = trainer.export(folder.parent / "export")
-    finally:
-        trainer.close()
-    after = load_thinker(exported, dtype=torch.float32).state_dict()
-    before = load_thinker(folder, dtype=torch.float32).state_dict()
-    moved = {name for name in before if not torch.equal(after[name], before[name])}
+    moved = _steps_and_export(folder, folder.parent / "export")
     assert any(".linear_attn." in name for name in moved) and not any("visual" in name for name in moved)
 
 
