@@ -270,9 +270,8 @@ class PackedGatedDeltaNet(torch.nn.Module):
         rows [t, channels]: tap s adds row r − s where r is at least s rows into its segment (O(t), no padding)."""
         t = cu[-1]
         x, weight = qkv[:t], self.conv1d.weight[:, 0]  # (t, channels), (channels, width)
-        starts = torch.tensor(cu[:-1], device=x.device)
-        lengths = torch.tensor([b - a for a, b in zip(cu[:-1], cu[1:], strict=True)], device=x.device)
-        position = torch.arange(t, device=x.device) - starts.repeat_interleave(lengths)  # within its segment
+        bounds = torch.tensor(cu, device=x.device)
+        position = torch.arange(t, device=x.device) - bounds[:-1].repeat_interleave(bounds.diff())  # in its segment
         width = weight.shape[1]
         out = x * weight[:, width - 1]
         for s in range(1, width):
