@@ -26,6 +26,13 @@ so as every Weir backend does (`engines.protocol.ABORT_PAUSED` for a pause in ``
 ``ABORT_BEFORE_PREFILL`` when nothing was generated — and ``ABORT_BY_REQUEST`` for a client's abort), so a
 partial rollout continues running samples too (`rollout.partial`).
 
+**Log-probs** are the model's own distribution's, before temperature and top-p / top-k / min-p, as the engine
+protocol says and the trainer recomputes: SGLang reports those of the temperature-scaled distribution unless
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set (0.5.23, ``srt/layers/sampler.py``: read once when its scheduler
+process imports it), so the backend sets it before the Engine spawns its schedulers (`ORIGINAL_LOGPROBS`), over
+any value the environment had. What still differs from the protocol: SGLang takes them after its logit bias
+(the structural tokens' -inf: `engines.sglang_request.build_request`), penalties and grammar masks.
+
 ``busy_s`` counts the time any request was in flight, not forward steps (SGLang keeps its own scheduler
 metrics behind ``--enable-metrics``).
 """
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -73,6 +81,9 @@ from .weights import check_lengths
 
 __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mapping re-exported for its callers
 
+# SGLang's switch for log-probs before temperature scaling (see the module's docstring), set for its schedulers
+ORIGINAL_LOGPROBS = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+
 
 class SGLangEngine:
     """`sglang.Engine` behind the engine protocol (``pip install -e '.[sglang]'``, a CUDA GPU).
@@ -98,6 +109,8 @@ class SGLangEngine:
             # names are checked against the installed SGLang by load_engine; here only Weir's own are refused
             **check_server_args(server_args or {}, fields=None),
         }
+        name, value = ORIGINAL_LOGPROBS
+        os.environ[name] = value  # before the Engine spawns its scheduler processes, which inherit it
         if engine_class is None or io_struct is None:
             # the GPU extra; imported here so the CPU install never needs it
             import sglang

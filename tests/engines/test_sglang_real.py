@@ -73,6 +73,36 @@ def test_greedy_tokens_equal_the_transformers_engines(engine: SGLangEngine, mode
     assert ours == _greedy_on_transformers(model, requests)
 
 
+def test_sampled_logprobs_are_the_models_own_before_temperature_and_top_p(engine: SGLangEngine, model: Path) -> None:
+    """Weir's engine contract (``engines/protocol.py``): a sampled token's log-prob is the model's own
+    distribution's — temperature 1, before top-p — what the trainer recomputes. SGLang reports the log-prob of the
+    temperature-scaled distribution unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set (0.5.23,
+    ``layers/sampler.py``: ``logits.div_(temperatures)``, then ``log(probs)``); the backend sets it. Checked
+    against the Hugging Face model's teacher-forced log-probs of the sampled tokens, the structural tokens
+    masked as SGLang's bias masks them (at temperature 0.5 the scaled log-probs are off by nats, not 1e-3)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from engines.sglang_request import ModelLayout
+
+    ids = _prompt(model, "Tell a story.")
+    results = [engine.generate(_request(ids, 8, temperature=0.5, top_p=0.9, sampling_seed=i)) for i in range(3)]
+    banned = list(ModelLayout.of(json.loads((model / "config.json").read_text())).structural_tokens)
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=torch.float32).eval()
+    worst = 0.0
+    for result in results:
+        sequence = torch.tensor([ids + list(result.output_ids)])
+        with torch.no_grad():
+            logits = hf(input_ids=sequence).logits[0, len(ids) - 1 : -1].float()
+        logits[:, banned] = float("-inf")
+        expected = torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(result.output_ids)[:, None])[:, 0]
+        worst = max(worst, float((expected - torch.tensor(result.output_logprobs)).abs().max()))
+    print(f"\nsampled at temperature 0.5, top-p 0.9: max |Δ logprob| against the model's own {worst:.2e}")
+    assert worst < 1e-3
+
+
 def _running(
     engine: SGLangEngine, model: Path, n: int, tokens: int, *, rids: list[str] | None = None
 ) -> list[Future[GenerateResult]]:
