@@ -12,6 +12,7 @@ from ``WEIR_SERVED_MODEL_NAME``, and Weir reads SGLang's streams as cumulative c
 settings are server arguments too (`SETTINGS`); given both ways with different values, that is refused.
 
 `engine_gpus` is how many GPUs one engine with these arguments takes — what compose and Ray reserve.
+`routes_on_cpu` says whether the installed SGLang can return routed experts from an engine on the CPU.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "check_server_args",
     "engine_gpus",
     "parse_server_args",
+    "routes_on_cpu",
     "served_architectures",
     "server_arg_fields",
     "unserved_refusal",
@@ -89,6 +91,20 @@ def check_server_args(args: Mapping[str, Any], fields: frozenset[str] | None) ->
     if problems:
         raise ValueError("SGLang server arguments refused: " + "; ".join(problems))
     return dict(args)
+
+
+def routes_on_cpu() -> bool:
+    """Whether the installed SGLang can capture each token's experts (``enable_return_routed_experts``) in an
+    engine on the CPU here. Its capture allocates its host buffer through ``ALLOC_MEMORY_FUNCS[device]``, whose
+    entry for "cpu" in 0.5.23 pins it with ``cudaHostRegister`` (``srt/mem_cache/pool_host/common.py``): without
+    CUDA that engine does not start. False where sglang is not installed."""
+    try:
+        from sglang.srt.mem_cache.pool_host import common
+    except ImportError:
+        return False
+    import torch
+
+    return common.ALLOC_MEMORY_FUNCS["cpu"] is not common.alloc_with_host_register or torch.cuda.is_available()
 
 
 def engine_gpus(args: Mapping[str, Any]) -> int:

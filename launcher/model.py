@@ -113,7 +113,7 @@ def engine_refusal(config: TrainConfig) -> str | None:
     refusal = unserved_refusal(_architectures(config), args, served_architectures())
     if refusal:
         return f"--backend sglang: {refusal}"
-    if config.r3 and _sglang_device(args) == "cpu":
+    if config.r3 and not _sglang_routes(args):
         return (
             "--r3 with SGLang on the CPU: SGLang pins its buffer of routed experts with cudaHostRegister, so it "
             "starts with enable_return_routed_experts only on a GPU (R3 on the CPU: --backend transformers)"
@@ -129,7 +129,8 @@ def engine_backend(config: TrainConfig) -> str:
 def engines_report_routes(config: TrainConfig) -> bool:
     """Whether the run's engines are asked for each token's experts: for R3 to replay them, and for any MoE model
     the mismatch monitor's routing agreement — except on SGLang on the CPU (``"device": "cpu"`` in its server
-    arguments), which cannot return them (`engine_refusal` refuses R3 there): that run's monitor goes without."""
+    arguments) where the installed SGLang cannot return them (`engines.sglang_args.routes_on_cpu`; `engine_refusal`
+    refuses R3 there): that run's monitor goes without."""
     if config.r3:
         return True
     if not trains_moe(config):
@@ -142,7 +143,15 @@ def engines_report_routes(config: TrainConfig) -> bool:
         args = parse_server_args(config.sglang_args or os.environ.get("WEIR_SGLANG_ARGS", ""))
     except ValueError:  # refused at start (`engine_refusal`)
         return True
-    return _sglang_device(args) != "cpu"
+    return _sglang_routes(args)
+
+
+def _sglang_routes(args: dict[str, object]) -> bool:
+    """Whether the stack's SGLang engines can return routes: on a GPU, or on the CPU where the installed SGLang's
+    capture starts there (`engines.sglang_args.routes_on_cpu`)."""
+    from engines.sglang_args import routes_on_cpu
+
+    return _sglang_device(args) != "cpu" or routes_on_cpu()
 
 
 def _sglang_device(args: dict[str, object]) -> object:

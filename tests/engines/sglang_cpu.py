@@ -10,9 +10,15 @@ What it takes, and why (measured on this project's machines: /work/shared/refere
 - ``OMP_NUM_THREADS=1`` before torch starts its pool (two threads on two loaded cores ran 35x slower);
 - ``TORCHDYNAMO_DISABLE=1``: the VL models' mrope is under ``torch.compile``, ~40 s of inductor on CPU;
 - four CPU-only ``sgl_kernel`` ops declared (no kernel) before SGLang's Qwen-VL processor module is imported: it
-  imports the Qwen3.5 model, which binds them at import on CPU; only Qwen3.5 would call them.
+  imports the Qwen3.5 model, which binds them at import on CPU; only Qwen3.5 would call them;
+- routing replay's capture (``enable_return_routed_experts``) with its host buffer left unpinned: SGLang allocates
+  it for device "cpu" through ``ALLOC_MEMORY_FUNCS["cpu"]`` (``srt/mem_cache/pool_host/common.py``), which pins it
+  with ``cudaHostRegister`` (through ``torch.cuda.cudart()``: no driver, no start). Pinning only speeds a GPU's copies
+  to the buffer; here the "device" buffer is host memory too. The allocation is SGLang's own, minus the pinning, set
+  in each process SGLang spawns (its scheduler allocates the buffer) by the ``sitecustomize`` below.
 
-`prepare()` does all of it once per process, before sglang is imported; `SERVER_ARGS` are what every CPU engine
+`prepare()` does all of it once per process, before sglang is imported (and puts the ``sitecustomize`` on the
+``PYTHONPATH`` its spawned processes inherit); `SERVER_ARGS` are what every CPU engine
 takes (a KV pool of a fixed size: otherwise it is sized from the free RAM). A server as a process of its own:
 ``python -m tests.engines.sglang_cpu MODULE ARGS…`` prepares, then runs ``python -m MODULE ARGS…`` in the same
 process (``sglang.launch_server``, or Weir's ``launcher.cli serve engine``). Engine roles a launcher starts
@@ -23,6 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.abc
+import importlib.util
 import os
 import runpy
 import shutil
@@ -34,7 +42,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SERVER_ARGS", "prepare", "role_env", "started_engine"]
+__all__ = ["SERVER_ARGS", "prepare", "unpin_host_buffers", "role_env", "started_engine"]
 
 # sleep_on_idle: SGLang's scheduler otherwise spins a whole core while idle, which on two cores starves the trainer
 # beside it (a `weir train` step took 120 s instead of 13)
@@ -101,22 +109,71 @@ def prepare() -> None:
         if not hasattr(torch.ops.sgl_kernel, name):
             library.define(f"{name}(Tensor[] args) -> ()")
     _prepared.append(library)
+    os.environ.update(role_env())  # the processes SGLang spawns run the sitecustomize (`unpin_host_buffers`)
+    unpin_host_buffers()
 
 
-_SITE = """# written by tests/engines/sglang_cpu.py: an engine role started here runs the real SGLang on CPU
+_POOLS = "sglang.srt.mem_cache.pool_host.common"
+
+
+def unpin_host_buffers() -> None:
+    """In a process of a CPU engine (its scheduler, spawned): once SGLang's host-pool module is imported, its
+    allocation for device "cpu" leaves the buffer unpinned (see the module's docstring); idempotent."""
+    if _POOLS in sys.modules:
+        _unpin(sys.modules[_POOLS])
+    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport())
+
+
+def _unpin(pools: Any) -> None:
+    allocate = pools.alloc_with_host_register  # the function the "cpu" entry names: its signature
+
+    def unpinned(
+        dims: tuple[int, ...], dtype: Any, device: str, pin_memory: bool, allocator: Any, granularity: Any = None
+    ) -> Any:
+        return allocate(dims, dtype, device, False, allocator, granularity)
+
+    pools.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `_unpin` on SGLang's host-pool module right after it is first executed."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != _POOLS:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        assert spec is not None and spec.loader is not None
+        execute = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            execute(module)
+            _unpin(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_SITE = """# written by tests/engines/sglang_cpu.py: the processes started under it run the real SGLang on CPU
+import os
 import sys
 
-if sys.argv[1:3] == ["serve", "engine"]:  # `python -m launcher.cli serve engine …` (the module name is not there yet)
+if os.environ.get("WEIR_SGLANG_CPU_SCAFFOLD") == "1":
     from tests.engines import sglang_cpu
 
-    sglang_cpu.prepare()
+    if sys.argv[1:3] == ["serve", "engine"]:  # `python -m launcher.cli serve engine …` (no module name there yet)
+        sglang_cpu.prepare()
+    else:  # what SGLang spawns (its scheduler allocates the buffer); a launcher (its R3 check reads the same table)
+        sglang_cpu.unpin_host_buffers()
 """
 
 
 def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """``PYTHONPATH`` for processes a launcher starts (their environment's, default this one's): this checkout,
-    and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve engine``) before it imports
-    sglang; the other roles are left as they are."""
+    """The environment for processes run under this scaffolding: ``PYTHONPATH`` (their environment's, default this
+    one's) with this checkout and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve
+    engine``) before it imports sglang and `unpin_host_buffers` in any other process (what SGLang spawns, a
+    launcher), and the variable that turns that on."""
     folder = Path(tempfile.gettempdir()) / f"weir-sglang-cpu-site-{os.getuid()}"
     folder.mkdir(parents=True, exist_ok=True)
     staged = folder / f".sitecustomize.py.{os.getpid()}"
@@ -124,7 +181,8 @@ def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     os.replace(staged, folder / "sitecustomize.py")
     root = str(Path(__file__).resolve().parents[2])
     current = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
-    return {"PYTHONPATH": os.pathsep.join(dict.fromkeys([str(folder), root, *filter(None, current.split(os.pathsep))]))}
+    path = os.pathsep.join(dict.fromkeys([str(folder), root, *filter(None, current.split(os.pathsep))]))
+    return {"PYTHONPATH": path, "WEIR_SGLANG_CPU_SCAFFOLD": "1"}
 
 
 if __name__ == "__main__":

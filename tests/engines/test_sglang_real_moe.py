@@ -2,12 +2,11 @@
 `tests.engines.sglang_cpu`): a tiny Qwen3-MoE (``Qwen3MoeForCausalLM``, an architecture SGLang serves natively;
 made here from transformers' own class, random weights).
 
-On the CPU it generates, greedy tokens equal to transformers'. **R3 does not run on the CPU**: SGLang's
-routed-expert capture (``enable_return_routed_experts``) pins its host buffer with ``cudaHostRegister``
-(``srt/state_capturer/base.py``), so the engine cannot start with it without a CUDA device. The R3 check — the
-routes come back with every sample in the layout Weir's micro-batches store, and they are the routers' own
-choices, the top-k of transformers' router logits for the same tokens — is therefore ``gpu``: it runs where a
-GPU and sglang are both installed.
+On the CPU it generates, greedy tokens equal to transformers', and R3's routes come back with every sample in the
+layout Weir's micro-batches store, the routers' own choices (the top-k of transformers' router logits for the same
+tokens). SGLang's routed-expert capture (``enable_return_routed_experts``) pins its host buffer with
+``cudaHostRegister`` (``srt/state_capturer/base.py``), which needs CUDA: the scaffolding leaves that buffer unpinned
+(`tests.engines.sglang_cpu.unpin_host_buffers`), the capture itself SGLang's.
 
 Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
 """
@@ -117,7 +116,6 @@ def _router_choices(model: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray
     return logits.topk(TOP_K, dim=-1).indices.numpy(), logits.numpy()
 
 
-@pytest.mark.gpu
 def test_routes_come_back_for_every_token_and_are_the_routers_choices(model: Path) -> None:
     engine = _engine(model, routed_experts=True)
     try:
