@@ -397,9 +397,9 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
         _forget_earlier_run(config)
     held_out: list[dict[str, Any]] = []
     if agent:
-        from .demo.task import write_agent_task
+        from .demo.task import agent_curriculum
 
-        rows, held_out = write_agent_task()  # the environment draws each picture from its row's seed
+        rows, held_out = agent_curriculum(config.steps, config.groups_per_step)  # each picture drawn from its seed
     elif clips:
         from .demo.task import write_video_audio_task
 

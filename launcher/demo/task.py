@@ -48,6 +48,7 @@ __all__ = [
     "QUESTION",
     "PromptRow",
     "VIDEO_QUESTION",
+    "agent_curriculum",
     "agent_row",
     "agent_warmup_pairs",
     "agent_warmup_rows",
@@ -56,6 +57,7 @@ __all__ = [
     "colour_picture",
     "crop_call",
     "crop_diagnosis",
+    "curriculum_patch",
     "evaluate_agent",
     "quarter_of",
     "square_of",
@@ -348,6 +350,12 @@ AGENT_QUESTION = "What colour is the small square?"
 AGENT_SIZE = 112
 AGENT_PATCH = 12
 AGENT_MAX_TURNS = 3
+# A curriculum of square sizes (`curriculum_patch`) for the sparse reward: RL's first rows hide a square of
+# AGENT_CURRICULUM_START pixels — the environment's largest at AGENT_SIZE (a quarter of its side), so a quarter's
+# crop shows a whole image token of its colour — shrinking linearly to AGENT_PATCH over the rows of the first
+# AGENT_CURRICULUM_SHARE of the steps; the held-out rows always hide AGENT_PATCH.
+AGENT_CURRICULUM_START = AGENT_SIZE // 4
+AGENT_CURRICULUM_SHARE = 0.6
 _TRAIN_SEEDS, _HELD_OUT_SEEDS, _WARMUP_SEEDS = 0, 100_000, 200_000
 
 
@@ -385,32 +393,64 @@ def crop_call(seed: int) -> str:
 def _agent_seeds(start: int, per_colour: int) -> list[int]:
     """``per_colour`` usable seeds (the square inside one quarter) per colour from ``start`` on, the colours
     interleaved so any prefix is balanced."""
+    return [seed for seed, _ in _usable_seeds(start, [AGENT_PATCH] * (per_colour * len(_square_colours())))]
+
+
+def _square_colours() -> list[str]:
     from rollout.environments import COLOURS as SQUARE_COLOURS
 
-    buckets: dict[str, list[int]] = {c: [] for c in sorted(SQUARE_COLOURS)}
-    seed = start
-    while any(len(b) < per_colour for b in buckets.values()):
-        colour, _ = square_of(seed)
-        if len(buckets[colour]) < per_colour and quarter_of(seed) is not None:
-            buckets[colour].append(seed)
-        seed += 1
-    return [buckets[c][i] for i in range(per_colour) for c in buckets]
+    return sorted(SQUARE_COLOURS)
 
 
-def agent_row(seed: int) -> PromptRow:
+def _usable_seeds(start: int, patches: list[int]) -> list[tuple[int, int]]:
+    """One ``(seed, patch)`` per entry of ``patches``, from ``start`` on: row i's square has colour i mod 6 (so any
+    prefix is balanced) and lies inside one quarter at that patch size; no seed is used twice."""
+    colours = _square_colours()
+    cursor = dict.fromkeys(colours, start)  # where each colour's search goes on (a seed's colour is its own)
+    chosen = []
+    for i, patch in enumerate(patches):
+        colour = colours[i % len(colours)]
+        seed = cursor[colour]
+        while square_of(seed, patch=patch)[0] != colour or quarter_of(seed, patch=patch) is None:
+            seed += 1
+        cursor[colour] = seed + 1
+        chosen.append((seed, patch))
+    return chosen
+
+
+def curriculum_patch(index: int, ramp: int) -> int:
+    """The square's side in training row ``index``: `AGENT_CURRICULUM_START` at the first, shrinking linearly to
+    `AGENT_PATCH` at row ``ramp`` and after."""
+    done = min(1.0, index / max(1, ramp))
+    return round(AGENT_CURRICULUM_START - (AGENT_CURRICULUM_START - AGENT_PATCH) * done)
+
+
+def agent_row(seed: int, patch: int = AGENT_PATCH) -> PromptRow:
     """One rollout prompt of the visual tool task: the question, the environment (its reward), max_turns."""
     return {
         "messages": [{"role": "user", "content": AGENT_QUESTION}],
-        "environment": {"name": "visual_search", "options": {"seed": seed, "size": AGENT_SIZE, "patch": AGENT_PATCH}},
+        "environment": {"name": "visual_search", "options": {"seed": seed, "size": AGENT_SIZE, "patch": patch}},
         "max_turns": AGENT_MAX_TURNS,
     }
 
 
-def write_agent_task(*, per_colour: int = 8, held_out: int = 2) -> tuple[list[dict], list[dict]]:
-    """(training rows, held-out rows) of the visual tool task; nothing is written (the environment draws its
-    picture from the seed). Held-out seeds are drawn from another range than training's."""
-    train = [dict(agent_row(s)) for s in _agent_seeds(_TRAIN_SEEDS, per_colour)]
+def write_agent_task(*, rows: int = 48, ramp: int | None = None, held_out: int = 2) -> tuple[list[dict], list[dict]]:
+    """(``rows`` training rows, ``held_out`` per colour held out) of the visual tool task; nothing is written (the
+    environment draws its picture from the seed). The training rows, in the order the driver sends them, hide
+    squares shrinking from `AGENT_CURRICULUM_START` to `AGENT_PATCH` over the first ``ramp`` (`curriculum_patch`;
+    None: every one `AGENT_PATCH`); the held-out rows `AGENT_PATCH`, from another range of seeds."""
+    patches = [AGENT_PATCH if ramp is None else curriculum_patch(i, ramp) for i in range(rows)]
+    train = [dict(agent_row(seed, patch)) for seed, patch in _usable_seeds(_TRAIN_SEEDS, patches)]
     return train, [dict(agent_row(s)) for s in _agent_seeds(_HELD_OUT_SEEDS, held_out)]
+
+
+def agent_curriculum(steps: int, groups_per_step: int) -> tuple[list[dict], list[dict]]:
+    """`write_agent_task` for a run of ``steps`` steps of ``groups_per_step`` prompts: the square shrinks over the
+    rows of the first `AGENT_CURRICULUM_SHARE` of the steps, and there are twice as many rows as the steps take
+    (groups dropped for uniform rewards, and stale ones regenerated, draw more), so the driver, which cycles
+    through them, never comes back to the large squares."""
+    planned = steps * groups_per_step
+    return write_agent_task(rows=2 * planned, ramp=round(AGENT_CURRICULUM_SHARE * planned))
 
 
 def agent_warmup_rows(per_colour: int = 1) -> list[PromptRow]:

@@ -23,7 +23,7 @@ from trainer.reference import ReferenceTrainer
 
 
 def test_rows_carry_the_environment_and_the_scripted_call_crops_the_square() -> None:
-    train, held_out = demo_task.write_agent_task(per_colour=2, held_out=1)
+    train, held_out = demo_task.write_agent_task(rows=12, held_out=1)
     assert len(train) == 12 and len(held_out) == 6
     seeds = [r["environment"]["options"]["seed"] for r in train]
     assert not set(seeds) & {r["environment"]["options"]["seed"] for r in held_out}
@@ -35,6 +35,30 @@ def test_rows_carry_the_environment_and_the_scripted_call_crops_the_square() -> 
         assert qx <= x and x + demo_task.AGENT_PATCH <= qx + w and qy <= y and y + demo_task.AGENT_PATCH <= qy + h
         call = json.loads(demo_task.crop_call(seed).removeprefix("<tool_call>\n").removesuffix("\n</tool_call>"))
         assert call == {"name": "crop", "arguments": {"x": qx, "y": qy, "w": w, "h": h}}
+
+
+def test_the_curriculum_shrinks_the_square_to_the_held_out_size_and_never_cycles_back() -> None:
+    """`agent_curriculum`: the square's side falls from the environment's largest at this picture size to the
+    task's over the first 60 % of the steps' rows, then stays; twice the rows the steps take, so a driver that
+    draws more (dropped or regenerated groups) and cycles meets small squares only; every row's square lies
+    inside one quarter at its own size, the colours balanced, no seed twice; the held-out rows at the task's."""
+    steps, groups = 10, 3
+    train, held_out = demo_task.agent_curriculum(steps, groups)
+    assert len(train) == 2 * steps * groups
+    patches = [row["environment"]["options"]["patch"] for row in train]
+    ramp = round(demo_task.AGENT_CURRICULUM_SHARE * steps * groups)
+    assert patches[0] == demo_task.AGENT_SIZE // 4 == demo_task.AGENT_CURRICULUM_START
+    assert all(a >= b for a, b in zip(patches, patches[1:], strict=False)) and len(set(patches[:ramp])) > 5
+    assert set(patches[ramp:]) == {demo_task.AGENT_PATCH}
+    seeds = [row["environment"]["options"]["seed"] for row in train]
+    assert len(set(seeds)) == len(seeds)
+    colours = [demo_task.square_of(seed, patch=patch)[0] for seed, patch in zip(seeds, patches, strict=True)]
+    assert all(len(set(colours[i : i + 6])) == 6 for i in range(0, len(colours), 6))
+    for seed, patch in zip(seeds, patches, strict=True):
+        (x, y), (qx, qy, w, h) = demo_task.square_of(seed, patch=patch)[1], demo_task.quarter_of(seed, patch=patch)  # type: ignore[misc]
+        assert qx <= x and x + patch <= qx + w and qy <= y and y + patch <= qy + h
+    assert {row["environment"]["options"]["patch"] for row in held_out} == {demo_task.AGENT_PATCH}
+    assert not set(seeds) & {row["environment"]["options"]["seed"] for row in held_out}
 
 
 def test_the_warm_up_teaches_the_crop_and_the_answers_format_never_a_pictures_colour() -> None:
@@ -83,13 +107,13 @@ def test_weir_train_visual_search_trains_multiturn_samples(
     tokens, the crop's observation ~50) or ``max_turns``."""
     tasks = demo_task.write_agent_task
 
-    def forced(**kwargs: Any) -> tuple[list[dict], list[dict]]:
-        train, held_out = tasks(per_colour=1, held_out=1)
+    def forced(steps: int, groups_per_step: int) -> tuple[list[dict], list[dict]]:
+        train, held_out = tasks(rows=6, held_out=1)
         for row in train:
             row["sampling_params"] = {"regex": re.escape(demo_task.crop_call(row["environment"]["options"]["seed"]))}
         return train, held_out[:2]
 
-    monkeypatch.setattr(demo_task, "write_agent_task", forced)
+    monkeypatch.setattr(demo_task, "agent_curriculum", forced)
     trained: list[dict[str, int]] = []
     accumulate = ReferenceTrainer.accumulate
 
