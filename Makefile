@@ -54,7 +54,7 @@ extras-check: $(STAMP)
 SGLANG_TESTS := tests/engines/test_sglang_backend.py tests/engines/test_sglang_installed.py tests/engines/test_sglang_real.py \
 	tests/engines/test_sglang_real_server.py tests/engines/test_sglang_real_moe.py tests/engines/test_sglang_real_train.py \
 	tests/engines/test_sglang_real_omni.py tests/engines/test_sglang_real_families.py
-SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu' $(SGLANG_TESTS)
+SGLANG_PYTEST = $(SGLANG_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider -m 'not gpu and not slow' $(SGLANG_TESTS)
 $(SGLANG_VENV)/.installed: pyproject.toml
 	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/pip install --quiet --upgrade pip
