@@ -9,9 +9,9 @@ Log-probs are those of the model's own distribution: temperature 1, no top-p / t
 **before** every penalty (repetition, presence, frequency), ``logit_bias``, the ``min_new_tokens``
 mask and a grammar's mask (``json_schema`` / ``regex`` / ``ebnf``) — the distribution an RL trainer
 recomputes from the weights and compares against. That is what `TransformersEngine` reports, whatever
-the sampling parameters. `SGLangEngine` passes on what SGLang reports, which is not checked here:
-SGLang's sampler may report log-probs after temperature scaling, and its penalties and grammar masks
-act on the logits it samples from.
+the sampling parameters. `SGLangEngine` asks SGLang for them before temperature and the filters
+(``SGLANG_RETURN_ORIGINAL_LOGPROB``, `engines.sglang_backend`) and passes on what it reports: SGLang takes
+them after its logit bias (the structural tokens' -inf), penalties and grammar masks.
 
 This module holds records and the `Engine` contract only (with `with_rid`, how every backend names a
 request): mapping SGLang's sampling dict is `engines.sampling`, resolving cache keys to media is

@@ -97,14 +97,16 @@ def routes_on_cpu() -> bool:
     """Whether the installed SGLang can capture each token's experts (``enable_return_routed_experts``) in an
     engine on the CPU here. Its capture allocates its host buffer through ``ALLOC_MEMORY_FUNCS[device]``, whose
     entry for "cpu" in 0.5.23 pins it with ``cudaHostRegister`` (``srt/mem_cache/pool_host/common.py``): without
-    CUDA that engine does not start. False where sglang is not installed."""
+    CUDA that engine does not start (CUDA is asked of this machine: the engines of the stack `weir train` starts).
+    False where sglang is not installed or that module does not import here."""
     try:
         from sglang.srt.mem_cache.pool_host import common
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):
         return False
     import torch
 
-    return common.ALLOC_MEMORY_FUNCS["cpu"] is not common.alloc_with_host_register or torch.cuda.is_available()
+    allocate = common.ALLOC_MEMORY_FUNCS.get("cpu", common.alloc_with_host_register)  # .get: no entry added
+    return allocate is not common.alloc_with_host_register or torch.cuda.is_available()
 
 
 def engine_gpus(args: Mapping[str, Any]) -> int:

@@ -352,7 +352,8 @@ AGENT_PATCH = 12
 AGENT_MAX_TURNS = 3
 # A curriculum of square sizes (`curriculum_patch`) for the sparse reward: RL's first rows hide a square of
 # AGENT_CURRICULUM_START pixels — the environment's largest at AGENT_SIZE (a quarter of its side), so a quarter's
-# crop shows a whole image token of its colour — shrinking linearly to AGENT_PATCH over the rows of the first
+# crop (2 × 2 image tokens of 28 pixels) has a whole 14-pixel patch of its colour in each token it covers, a whole
+# token where it lies on their grid — shrinking linearly to AGENT_PATCH over the rows of the first
 # AGENT_CURRICULUM_SHARE of the steps; the held-out rows always hide AGENT_PATCH.
 AGENT_CURRICULUM_START = AGENT_SIZE // 4
 AGENT_CURRICULUM_SHARE = 0.6
@@ -381,9 +382,9 @@ def quarter_of(seed: int, size: int = AGENT_SIZE, patch: int = AGENT_PATCH) -> t
     return qx * half, qy * half, half, half
 
 
-def crop_call(seed: int) -> str:
+def crop_call(seed: int, patch: int = AGENT_PATCH) -> str:
     """The scripted call: crop the quarter that holds the square (Qwen's ``<tool_call>`` JSON format)."""
-    region = quarter_of(seed)
+    region = quarter_of(seed, patch=patch)
     if region is None:
         raise ValueError(f"seed {seed}: the square straddles two quarters")
     arguments = dict(zip(("x", "y", "w", "h"), region, strict=True))
@@ -406,6 +407,8 @@ def _usable_seeds(start: int, patches: list[int]) -> list[tuple[int, int]]:
     """One ``(seed, patch)`` per entry of ``patches``, from ``start`` on: row i's square has colour i mod 6 (so any
     prefix is balanced) and lies inside one quarter at that patch size; no seed is used twice."""
     colours = _square_colours()
+    ranges = sorted((_TRAIN_SEEDS, _HELD_OUT_SEEDS, _WARMUP_SEEDS))
+    end = next((bound for bound in ranges if bound > start), None)  # the next range's first seed: not to be reached
     cursor = dict.fromkeys(colours, start)  # where each colour's search goes on (a seed's colour is its own)
     chosen = []
     for i, patch in enumerate(patches):
@@ -413,6 +416,8 @@ def _usable_seeds(start: int, patches: list[int]) -> list[tuple[int, int]]:
         seed = cursor[colour]
         while square_of(seed, patch=patch)[0] != colour or quarter_of(seed, patch=patch) is None:
             seed += 1
+        if end is not None and seed >= end:
+            raise ValueError(f"{len(patches)} rows from seed {start} reach seed {end}, where another range starts")
         cursor[colour] = seed + 1
         chosen.append((seed, patch))
     return chosen
@@ -546,27 +551,27 @@ def evaluate_agent(
     groups = rollouts(rollout_url, body, token=token)
     rewards = [s.reward or 0.0 for g in groups for s in g.samples]
     if decode is not None and report is not None:
-        seeds = [int(r["environment"]["options"]["seed"]) for r in rows]
-        report.update(crop_diagnosis([decode(list(g.samples[0].response_ids)) for g in groups], seeds, rewards))
+        squares = [(int(r["environment"]["options"]["seed"]), int(r["environment"]["options"]["patch"])) for r in rows]
+        report.update(crop_diagnosis([decode(list(g.samples[0].response_ids)) for g in groups], squares, rewards))
     return sum(rewards) / max(1, len(rewards))
 
 
 _CROP_ARGUMENTS = re.compile(r'"x":\s*(\d+),\s*"y":\s*(\d+),\s*"w":\s*(\d+),\s*"h":\s*(\d+)')
 
 
-def crop_diagnosis(responses: list[str], seeds: list[int], rewards: list[float]) -> dict[str, float]:
+def crop_diagnosis(responses: list[str], squares: list[tuple[int, int]], rewards: list[float]) -> dict[str, float]:
     """Where visual-search trajectories go wrong — the two decisions the reward multiplies: ``crop_hit``, the
     share whose first crop shows the whole square; ``colour_given_hit``, the share of those answered right;
     ``colour_given_miss``, the share answered right without seeing it (chance: 1/6). From the decoded responses
-    (the model's turns and the observations between them) and each row's seed."""
+    (the model's turns and the observations between them) and each row's ``(seed, patch)``."""
     hits, right_hit, right_miss = 0, 0, 0
-    for text, seed, reward in zip(responses, seeds, rewards, strict=True):
-        _, (x, y) = square_of(seed)
+    for text, (seed, patch), reward in zip(responses, squares, rewards, strict=True):
+        _, (x, y) = square_of(seed, patch=patch)
         match = _CROP_ARGUMENTS.search(text)
         hit = False
         if match:
             cx, cy, cw, ch = (int(v) for v in match.groups())
-            hit = cx <= x and cy <= y and x + AGENT_PATCH <= cx + cw and y + AGENT_PATCH <= cy + ch
+            hit = cx <= x and cy <= y and x + patch <= cx + cw and y + patch <= cy + ch
         hits += hit
         right_hit += hit and reward > 0
         right_miss += (not hit) and reward > 0

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import importlib.abc
 import importlib.util
 import os
@@ -129,9 +130,14 @@ def _unpin(pools: Any) -> None:
     allocate = pools.alloc_with_host_register  # the function the "cpu" entry names: its signature
 
     def unpinned(
-        dims: tuple[int, ...], dtype: Any, device: str, pin_memory: bool, allocator: Any, granularity: Any = None
+        dims: tuple[int, ...],
+        dtype: Any,
+        device: str,
+        pin_memory: bool,
+        allocator: Any,
+        registration_granularity_bytes: int | None = None,
     ) -> Any:
-        return allocate(dims, dtype, device, False, allocator, granularity)
+        return allocate(dims, dtype, device, False, allocator, registration_granularity_bytes)
 
     pools.ALLOC_MEMORY_FUNCS["cpu"] = unpinned
 
@@ -174,7 +180,9 @@ def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     one's) with this checkout and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve
     engine``) before it imports sglang and `unpin_host_buffers` in any other process (what SGLang spawns, a
     launcher), and the variable that turns that on."""
-    folder = Path(tempfile.gettempdir()) / f"weir-sglang-cpu-site-{os.getuid()}"
+    # named by its content: a run from another checkout, with another version of it, keeps its own
+    digest = hashlib.sha256(_SITE.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / f"weir-sglang-cpu-site-{os.getuid()}-{digest}"
     folder.mkdir(parents=True, exist_ok=True)
     staged = folder / f".sitecustomize.py.{os.getpid()}"
     staged.write_text(_SITE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -61,6 +62,23 @@ def engine(model_dir: Path) -> Iterator[SGLangEngine]:
     engine = start(model_dir)
     yield engine
     engine.close()
+
+
+def test_sglang_is_asked_for_log_probs_before_temperature_before_its_schedulers_start(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SGLANG_RETURN_ORIGINAL_LOGPROB`` is in the environment when the Engine is built (it spawns its schedulers,
+    which read it once), whatever it was: the real engine's figures are `tests/engines/test_sglang_real.py`'s."""
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "0")
+    seen: list[str | None] = []
+
+    def engine_class(**kwargs: object) -> object:
+        seen.append(os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB"))
+        return standin.Engine(vocab=VOCAB, **kwargs)
+
+    engine = SGLangEngine(model_dir, engine_class=engine_class, io_struct=standin.io_struct)
+    engine.close()
+    assert seen == ["1"]
 
 
 def request(max_new_tokens: int = 8, prompt: tuple[int, ...] = (1, 2, 3), **kwargs: object) -> GenerateRequest:

@@ -158,10 +158,12 @@ def test_a_stack_serves_a_hub_id_s_snapshot(tmp_path: Path, monkeypatch: pytest.
 def test_which_runs_ask_the_engines_for_their_routes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, arch: str, options: dict[str, object], asked: bool
 ) -> None:
+    import engines.sglang_args
     from launcher.model import engines_report_routes
 
     for variable in ("WEIR_DEVICE", "WEIR_BACKEND", "WEIR_SGLANG_ARGS"):
         monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(engines.sglang_args, "routes_on_cpu", lambda: False)  # SGLang as installed, without CUDA
 
     config = TrainConfig(home=tmp_path / "w", arch=arch, **options)  # type: ignore[arg-type]
     assert engines_report_routes(config) is asked
@@ -170,8 +172,12 @@ def test_which_runs_ask_the_engines_for_their_routes(
 def test_an_sglang_engine_on_the_cpu_by_weir_device_is_asked_for_no_routes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import engines.sglang_args
     from launcher.model import engines_report_routes
 
     config = TrainConfig(home=tmp_path / "w", arch="qwen3-moe", backend="sglang", sglang_args="{}")
     monkeypatch.setenv("WEIR_DEVICE", "cpu")  # the engine role gives SGLang this device (engines.factory)
+    monkeypatch.setattr(engines.sglang_args, "routes_on_cpu", lambda: False)  # SGLang as installed, without CUDA
     assert engines_report_routes(config) is False
+    monkeypatch.setattr(engines.sglang_args, "routes_on_cpu", lambda: True)  # one whose capture starts on the CPU
+    assert engines_report_routes(config) is True

@@ -59,6 +59,8 @@ def test_the_curriculum_shrinks_the_square_to_the_held_out_size_and_never_cycles
         assert qx <= x and x + patch <= qx + w and qy <= y and y + patch <= qy + h
     assert {row["environment"]["options"]["patch"] for row in held_out} == {demo_task.AGENT_PATCH}
     assert not set(seeds) & {row["environment"]["options"]["seed"] for row in held_out}
+    with pytest.raises(ValueError, match="where another range starts"):  # never the held-out range's pictures
+        demo_task._usable_seeds(99_990, [demo_task.AGENT_PATCH] * 12)
 
 
 def test_the_warm_up_teaches_the_crop_and_the_answers_format_never_a_pictures_colour() -> None:
