@@ -342,7 +342,9 @@ def tiny_qwen3_5_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3_5Config:
     hybrid text model — three gated delta-net (linear attention) layers, then one full-attention layer with
     an output gate and partial rotary, interleaved mRoPE."""
     ids = _token_ids(tokenizer, QWEN3_VL_MEDIA_TOKENS)
-    vision = {k: v for k, v in _qwen3_vision_config([]).items() if k != "deepstack_visual_indexes"}
+    # no DeepStack, said as the released checkpoints' configs say it (an empty list): SGLang's Qwen3.5 vision config
+    # otherwise takes Qwen3-VL's default, three DeepStack layers
+    vision = _qwen3_vision_config([])
     return Qwen3_5Config(
         text_config=_text_config(
             tokenizer,
@@ -355,6 +357,11 @@ def tiny_qwen3_5_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3_5Config:
             linear_num_key_heads=2,
             linear_num_value_heads=4,
             layer_types=["linear_attention"] * 3 + ["full_attention"],
+            # beside layer_types and rope_parameters, as the released checkpoints' configs carry them: SGLang's
+            # Qwen3.5 reads the layer kinds from the interval (every 4th layer full attention) and its rotary
+            # fraction from the top-level factor (transformers from rope_parameters: the two must agree)
+            full_attention_interval=4,
+            partial_rotary_factor=0.5,
         ),
         vision_config=vision,
         **_vl_token_ids(ids),

@@ -30,7 +30,11 @@ partial rollout continues running samples too (`rollout.partial`).
 protocol says and the trainer recomputes: SGLang reports those of the temperature-scaled distribution unless
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set (0.5.23, ``srt/layers/sampler.py``: read once when its scheduler
 process imports it), so the backend sets it before the Engine spawns its schedulers (`ORIGINAL_LOGPROBS`), over
-any value the environment had. What still differs from the protocol: SGLang takes them after its logit bias
+any value the environment had. A linear-attention model's convolution windows (Qwen3.5's gated delta-net layers) sit
+in SGLang's state pool in bf16 whatever the model's dtype (``SGLANG_MAMBA_CONV_DTYPE``, 0.5.23's default): a
+float32 engine keeps them in float32 (`FLOAT32_CONV_STATES`, unless the environment says otherwise), so each
+decoded token is computed from the inputs the trainer sees (bf16 windows: log-probs off by up to 8e-4 on the tiny
+Qwen3.5). What still differs from the protocol: SGLang takes them after its logit bias
 (the structural tokens' -inf: `engines.sglang_request.build_request`), penalties and grammar masks.
 
 ``busy_s`` counts the time any request was in flight, not forward steps (SGLang keeps its own scheduler
@@ -83,6 +87,8 @@ __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mappin
 
 # SGLang's switch for log-probs before temperature scaling (see the module's docstring), set for its schedulers
 ORIGINAL_LOGPROBS = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+# and its dtype for the convolution windows of linear-attention layers, for a float32 engine (the docstring)
+FLOAT32_CONV_STATES = ("SGLANG_MAMBA_CONV_DTYPE", "float32")
 
 
 class SGLangEngine:
@@ -111,6 +117,8 @@ class SGLangEngine:
         }
         name, value = ORIGINAL_LOGPROBS
         os.environ[name] = value  # before the Engine spawns its scheduler processes, which inherit it
+        if str(args.get("dtype")) in ("float", "float32"):
+            os.environ.setdefault(*FLOAT32_CONV_STATES)
         if engine_class is None or io_struct is None:
             # the GPU extra; imported here so the CPU install never needs it
             import sglang

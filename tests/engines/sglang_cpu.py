@@ -9,8 +9,9 @@ What it takes, and why (measured on this project's machines: /work/shared/refere
   sgl-kernel's CUDA build links the driver library, and nothing calls into it on this path;
 - ``OMP_NUM_THREADS=1`` before torch starts its pool (two threads on two loaded cores ran 35x slower);
 - ``TORCHDYNAMO_DISABLE=1``: the VL models' mrope is under ``torch.compile``, ~40 s of inductor on CPU;
-- four CPU-only ``sgl_kernel`` ops declared (no kernel) before SGLang's Qwen-VL processor module is imported: it
-  imports the Qwen3.5 model, which binds them at import on CPU; only Qwen3.5 would call them;
+- the CPU-only ``sgl_kernel`` ops SGLang's Qwen3.5 model calls (bound when it is imported, which SGLang's Qwen-VL
+  processor module does for every VL family), from sgl-kernel's CPU build, not on PyPI: `tests.engines.sgl_kernel_cpu`
+  registers plain-torch stand-ins under their real schemas, and lets SGLang's gated RMS norm take its CPU branch;
 - routing replay's capture (``enable_return_routed_experts``) with its host buffer left unpinned: SGLang allocates
   it for device "cpu" through ``ALLOC_MEMORY_FUNCS["cpu"]`` (``srt/mem_cache/pool_host/common.py``), which pins it
   with ``cudaHostRegister`` (through ``torch.cuda.cudart()``: no driver, no start). Pinning only speeds a GPU's copies
@@ -18,7 +19,7 @@ What it takes, and why (measured on this project's machines: /work/shared/refere
   in each process SGLang spawns (its scheduler allocates the buffer) by the ``sitecustomize`` below.
 
 `prepare()` does all of it once per process, before sglang is imported (and puts the ``sitecustomize`` on the
-``PYTHONPATH`` its spawned processes inherit); `SERVER_ARGS` are what every CPU engine
+``PYTHONPATH`` its spawned processes inherit: `patch_on_import` there); `SERVER_ARGS` are what every CPU engine
 takes (a KV pool of a fixed size: otherwise it is sized from the free RAM). A server as a process of its own:
 ``python -m tests.engines.sglang_cpu MODULE ARGS…`` prepares, then runs ``python -m MODULE ARGS…`` in the same
 process (``sglang.launch_server``, or Weir's ``launcher.cli serve engine``). Engine roles a launcher starts
@@ -43,11 +44,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SERVER_ARGS", "prepare", "unpin_host_buffers", "role_env", "started_engine"]
+__all__ = ["HYBRID_SERVER_ARGS", "SERVER_ARGS", "patch_on_import", "prepare", "role_env", "started_engine"]
 
 # sleep_on_idle: SGLang's scheduler otherwise spins a whole core while idle, which on two cores starves the trainer
 # beside it (a `weir train` step took 120 s instead of 13)
 SERVER_ARGS = {"device": "cpu", "max_total_tokens": 8192, "dtype": "float32", "sleep_on_idle": True}
+# and for a model with linear-attention layers (Qwen3.5): the mamba radix cache's default strategy ("extra_buffer")
+# refuses to start without "platform support for Mamba cache state snapshots" (CUDA, ROCm, XPU, NPU, MUSA), and
+# "no_buffer" needs the overlap scheduler off
+HYBRID_SERVER_ARGS = {**SERVER_ARGS, "mamba_radix_cache_strategy": "no_buffer", "disable_overlap_schedule": True}
 
 _STUB = """
 /* libcuda.so.1 for a machine without NVIDIA's driver: every entry point sgl-kernel's loader resolves answers
@@ -60,14 +65,7 @@ int cuPointerGetAttribute(void *data, int attribute, unsigned long long pointer)
 }
 """
 
-_CPU_ONLY_OPS = (
-    "fused_sigmoid_mul_cpu",
-    "fused_qk_gemma_rmsnorm_cpu",
-    "fused_qk_gemma_rmsnorm_with_gate_cpu",
-    "fused_qkvzba_split_reshape_cat_contiguous_cpu",
-)
-
-_prepared: list[object] = []  # what must live as long as the process (the op library)
+_prepared: list[bool] = []
 
 
 def _stub_library() -> Path:
@@ -101,29 +99,43 @@ def prepare() -> None:
     paths = [str(folder), *filter(None, os.environ.get("LD_LIBRARY_PATH", "").split(":"))]
     os.environ["LD_LIBRARY_PATH"] = ":".join(dict.fromkeys(paths))
     ctypes.CDLL(str(folder / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
-    import sgl_kernel  # noqa: F401 — loads the CUDA build (against the stub) before the ops are declared
     import torch
 
     torch.set_num_threads(1)
-    library = torch.library.Library("sgl_kernel", "FRAGMENT")
-    for name in _CPU_ONLY_OPS:
-        if not hasattr(torch.ops.sgl_kernel, name):
-            library.define(f"{name}(Tensor[] args) -> ()")
-    _prepared.append(library)
-    os.environ.update(role_env())  # the processes SGLang spawns run the sitecustomize (`unpin_host_buffers`)
-    unpin_host_buffers()
+    _prepared.append(True)
+    os.environ.update(role_env())  # the processes SGLang spawns run the sitecustomize (`patch_on_import`)
+    patch_on_import()
+    import sgl_kernel  # noqa: F401 — the CUDA build (against the stub); its import registers the stand-ins
 
 
 _POOLS = "sglang.srt.mem_cache.pool_host.common"
+_GATED_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated"
 
 
-def unpin_host_buffers() -> None:
-    """In a process of a CPU engine (its scheduler, spawned): once SGLang's host-pool module is imported, its
-    allocation for device "cpu" leaves the buffer unpinned (see the module's docstring); idempotent."""
-    if _POOLS in sys.modules:
-        _unpin(sys.modules[_POOLS])
-    elif not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+# (the stand-ins' module imports torch: not before `prepare` has set its threads)
+def _register_stand_ins(sgl_kernel: Any) -> None:
+    from tests.engines import sgl_kernel_cpu
+
+    sgl_kernel_cpu.register()
+
+
+def _gated_norm_on_cpu(module: Any) -> None:
+    from tests.engines import sgl_kernel_cpu
+
+    sgl_kernel_cpu.gated_norm_on_cpu(module)
+
+
+def patch_on_import() -> None:
+    """In a process of a CPU engine (its scheduler, spawned; the process that starts it): each module of
+    `_AFTER_IMPORT`, once executed, gets its patch (already imported: at once); idempotent."""
+    waiting = set()
+    for name, patch in _AFTER_IMPORT.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            waiting.add(name)
+    if waiting and not any(isinstance(finder, _AfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(waiting))
 
 
 def _unpin(pools: Any) -> None:
@@ -143,22 +155,36 @@ def _unpin(pools: Any) -> None:
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs `_unpin` on SGLang's host-pool module right after it is first executed."""
+    """Patches each module of `_AFTER_IMPORT` right after it is first executed."""
+
+    def __init__(self, waiting: set[str]) -> None:
+        self.waiting = waiting
 
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != _POOLS:
+        if name not in self.waiting:
             return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        assert spec is not None and spec.loader is not None
-        execute = spec.loader.exec_module
+        self.waiting.discard(name)
+        sys.meta_path.remove(self)  # the spec found as if this finder were not there
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            if self.waiting:
+                sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        execute, patch = spec.loader.exec_module, _AFTER_IMPORT[name]
 
         def exec_module(module: Any) -> None:
             execute(module)
-            _unpin(module)
+            patch(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
+
+
+# each module → its patch, in every process of a CPU engine: sgl-kernel (its CUDA build) → the stand-ins for its
+# CPU-only ops; SGLang's host pools → their "cpu" allocation unpinned; its gated RMS norm → its CPU branch
+_AFTER_IMPORT = {"sgl_kernel": _register_stand_ins, _POOLS: _unpin, _GATED_NORM: _gated_norm_on_cpu}
 
 
 _SITE = """# written by tests/engines/sglang_cpu.py: the processes started under it run the real SGLang on CPU
@@ -170,15 +196,15 @@ if os.environ.get("WEIR_SGLANG_CPU_SCAFFOLD") == "1":
 
     if sys.argv[1:3] == ["serve", "engine"]:  # `python -m launcher.cli serve engine …` (no module name there yet)
         sglang_cpu.prepare()
-    else:  # what SGLang spawns (its scheduler allocates the buffer); a launcher (its R3 check reads the same table)
-        sglang_cpu.unpin_host_buffers()
+    else:  # what SGLang spawns (its scheduler: the model, the buffers); a launcher (its R3 check reads the pools)
+        sglang_cpu.patch_on_import()
 """
 
 
 def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for processes run under this scaffolding: ``PYTHONPATH`` (their environment's, default this
     one's) with this checkout and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve
-    engine``) before it imports sglang and `unpin_host_buffers` in any other process (what SGLang spawns, a
+    engine``) before it imports sglang and `patch_on_import` in any other process (what SGLang spawns, a
     launcher), and the variable that turns that on."""
     # named by its content: a run from another checkout, with another version of it, keeps its own
     digest = hashlib.sha256(_SITE.encode()).hexdigest()[:12]

@@ -1,13 +1,13 @@
 """The model families of ``weir init-model --arch`` on the real SGLang engine (sglang 0.5.23, `sglang.Engine` in
 this process, on the CPU under `tests.engines.sglang_cpu`), each started through Weir's
-``load_engine(..., backend="sglang")``: Qwen3 and Qwen3-MoE (text), Qwen2.5-VL and Qwen3-VL-MoE (an image), each
-under SGLang's own native model for the architecture its ``config.json`` names. Greedy tokens equal Weir's
+``load_engine(..., backend="sglang")``: Qwen3 and Qwen3-MoE (text), Qwen2.5-VL, Qwen3-VL-MoE and Qwen3.5 (an image),
+each under SGLang's own native model for the architecture its ``config.json`` names. Greedy tokens equal Weir's
 transformers engine's on the same prompts, their log-probs within `LOGPROB_TOLERANCE`; an image sent as the
 processor's pixels (SGLang runs its vision tower) and as Weir's encoder stage's embeddings generates the same tokens.
 
-Qwen3.5 does not run here: SGLang's Qwen3.5 model calls sgl-kernel's CPU-only ops (gated delta-net), which exist
-only in sgl-kernel's CPU build (not on PyPI); `tests.engines.sglang_cpu` declares them without a kernel so that
-SGLang's Qwen-VL processor module imports. `test_qwen3_5_on_this_cpu_fails_by_name` records what happens then.
+Qwen3.5 runs SGLang's own model, weight loading, mamba state pool and scheduler; the handful of kernels its gated
+delta-net layers call on a CPU come from sgl-kernel's CPU build (not on PyPI), so the scaffolding registers plain-torch
+stand-ins for them (`tests.engines.sgl_kernel_cpu`, tested on their own in ``test_sgl_kernel_cpu.py``).
 
 Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
 One engine per family, started when its tests begin and closed after them: each start costs 30-160 s on two cores.
@@ -51,7 +51,9 @@ NATIVE = {
     "qwen3-moe": "Qwen3MoeForCausalLM",
     "qwen2.5-vl": "Qwen2_5_VLForConditionalGeneration",
     "qwen3-vl-moe": "Qwen3VLMoeForConditionalGeneration",
+    "qwen3.5": "Qwen3_5ForConditionalGeneration",
 }
+WITH_MEDIA = {"qwen2.5-vl", "qwen3-vl-moe", "qwen3.5"}
 
 
 @dataclass
@@ -69,7 +71,8 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     model = init_model(tmp_path_factory.mktemp(arch) / "model", arch=arch)
     _refuse_unloadable_experts(model)  # before the start: a scheduler that fails SIGQUITs this process
     started = time.monotonic()
-    engine = load_engine(model, backend="sglang", server_args=sglang_cpu.SERVER_ARGS)
+    args = sglang_cpu.HYBRID_SERVER_ARGS if arch == "qwen3.5" else sglang_cpu.SERVER_ARGS
+    engine = load_engine(model, backend="sglang", server_args=args)
     print(f"\nthe real SGLang engine (tiny {arch}) started in {time.monotonic() - started:.1f} s")
     try:
         yield Served(arch, model, engine)
@@ -206,7 +209,7 @@ def test_an_image_as_pixels_and_as_the_encoder_stages_embedding_equals_the_trans
     from encoders.towers import Towers
     from preprocess import samples
 
-    if not served.arch.endswith("-vl") and "-vl-" not in served.arch:
+    if served.arch not in WITH_MEDIA:
         pytest.skip(f"{served.arch} is a text model: no media")
     spec = pp.ProcessorSpec.from_pretrained(served.model)
     image = pp.process_image(samples.encode_image(samples.test_pattern(96, 80), "PNG"), spec)
@@ -279,61 +282,3 @@ def test_a_trainers_weights_by_broadcast_are_what_the_same_weights_from_disk_giv
         dist.destroy_process_group(process_group)
         pool.shutdown(wait=False)
         served.engine.update_weights(str(served.model), version="0")
-
-
-_RESOLVE_IN_A_SCHEDULER = """
-import ctypes, sys
-from tests.engines import sglang_cpu
-
-# as SGLang's spawned scheduler starts: the environment `prepare` set (inherited), the stub driver loaded, and no
-# CPU-only sgl_kernel ops declared (they are declared only in the process that ran `prepare`)
-ctypes.CDLL(str(sglang_cpu._stub_library() / "libcuda.so.1"), mode=ctypes.RTLD_GLOBAL)
-from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_loader.utils import get_model_architecture
-
-try:
-    get_model_architecture(ModelConfig(sys.argv[1]))
-except ValueError as error:
-    print(error)
-else:
-    print("resolved")
-"""
-
-
-def test_qwen3_5_on_this_cpu_fails_by_name(tmp_path: Path) -> None:
-    """What the released SGLang does with a Qwen3.5 on this CPU, found by starting the engine once (no test starts
-    it: its scheduler's failure sends SIGQUIT to the process that started it, pytest here):
-
-    - with its defaults the start is refused at once: the mamba radix cache's ``extra_buffer`` strategy "requires
-      platform support for Mamba cache state snapshots" (CUDA, ROCm, XPU, NPU, MUSA), so a CPU needs
-      ``mamba_radix_cache_strategy="no_buffer"`` and ``disable_overlap_schedule=True``;
-    - with those, the scheduler fails while building its model runner: "Qwen3_5ForConditionalGeneration has no
-      SGlang implementation and the Transformers implementation is not compatible with SGLang". SGLang's
-      ``models/qwen3_5.py`` binds sgl-kernel's CPU-only gated delta-net ops at import when on CPU; the PyPI
-      sgl-kernel (its CUDA build) has none, so the import fails, the registry silently leaves the model out and
-      the transformers fallback refuses the hybrid model.
-
-    This test checks that cause where it happens, in a process like SGLang's scheduler (a subprocess, ~20 s:
-    sglang's import); Qwen3.5 on CPU needs sgl-kernel built for CPU from source."""
-    import subprocess
-    import sys
-
-    from encoders.embedded_model import init_model
-
-    model = init_model(tmp_path / "model", arch="qwen3.5")
-    assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3_5ForConditionalGeneration"]
-    root = Path(__file__).resolve().parents[2]
-    answer = subprocess.run(
-        [sys.executable, "-c", _RESOLVE_IN_A_SCHEDULER, str(model)],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    assert "Qwen3_5ForConditionalGeneration has no SGlang implementation" in answer.stdout, answer.stdout[-2000:]
-    import torch
-
-    # and the cause: this process (prepared) only declares the ops; their kernels are not in the PyPI sgl-kernel
-    with pytest.raises(NotImplementedError, match="fused_sigmoid_mul_cpu"):
-        torch.ops.sgl_kernel.fused_sigmoid_mul_cpu([torch.zeros(1)])

@@ -27,6 +27,7 @@ from . import sglang_cpu  # noqa: E402
 pytestmark = pytest.mark.integration
 
 CPU_ARGS = json.dumps(sglang_cpu.SERVER_ARGS)
+HYBRID_ARGS = json.dumps(sglang_cpu.HYBRID_SERVER_ARGS)  # Qwen3.5 (its linear-attention layers' state pool)
 
 
 def _weir(*argv: str, timeout: float, scaffold: bool = True) -> subprocess.CompletedProcess[str]:
@@ -39,15 +40,17 @@ def _weir(*argv: str, timeout: float, scaffold: bool = True) -> subprocess.Compl
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("arch", [None, "qwen3", "qwen2.5-vl"])
+@pytest.mark.parametrize("arch", [None, "qwen3", "qwen2.5-vl", "qwen3.5"])
 def test_weir_train_runs_the_demo_with_sglang_engines(tmp_path: Path, arch: str | None) -> None:
     """Two RL steps of the demo served by SGLang — its default model (a Qwen3-VL, which SGLang serves natively), a
-    text model (Qwen3: the colour-word task) and Qwen2.5-VL (whose module names are not its checkpoint's) —: every
+    text model (Qwen3: the colour-word task), Qwen2.5-VL (whose module names are not its checkpoint's) and Qwen3.5
+    (its gated delta-net layers on the scaffolding's stand-in kernels) —: every
     sample trained, the weights broadcast to SGLang (retract, update, continue) between steps, never falling back to
     disk, and SGLang's log-probs the trainer's (the mismatch monitor's KL under 1e-3; its banned media tokens' mass
     aside: `engines.sglang_request.build_request`)."""
     home = tmp_path / "home"
-    argv = ["train", "--demo", *(["--arch", arch] if arch else []), "--backend", "sglang", "--sglang-args", CPU_ARGS]
+    args = HYBRID_ARGS if arch == "qwen3.5" else CPU_ARGS
+    argv = ["train", "--demo", *(["--arch", arch] if arch else []), "--backend", "sglang", "--sglang-args", args]
     argv += ["--steps", "2", "--warmup-steps", "1", "--home", str(home), "--base-port", str(free_stack_base(1))]
     done = _weir(*argv, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -90,13 +93,15 @@ def test_a_moe_demo_runs_on_sglang_with_its_routes_and_broadcasts_the_files_layo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-vl-moe"])
-def test_a_moe_demo_learns_on_sglang_with_routing_replay(tmp_path: Path, arch: str) -> None:
-    """The whole demo (150 steps) of a MoE family on the real SGLang engine with ``--r3``: held-out greedy accuracy
-    to 80 % or more (measured: Qwen3-MoE 25 % → 100 %, 216 s; Qwen3-VL-MoE 25 % → 100 %, 388 s; the figures in
-    `docs/training.md#families`)."""
+@pytest.mark.parametrize("arch", ["qwen3-moe", "qwen3-vl-moe", "qwen3.5"])
+def test_a_demo_learns_on_sglang(tmp_path: Path, arch: str) -> None:
+    """The whole demo (150 steps) on the real SGLang engine, the MoE families with ``--r3``: held-out greedy
+    accuracy to 80 % or more (measured: Qwen3-MoE 25 % → 100 %, 216 s; Qwen3-VL-MoE 25 % → 100 %, 388 s; the
+    figures, Qwen3.5's with them, in `docs/training.md#families`)."""
     home = tmp_path / "home"
-    argv = ["train", "--demo", "--arch", arch, "--backend", "sglang", "--sglang-args", CPU_ARGS, "--r3"]
+    moe = arch != "qwen3.5"
+    argv = ["train", "--demo", "--arch", arch, "--backend", "sglang", "--sglang-args", CPU_ARGS if moe else HYBRID_ARGS]
+    argv += ["--r3"] * moe
     done = _weir(*argv, "--home", str(home), "--base-port", str(free_stack_base(1)), timeout=5400)
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-6000:]

@@ -1,0 +1,211 @@
+"""The plain-torch stand-ins for sgl-kernel's CPU-only ops (`tests.engines.sgl_kernel_cpu`), each against the
+reference it stands for: transformers' Qwen3.5 modules and gated delta rule, and a causal convolution over each whole
+sequence. They are called as SGLang calls them — through ``torch.ops.sgl_kernel`` under their real schemas, the
+decode op by keyword, on a state pool of SGLang's layout with slots in any order and a pad slot — across a prompt
+(several packed, some continuing a slot's state) and then tokens decoded one at a time, which must give what one pass
+over each whole sequence gives. Plain torch: runs in the main suite (the engine itself: test_sglang_real_families)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
+
+from tests.engines import sgl_kernel_cpu
+
+sgl_kernel_cpu.register()
+ops = torch.ops.sgl_kernel
+PAD = -1
+TOLERANCE = 1e-5
+
+
+def _random(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_every_op_is_registered_under_its_schema_and_again_is_a_no_op() -> None:
+    sgl_kernel_cpu.register()
+    for name, schema in sgl_kernel_cpu.SCHEMAS.items():
+        assert getattr(ops, name).default._schema == torch._C.parse_schema(f"sgl_kernel::{schema}"), name
+
+
+def test_the_attention_layers_norms_and_gate_are_qwen3_5s() -> None:
+    tokens, heads, kv_heads, dim = 5, 4, 2, 16
+    norm = reference.Qwen3_5RMSNorm(dim, eps=1e-6)
+    k_norm = reference.Qwen3_5RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(_random(dim, seed=1))
+        k_norm.weight.copy_(_random(dim, seed=2))
+    q_gate, k = _random(tokens, heads * 2 * dim, seed=3), _random(tokens, kv_heads * dim, seed=4)
+    query, key, gate = ops.fused_qk_gemma_rmsnorm_with_gate_cpu(q_gate, k, norm.weight, k_norm.weight, 1e-6, dim, heads)
+    q_want, gate_want = q_gate.view(tokens, heads, 2 * dim).chunk(2, dim=-1)
+    with torch.no_grad():
+        torch.testing.assert_close(query, norm(q_want).reshape(-1, dim), rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(key, k_norm(k.view(-1, dim)), rtol=0, atol=TOLERANCE)
+        q_plain, k_plain = ops.fused_qk_gemma_rmsnorm_cpu(
+            q_want.reshape(tokens, -1), k, norm.weight, k_norm.weight, 1e-6, dim
+        )
+        torch.testing.assert_close(q_plain.view(tokens, heads, dim), norm(q_want), rtol=0, atol=TOLERANCE)
+    assert torch.equal(gate, gate_want.reshape(-1, dim)) and gate.is_contiguous()
+    attended = _random(tokens, heads * dim, seed=5)
+    want = attended * torch.sigmoid(gate_want.reshape(tokens, -1))
+    ops.fused_sigmoid_mul_cpu(attended, gate_want)  # in place, the gate a strided view as SGLang passes it
+    torch.testing.assert_close(attended, want, rtol=0, atol=TOLERANCE)
+
+
+def test_the_delta_nets_split_gates_and_output_norm_are_qwen3_5s() -> None:
+    tokens, k_heads, v_heads, k_dim, v_dim = 3, 2, 4, 8, 6
+    qkvz = _random(tokens, 2 * k_heads * k_dim + 2 * v_heads * v_dim, seed=6)
+    ba = _random(tokens, 2 * v_heads, seed=7)
+    qkv, z, b, a = ops.fused_qkvzba_split_reshape_cat_contiguous_cpu(qkvz, ba, k_heads, v_heads, k_dim, v_dim)
+    width = 2 * k_heads * k_dim + v_heads * v_dim
+    assert torch.equal(qkv, qkvz[:, :width]) and torch.equal(z.reshape(tokens, -1), qkvz[:, width:])
+    assert torch.equal(b, ba[:, :v_heads]) and torch.equal(a, ba[:, v_heads:])
+    assert all(t.is_contiguous() and t.data_ptr() not in (qkvz.data_ptr(), ba.data_ptr()) for t in (qkv, z, b, a))
+    A_log, dt_bias = _random(v_heads, seed=8), _random(v_heads, seed=9)
+    g, beta = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    torch.testing.assert_close(g[0], -A_log.exp() * F.softplus(a + dt_bias), rtol=0, atol=TOLERANCE)
+    torch.testing.assert_close(beta[0], b.sigmoid(), rtol=0, atol=TOLERANCE)
+    norm = reference.Qwen3_5RMSNormGated(v_dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(_random(v_dim, seed=10))
+        x, gate = _random(12, v_dim, seed=11), _random(12, v_dim, seed=12)
+        torch.testing.assert_close(
+            ops.fused_rmsnorm_gated_cpu(x, norm.weight, gate, 1e-6), norm(x, gate), rtol=0, atol=TOLERANCE
+        )
+
+
+def _conv_reference(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A causal depthwise convolution and SiLU over a whole sequence (tokens, dim), zeros before it."""
+    width = weight.shape[-1]
+    out = F.conv1d(tokens.T[None], weight[:, None, :], bias, padding=width - 1, groups=weight.shape[0])
+    return F.silu(out[0, :, : len(tokens)].T)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_convolution_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_sequence(bias: bool) -> None:
+    """Three prompts packed with a pad row: one continuing its slot (two tokens seen before), one new on a slot
+    holding a stale window, one shorter than the window; then three tokens decoded for two of them (and a pad row)."""
+    dim, width = 12, 4
+    weight, b = _random(dim, width, seed=20), (_random(dim, seed=21) if bias else None)
+    pool = _random(6, dim, width - 1, seed=22)  # stale windows: only a continued sequence may read its slot
+    seen = _random(2, dim, seed=23)
+    pool[3] = F.pad(seen.T, (width - 1 - len(seen), 0))
+    slots, lengths, continued = [3, 4, 1, PAD], [5, 7, 1, 2], [True, False, False, False]
+    prompt = _random(sum(lengths), dim, seed=24)
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    out = ops.causal_conv1d_fwd_cpu(
+        prompt.T,
+        weight,
+        b,
+        pool,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(slots, dtype=torch.int32),
+        torch.tensor(continued),
+        True,
+        PAD,
+        True,
+    ).T
+    decoding = [4, PAD, 3]
+    steps = [_random(len(decoding), dim, seed=30 + step) for step in range(3)]
+    indices = torch.tensor(decoding, dtype=torch.int32)
+    decoded = [ops.causal_conv1d_update_cpu(step, pool, weight, b, True, None, indices, PAD, True) for step in steps]
+    for row, slot in enumerate(slots):
+        own = slice(starts[row], starts[row + 1])
+        if slot == PAD:
+            assert not out[own].any()
+            continue
+        before = seen if continued[row] else prompt[:0]
+        later = [step[decoding.index(slot)] for step in steps] if slot in decoding else []
+        got = torch.cat([out[own], *(d[decoding.index(slot)][None] for d in decoded if slot in decoding)])
+        want = _conv_reference(torch.cat([before, prompt[own], *(t[None] for t in later)]), weight, b)[len(before) :]
+        torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
+    assert not any(d[decoding.index(PAD)].any() for d in decoded)
+
+
+def test_the_delta_rule_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_sequence() -> None:
+    """The recurrence as SGLang drives it: prompts packed (one continuing its slot's state, one from a freshly
+    zeroed slot, a pad row), then tokens decoded for both in swapped order; each sequence's outputs and final state
+    are transformers' token-by-token rule over the whole sequence (its key heads shared by two value heads)."""
+    k_heads, v_heads, k_dim, v_dim = 2, 4, 8, 6
+    pool = torch.zeros(5, v_heads, v_dim, k_dim)  # SGLang's slot layout: (value heads, head_v, head_k)
+    recurrent = reference.torch_recurrent_gated_delta_rule
+
+    def token_inputs(count: int, seed: int) -> dict[str, torch.Tensor]:
+        return {
+            "q": _random(count, k_heads, k_dim, seed=seed),
+            "k": _random(count, k_heads, k_dim, seed=seed + 1),
+            "v": _random(count, v_heads, v_dim, seed=seed + 2),
+            "a": _random(count, v_heads, seed=seed + 3),
+            "b": _random(count, v_heads, seed=seed + 4),
+        }
+
+    A_log, dt_bias = _random(v_heads, seed=40), _random(v_heads, seed=41)
+    seen = token_inputs(3, seed=50)  # slot 2's earlier tokens
+    slots, lengths = [2, 4, PAD], [4, 70, 3]  # 70: more than one of the chunked rule's 64-token chunks
+    prompt = token_inputs(sum(lengths), seed=60)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    def prefill(inputs: dict[str, torch.Tensor], bounds: torch.Tensor, slot_ids: list[int]) -> torch.Tensor:
+        g, beta = ops.fused_gdn_gating_cpu(A_log, inputs["a"], inputs["b"], dt_bias)
+        out, _ = ops.chunk_gated_delta_rule_cpu(
+            inputs["q"][None],
+            inputs["k"][None],
+            inputs["v"][None],
+            g,
+            beta,
+            pool,
+            True,
+            bounds,
+            False,
+            True,
+            torch.tensor(slot_ids, dtype=torch.int32),
+        )
+        return out[0]
+
+    prefill(seen, torch.tensor([0, 3], dtype=torch.int32), [2])
+    out = prefill(prompt, starts, slots)
+    decoding = [4, 2]
+    steps = [token_inputs(len(decoding), seed=70 + 10 * step) for step in range(2)]
+    decoded = [
+        ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=A_log,
+            dt_bias=dt_bias,
+            q=s["q"][None],
+            k=s["k"][None],
+            v=s["v"][None],
+            a=s["a"],
+            b=s["b"],
+            initial_state_source=pool,
+            initial_state_indices=torch.tensor(decoding, dtype=torch.int32),
+            cu_seqlens=torch.arange(len(decoding) + 1, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True,
+        )
+        for s in steps
+    ]
+    for row, slot in enumerate(slots):
+        own = slice(int(starts[row]), int(starts[row + 1]))
+        if slot == PAD:
+            continue
+        parts = [{n: t[own] for n, t in prompt.items()}] + [
+            {n: t[[decoding.index(slot)]] for n, t in s.items()} for s in steps
+        ]
+        if slot == 2:
+            parts.insert(0, seen)
+        whole = {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        g = -A_log.exp() * F.softplus(whole["a"] + dt_bias)
+        repeat = v_heads // k_heads
+        want, state = recurrent(
+            whole["q"].repeat_interleave(repeat, dim=1)[None],
+            whole["k"].repeat_interleave(repeat, dim=1)[None],
+            whole["v"][None],
+            g[None],
+            whole["b"].sigmoid()[None],
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+        got = torch.cat([out[own], *(d[decoding.index(slot)] for d in decoded)])
+        torch.testing.assert_close(got, want[0, -len(got) :], rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(pool[slot], state[0].transpose(-1, -2), rtol=0, atol=TOLERANCE)
+    assert not pool[[0, 1, 3]].any()  # no other slot written (the pad row's included)
