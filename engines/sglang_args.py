@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "LINEAR_ATTENTION_ARCHITECTURES",
     "RESERVED",
     "SETTINGS",
     "check_server_args",
     "engine_gpus",
+    "linear_attention_on_cpu",
     "parse_server_args",
     "routes_on_cpu",
     "served_architectures",
@@ -107,6 +109,27 @@ def routes_on_cpu() -> bool:
 
     allocate = common.ALLOC_MEMORY_FUNCS.get("cpu", common.alloc_with_host_register)  # .get: no entry added
     return allocate is not common.alloc_with_host_register or torch.cuda.is_available()
+
+
+# models whose linear-attention layers (gated delta-nets) SGLang runs on sgl-kernel's ops: on a CPU, ops of its CPU
+# build only (`linear_attention_on_cpu`)
+LINEAR_ATTENTION_ARCHITECTURES = frozenset(
+    {"Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM"}
+)
+
+
+def linear_attention_on_cpu() -> bool:
+    """Whether the installed sgl-kernel has the ops SGLang's gated delta-net models (Qwen3.5, Qwen3-Next) call on a
+    CPU (``models/qwen3_5.py``, ``layers/attention/linear/``, 0.5.23): they are compiled into sgl-kernel's CPU build
+    only (built from source; PyPI's wheel is the CUDA one), and without them SGLang leaves the model out of its
+    registry and its scheduler fails at start. False where sgl-kernel is not installed or does not load here."""
+    try:
+        import sgl_kernel  # noqa: F401 — its library defines its ops
+    except (ImportError, OSError, RuntimeError):
+        return False
+    import torch
+
+    return hasattr(torch.ops.sgl_kernel, "chunk_gated_delta_rule_cpu")
 
 
 def engine_gpus(args: Mapping[str, Any]) -> int:

@@ -31,10 +31,10 @@ protocol says and the trainer recomputes: SGLang reports those of the temperatur
 ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set (0.5.23, ``srt/layers/sampler.py``: read once when its scheduler
 process imports it), so the backend sets it before the Engine spawns its schedulers (`ORIGINAL_LOGPROBS`), over
 any value the environment had. A linear-attention model's convolution windows (Qwen3.5's gated delta-net layers) sit
-in SGLang's state pool in bf16 whatever the model's dtype (``SGLANG_MAMBA_CONV_DTYPE``, 0.5.23's default): a
-float32 engine keeps them in float32 (`FLOAT32_CONV_STATES`, unless the environment says otherwise), so each
-decoded token is computed from the inputs the trainer sees (bf16 windows: log-probs off by up to 8e-4 on the tiny
-Qwen3.5). What still differs from the protocol: SGLang takes them after its logit bias
+in SGLang's state pool in bf16 whatever the model's dtype (``SGLANG_MAMBA_CONV_DTYPE``, 0.5.23's default): an engine
+given a dtype keeps them in it (`conv_state_dtype`, set the same way), so each decoded token is computed from the
+inputs the trainer sees (a float32 engine with bf16 windows: log-probs 8e-4 off on the tiny Qwen3.5).
+What still differs from the protocol: SGLang takes them after its logit bias
 (the structural tokens' -inf: `engines.sglang_request.build_request`), penalties and grammar masks.
 
 ``busy_s`` counts the time any request was in flight, not forward steps (SGLang keeps its own scheduler
@@ -87,8 +87,20 @@ __all__ = ["SGLangEngine", "build_request", "result_from"]  # the request mappin
 
 # SGLang's switch for log-probs before temperature scaling (see the module's docstring), set for its schedulers
 ORIGINAL_LOGPROBS = ("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
-# and its dtype for the convolution windows of linear-attention layers, for a float32 engine (the docstring)
-FLOAT32_CONV_STATES = ("SGLANG_MAMBA_CONV_DTYPE", "float32")
+# and its dtype for the convolution windows of linear-attention layers (the docstring)
+CONV_STATE_DTYPE = "SGLANG_MAMBA_CONV_DTYPE"
+_DTYPE_NAMES = {
+    "float": "float32",
+    "float32": "float32",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+}
+
+
+def conv_state_dtype(server_args: Mapping[str, object]) -> str | None:
+    """SGLang's name for the engine's dtype (``dtype`` of its server arguments); None for ``auto`` or none given."""
+    return _DTYPE_NAMES.get(str(server_args.get("dtype")))
 
 
 class SGLangEngine:
@@ -117,8 +129,8 @@ class SGLangEngine:
         }
         name, value = ORIGINAL_LOGPROBS
         os.environ[name] = value  # before the Engine spawns its scheduler processes, which inherit it
-        if str(args.get("dtype")) in ("float", "float32"):
-            os.environ.setdefault(*FLOAT32_CONV_STATES)
+        if (dtype := conv_state_dtype(args)) is not None:
+            os.environ[CONV_STATE_DTYPE] = dtype  # as the log-probs' switch: the engine's own, whatever was there
         if engine_class is None or io_struct is None:
             # the GPU extra; imported here so the CPU install never needs it
             import sglang

@@ -78,7 +78,9 @@ def engine_refusal(config: TrainConfig) -> str | None:
     or engine options given for a stack this run does not start (an ``--attach`` the user typed: the ranks
     `weir train --nproc N` starts attach to the stack it started with them, `LAUNCHED_RANK_ENV`)."""
     from engines.sglang_args import (
+        LINEAR_ATTENTION_ARCHITECTURES,
         check_server_args,
+        linear_attention_on_cpu,
         parse_server_args,
         served_architectures,
         server_arg_fields,
@@ -113,6 +115,13 @@ def engine_refusal(config: TrainConfig) -> str | None:
     refusal = unserved_refusal(_architectures(config), args, served_architectures())
     if refusal:
         return f"--backend sglang: {refusal}"
+    hybrid = LINEAR_ATTENTION_ARCHITECTURES.intersection(_architectures(config))
+    if hybrid and _sglang_device(args) == "cpu" and not linear_attention_on_cpu():
+        return (
+            "--backend sglang on the CPU: this model's linear-attention layers (gated delta-nets) run on sgl-kernel "
+            "ops only its CPU build has (built from source; PyPI's wheel is the CUDA one): on the CPU use --backend "
+            "transformers"
+        )
     if config.r3 and not _sglang_routes(args):
         return (
             "--r3 with SGLang on the CPU: SGLang pins its buffer of routed experts with cudaHostRegister, so it "

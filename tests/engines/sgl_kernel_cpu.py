@@ -17,22 +17,49 @@ One more is not an sgl-kernel op of its own: SGLang's gated RMS norm (``kernels/
 calls ``fused_rmsnorm_gated_cpu`` only on a CPU with AMX and a Triton kernel otherwise (CUDA only); this machine has no
 AMX, so `gated_norm_on_cpu` points that one module at the CPU op, as an AMX machine runs it.
 
-What the real kernels refuse and these accept is listed in `REFUSED_BY_THE_REAL_KERNELS`; a pad slot (``-1``) is
-skipped as SGLang's Triton kernels skip it.
+Where they are kinder than the real kernels, said: they take float32 (the real ones bf16 / fp16 only, so a float32
+engine runs only here) and head sizes under 32 (the tiny model's 16), and read the convolution weight as it arrives,
+plain (SGLang packs it for the real op only on a CPU with AMX, though its wrapper always says ``is_vnni``). Every other
+rule of theirs found in the source is kept by refusing, by name: a convolution other than 4 wide, a window of another
+dtype than its input, a pad slot (the real ops index the pool with it), more than one token per request in a
+decoded step, a packed batch other than one, an l2-norm epsilon other than transformers' (the recurrence is its).
+The state pool is read in its declared layout, (value heads, head_v, head_k) per slot (``configs/mamba_utils.py``);
+sgl-kernel's ``fla.cpp`` (as stored upstream) addresses a slot as (heads, head_k, head_v): the same shape for the
+released Qwen3.5 (128 and 128) and the tiny one (16 and 16), and nothing but these ops reads the pool here.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["REFUSED_BY_THE_REAL_KERNELS", "SCHEMAS", "gated_norm_on_cpu", "register"]
+__all__ = ["SCHEMAS", "gated_norm_on_cpu", "register"]
 
-REFUSED_BY_THE_REAL_KERNELS = "float32 tensors (bf16 / fp16 only), a convolution width other than 4"
-PAD_SLOT = -1  # sgl-kernel's CPU wrappers pass -1 as pad_slot_id
+WIDTH = 4  # the only convolution width sgl-kernel's CPU op takes
+L2_NORM_EPS = 1e-6  # transformers' l2 norm in its delta rule
+
+
+def _refuse(op: str, what: str) -> None:
+    raise NotImplementedError(f"{op}: {what} (sgl-kernel's CPU op refuses it too)")
+
+
+def _slots(op: str, indices: torch.Tensor | None, count: int) -> list[int]:
+    slots = list(range(count)) if indices is None else [int(i) for i in indices.tolist()]
+    if any(slot < 0 for slot in slots):
+        _refuse(op, "a pad slot")
+    return slots
+
+
+def _check_window(op: str, x: torch.Tensor, weight: torch.Tensor, conv_states: torch.Tensor | None) -> None:
+    if weight.shape[-1] != WIDTH:
+        _refuse(op, f"a convolution {weight.shape[-1]} wide")
+    if conv_states is not None and conv_states.dtype != x.dtype:
+        _refuse(op, f"a {conv_states.dtype} window for {x.dtype} input")
+
 
 SCHEMAS = {
     "fused_sigmoid_mul_cpu": "fused_sigmoid_mul_cpu(Tensor(a!) input, Tensor gate) -> ()",
@@ -153,10 +180,6 @@ def fused_gdn_gating(
     return g.unsqueeze(0), torch.sigmoid(b.float()).to(b.dtype).unsqueeze(0)
 
 
-def _slots(indices: torch.Tensor | None, count: int) -> list[int]:
-    return list(range(count)) if indices is None else [int(i) for i in indices.tolist()]
-
-
 def _convolve(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, silu: bool) -> torch.Tensor:
     """A depthwise causal convolution over ``window`` (dim, width - 1 + L): its last L outputs, fp32."""
     out = F.conv1d(
@@ -180,15 +203,14 @@ def causal_conv1d_fwd(
     """A prompt's convolution: ``x`` is (dim, tokens) with the sequences packed at ``query_start_loc``; each starts
     from its slot's window where ``has_initial_state`` says so (zeros otherwise), and the slot keeps the last
     ``width - 1`` inputs after. The weight is the plain (dim, width) one: SGLang packs it (VNNI) only with AMX."""
+    _check_window("causal_conv1d_fwd_cpu", x, weight, conv_states)
     width = weight.shape[-1]
     starts = [int(s) for s in query_start_loc.tolist()] if query_start_loc is not None else None
     spans = list(zip(starts[:-1], starts[1:], strict=True)) if starts else [(0, x.shape[-1])] * x.shape[0]
-    slots = _slots(cache_indices, len(spans))
+    slots = _slots("causal_conv1d_fwd_cpu", cache_indices, len(spans))
     initial = [False] * len(spans) if has_initial_state is None else [bool(h) for h in has_initial_state.tolist()]
     out = torch.zeros_like(x)
     for row, ((start, end), slot) in enumerate(zip(spans, slots, strict=True)):
-        if slot == pad_slot_id:
-            continue
         tokens = x[:, start:end] if starts else x[row]
         before = (
             conv_states[slot].float()
@@ -219,11 +241,10 @@ def causal_conv1d_update(
 ) -> torch.Tensor:
     """A decoded token's convolution: ``x`` (batch, dim), each row after its slot's window, which then shifts by one."""
     if cache_seqlens is not None:
-        raise NotImplementedError("causal_conv1d_update_cpu: cache_seqlens (sgl-kernel's CPU op refuses it too)")
+        _refuse("causal_conv1d_update_cpu", "cache_seqlens")
+    _check_window("causal_conv1d_update_cpu", x, weight, conv_states)
     out = torch.zeros_like(x)
-    for row, slot in enumerate(_slots(conv_state_indices, len(x))):
-        if slot == pad_slot_id:
-            continue
+    for row, slot in enumerate(_slots("causal_conv1d_update_cpu", conv_state_indices, len(x))):
         window = torch.cat([conv_states[slot].float(), x[row].float()[:, None]], dim=-1)
         out[row] = _convolve(window, weight, bias, silu_activation)[:, -1].to(x.dtype)
         conv_states[slot] = window[:, 1:].to(conv_states.dtype)
@@ -236,14 +257,17 @@ def _by_value_heads(query: torch.Tensor, key: torch.Tensor, value_heads: int) ->
     return query.repeat_interleave(repeat, dim=-2), key.repeat_interleave(repeat, dim=-2)
 
 
-def _reference_rules() -> tuple[Callable[..., Any], Callable[..., Any]]:
+_Rule = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # transformers' gated delta rule: output, final state
+
+
+def _reference_rules() -> tuple[_Rule, _Rule]:
     from transformers.models.qwen3_5 import modeling_qwen3_5 as reference
 
     return reference.torch_chunk_gated_delta_rule, reference.torch_recurrent_gated_delta_rule
 
 
 # SGLang's pool holds each slot's state as (value heads, head_v, head_k) (`configs/mamba_utils.py`: its declared
-# shape); transformers' rules take (heads, head_k, head_v): a transpose either way.
+# shape; see the module's docstring); transformers' rules take (heads, head_k, head_v): a transpose either way.
 
 
 def chunk_gated_delta_rule(
@@ -262,16 +286,19 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A prompt's recurrence: the sequences packed at ``cu_seqlens`` in (1, T, heads, dim) tensors, each from its
     slot's state (SGLang zeroes a slot when it gives it out), written back in place; returns the output and the pool."""
+    op = "chunk_gated_delta_rule_cpu"
     if head_first:
-        raise NotImplementedError("chunk_gated_delta_rule_cpu: head_first (sgl-kernel's CPU op refuses it too)")
+        _refuse(op, "head_first")
+    if query.shape[0] != 1:
+        _refuse(op, f"a packed batch of {query.shape[0]}")
+    if eps != L2_NORM_EPS:
+        _refuse(op, f"an l2-norm epsilon of {eps} (the stand-in's recurrence is transformers', at {L2_NORM_EPS})")
     chunked, _ = _reference_rules()
     queries, keys = _by_value_heads(query, key, value.shape[-2])
     out = torch.zeros_like(value)
     starts = [int(s) for s in cu_seqlens.tolist()]
-    for (start, end), slot in zip(
-        zip(starts[:-1], starts[1:], strict=True), _slots(initial_state_indices, len(starts) - 1), strict=True
-    ):
-        state = initial_state[slot].transpose(-1, -2)[None] if slot != PAD_SLOT else None
+    slots = _slots(op, initial_state_indices, len(starts) - 1)
+    for (start, end), slot in zip(zip(starts[:-1], starts[1:], strict=True), slots, strict=True):
         span = slice(start, end)
         result, final = chunked(
             queries[:, span],
@@ -279,13 +306,12 @@ def chunk_gated_delta_rule(
             value[:, span],
             g[:, span],
             beta[:, span],
-            initial_state=state,
+            initial_state=initial_state[slot].transpose(-1, -2)[None],
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         out[:, span] = result.to(out.dtype)
-        if slot != PAD_SLOT:
-            initial_state[slot] = final[0].transpose(-1, -2).to(initial_state.dtype)
+        initial_state[slot] = final[0].transpose(-1, -2).to(initial_state.dtype)
     return out, initial_state
 
 
@@ -305,7 +331,11 @@ def fused_sigmoid_gating_delta_rule_update(
     softplus_threshold: float = 20.0,
 ) -> torch.Tensor:
     """A decoded token per request: q, k (1, B, key heads, dim), v (1, B, value heads, dim) and the raw gates a, b
-    (B, value heads); each request's slot state advanced in place; returns (B, 1, value heads, head_v)."""
+    (B, value heads); each request's slot state advanced in place; returns (B, 1, value heads, head_v). (The real
+    kernel l2-normalises with an epsilon of 1e-5, its prompt op with 1e-6; here both are transformers' 1e-6.)"""
+    op = "fused_sigmoid_gating_delta_rule_update_cpu"
+    if q.shape[0] != 1:
+        _refuse(op, f"{q.shape[0]} tokens per request in a decoded step")
     _, recurrent = _reference_rules()
     rows = q.shape[1]
     g = -torch.exp(A_log.float()) * F.softplus(
@@ -314,25 +344,23 @@ def fused_sigmoid_gating_delta_rule_update(
     beta = torch.sigmoid(b.reshape(rows, -1).float())
     queries, keys = _by_value_heads(q[0], k[0], v.shape[-2])  # (B, heads, dim): one token per request
     out = v.new_zeros(rows, 1, *v.shape[-2:])
-    for row, slot in enumerate(_slots(initial_state_indices, rows)):
-        state = initial_state_source[slot].transpose(-1, -2)[None] if slot != PAD_SLOT else None
+    for row, slot in enumerate(_slots(op, initial_state_indices, rows)):
         result, final = recurrent(
             queries[row][None, None],
             keys[row][None, None],
             v[0, row][None, None],
             g[row][None, None],
             beta[row][None, None],
-            initial_state=state,
+            initial_state=initial_state_source[slot].transpose(-1, -2)[None],
             output_final_state=True,
             use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         )
         out[row] = result[0].to(out.dtype)
-        if slot != PAD_SLOT:
-            initial_state_source[slot] = final[0].transpose(-1, -2).to(initial_state_source.dtype)
+        initial_state_source[slot] = final[0].transpose(-1, -2).to(initial_state_source.dtype)
     return out
 
 
-_KERNELS: dict[str, Callable[..., Any]] = {
+_KERNELS: dict[str, Callable[..., object]] = {
     "fused_sigmoid_mul_cpu": fused_sigmoid_mul,
     "fused_qk_gemma_rmsnorm_cpu": fused_qk_gemma_rmsnorm,
     "fused_qk_gemma_rmsnorm_with_gate_cpu": fused_qk_gemma_rmsnorm_with_gate,
@@ -349,9 +377,12 @@ _registered: list[torch.library.Library] = []  # a registration lasts as long as
 
 def register() -> None:
     """Define each op sgl-kernel's library lacks under its real schema, with its stand-in as the CPU kernel
-    (idempotent; an op the loaded sgl-kernel has is left alone)."""
+    (idempotent; an op the loaded sgl-kernel has is left alone). sgl-kernel is loaded first where it loads: a CPU
+    build loaded after would define its ops again, which torch refuses."""
     if _registered:
         return
+    with contextlib.suppress(ImportError, OSError):  # not installed, or its CUDA build without a driver library
+        import sgl_kernel  # noqa: F401
     library = torch.library.Library("sgl_kernel", "FRAGMENT")
     for name, schema in SCHEMAS.items():
         if not hasattr(torch.ops.sgl_kernel, name):
@@ -360,7 +391,7 @@ def register() -> None:
     _registered.append(library)
 
 
-def gated_norm_on_cpu(module: Any) -> None:
+def gated_norm_on_cpu(module: ModuleType) -> None:
     """SGLang's gated RMS norm module (``sglang.kernels.ops.attention.fla.layernorm_gated``), just imported: its norm
     calls the CPU op, as it does on a CPU with AMX (its other branch is a Triton kernel, CUDA only)."""
     module._use_cpu = True

@@ -42,6 +42,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 __all__ = ["HYBRID_SERVER_ARGS", "SERVER_ARGS", "patch_on_import", "prepare", "role_env", "started_engine"]
@@ -113,13 +114,13 @@ _GATED_NORM = "sglang.kernels.ops.attention.fla.layernorm_gated"
 
 
 # (the stand-ins' module imports torch: not before `prepare` has set its threads)
-def _register_stand_ins(sgl_kernel: Any) -> None:
+def _register_stand_ins(sgl_kernel: ModuleType) -> None:
     from tests.engines import sgl_kernel_cpu
 
     sgl_kernel_cpu.register()
 
 
-def _gated_norm_on_cpu(module: Any) -> None:
+def _gated_norm_on_cpu(module: ModuleType) -> None:
     from tests.engines import sgl_kernel_cpu
 
     sgl_kernel_cpu.gated_norm_on_cpu(module)
@@ -138,7 +139,7 @@ def patch_on_import() -> None:
         sys.meta_path.insert(0, _AfterImport(waiting))
 
 
-def _unpin(pools: Any) -> None:
+def _unpin(pools: ModuleType) -> None:
     allocate = pools.alloc_with_host_register  # the function the "cpu" entry names: its signature
 
     def unpinned(
@@ -174,7 +175,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return spec
         execute, patch = spec.loader.exec_module, _AFTER_IMPORT[name]
 
-        def exec_module(module: Any) -> None:
+        def exec_module(module: ModuleType) -> None:
             execute(module)
             patch(module)
 

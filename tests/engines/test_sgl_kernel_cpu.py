@@ -85,14 +85,16 @@ def _conv_reference(tokens: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_convolution_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_sequence(bias: bool) -> None:
-    """Three prompts packed with a pad row: one continuing its slot (two tokens seen before), one new on a slot
-    holding a stale window, one shorter than the window; then three tokens decoded for two of them (and a pad row)."""
+    """Four prompts packed: two continuing their slots (one a single token after a cached prefix: shorter than the
+    window), one new on a slot holding a stale window, one new shorter than the window; then three tokens decoded
+    for three of them."""
     dim, width = 12, 4
     weight, b = _random(dim, width, seed=20), (_random(dim, seed=21) if bias else None)
     pool = _random(6, dim, width - 1, seed=22)  # stale windows: only a continued sequence may read its slot
-    seen = _random(2, dim, seed=23)
-    pool[3] = F.pad(seen.T, (width - 1 - len(seen), 0))
-    slots, lengths, continued = [3, 4, 1, PAD], [5, 7, 1, 2], [True, False, False, False]
+    seen = {3: _random(2, dim, seed=23), 5: _random(4, dim, seed=25)}  # each slot's tokens so far
+    for slot, tokens in seen.items():
+        pool[slot] = F.pad(tokens.T, (width - 1 - len(tokens), 0))[:, -(width - 1) :]
+    slots, lengths, continued = [3, 4, 1, 5], [5, 7, 2, 1], [True, False, False, True]
     prompt = _random(sum(lengths), dim, seed=24)
     starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
     out = ops.causal_conv1d_fwd_cpu(
@@ -107,26 +109,22 @@ def test_the_convolution_over_a_prompt_then_decoded_tokens_is_one_pass_over_each
         PAD,
         True,
     ).T
-    decoding = [4, PAD, 3]
+    decoding = [4, 5, 3]
     steps = [_random(len(decoding), dim, seed=30 + step) for step in range(3)]
     indices = torch.tensor(decoding, dtype=torch.int32)
     decoded = [ops.causal_conv1d_update_cpu(step, pool, weight, b, True, None, indices, PAD, True) for step in steps]
     for row, slot in enumerate(slots):
         own = slice(starts[row], starts[row + 1])
-        if slot == PAD:
-            assert not out[own].any()
-            continue
-        before = seen if continued[row] else prompt[:0]
+        before = seen[slot] if continued[row] else prompt[:0]
         later = [step[decoding.index(slot)] for step in steps] if slot in decoding else []
         got = torch.cat([out[own], *(d[decoding.index(slot)][None] for d in decoded if slot in decoding)])
         want = _conv_reference(torch.cat([before, prompt[own], *(t[None] for t in later)]), weight, b)[len(before) :]
         torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
-    assert not any(d[decoding.index(PAD)].any() for d in decoded)
 
 
 def test_the_delta_rule_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_sequence() -> None:
     """The recurrence as SGLang drives it: prompts packed (one continuing its slot's state, one from a freshly
-    zeroed slot, a pad row), then tokens decoded for both in swapped order; each sequence's outputs and final state
+    zeroed slot), then tokens decoded for both in swapped order; each sequence's outputs and final state
     are transformers' token-by-token rule over the whole sequence (its key heads shared by two value heads)."""
     k_heads, v_heads, k_dim, v_dim = 2, 4, 8, 6
     pool = torch.zeros(5, v_heads, v_dim, k_dim)  # SGLang's slot layout: (value heads, head_v, head_k)
@@ -143,7 +141,7 @@ def test_the_delta_rule_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_
 
     A_log, dt_bias = _random(v_heads, seed=40), _random(v_heads, seed=41)
     seen = token_inputs(3, seed=50)  # slot 2's earlier tokens
-    slots, lengths = [2, 4, PAD], [4, 70, 3]  # 70: more than one of the chunked rule's 64-token chunks
+    slots, lengths = [2, 4], [4, 70]  # 70: more than one of the chunked rule's 64-token chunks
     prompt = token_inputs(sum(lengths), seed=60)
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
 
@@ -186,8 +184,6 @@ def test_the_delta_rule_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_
     ]
     for row, slot in enumerate(slots):
         own = slice(int(starts[row]), int(starts[row + 1]))
-        if slot == PAD:
-            continue
         parts = [{n: t[own] for n, t in prompt.items()}] + [
             {n: t[[decoding.index(slot)]] for n, t in s.items()} for s in steps
         ]
@@ -208,4 +204,44 @@ def test_the_delta_rule_over_a_prompt_then_decoded_tokens_is_one_pass_over_each_
         got = torch.cat([out[own], *(d[decoding.index(slot)] for d in decoded)])
         torch.testing.assert_close(got, want[0, -len(got) :], rtol=0, atol=TOLERANCE)
         torch.testing.assert_close(pool[slot], state[0].transpose(-1, -2), rtol=0, atol=TOLERANCE)
-    assert not pool[[0, 1, 3]].any()  # no other slot written (the pad row's included)
+    assert not pool[[0, 1, 3]].any()  # no other slot written
+
+
+def test_what_the_real_kernels_refuse_is_refused_by_name() -> None:
+    """The rules of sgl-kernel's CPU ops the stand-ins keep (`tests.engines.sgl_kernel_cpu`'s docstring): a pad
+    slot, a convolution other than 4 wide, a window of another dtype than its input, several tokens per request in
+    a decoded step, a packed batch other than one."""
+    dim = 8
+    x, weight, pool = _random(3, dim, seed=80), _random(dim, 4, seed=81), torch.zeros(2, dim, 3)
+    slots = torch.tensor([0, PAD, 1], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="causal_conv1d_update_cpu: a pad slot"):
+        ops.causal_conv1d_update_cpu(x, pool, weight, None, True, None, slots, PAD, True)
+    with pytest.raises(NotImplementedError, match="a convolution 3 wide"):
+        ops.causal_conv1d_update_cpu(x[:2], pool[:, :, :2], weight[:, :3], None, True, None, None, PAD, True)
+    with pytest.raises(NotImplementedError, match="window for torch.float32 input"):
+        ops.causal_conv1d_update_cpu(x[:2], pool.bfloat16(), weight, None, True, None, None, PAD, True)
+    one = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="causal_conv1d_fwd_cpu: a pad slot"):
+        ops.causal_conv1d_fwd_cpu(
+            x.T, weight, None, pool, one, torch.tensor([PAD], dtype=torch.int32), None, True, PAD, True
+        )
+    q, v, g = _random(2, 3, 1, 4, seed=82), _random(2, 3, 1, 4, seed=83), torch.zeros(2, 3, 1)
+    states = torch.zeros(2, 1, 4, 4)
+    with pytest.raises(NotImplementedError, match="a packed batch of 2"):
+        ops.chunk_gated_delta_rule_cpu(
+            q, q, v, g, g, states, True, one, False, True, torch.tensor([0], dtype=torch.int32)
+        )
+    with pytest.raises(NotImplementedError, match="2 tokens per request"):
+        ops.fused_sigmoid_gating_delta_rule_update_cpu(
+            A_log=torch.zeros(1),
+            dt_bias=torch.zeros(1),
+            q=q,
+            k=q,
+            v=v,
+            a=torch.zeros(3, 1),
+            b=torch.zeros(3, 1),
+            initial_state_source=states,
+            initial_state_indices=torch.tensor([0, 1, 0], dtype=torch.int32),
+            cu_seqlens=torch.arange(4, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True,
+        )

@@ -81,6 +81,25 @@ def test_sglang_is_asked_for_log_probs_before_temperature_before_its_schedulers_
     assert seen == ["1"]
 
 
+@pytest.mark.parametrize(("dtype", "want"), [("float32", "float32"), ("bfloat16", "bfloat16"), ("auto", "float16")])
+def test_an_engine_keeps_linear_attentions_windows_in_its_dtype(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, want: str
+) -> None:
+    """SGLang keeps linear attention's convolution windows in ``SGLANG_MAMBA_CONV_DTYPE`` (its schedulers read it): an
+    engine given a dtype sets it to that, ``auto`` leaves it (why: `engines.sglang_backend`'s docstring)."""
+    monkeypatch.setenv("SGLANG_MAMBA_CONV_DTYPE", "float16")
+    seen: list[str | None] = []
+
+    def engine_class(dtype: str, **kwargs: object) -> object:
+        seen.append(os.environ.get("SGLANG_MAMBA_CONV_DTYPE"))  # passed on; the stand-in (no model) takes no dtype
+        return standin.Engine(vocab=VOCAB, **kwargs)
+
+    SGLangEngine(
+        model_dir, server_args={"dtype": dtype}, engine_class=engine_class, io_struct=standin.io_struct
+    ).close()
+    assert seen == [want]
+
+
 def request(max_new_tokens: int = 8, prompt: tuple[int, ...] = (1, 2, 3), **kwargs: object) -> GenerateRequest:
     sampling = SamplingParams(max_new_tokens=max_new_tokens)
     return GenerateRequest(input_ids=list(prompt), sampling=sampling, rid=uuid.uuid4().hex, **kwargs)  # type: ignore[arg-type]

@@ -6,7 +6,7 @@ On the CPU it generates, greedy tokens equal to transformers', and R3's routes c
 layout Weir's micro-batches store, the routers' own choices (the top-k of transformers' router logits for the same
 tokens). SGLang's routed-expert capture (``enable_return_routed_experts``) pins its host buffer with
 ``cudaHostRegister`` (``srt/state_capturer/base.py``), which needs CUDA: the scaffolding leaves that buffer unpinned
-(`tests.engines.sglang_cpu.unpin_host_buffers`), the capture itself SGLang's.
+(`tests.engines.sglang_cpu.patch_on_import`), the capture itself SGLang's.
 
 Runs where sglang is installed (``make test`` runs it in ``.venv-sglang``; skipped, with the reason, elsewhere).
 """

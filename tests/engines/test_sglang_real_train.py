@@ -140,3 +140,15 @@ def test_r3_is_refused_where_the_installed_sglang_cannot_return_routes_on_the_cp
     done = _weir("train", "--demo", "--backend", "sglang", *options, timeout=300, scaffold=False)
     assert done.returncode == 2 and "--r3 with SGLang on the CPU" in done.stdout + done.stderr, done.stderr[-3000:]
     assert not (home / "logs").exists()
+
+
+def test_a_linear_attention_model_is_refused_where_sgl_kernel_lacks_its_cpu_ops(tmp_path: Path) -> None:
+    """SGLang's Qwen3.5 on the CPU calls sgl-kernel ops its CPU build alone has (PyPI's CUDA wheel, installed here,
+    has none; its scheduler would fail at start): refused before anything starts (`engines.sglang_args.
+    linear_attention_on_cpu`; under the scaffolding, whose stand-ins are those ops, the same run trains: above)."""
+    home = tmp_path / "home"
+    options = ["--arch", "qwen3.5", "--sglang-args", HYBRID_ARGS, "--home", str(home)]
+    done = _weir("train", "--demo", "--backend", "sglang", *options, timeout=300, scaffold=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2 and "linear-attention layers (gated delta-nets) run on sgl-kernel" in said, said[-3000:]
+    assert not (home / "logs").exists()
