@@ -27,7 +27,11 @@ from .test_layout import PACKAGES, REPO, _runtime_imports
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 SHIPPED = (*PACKAGES, "profiles")
 # Import names whose distribution is not installed in the dev environment (sglang has its own: .venv-sglang).
-NOT_INSTALLED = {"sglang": "sglang", "fla": "flash-linear-attention"}  # fla: GPU only (the megatron-gpu extra)
+NOT_INSTALLED = {  # fla: GPU only (the megatron-gpu extra); sglang and its kernels: .venv-sglang
+    "sglang": "sglang",
+    "sgl_kernel": "sglang-kernel",
+    "fla": "flash-linear-attention",
+}
 
 
 def _canonical(name: str) -> str:
