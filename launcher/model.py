@@ -112,10 +112,11 @@ def engine_refusal(config: TrainConfig) -> str | None:
         )
     except ValueError as error:
         return f"--sglang-args: {error}"
-    refusal = unserved_refusal(_architectures(config), args, served_architectures())
+    architectures = _architectures(config)  # the model folder's config.json, read once
+    refusal = unserved_refusal(architectures, args, served_architectures())
     if refusal:
         return f"--backend sglang: {refusal}"
-    hybrid = LINEAR_ATTENTION_ARCHITECTURES.intersection(_architectures(config))
+    hybrid = LINEAR_ATTENTION_ARCHITECTURES.intersection(architectures)
     if hybrid and _sglang_device(args) == "cpu" and not linear_attention_on_cpu():
         return (
             "--backend sglang on the CPU: this model's linear-attention layers (gated delta-nets) run on sgl-kernel "
