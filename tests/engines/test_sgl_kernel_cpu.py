@@ -7,6 +7,8 @@ over each whole sequence gives. Plain torch: runs in the main suite (the engine 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,9 +27,15 @@ def _random(*shape: int, seed: int) -> torch.Tensor:
 
 
 def test_every_op_is_registered_under_its_schema_and_again_is_a_no_op() -> None:
+    """Registered once (a second call changes nothing), and each stand-in takes its schema's arguments by the same
+    names in the same order: torch binds SGLang's keywords (the decode op's) by the schema, then calls the stand-in
+    positionally, so a drift between the two would pass arguments to the wrong parameters unnoticed."""
     sgl_kernel_cpu.register()
     for name, schema in sgl_kernel_cpu.SCHEMAS.items():
-        assert getattr(ops, name).default._schema == torch._C.parse_schema(f"sgl_kernel::{schema}"), name
+        parsed = torch._C.parse_schema(f"sgl_kernel::{schema}")
+        assert getattr(ops, name).default._schema == parsed, name
+        stand_in = sgl_kernel_cpu._KERNELS[name]
+        assert [a.name for a in parsed.arguments] == list(inspect.signature(stand_in).parameters), name
 
 
 def test_the_attention_layers_norms_and_gate_are_qwen3_5s() -> None:
