@@ -314,24 +314,12 @@ class ReferenceTrainer(SupervisedPairs):
         return self.replay.replaying(routes) if self.replay is not None else contextlib.nullcontext()
 
     def _logprobs(self, batch: FeedBatch) -> torch.Tensor:
-        """The policy's log-probs of a micro-batch's tokens, packed (data-parallel: one forward, a collective)."""
+        """The policy's log-probs of a micro-batch's tokens, packed: one right-padded forward (`batch_logprobs`),
+        on one rank as on several (there every forward is a collective). A forward per sequence cost the demo's
+        trainer three times the CPU of the whole micro-batch's (the model's per-call work, 64 times a step)."""
         if self.replay is not None and self.replay.enforce:
             _check_routed(batch)
-        if self.parallel is not None:  # one forward per micro-batch: forwards are collectives here
-            return self.batch_logprobs(batch)
-        t = batch.tensors
-        cu = t["cu_seqlens"].tolist()
-        return torch.cat(
-            [
-                self.sequence_logprobs(
-                    t["input_ids"][cu[i] : cu[i + 1]],
-                    batch.feature_keys[i],
-                    None if batch.media is None else batch.media[i],
-                    routes=t["routed_experts"][cu[i] : cu[i + 1]] if "routed_experts" in t else None,
-                )
-                for i in range(len(cu) - 1)
-            ]
-        )
+        return self.batch_logprobs(batch)
 
     @contextlib.contextmanager
     def _as_reference(self) -> Iterator[None]:

@@ -129,6 +129,34 @@ def test_replaying_the_models_own_routes_is_bit_exact(folders: dict[str, Path], 
     assert torch.equal(plain, replayed) and trainer.replay.replaced == 0
 
 
+# -- the trainer's padded forward, per family -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_padded_micro_batch_forward_equals_one_forward_per_sequence(folders: dict[str, Path], arch: str) -> None:
+    """What the trainer runs (`batch_logprobs`: a micro-batch's rows right-padded into one forward, on one rank
+    as on several) against its one-by-one reference, on rows of three lengths: the padding changes no row's
+    log-probs beyond float rounding — linear-attention layers (Qwen3.5) and routers (the MoE families) included."""
+    trainer = ReferenceTrainer(folders[arch])
+    prompt = _prompt(folders[arch])
+    rows = [prompt + [11, 12, 13, 14, 15], prompt[:-4], prompt + [21]]
+    table = pa.table(
+        {
+            "input_ids": rows,
+            "loss_mask": [[0] * 3 + [1] * (len(r) - 3) for r in rows],
+            "rollout_logprobs": [[0.0] * len(r) for r in rows],
+            "advantage": [1.0, -1.0, 0.5],
+            "reward": [1.0, 0.0, 0.5],
+            "policy_version": [0, 0, 0],
+        }
+    )
+    batch = FeedBatch(batch_id="p", tensors=pack(table), sample_ids=[], feature_keys=[[], [], []], meta={})
+    with torch.no_grad():
+        padded = trainer.batch_logprobs(batch)
+        one_by_one = torch.cat([trainer.sequence_logprobs(torch.tensor(r), []) for r in rows])
+    torch.testing.assert_close(padded, one_by_one, rtol=1e-5, atol=2e-5)
+
+
 # -- one PPO step, then `weir export-hf`, per family ----------------------------------------------------------
 
 

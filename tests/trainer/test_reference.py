@@ -207,5 +207,8 @@ def test_a_step_over_streamed_micro_batches_equals_one_over_all_of_them(model: P
     assert one.loss == pytest.approx(other.loss, rel=1e-5, abs=1e-6) and one.grad_norm == pytest.approx(
         other.grad_norm, rel=1e-4
     )
+    # The two forwards pad their rows differently (one batch of four, then of one and of three), so the gradients
+    # agree to float rounding, not bit for bit; AdamW's first step moves a weight by about lr·g/(|g| + eps), which
+    # turns that rounding into up to ~1e-5 of a 1e-2 step where a gradient is near eps.
     for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=5e-5)
