@@ -22,6 +22,7 @@ records (`api`) and a client of it (`client`) are here.
       scheduler.py            Scheduler: one engine's requests (queue, admission, pause, abort), driven by a Stepper
       transformers_backend.py TransformersEngine: a transformers model (CPU), checked at submit, on a Scheduler
       transformers_stepper.py TransformersStepper: one request's prefill or decode, its sampling and its stop
+      prefill_cache.py        PrefillCache: a prompt's prefilled state kept for the next request with that prompt
       logits.py               SGLang's logit processing and sampling: penalize, sample_token, top_logprobs
       weights.py              new weights checked against the model: from a folder, or received in a group
       weights_group.py        join_weights_group: SGLang's weight-update process group, from either side

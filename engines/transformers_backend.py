@@ -8,8 +8,10 @@ aborts and their messages) driven by a `TransformersStepper` (one request's pref
 and its stop: `engines.transformers_stepper`), so concurrent requests interleave token by token and an
 abort lands within one step — no lock is held for a whole generation.
 
-This backend keeps no prefix cache across requests, so `flush_cache` drops nothing; it answers as SGLang
-does, False while a request holds KV (running, or frozen in place).
+A prompt sent again — a group's samples — starts from the state its first prefill left, as SGLang's radix cache
+shares it (`engines.prefill_cache`: whole prompts, content-keyed, bounded by bytes); a weight update drops them,
+and so does `flush_cache`, which answers as SGLang does, False while a request holds KV (running, or frozen in
+place).
 
 Weights change from a folder (`update_weights`) or by broadcast from a trainer (SGLang's distributed
 update: `init_weights_update_group` joins a process group of its own — gloo on CPU, NCCL on CUDA — and
@@ -42,6 +44,7 @@ from .checkpoint_layout import CheckpointLayout
 from .errors import InvalidMedia
 from .grammar import Grammars
 from .limits import ModelLimits
+from .prefill_cache import DEFAULT_PREFILL_CACHE_BYTES
 from .protocol import ABORT_BEFORE_PREFILL as ABORT_BEFORE_PREFILL  # the messages, as every backend's
 from .protocol import ABORT_BY_REQUEST as ABORT_BY_REQUEST
 from .protocol import ABORT_PAUSED as ABORT_PAUSED
@@ -82,9 +85,11 @@ class TransformersEngine(ScheduledEngine):
         weight_version: str = "0",
         weights_group_timeout_s: float = WEIGHTS_GROUP_TIMEOUT_S,
         dtype: torch.dtype = torch.float32,
+        prefill_cache_bytes: int = DEFAULT_PREFILL_CACHE_BYTES,
     ) -> None:
         """``dtype``: the weights' and activations' dtype (float32 by default; bfloat16 serves as a GPU
-        engine does, e.g. to measure the rollout/training mismatch R3 removes)."""
+        engine does, e.g. to measure the rollout/training mismatch R3 removes). ``prefill_cache_bytes``: the
+        prompts kept prefilled for the next request with the same prompt (`engines.prefill_cache`; 0: none)."""
         self.model_dir = Path(model_dir)
         self.weights_group_timeout_s = weights_group_timeout_s
         self.device = torch.device(device)
@@ -130,7 +135,7 @@ class TransformersEngine(ScheduledEngine):
         self._layout: CheckpointLayout | None = None  # the checkpoint's tensors, once a broadcast names them
         self._layout_lock = threading.Lock()
         self.started = time.monotonic()
-        self._stepper = TransformersStepper(self)
+        self._stepper = TransformersStepper(self, prefill_cache_bytes=prefill_cache_bytes)
         self._scheduler = Scheduler(self._stepper, max_running=max_running, name="transformers")
         self._scheduler.start()
 
@@ -171,6 +176,7 @@ class TransformersEngine(ScheduledEngine):
             # would read as a huge policy version). The towers' version still changes, so nothing
             # cached against the old towers is reused.
             self.weight_version = version or self.weight_version
+            self._stepper.prefilled.clear()  # prefilled by the old weights
             if self.towers is not None:
                 self.towers.version = version or f"{self.weight_version}@{time.strftime('%Y%m%d%H%M%S')}"
         return self.weight_version
@@ -199,6 +205,14 @@ class TransformersEngine(ScheduledEngine):
             if self._layout is None:
                 self._layout = CheckpointLayout(self.model)
             return self._layout
+
+    def flush_cache(self) -> bool:
+        """Drop the prefilled prompts (`engines.prefill_cache`); False, nothing dropped, while a request holds KV."""
+        if not super().flush_cache():
+            return False
+        with self.model_lock:
+            self._stepper.prefilled.clear()
+        return True
 
     def destroy_weights_update_group(self, group_name: str) -> None:
         self._groups.leave(group_name)

@@ -5,7 +5,8 @@ sampled token, and whether it stops.
 
 Requests are stepped one by one, each with its own KV cache, so concurrent requests interleave token by token
 and an abort lands within one step; decode steps are not fused into one batched forward (a CPU reference
-backend; throughput is SGLang's job on a GPU). A forward runs outside the scheduler's lock and under the
+backend; throughput is SGLang's job on a GPU). A prompt sent again (a group's samples) starts from the state its
+first prefill left (`engines.prefill_cache`). A forward runs outside the scheduler's lock and under the
 engine's model lock (a weight update waits for it).
 
 The queue, pause modes and aborts are the `engines.scheduler.Scheduler`'s; the model and its checks at submit
@@ -35,6 +36,7 @@ from preprocess.omni import OmniItem
 from .errors import EngineError, InvalidMedia
 from .grammar import Grammar
 from .logits import penalize, sample_token, top_logprobs
+from .prefill_cache import DEFAULT_PREFILL_CACHE_BYTES, PrefillCache, Prefilled, prefill_key
 from .protocol import FinishReason, GenerateResult, MediaInput, SamplingParams
 from .scheduler import Req, Scheduler
 
@@ -86,8 +88,9 @@ class TransformersStepper:
 
     kv_capacity = math.inf  # each request its own cache: only max_running bounds admission
 
-    def __init__(self, engine: ModelHost) -> None:
+    def __init__(self, engine: ModelHost, *, prefill_cache_bytes: int = DEFAULT_PREFILL_CACHE_BYTES) -> None:
         self.engine = engine
+        self.prefilled = PrefillCache(prefill_cache_bytes)  # read and changed under the engine's model lock
         self.busy_s = 0.0  # wall time spent in forward steps: the engine-idle share is 1 - busy / uptime
 
     def tokens(self, req: Req[TransformersState]) -> int:
@@ -224,9 +227,25 @@ class TransformersStepper:
 
     @torch.no_grad()
     def _prefill(self, req: Req[TransformersState]) -> None:
-        """The prompt (and, after a retraction, the tokens generated so far) into a fresh KV cache."""
+        """The prompt (and, after a retraction, the tokens generated so far) into a fresh KV cache — or the
+        state a request with the same prompt left (`engines.prefill_cache`)."""
         request = req.request
-        ids = torch.tensor([request.input_ids + req.output_ids], device=self.engine.device)
+        tokens = request.input_ids + req.output_ids
+        scored = request.return_logprob and req.input_logprobs is None
+        key = None
+        if self.prefilled.max_bytes:
+            routes = request.return_routed_experts and self.engine.routing is not None
+            key = prefill_key(tokens, request.media, routes=routes)
+            # A hit has no logits of the prompt's positions: a request scoring them prefills.
+            hit = None if scored and self._scores_prompt(req) else self.prefilled.get(key)
+            if hit is not None:
+                req.state.cache, req.state.next_logits = hit.cache, hit.next_logits
+                req.state.length, req.state.rope_delta, req.state.routes = hit.length, hit.rope_delta, [*hit.routes]
+                req.prefilled = True
+                if scored:
+                    self._input_logprobs(req, hit.next_logits[None])  # no prompt position is scored
+                return
+        ids = torch.tensor([tokens], device=self.engine.device)
         embeds = self.engine.model.get_input_embeddings()(ids)
         embeds, deepstack = self._splice(ids, embeds, request.media)
         mask = torch.ones_like(ids)
@@ -246,8 +265,25 @@ class TransformersStepper:
         req.state.length = ids.shape[1]
         req.state.rope_delta = delta
         req.state.next_logits = out.logits[0, -1]
-        if request.return_logprob and req.input_logprobs is None:
+        if key is not None:
+            self.prefilled.put(
+                key,
+                Prefilled(
+                    cache=req.state.cache,
+                    next_logits=req.state.next_logits,
+                    length=req.state.length,
+                    rope_delta=delta,
+                    routes=tuple(req.state.routes),
+                ),
+            )
+        if scored:
             self._input_logprobs(req, out.logits[0])
+
+    @staticmethod
+    def _scores_prompt(req: Req[TransformersState]) -> bool:
+        """Whether ``req`` asks log-probs of prompt tokens (``logprob_start_len`` before its last position)."""
+        request = req.request
+        return 0 <= request.logprob_start_len < len(request.input_ids) - 1
 
     def _input_logprobs(self, req: Req[TransformersState], logits: torch.Tensor) -> None:
         """SGLang's ``input_token_logprobs`` from ``logprob_start_len`` (-1: the last prompt position): the

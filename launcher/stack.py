@@ -34,6 +34,8 @@ from services.model_ref import ModelRefError, model_folder
 from services.roles import BASE_PORT, ROLES
 from services.settings import SettingsError
 
+from .cpu_threads import THREADS_ENV, thread_share, user_threads
+
 __all__ = [
     "LocalStack",
     "RoleProcess",
@@ -299,6 +301,7 @@ class LocalStack:
     token: str | None = None  # the API token; set by start() / attach() when not given
     children: list[RoleProcess] = field(default_factory=list)
     launched_env: dict[str, str] = field(default_factory=dict)  # what the roles were started with
+    trainer_ranks: int = 0  # trainer processes beside the stack on this host: they share its cores (`cpu_threads`)
 
     @property
     def urls(self) -> dict[str, str]:
@@ -326,6 +329,11 @@ class LocalStack:
 
     def _env(self, model: Path, plan: list[tuple[str, str, int]]) -> dict[str, str]:
         port = {name: p for name, _, p in plan}
+        # With trainer ranks beside it, each engine and rank gets its share of the cores (the other roles the
+        # same: they compute between the engines' steps); a stack alone keeps torch's default.
+        threads = {}
+        if self.trainer_ranks and not user_threads({**os.environ, **self.env}):
+            threads = {THREADS_ENV: str(thread_share(self.engines + self.trainer_ranks))}
         return {
             **os.environ,
             "WEIR_MODEL": str(model),
@@ -338,6 +346,7 @@ class LocalStack:
             "WEIR_DATA_URL": self._url(port["data"]),
             "WEIR_DATA_DIR": str(self.home / "data"),
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
+            **threads,
             **self.env,
             "WEIR_API_TOKEN": self.token or "",
         }

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
+import torch
 from rich.progress import Progress
 from rich.table import Table
 
@@ -59,6 +60,7 @@ from .cluster.stack import RayStack
 from .cluster.training import cluster_engines, in_trainer_task, record_weights, run_on_ray, trainer_features
 from .config import HELD_OUT, LAUNCHED_RANK_ENV, TrainConfig
 from .console import console
+from .cpu_threads import THREADS_ENV, thread_share, user_threads
 from .demo.plot import plot_runs
 from .model import (
     attach_refusal,
@@ -256,6 +258,7 @@ def _stack(config: TrainConfig) -> LocalStack | RayStack:
         base_port=config.base_port,
         env=settings,
         remote=config.role_url,
+        trainer_ranks=config.nproc,
     )
 
 
@@ -286,12 +289,19 @@ def _launch_ranks(config: TrainConfig) -> int:
             config.nproc,
             max_restarts=config.max_restarts,
             log_dir=config.home / "logs" / "ranks",
-            env={**(plan.trainer_env() if plan is not None else {}), LAUNCHED_RANK_ENV: "1"},
+            env={**(plan.trainer_env() if plan is not None else {}), **_rank_threads(config), LAUNCHED_RANK_ENV: "1"},
         )
     finally:
         if supervisor is not None:
             supervisor.close()
         stack.stop()  # an attached stack has no children here: nothing is stopped
+
+
+def _rank_threads(config: TrainConfig) -> dict[str, str]:
+    """The ranks' share of this host's cores, beside the stack's engines (`launcher.cpu_threads`)."""
+    if config.attach or user_threads():
+        return {}
+    return {THREADS_ENV: str(thread_share(config.engines + config.nproc))}
 
 
 def run_training(config: TrainConfig) -> int:
@@ -425,6 +435,8 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         urls = stack.start()
+        if config.nproc == 1 and not user_threads():  # this process is the trainer beside the stack's engines
+            torch.set_num_threads(thread_share(config.engines + 1))
     if parallel is not None and main:
         parallel.barrier()
     refusal = attach_refusal(urls, stack.token, run_model(config)) if config.attach or not main else None
