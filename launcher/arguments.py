@@ -16,6 +16,7 @@ from typing import NoReturn
 from .config import (
     AGENT_DEMO_DEFAULTS,
     DEMO_ARCH_DEFAULTS,
+    DEMO_ARCHS,
     DEMO_DEFAULTS,
     GENERIC_DEFAULTS,
     VIDEO_DEMO_DEFAULTS,
@@ -149,5 +150,5 @@ def task_default(key: str) -> str:
     others = ", ".join(f"{task} {shown(d)}" for task, d in _TASKS if shown(d) != shown(DEMO_DEFAULTS))
     demo = shown(DEMO_DEFAULTS) + (f"; --demo-task {others}" if others else "")
     archs = ", ".join(f"--arch {arch} {value[key]}" for arch, value in DEMO_ARCH_DEFAULTS.items() if key in value)
-    demo += f"; {archs}" if archs else ""
+    demo += f"; {archs} (without --arch the colour demo trains {DEMO_ARCHS['colours']})" if archs else ""
     return f"(default: {shown(GENERIC_DEFAULTS)}; with --demo: {demo})"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from engines.client import EngineClient
 
-from .config import LAUNCHED_RANK_ENV, TrainConfig
+from .config import DEMO_ARCHS, LAUNCHED_RANK_ENV, TrainConfig
 from .stack import stack_model
 
 __all__ = [
@@ -178,17 +178,6 @@ def _architectures(config: TrainConfig) -> list[str]:
     if (folder / "config.json").is_file():
         return list(json.loads((folder / "config.json").read_text()).get("architectures") or [])
     return [MODEL_CLASSES[default_arch(config)]]
-
-
-# The tiny model a run makes in HOME/model when it has none and --arch is not given. The colour demo's is a family
-# SGLang serves natively (Qwen3-VL), so `weir train --demo --backend sglang` runs as it is; the text task's a text
-# model; the clip task needs an audio tower and the visual-search agent was tuned on the Qwen2.5-Omni thinker.
-DEMO_ARCHS = {
-    "colours": "qwen3-vl",
-    "colour-words": "qwen3",
-    "video-audio": "qwen2.5-omni",
-    "visual-search": "qwen2.5-omni",
-}
 
 
 def family_name(arch: str) -> str:

@@ -206,7 +206,7 @@ def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for processes run under this scaffolding: ``PYTHONPATH`` (their environment's, default this
     one's) with this checkout and a folder whose ``sitecustomize`` runs `prepare` in every engine role (``serve
     engine``) before it imports sglang and `patch_on_import` in any other process (what SGLang spawns, a
-    launcher), and the variable that turns that on."""
+    launcher), the stub driver library on the loader's path, and the variable that turns that on."""
     # named by its content: a run from another checkout, with another version of it, keeps its own
     digest = hashlib.sha256(_SITE.encode()).hexdigest()[:12]
     folder = Path(tempfile.gettempdir()) / f"weir-sglang-cpu-site-{os.getuid()}-{digest}"
@@ -215,9 +215,14 @@ def role_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     staged.write_text(_SITE)
     os.replace(staged, folder / "sitecustomize.py")
     root = str(Path(__file__).resolve().parents[2])
-    current = (environ if environ is not None else os.environ).get("PYTHONPATH", "")
+    given = environ if environ is not None else os.environ
+    current = given.get("PYTHONPATH", "")
     path = os.pathsep.join(dict.fromkeys([str(folder), root, *filter(None, current.split(os.pathsep))]))
-    return {"PYTHONPATH": path, "WEIR_SGLANG_CPU_SCAFFOLD": "1"}
+    # The stub driver on the loader's path from the start: a launcher imports sgl-kernel to see whether its CPU ops
+    # are there (`engines.sglang_args.linear_attention_on_cpu`), and without a libcuda.so.1 that import fails — it
+    # found the stub only where an earlier `prepare` in the same test process had put it on the path.
+    stub = [str(_stub_library()), *filter(None, given.get("LD_LIBRARY_PATH", "").split(":"))]
+    return {"PYTHONPATH": path, "LD_LIBRARY_PATH": ":".join(dict.fromkeys(stub)), "WEIR_SGLANG_CPU_SCAFFOLD": "1"}
 
 
 if __name__ == "__main__":

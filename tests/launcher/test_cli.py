@@ -168,7 +168,7 @@ def test_train_help_states_the_task_defaults() -> None:
     text = " ".join(_weir("train", "--help").stdout.split())
     assert f"optimizer steps (default: {GENERIC_DEFAULTS['steps']}; with --demo: {DEMO_DEFAULTS['steps']};" in text
     lr = f"learning rate (default: {GENERIC_DEFAULTS['lr']}; with --demo: {DEMO_DEFAULTS['lr']};"
-    lr += " --arch qwen3-vl-moe 0.0005)"
+    lr += " --arch qwen3-vl 0.0005, --arch qwen3-vl-moe 0.0005 (without --arch the colour demo trains qwen3-vl))"
     assert lr in text
     assert "launcher/config.py" not in text
 
@@ -178,8 +178,11 @@ def test_an_architectures_demo_default_gives_way_to_the_command_line() -> None:
 
     assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl-moe").lr == 5e-4
     assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl-moe", lr=2e-3).lr == 2e-3
-    assert TrainConfig.with_defaults(demo=True, arch="qwen3-vl").lr == DEMO_DEFAULTS["lr"]
+    assert TrainConfig.with_defaults(demo=True, arch="qwen3.5").lr == DEMO_DEFAULTS["lr"]
     assert TrainConfig.with_defaults(arch="qwen3-vl-moe").lr == 1e-5  # not the demo: the generic default
+    assert TrainConfig.with_defaults(demo=True).lr == 5e-4  # the colour demo's own model: Qwen3-VL
+    assert TrainConfig.with_defaults(demo=True, model="/a/folder").lr == DEMO_DEFAULTS["lr"]  # the user's model
+    assert TrainConfig.with_defaults(demo=True, demo_task="colour-words").lr == DEMO_DEFAULTS["lr"]
 
 
 @pytest.mark.parametrize(
