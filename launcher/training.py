@@ -299,7 +299,7 @@ def _launch_ranks(config: TrainConfig) -> int:
 
 def _rank_threads(config: TrainConfig) -> dict[str, str]:
     """The ranks' share of this host's cores, beside the stack's engines (`launcher.cpu_threads`)."""
-    if config.attach or user_threads():
+    if config.attach or config.ray or user_threads():  # the engines are not (all) on this host
         return {}
     return {THREADS_ENV: str(thread_share(config.engines + config.nproc))}
 
@@ -435,7 +435,7 @@ def _run(config: TrainConfig, parallel: Ranks | None, main: bool) -> int:
     else:
         console.print(f"[bold]Starting the stack[/bold] (logs in {config.home}/logs)")
         urls = stack.start()
-        if config.nproc == 1 and not user_threads():  # this process is the trainer beside the stack's engines
+        if isinstance(stack, LocalStack) and config.nproc == 1 and not user_threads():  # beside the stack's engines
             torch.set_num_threads(thread_share(config.engines + 1))
     if parallel is not None and main:
         parallel.barrier()
