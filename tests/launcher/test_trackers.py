@@ -400,7 +400,7 @@ def test_tensorboard_writes_to_tensorboard_dir(unset: pytest.MonkeyPatch, tmp_pa
 def test_config_json_holds_every_resolved_option(tmp_path: Path) -> None:
     from dataclasses import fields
 
-    from launcher.config import DEMO_DEFAULTS, TrainConfig
+    from launcher.config import DEMO_ARCH_DEFAULTS, TrainConfig
     from launcher.run_config import save_run_config
     from services import __version__
 
@@ -414,7 +414,7 @@ def test_config_json_holds_every_resolved_option(tmp_path: Path) -> None:
     assert saved == returned
     assert {field.name for field in fields(TrainConfig)} - {"argv"} <= set(saved)
     assert saved["steps"] == 3 and saved["report_to"] == "mlflow" and saved["demo"] is True
-    assert saved["lr"] == DEMO_DEFAULTS["lr"]  # unset: the task's default, resolved
+    assert saved["lr"] == DEMO_ARCH_DEFAULTS["qwen3-vl"]["lr"]  # unset: the colour demo's model's default, resolved
     assert saved["home"] == str(home.absolute()) and saved["dataset"] is None and saved["role_url"] == []
     assert saved["model_folder"] == str((home / "model").absolute())  # no --model: HOME/model
     assert saved["seeds"] == {"trainer": 0}
