@@ -31,11 +31,11 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
         'setuptools>=77' -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
-# An unprivileged user. /cache, /models, /experience, /secrets and /train are made and owned by it before
+# An unprivileged user. /cache, /models, /experience, /secrets, /spool and /train are made and owned by it before
 # volumes are mounted there, so a fresh named volume takes that ownership and the roles can write to it.
 RUN useradd --create-home --uid 10001 weir \
-    && mkdir -p /cache /models /experience /secrets /train \
-    && chown weir:weir /cache /models /experience /secrets /train
+    && mkdir -p /cache /models /experience /secrets /spool /train \
+    && chown weir:weir /cache /models /experience /secrets /spool /train
 
 # 2. Weir itself, without its dependencies (seconds): the packages pyproject.toml lists, nothing else
 #    (.dockerignore keeps the rest of the folder out of the build context).

@@ -346,6 +346,9 @@ class LocalStack:
             "WEIR_DATA_URL": self._url(port["data"]),
             "WEIR_DATA_DIR": str(self.home / "data"),
             "WEIR_EXPERIENCE_PATH": str(self.home / "experience.jsonl"),
+            # A recorded rollout is answered once its group is fsync'd here, and shipped to the data role behind
+            # the answer (`rollout.spool`): one round trip less per rollout. WEIR_SPOOL_DIR= (empty) turns it off.
+            "WEIR_SPOOL_DIR": os.environ.get("WEIR_SPOOL_DIR", str(self.home / "spool")),
             **threads,
             **self.env,
             "WEIR_API_TOKEN": self.token or "",

@@ -33,6 +33,7 @@ __all__ = [
     "RolloutPrompt",
     "RolloutRequest",
     "RolloutResponse",
+    "SpoolState",
     "StreamOptions",
     "UNSUPPORTED_CHAT_PARAMETERS",
 ]
@@ -180,6 +181,17 @@ class RolloutRequest(BaseModel):
 
 class RolloutResponse(BaseModel):
     groups: list[Group] = Field(description="one group per prompt, in request order")
+
+
+class SpoolState(BaseModel):
+    """``GET /v1/spool``: what the rollout role has acknowledged and the data role does not have yet. A producer
+    that bounds its work by the data role's admission counts ``backlog`` with its own requests in flight: a group
+    spooled and not yet shipped is counted by neither."""
+
+    spooled: bool = Field(description="false: groups are stored by the data role before a rollout is answered")
+    backlog: int = Field(ge=0, description="groups acknowledged, not yet taken by the data role")
+    shipped: int = Field(ge=0, description="groups the data role took from the spool since the role started")
+    refused: int = Field(ge=0, description="groups the data role refused as their own fault (kept in refused.jsonl)")
 
 
 # -- OpenAI chat completions ------------------------------------------------------------------------

@@ -20,13 +20,15 @@ routes are OpenAI's API: the `openai` package speaks them as well (tests use it)
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 
 from engines.api import ModelList
 from experience.records import Group
 from wire.client import AsyncRoleClient, Get, Post, RoleClient, read_json_line
 
-from .api import ChatRequest, CompletionRequest, RolloutRequest, RolloutResponse
+from .api import ChatRequest, CompletionRequest, RolloutRequest, RolloutResponse, SpoolState
 from .messages import ChatCompletion, TextCompletion
 
 __all__ = ["AsyncRolloutClient", "RolloutClient"]
@@ -50,10 +52,28 @@ class _RolloutRoutes:
     chat = Post("/v1/chat/completions", ChatRequest, ChatCompletion, doc="OpenAI's chat completion.")
     completions = Post("/v1/completions", CompletionRequest, TextCompletion, doc="OpenAI's text completion.")
     models = Get("/v1/models", ModelList, doc="The models served (OpenAI's model list).")
+    spool = Get("/v1/spool", SpoolState, doc="Groups acknowledged and not yet taken by the data role.")
+
+
+_SHIPPED_POLL_S = 0.02  # a spool ships a group ~5 ms after its answer: a few polls at most
+
+
+def _waited_too_long(state: SpoolState, timeout_s: float) -> TimeoutError:
+    return TimeoutError(f"the rollout role still holds {state.backlog} groups for the data role after {timeout_s} s")
 
 
 class RolloutClient(_RolloutRoutes, RoleClient):
     """The rollout role, synchronously."""
+
+    def wait_shipped(self, timeout_s: float = 30.0) -> SpoolState:
+        """Once every group the role has acknowledged is at the data role (a spooled role ships behind its
+        answers): before reading what the data role holds. `TimeoutError` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.spool()).backlog:
+            if time.monotonic() > deadline:
+                raise _waited_too_long(state, timeout_s)
+            time.sleep(_SHIPPED_POLL_S)
+        return state
 
     def stream_rollouts(self, request: RolloutRequest) -> Iterator[Group]:
         """Each group the moment it finishes (NDJSON), whatever order they finish in."""
@@ -65,6 +85,15 @@ class RolloutClient(_RolloutRoutes, RoleClient):
 
 class AsyncRolloutClient(_RolloutRoutes, AsyncRoleClient):
     """The rollout role, asynchronously: the methods of `RolloutClient`, awaited."""
+
+    async def wait_shipped(self, timeout_s: float = 30.0) -> SpoolState:
+        """As `RolloutClient.wait_shipped`."""
+        deadline = time.monotonic() + timeout_s
+        while (state := await self.spool()).backlog:
+            if time.monotonic() > deadline:
+                raise _waited_too_long(state, timeout_s)
+            await asyncio.sleep(_SHIPPED_POLL_S)
+        return state
 
     async def stream_rollouts(self, request: RolloutRequest) -> AsyncIterator[Group]:
         """As `RolloutClient.stream_rollouts`."""

@@ -4,7 +4,10 @@
 requests going — one request per group, so a long response holds back only its own group — and
 starts new ones only as far as ``GET /v1/admission`` allows (the data role holds the producer to
 what the trainer can use within the staleness bound; the driver sends its step, ``groups_per_step``, which
-sizes that queue). ``colocate`` (`RolloutDriver.generate`):
+sizes that queue). A group the rollout role has acknowledged from its spool and not yet shipped is in neither the
+data role's queue nor the driver's requests: the driver counts the rollout role's backlog (``GET /v1/spool``),
+asked before the admission, so a group shipped between the two calls is counted twice (a moment's less work),
+never not at all. ``colocate`` (`RolloutDriver.generate`):
 one request with the whole batch, returning when its slowest sample has finished.
 
 A row is a rollout prompt: ``messages``, ``reward`` (default none) and, when it has them,
@@ -39,6 +42,10 @@ __all__ = ["RolloutDriver", "group_id", "row_of"]
 
 logger = logging.getLogger(__name__)
 
+
+# How long colocate's barrier waits for the rollout role to ship a batch it answered (a data role restarting is
+# waited for this long, as the spool itself retries it).
+_SHIPPED_WAIT_S = 300.0
 
 # Row fields sent on with the prompt as they are: per-prompt sampling, and the multi-turn ones (`rollout.multiturn`).
 _PASSED = ("sampling_params", "tools", "environment", "max_turns")
@@ -120,8 +127,11 @@ class RolloutDriver:
         return out
 
     def generate(self, groups: int) -> int:
-        """One request for ``groups`` groups; returns when all have finished (the colocate barrier)."""
-        return self._request(self.prompts(groups))
+        """One request for ``groups`` groups; returns when all have finished and are at the data role (the
+        colocate barrier: a spooled role answers before it has shipped the groups)."""
+        generated = self._request(self.prompts(groups))
+        self._rollout.wait_shipped(timeout_s=_SHIPPED_WAIT_S)
+        return generated
 
     def _request(self, prompts: list[RolloutPrompt]) -> int:
         request = RolloutRequest(
@@ -151,7 +161,8 @@ class RolloutDriver:
                             logger.warning("a rollout request failed (%s); its prompt is dropped", error)
                         elif error is not None:
                             raise error
-                    allowed = self._data.admission(groups_per_step=self.groups_per_step).groups - len(pending)
+                    spooled = self._rollout.spool().backlog  # first: see the module doc
+                    allowed = self._data.admission(groups_per_step=self.groups_per_step).groups - len(pending) - spooled
                     room = min(allowed, self.in_flight - len(pending))
                     unanswered = 0
                     if room <= 0:
@@ -159,7 +170,7 @@ class RolloutDriver:
                         continue
                     for prompt in self.prompts(room):
                         pending.add(pool.submit(self._request, [prompt]))
-                except RoleUnavailable as error:  # from the data role (admission, regenerations)
+                except RoleUnavailable as error:  # from the data role (admission, regenerations) or the spool's
                     if error.status is not None:  # it answered, failing: as any other failure
                         self.failures.append(error)
                         return

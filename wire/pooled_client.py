@@ -43,6 +43,7 @@ class PooledAsyncClient(httpx.AsyncClient):
         self.pool = AiohttpPoolTransport(max_connections=max_connections, keepalive_s=keepalive_s)
         self.retrying = AsyncConnectRetry(self.pool, retry_s=connect_retry_s, backoff=backoff)
         super().__init__(transport=self.retrying, **options)  # type: ignore[arg-type]
+        self._urls: dict[str, httpx.URL] = {}
 
     async def read_whole(
         self,
@@ -62,8 +63,13 @@ class PooledAsyncClient(httpx.AsyncClient):
         merged = self.headers.copy()
         merged.update(headers)
         limits = self.timeout if timeout is None else httpx.Timeout(timeout)
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) > 1024:
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
         request = httpx.Request(
-            method, url, params=params, headers=merged, content=content, extensions={"timeout": limits.as_dict()}
+            method, parsed, params=params, headers=merged, content=content, extensions={"timeout": limits.as_dict()}
         )
         for hook in self.event_hooks["request"]:
             await hook(request)

@@ -5,7 +5,7 @@ token by token with ``stream``; their errors in OpenAI's shape), the model and r
 token and the request id to the preprocess, encoder, engine and data roles; the reward registry; the
 admission bounds; the rollout function named by ``WEIR_ROLLOUT_FUNCTION``) and adds the routers to the
 shared app shape (`services.template.build_app`). Assembly only: the routes are `rollouts`, `chat`,
-`completions`, `models` and `rewards`, which read the role's state through `deps`; OpenAI's error shape
+`completions`, `models`, `rewards` and `spool`, which read the role's state through `deps`; OpenAI's error shape
 is `openai_errors`'. The rollout itself — preprocessing, dispatch, rewards, groups — is the `rollout`
 library's.
 """
@@ -25,7 +25,7 @@ from ..errors import ErrorShapes
 from ..metrics import RoleMetrics
 from ..settings import load_settings
 from ..template import Readiness, build_app
-from . import chat, completions, models, rewards, rollouts
+from . import chat, completions, models, rewards, rollouts, spool
 from .openai_errors import OPENAI_SHAPES
 from .service import RolloutMetrics, RolloutRole, build_context, build_plugins
 from .settings import RolloutSettings
@@ -112,6 +112,6 @@ def create_app(settings: RolloutSettings | None = None) -> FastAPI:
         headers = {"Retry-After": str(exc.retry_after_s)}
         return shapes.response(request.scope, {"code": exc.code, "message": exc.message}, 429, headers)
 
-    for module in (rollouts, chat, completions, models, rewards):
+    for module in (rollouts, chat, completions, models, rewards, spool):
         app.include_router(module.router)
     return app

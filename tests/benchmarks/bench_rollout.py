@@ -18,8 +18,8 @@ home folder, stopped in a ``finally``; the tiny embedded model is made once and 
    ``max_tokens=16``, at concurrency 8 (8 client threads), 1 engine, after a warm-up that fills the
    feature cache.
 4. ``rollout_overhead``: the same text-only prompt (n=1, temperature 0, 16 and then 128 new tokens) as N
-   sequential requests through the rollout role (``/v1/chat/completions`` and ``/v1/rollouts``, the latter also
-   through a second rollout role that spools its groups, ``WEIR_SPOOL_DIR``) vs
+   sequential requests through the rollout role (``/v1/chat/completions`` and ``/v1/rollouts``, spooled as the stack
+   runs it, and the latter also through a second rollout role that waits for the data role, ``WEIR_SPOOL_DIR=``) vs
    ``POST /generate`` on the engine directly with the same ``input_ids`` (the ``prompt_ids`` of a
    ``/v1/rollouts`` response); contenders take turns within each round, with a pause after each call
    (`SETTLE_S`). A contender's added milliseconds are the median over rounds of its time minus the engine's in
@@ -185,34 +185,34 @@ AUTH = {"Authorization": f"Bearer {BENCH_TOKEN}"}
 def running_stack(home: Path, model: Path, engines: int) -> Iterator[tuple[dict[str, str], float]]:
     """({role: url}, start-up seconds) of a LocalStack, always stopped; its logs go to stderr on failure. Off the
     default ports (`BASE_PORT`), so a bench beside `make test` takes none a test expects free. The URLs include
-    ``rollout_spooled``: a second rollout role in front of the same engine and data role, spooling its groups
-    (``WEIR_SPOOL_DIR``) instead of waiting for the data role."""
+    ``rollout_stored_first``: a second rollout role in front of the same engine and data role that answers once the
+    data role has stored each group (``WEIR_SPOOL_DIR=``, empty), where the stack's own spools them (its default)."""
     stack = LocalStack(
         home=home, model=model, engines=engines, base_port=BASE_PORT, env={"WEIR_API_TOKEN": BENCH_TOKEN}
     )
     start = time.perf_counter()
-    spooled: subprocess.Popen[bytes] | None = None
+    stored_first: subprocess.Popen[bytes] | None = None
     try:
         note(f"starting LocalStack(engines={engines}) in {home}")
         urls = stack.start()
         start_s = time.perf_counter() - start
         port = free_port()
-        env = {**stack.launched_env, "WEIR_SPOOL_DIR": str(home / "spool")}
+        env = {**stack.launched_env, "WEIR_SPOOL_DIR": ""}
         command = [sys.executable, "-m", "launcher.cli", "serve", "rollout", "--host", "127.0.0.1", "--port", str(port)]
-        with open(home / "logs" / "rollout-spooled.log", "ab") as log:
-            spooled = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
-        urls["rollout_spooled"] = f"http://127.0.0.1:{port}"
-        if not poll_ready(urls["rollout_spooled"], time.monotonic() + 120, alive=lambda: spooled.poll() is None):
-            raise RuntimeError("the spooled rollout role did not start")
+        with open(home / "logs" / "rollout-stored-first.log", "ab") as log:
+            stored_first = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        url = urls["rollout_stored_first"] = f"http://127.0.0.1:{port}"
+        if not poll_ready(url, time.monotonic() + 120, alive=lambda: stored_first.poll() is None):
+            raise RuntimeError("the second rollout role (no spool) did not start")
         yield urls, start_s
     except BaseException:
         for log_path in sorted((home / "logs").glob("*.log")):
             note(f"--- {log_path.name} (tail) ---\n{log_path.read_text(errors='replace')[-3000:]}")
         raise
     finally:
-        if spooled is not None:
-            spooled.terminate()
-            spooled.wait(timeout=30)
+        if stored_first is not None:
+            stored_first.terminate()
+            stored_first.wait(timeout=30)
         stack.stop()
 
 
@@ -628,7 +628,7 @@ def bench_overhead(
             "engine_generate": direct,
             "rollout_chat_completions": chat,
             "rollout_rollouts": recorded("rollout_rollouts", rollout),
-            "rollout_rollouts_spooled": recorded("rollout_rollouts_spooled", urls["rollout_spooled"]),
+            "rollout_rollouts_stored_first": recorded("rollout_rollouts_stored_first", urls["rollout_stored_first"]),
             **{name: through(url) for name, url in floors.items()},
         }
         for call in contenders.values():
@@ -671,12 +671,12 @@ def bench_overhead(
         "rounds": config.overhead_rounds,
         "same_output_ids": outputs.get("engine_generate")
         == outputs.get("rollout_rollouts")
-        == outputs.get("rollout_rollouts_spooled"),
+        == outputs.get("rollout_rollouts_stored_first"),
         "contenders": per,
         # what the floor itself adds, and Weir's milliseconds beyond it (a recorded rollout against a recorded floor)
         "floor_recorded_added_ms": per["floor_proxy_recorded"]["added_ms"],
         "rollouts_over_floor_ms": rounded(added("rollout_rollouts") - added("floor_proxy_recorded")),
-        "spooled_over_floor_ms": rounded(added("rollout_rollouts_spooled") - added("floor_proxy_recorded")),
+        "stored_first_over_floor_ms": rounded(added("rollout_rollouts_stored_first") - added("floor_proxy_recorded")),
         "chat_over_floor_ms": rounded(added("rollout_chat_completions") - added("floor_proxy")),
     }
     emit(record)
@@ -686,7 +686,8 @@ def bench_overhead(
         0.10,
         at_least=False,
     )
-    for name, how in (("rollout_rollouts", "stored by the data role first"), ("rollout_rollouts_spooled", "spooled")):
+    routes = (("rollout_rollouts", "spooled (the default)"), ("rollout_rollouts_stored_first", "WEIR_SPOOL_DIR="))
+    for name, how in routes:
         goals.check(
             f"rollout overhead vs engine /generate, {max_new} new tokens: /v1/rollouts, {how}",
             per[name]["overhead_vs_engine"],

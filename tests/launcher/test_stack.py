@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from launcher.stack import LocalStack, ensure_token, ephemeral_ports, stack_ports
+from rollout.client import RolloutClient
 from services.roles import BASE_PORT, ROLES
 from tests.ports import free_stack_base
 
@@ -111,6 +112,9 @@ def test_local_stack_starts_every_role_behind_its_token_and_stops_them(tmp_path:
             "sampling_params": {"max_new_tokens": 2},
         }
         assert client.post(f"{urls['rollout']}/v1/rollouts", json=rollout).status_code == 200
+        # acknowledged from the rollout role's spool (durable there), then shipped to the data role behind the answer
+        assert (stack.home / "spool" / "spool.jsonl").stat().st_size > 0
+        assert RolloutClient(urls["rollout"], token=stack.token).wait_shipped().shipped == 1
         stats = client.get(f"{urls['data']}/v1/stats").json()
         assert (stats["groups"], stats["samples"]) == (1, 2)  # the group reached the data role, durably
         # another process finds the stack and its token

@@ -112,9 +112,17 @@ def one_shot(command: str) -> tuple[str, dict[str, Any], argparse.Namespace]:
 
 
 def interpolate(value: str, env: dict[str, str] | None = None) -> str:
-    """Compose's ``${VAR:-default}`` / ``${VAR}`` with ``env`` (empty: the defaults)."""
+    """Compose's ``${VAR:-default}`` (the default when unset or empty), ``${VAR-default}`` (only when unset) and
+    ``${VAR}`` with ``env`` (empty: the defaults)."""
     env = env or {}
-    return re.sub(r"\$\{(\w+)(?::-([^}]*))?\}", lambda m: env.get(m[1]) or (m[2] or ""), value)
+
+    def one(match: re.Match[str]) -> str:
+        name, how, default = match[1], match[2], match[3] or ""
+        if how == "-":
+            return env.get(name, default)
+        return env.get(name) or default
+
+    return re.sub(r"\$\{(\w+)(?:(:?-)([^}]*))?\}", one, value)
 
 
 def mounts(service: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -196,6 +204,23 @@ def test_every_role_reads_the_shared_token_made_first() -> None:
         assert "WEIR_API_TOKEN" not in spec["environment"], f"{role_service!r}: the token comes from the file only"
         assert mounts(spec).get(folder) == (volume, "ro"), f"{role_service!r}: mount {volume} at {folder} read-only"
         assert spec["depends_on"][name] == {"condition": "service_completed_successfully"}, role_service
+
+
+def test_the_rollout_role_spools_on_a_volume_of_its_own() -> None:
+    """Acknowledged groups wait for the data role on a named volume only the rollout role mounts (durable across a
+    restart of its container; never the shared cache), in a folder the image makes for its user; an empty
+    WEIR_SPOOL_DIR on the host turns the spool off."""
+    rollout = services()["rollout"]
+    setting = rollout["environment"]["WEIR_SPOOL_DIR"]
+    folder = interpolate(setting)
+    volume, mode = mounts(rollout)[folder]
+    assert mode == "rw" and volume in load_compose()["volumes"]
+    others = [name for name, service in services().items() if name != "rollout"]
+    assert not [name for name in others if volume in {source for source, _ in mounts(services()[name]).values()}]
+    assert interpolate(setting, {"WEIR_SPOOL_DIR": ""}) == ""
+    made = next(line for line in DOCKERFILE.read_text().splitlines() if "mkdir -p /cache" in line)
+    owned = next(line for line in DOCKERFILE.read_text().splitlines() if "chown weir:weir /cache" in line)
+    assert folder in made.split() and folder in owned.split()
 
 
 def test_the_model_is_made_before_the_roles_that_read_it() -> None:

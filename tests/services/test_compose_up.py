@@ -151,6 +151,10 @@ def test_every_role_is_healthy_and_the_host_chats_and_rolls_out_with_the_token(c
     headers = {"Authorization": f"Bearer {token}"}
     answer = httpx.post(f"{rollout}/v1/rollouts", json=body, headers=headers, timeout=120)
     assert answer.status_code == 200, answer.text
+    # answered from the rollout role's spool (its own volume), shipped to the data role behind the answer
+    from rollout.client import RolloutClient
+
+    assert RolloutClient(rollout, token=token).wait_shipped(timeout_s=60).spooled
     stats = httpx.get(f"http://127.0.0.1:{compose.data_port}/v1/stats", headers=headers, timeout=10).json()
     assert stats["groups"] >= 1 and stats["samples"] >= 2  # the group reached the data role
 

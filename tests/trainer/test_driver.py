@@ -24,10 +24,17 @@ ROWS = [{"messages": [{"role": "user", "content": "2 + 2?"}]}]
 
 
 class Rollouts:
-    """``POST /v1/rollouts``, answered (no groups) after ``hold_s``; ``most``: the most requests open at once."""
+    """``POST /v1/rollouts``, answered (no groups) after ``hold_s``; ``most``: the most requests open at once.
+    ``GET /v1/spool`` answers a spool holding ``backlog`` groups the data role does not have yet."""
 
-    def __init__(self, hold_s: float = 0.15) -> None:
-        self.hold_s, self.open, self.most, self.requests = hold_s, 0, 0, 0
+    def __init__(self, hold_s: float = 0.15, backlog: int = 0) -> None:
+        self.hold_s, self.backlog, self.open, self.most, self.requests = hold_s, backlog, 0, 0, 0
+
+    async def spool(self, request: Request) -> JSONResponse:
+        return JSONResponse({"spooled": True, "backlog": self.backlog, "shipped": 0, "refused": 0})
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/v1/rollouts", self.answer, methods=["POST"]), Route("/v1/spool", self.spool)])
 
     async def answer(self, request: Request) -> JSONResponse:
         self.open += 1
@@ -59,7 +66,7 @@ def test_the_driver_tells_admission_its_step_and_keeps_to_it(tmp_path: Path) -> 
     data = recording(create_app(DataSettings(data_dir=tmp_path / "data", max_staleness=1)), asked)
     with (
         RunningServer(data) as data_role,
-        RunningServer(Starlette(routes=[Route("/v1/rollouts", rollouts.answer, methods=["POST"])])) as rollout_role,
+        RunningServer(rollouts.app()) as rollout_role,
     ):
         driver = RolloutDriver(
             ROWS,
@@ -80,6 +87,27 @@ def test_the_driver_tells_admission_its_step_and_keeps_to_it(tmp_path: Path) -> 
     driver.check()
     assert rollouts.requests >= 9 and 1 <= rollouts.most <= 3  # admission held it to the step, not in_flight=8
     assert asked and all(query.get("groups_per_step") == ["3"] for query in asked)
+
+
+def test_the_driver_counts_the_groups_the_rollout_role_has_spooled(tmp_path: Path) -> None:
+    """The same bound, with 2 groups acknowledged by the rollout role and not yet at the data role: those take 2
+    of admission's 3, so one request at a time goes out."""
+    rollouts = Rollouts(hold_s=0.1, backlog=2)
+    data = create_app(DataSettings(data_dir=tmp_path / "data", max_staleness=1))
+    with RunningServer(data) as data_role, RunningServer(rollouts.app()) as rollout_role:
+        driver = RolloutDriver(
+            ROWS, rollout_url=rollout_role.url, data_url=data_role.url, n=2, sampling_params={}, in_flight=8,
+            groups_per_step=3,
+        )  # fmt: skip
+        try:
+            driver.start()
+            deadline = time.monotonic() + 20
+            while rollouts.requests < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            driver.close()
+    driver.check()
+    assert rollouts.requests >= 4 and rollouts.most == 1
 
 
 def test_the_driver_sends_its_in_flight_as_its_step_unless_told() -> None:

@@ -728,7 +728,9 @@ def test_a_spooled_rollout_role_acknowledges_from_its_spool_and_the_group_reache
     from services.data.app import create_app as data_app
     from services.data.settings import DataSettings
 
-    test_stack, _ = stack
+    test_stack, rollout = stack
+    unspooled = httpx.get(f"{rollout.url}/v1/spool").json()
+    assert unspooled == {"spooled": False, "backlog": 0, "shipped": 0, "refused": 0}
     with RunningServer(data_app(DataSettings(data_dir=tmp_path / "data"))) as data:
         spooled = test_stack.rollout(data_url=data.url, spool_dir=tmp_path / "spool")
         try:
@@ -743,6 +745,8 @@ def test_a_spooled_rollout_role_acknowledges_from_its_spool_and_the_group_reache
                 assert time.monotonic() < deadline, "the spooled group never reached the data role"
                 time.sleep(0.05)
             assert "weir_rollout_spool_backlog 0.0" in httpx.get(f"{spooled.url}/metrics").text
+            state = httpx.get(f"{spooled.url}/v1/spool").json()  # what a producer adds to its requests in flight
+            assert state == {"spooled": True, "backlog": 0, "shipped": 1, "refused": 0}
             # stored there (as dropped: the group has no reward)
             assert httpx.get(f"{data.url}/v1/stats").json()["drops"] == {"dropped_empty": 1}
         finally:
