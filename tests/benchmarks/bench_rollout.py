@@ -36,6 +36,11 @@ progress bars go to stderr. Run from the repository root (ports 8600-8603 and 30
     .venv/bin/python tests/benchmarks/bench_rollout.py --quick   # < ~3 min on 2 cores
     .venv/bin/python tests/benchmarks/bench_rollout.py           # the full run, < ~8 min
     .venv/bin/python tests/benchmarks/bench_rollout.py --quick --only overhead   # measurement 4 alone
+    .venv-sglang/bin/python tests/benchmarks/bench_rollout.py --only overhead --sglang   # ... its engine on SGLang
+
+With ``--sglang`` (measurement 4 alone) the stack's engine role runs on SGLang (``WEIR_BACKEND=sglang``) serving a
+tiny Qwen3 (SGLang serves no Qwen2.5-Omni); without a GPU, under the test scaffolding of
+``tests/engines/sglang_cpu.py`` (its ``SERVER_ARGS``).
 
 This is a script, not a pytest module: nothing in it is named ``test_*``.
 """
@@ -43,6 +48,7 @@ This is a script, not a pytest module: nothing in it is named ``test_*``.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import shutil
 import socket
@@ -698,18 +704,35 @@ def bench_overhead(
 
 
 # -- main ------------------------------------------------------------------------------------------
+def sglang_engine_env() -> dict[str, str]:
+    """What the stack's roles need for an engine role on SGLang: the backend and, on a machine without a GPU, the
+    CPU scaffolding of the tests (`tests/engines/sglang_cpu.py`: its server arguments, its loader path)."""
+    env = {"WEIR_BACKEND": "sglang"}
+    if not torch.cuda.is_available():
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+        from tests.engines.sglang_cpu import SERVER_ARGS, role_env
+
+        env.update(role_env(), WEIR_SGLANG_ARGS=json.dumps(SERVER_ARGS))
+    return env
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = arguments(__doc__, "fewer prompts, requests and repeats (< ~3 min)")
     # One measurement alone, on its own stack of 1 engine: a minute or two, for working on that figure.
     parser.add_argument("--only", choices=("overhead",), default=None, help="run only measurement 4")
+    parser.add_argument("--sglang", action="store_true", help="with --only overhead: the engine role on SGLang")
     args = parser.parse_args(argv)
+    if args.sglang and args.only != "overhead":
+        parser.error("--sglang measures the overhead alone: add --only overhead")
     config = Config.make(args.quick)
     started = time.perf_counter()
     goals = Goals()
     root = Path(tempfile.mkdtemp(prefix="weir-bench-rollout-"))
     if args.only == "overhead":
         try:
-            model = init_model(root / "model")
+            model = init_model(root / "model", arch="qwen3" if args.sglang else "qwen2.5-omni")
+            if args.sglang:
+                os.environ.update(sglang_engine_env())
             with (
                 running_stack(root / "stack-1", model, engines=1) as (urls, _),
                 floor_proxies(engine_url(urls), root) as floors,
@@ -723,6 +746,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "bench": "summary",
                 "quick": config.quick,
                 "only": args.only,
+                "engine_backend": "sglang" if args.sglang else "transformers",
                 "wall_s": rounded(time.perf_counter() - started),
                 "goals_met": sum(row["met"] for row in goals.rows),
                 "goals": len(goals.rows),

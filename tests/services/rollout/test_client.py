@@ -84,3 +84,30 @@ def test_the_async_client_streams_too(live_roles: dict[str, str]) -> None:
             return sorted([len(g.samples) async for g in client.stream_rollouts(_request())])
 
     assert asyncio.run(run()) == [1, 2]
+
+
+def test_wait_shipped_returns_once_the_backlog_is_gone_and_says_when_it_is_not() -> None:
+    """A spool that ships its backlog on the third look, and one that never does (the data role down)."""
+    looks = {"n": 0}
+
+    async def draining(request: Request) -> JSONResponse:
+        looks["n"] += 1
+        backlog = max(0, 3 - looks["n"])
+        return JSONResponse({"spooled": True, "backlog": backlog, "shipped": 2 - backlog, "refused": 0})
+
+    async def stuck(request: Request) -> JSONResponse:
+        return JSONResponse({"spooled": True, "backlog": 2, "shipped": 0, "refused": 0})
+
+    app = Starlette(routes=[Route("/draining/v1/spool", draining), Route("/stuck/v1/spool", stuck)])
+    with RunningServer(app) as server:
+        with RolloutClient(f"{server.url}/draining") as client:
+            assert client.wait_shipped(timeout_s=30).shipped == 2 and looks["n"] == 3
+        with RolloutClient(f"{server.url}/stuck") as client, pytest.raises(TimeoutError, match="still holds 2 groups"):
+            client.wait_shipped(timeout_s=0.1)
+
+        async def waited() -> int:
+            async with AsyncRolloutClient(f"{server.url}/draining") as client:
+                looks["n"] = 0
+                return (await client.wait_shipped(timeout_s=30)).backlog
+
+        assert asyncio.run(waited()) == 0 and looks["n"] == 3
