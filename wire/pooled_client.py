@@ -25,6 +25,7 @@ from .transport import AsyncConnectRetry
 __all__ = ["Params", "PooledAsyncClient"]
 
 Params = Mapping[str, str | int | float | bool]  # a call's query parameters
+_URLS_KEPT = 1024
 
 
 class PooledAsyncClient(httpx.AsyncClient):
@@ -43,6 +44,8 @@ class PooledAsyncClient(httpx.AsyncClient):
         self.pool = AiohttpPoolTransport(max_connections=max_connections, keepalive_s=keepalive_s)
         self.retrying = AsyncConnectRetry(self.pool, retry_s=connect_retry_s, backoff=backoff)
         super().__init__(transport=self.retrying, **options)  # type: ignore[arg-type]
+        # Each URL parsed once: httpx parses a string URL again for every request (a quarter of building one, 21 ->
+        # 15 us measured alone); a role calls a handful (its engines' /generate, the data role's): bounded all the same.
         self._urls: dict[str, httpx.URL] = {}
 
     async def read_whole(
@@ -65,7 +68,7 @@ class PooledAsyncClient(httpx.AsyncClient):
         limits = self.timeout if timeout is None else httpx.Timeout(timeout)
         parsed = self._urls.get(url)
         if parsed is None:
-            if len(self._urls) > 1024:
+            if len(self._urls) > _URLS_KEPT:
                 self._urls.clear()
             parsed = self._urls[url] = httpx.URL(url)
         request = httpx.Request(
