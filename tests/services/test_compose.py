@@ -218,8 +218,9 @@ def test_the_rollout_role_spools_on_a_volume_of_its_own() -> None:
     others = [name for name, service in services().items() if name != "rollout"]
     assert not [name for name in others if volume in {source for source, _ in mounts(services()[name]).values()}]
     assert interpolate(setting, {"WEIR_SPOOL_DIR": ""}) == ""
-    made = next(line for line in DOCKERFILE.read_text().splitlines() if "mkdir -p /cache" in line)
-    owned = next(line for line in DOCKERFILE.read_text().splitlines() if "chown weir:weir /cache" in line)
+    lines = DOCKERFILE.read_text().splitlines()
+    made = next(line for line in lines if "mkdir -p /cache" in line)
+    owned = next(line for line in lines if "chown weir:weir /cache" in line)
     assert folder in made.split() and folder in owned.split()
 
 
